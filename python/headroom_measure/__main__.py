@@ -3,9 +3,12 @@
     python -m headroom_measure run SPEC [--catalog FILE] [--snapshot FILE] [--id ID]
     python -m headroom_measure batch SPECS.jsonl --out RESULTS.jsonl [--catalog FILE] [--jobs N]
     python -m headroom_measure pipeline PIPELINE.json [--id ID] [--snapshot FILE]
+    torchrun --nproc-per-node N -m headroom_measure dist SPEC --out FILE.jsonl [--id ID] [--snapshot FILE]
 
 `run` measures one spec in this process and prints one calibration-format JSON line.
 `pipeline` measures a reference pass + policy step iteration (see pipeline.py).
+`dist` measures a spec with a `parallel` block on N GPUs, one process each (see dist.py); rank 0
+appends the record to --out and prints it.
 `batch` runs every line of SPECS.jsonl ({"id", "spec", optional "hint_bytes"}) in a fresh process
 each, up to --jobs at once while their hinted peaks fit the GPU, and appends the records to --out.
 Exit code 2 on a bad spec or a missing dependency, with a message saying what is missing.
@@ -94,6 +97,42 @@ def cmd_pipeline(args) -> int:
         return _fail(f"{', '.join(missing)} not installed; `pip install torch transformers peft` to measure")
     record = pipeline.measure_pipeline(pipe, fields, ref_fields, args.id or Path(args.spec).stem, args.snapshot)
     print(json.dumps(record), flush=True)
+    return 0
+
+
+def cmd_dist(args) -> int:
+    try:
+        spec = specmod.parse(json.loads(args.spec_json)) if args.spec_json else specmod.load(args.spec)
+        if spec.parallel is None:
+            raise specmod.SpecError("`parallel`: `dist` needs a spec with a parallel block {strategy, world_size}")
+        fields = specmod.resolve_model_config(spec, load_catalog(args.catalog))
+    except (specmod.SpecError, OSError, json.JSONDecodeError) as err:
+        return _fail(str(err))
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world != spec.parallel.world_size:
+        return _fail(
+            f"`parallel.world_size` is {spec.parallel.world_size} but WORLD_SIZE is {world or 'unset'}; "
+            f"start it with `torchrun --nproc-per-node {spec.parallel.world_size} -m headroom_measure dist ...`"
+        )
+    missing = missing_dependencies()
+    if spec.parallel.strategy.startswith("zero"):
+        try:
+            __import__("deepspeed")
+        except ImportError:
+            missing.append("deepspeed")
+    if missing:
+        return _fail(f"{', '.join(missing)} not installed; `pip install torch transformers deepspeed` to measure")
+    if spec.expandable_segments:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
+    from .dist import measure_dist
+
+    record = measure_dist(spec, fields, row_id=args.id, snapshot=args.snapshot)
+    if record is not None:
+        line = json.dumps(record)
+        with open(args.out, "a") as out:
+            out.write(line + "\n")
+        print(line, flush=True)
     return 0
 
 
@@ -194,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     pipe.add_argument("--catalog")
     pipe.add_argument("--snapshot")
     pipe.add_argument("--id")
+    dst = sub.add_parser("dist", help="measure a parallel spec, one process per GPU (under torchrun)")
+    dst.add_argument("spec", nargs="?")
+    dst.add_argument("--spec-json", help="the spec inline, as JSON")
+    dst.add_argument("--out", required=True, help="rank 0 appends the record here")
+    dst.add_argument("--catalog")
+    dst.add_argument("--snapshot", help="rank 0 writes a torch.cuda.memory snapshot here")
+    dst.add_argument("--id")
     batch = sub.add_parser("batch", help="measure many specs, a fresh process each")
     batch.add_argument("specs")
     batch.add_argument("--out", required=True)
@@ -208,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(args)
     if args.command == "pipeline":
         return cmd_pipeline(args)
+    if args.command == "dist":
+        if not args.spec and not args.spec_json:
+            parser.error("dist needs SPEC or --spec-json")
+        return cmd_dist(args)
     return cmd_batch(args)
 
 

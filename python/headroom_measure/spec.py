@@ -16,10 +16,13 @@ PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw-forloop", "sgd", "adafactor", "adamw-8bit", "none")
 ATTENTIONS = ("sdpa", "eager")
 QUANTIZATIONS = ("nf4",)
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+PARALLEL_KEYS = ("strategy", "world_size", "reshard_after_forward", "shard_size", "offload_params", "offload_optimizer")
 
 KNOWN_KEYS = {
     "model", "model_config", "task", "mode", "precision", "optimizer", "batch_size", "seq_len",
     "gradient_checkpointing", "attention", "lora", "quantization", "kbit_prepare", "allocator",
+    "parallel",
 }
 
 
@@ -33,6 +36,28 @@ class Lora:
     alpha: float
     targets: Any  # "all-linear" or a list of module names
     dropout: float
+
+
+@dataclass
+class Parallel:
+    """How the model is spread over `world_size` GPUs (one process each); see dist.py."""
+
+    strategy: str
+    world_size: int
+    reshard_after_forward: bool = True  # fsdp: False = shard-grad-op
+    shard_size: int = 0  # fsdp: HSDP group size; world_size = plain full sharding
+    offload_params: bool = False  # fsdp: CPUOffloadPolicy; zero3: offload_param to cpu
+    offload_optimizer: bool = False  # zero1-3: offload_optimizer to cpu
+
+    def to_json(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "reshard_after_forward": self.reshard_after_forward,
+            "shard_size": self.shard_size,
+            "offload_params": self.offload_params,
+            "offload_optimizer": self.offload_optimizer,
+        }
 
 
 @dataclass
@@ -51,6 +76,7 @@ class Spec:
     kbit_prepare: bool = False
     expandable_segments: bool = False
     model_config: dict | None = None
+    parallel: Parallel | None = None
     raw: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -78,6 +104,8 @@ class Spec:
             out["kbit_prepare"] = self.kbit_prepare
         if self.expandable_segments:
             out["allocator"] = {"expandable_segments": True}
+        if self.parallel is not None:
+            out["parallel"] = self.parallel.to_json()
         return out
 
 
@@ -153,7 +181,70 @@ def parse(raw: dict) -> Spec:
     if not isinstance(alloc, dict) or set(alloc) - {"expandable_segments"}:
         raise SpecError(f"`allocator`: {alloc!r} is not allowed; use {{expandable_segments: true|false}}")
     spec.expandable_segments = _bool(alloc, "expandable_segments", False)
+    if raw.get("parallel") is not None:
+        spec.parallel = _parallel(raw["parallel"], spec)
     return spec
+
+
+def _parallel(raw: Any, spec: Spec) -> Parallel:
+    """`parallel`: {strategy, world_size, reshard_after_forward, shard_size, offload_params,
+    offload_optimizer}; each option only where its strategy has it."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"`parallel`: {raw!r} is not allowed; use a mapping {{{', '.join(PARALLEL_KEYS)}}}")
+    unknown = sorted(set(raw) - set(PARALLEL_KEYS))
+    if unknown:
+        raise SpecError(f"`parallel.{unknown[0]}` is not a parallel key; known keys: {', '.join(PARALLEL_KEYS)}")
+    if "strategy" not in raw:
+        raise SpecError(f"`parallel.strategy` is required; use one of {', '.join(STRATEGIES)}")
+    strategy = raw["strategy"]
+    if strategy not in STRATEGIES:
+        raise SpecError(f"`parallel.strategy`: {strategy!r} is not allowed; use one of {', '.join(STRATEGIES)}")
+    if "world_size" not in raw:
+        raise SpecError("`parallel.world_size` is required; use an integer >= 1 (the number of GPUs)")
+    world = raw["world_size"]
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise SpecError(f"`parallel.world_size`: {world!r} is not allowed; use an integer >= 1")
+
+    # Every key may be given (to_json writes them all), but one that its strategy does not have
+    # must hold its default.
+    def flag(key: str, default: bool, strategies: tuple) -> bool:
+        value = raw.get(key, default)
+        if not isinstance(value, bool):
+            raise SpecError(f"`parallel.{key}`: {value!r} is not allowed; use true or false")
+        if value != default and strategy not in strategies:
+            raise SpecError(
+                f"`parallel.{key}`: {value!r} applies only to strategy {' / '.join(strategies)}, not {strategy}; "
+                f"leave it out or {str(default).lower()}"
+            )
+        return value
+
+    out = Parallel(strategy=strategy, world_size=world)
+    out.reshard_after_forward = flag("reshard_after_forward", True, ("fsdp",))
+    out.offload_params = flag("offload_params", False, ("fsdp", "zero3"))
+    out.offload_optimizer = flag("offload_optimizer", False, ("zero1", "zero2", "zero3"))
+    shard = raw.get("shard_size", world)
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or world % shard:
+        raise SpecError(
+            f"`parallel.shard_size`: {shard!r} is not allowed; use an integer >= 1 that divides world_size ({world})"
+        )
+    if shard != world and strategy != "fsdp":
+        raise SpecError(
+            f"`parallel.shard_size`: {shard!r} applies only to strategy fsdp, not {strategy}; "
+            f"leave it out or world_size ({world})"
+        )
+    out.shard_size = shard
+    if spec.mode != "train":
+        raise SpecError(f"`parallel`: mode {spec.mode!r} is not allowed; sharded runs are measured in mode train")
+    if spec.quantization or spec.lora is not None:
+        raise SpecError("`parallel`: not measured with `quantization` or `lora`; leave those out")
+    if strategy.startswith("zero") and spec.precision not in ("bf16", "fp32"):
+        raise SpecError(
+            f"`precision`: {spec.precision!r} is not allowed with strategy {strategy}; use bf16 or fp32 "
+            "(DeepSpeed keeps fp32 master weights itself)"
+        )
+    if strategy.startswith("zero") and spec.optimizer != "adamw":
+        raise SpecError(f"`optimizer`: {spec.optimizer!r} is not allowed with strategy {strategy}; use adamw")
+    return out
 
 
 def load(path: str | Path) -> Spec:

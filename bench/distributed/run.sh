@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Reproduce bench/distributed/h200x2-torch2.11.jsonl on a host with 2 GPUs (the device call of
+# README.md): every line of specs.jsonl in a fresh `torchrun --nproc-per-node 2`, one after another.
+#
+#   bash bench/distributed/run.sh [OUT_DIR]        (from the repository root; OUT_DIR defaults to $OUT)
+#
+# Writes OUT_DIR/results.jsonl (rank 0's record per spec), OUT_DIR/log.txt (everything printed),
+# OUT_DIR/snap/NAME.pickle.gz (rank 0's memory snapshot where a spec line names one).
+# ZeRO lines need DeepSpeed: if .whl-ds/ holds its wheels (README.md says which), they are
+# installed into /tmp/site-ds and put on PYTHONPATH for those lines only.
+# DEADLINE (seconds, default 560) skips the lines that would start after it.
+set -u -o pipefail
+out=${1:-${OUT:?give OUT_DIR or set OUT}}
+deadline=${DEADLINE:-560}
+specs=${SPECS:-bench/distributed/specs.jsonl}
+mkdir -p "$out/snap"
+log="$out/log.txt"
+# NVLink multicast stays off (the lender's rule for these hosts; see the device notes).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+{
+  date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  nvidia-smi topo -m
+  python3 -c 'import torch, transformers; print("devices", torch.cuda.device_count(), "torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "transformers", transformers.__version__)'
+} 2>&1 | tee -a "$log"
+
+ds_path=""
+if ls .whl-ds/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-ds .whl-ds/*.whl 2>&1 | tee -a "$log"
+  ds_path=/tmp/site-ds
+fi
+
+n=$(wc -l < "$specs")
+for i in $(seq 1 "$n"); do
+  line=$(sed -n "${i}p" "$specs")
+  id=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["id"])' "$line")
+  spec=$(python3 -c 'import json,sys; print(json.dumps(json.loads(sys.argv[1])["spec"]))' "$line")
+  snap=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1]).get("snapshot", ""))' "$line")
+  strategy=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["spec"]["parallel"]["strategy"])' "$line")
+  limit=150
+  case "$id" in *offload*) limit=300 ;; esac
+  if (( SECONDS + 30 > deadline )); then
+    echo "=== SKIPPED (deadline) $id" | tee -a "$log"; continue
+  fi
+  (( SECONDS + limit > deadline )) && limit=$(( deadline - SECONDS ))
+  extra=()
+  [ -n "$snap" ] && extra=(--snapshot "$out/snap/$snap.pickle")
+  pp="$PYTHONPATH"
+  if [[ $strategy == zero* ]]; then
+    [ -z "$ds_path" ] && { echo "=== SKIPPED (no DeepSpeed wheels) $id" | tee -a "$log"; continue; }
+    pp="$ds_path:$PYTHONPATH"
+  fi
+  echo "=== $id (limit ${limit}s, t=${SECONDS}s)" | tee -a "$log"
+  t0=$SECONDS
+  PYTHONPATH="$pp" timeout -k 10 "$limit" torchrun --nproc-per-node 2 --master-port $((29600 + i)) \
+    -m headroom_measure dist --spec-json "$spec" --id "$id" --out "$out/results.jsonl" "${extra[@]}" \
+    2>&1 | grep -v '^{"id"' | tee -a "$log"
+  echo "=== rc=${PIPESTATUS[0]} $id ($((SECONDS - t0))s)" | tee -a "$log"
+  [ -n "$snap" ] && [ -f "$out/snap/$snap.pickle" ] && gzip -9 -f "$out/snap/$snap.pickle"
+done
+nvidia-smi 2>&1 | tail -n 8 | tee -a "$log"

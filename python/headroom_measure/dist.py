@@ -1,0 +1,409 @@
+"""Per-rank peak memory of data-parallel and sharded training: one process per GPU, under torchrun.
+
+    torchrun --nproc-per-node N -m headroom_measure dist SPEC --out FILE.jsonl [--id ID] [--snapshot FILE]
+
+N must equal the spec's `parallel.world_size`. Rank 0 appends one JSON line to FILE.jsonl:
+`{"id", "spec" (with `parallel`), "measured": {"peak_allocated_bytes", "peak_reserved_bytes",
+"ranks": [...], "params", "trainable_params"}, "env"}`.
+
+The protocol is the single-GPU one (measure.py, shared/calibration/README.md) run on every rank at
+once: a fresh process per rank, random weights, three steps of forward (HF loss with
+`labels=input_ids`, under `torch.autocast` for amp-* and bf16 exactly as measure.py),
+`backward()`, `optimizer.step()`, `zero_grad(set_to_none=True)`. Every phase ends with
+`torch.cuda.synchronize(); dist.barrier(device_ids=[local_rank]); torch.cuda.synchronize()`, and
+only then are its peaks read (`allocated_bytes.all.peak`, `reserved_bytes.all.peak` of
+`torch.cuda.memory_stats()`), then `torch.cuda.reset_peak_memory_stats()` starts the next phase;
+so collectives still in flight on side streams (FSDP's reduce-scatter, DDP's all-reduce) land in
+the phase that issued them. Per rank and step: `start_allocated`, `fwd_peak`, `bwd_peak`,
+`opt_peak`, `peak_reserved`, `end_allocated`. The `load` phase is everything from process start
+(the counters are never reset before it) through building, wrapping, weight initialisation and
+optimizer construction: its `peak_allocated`, `peak_reserved`, `end_allocated`, `end_reserved`.
+`cuda_context_bytes` is total - free (`mem_get_info`) after `init_process_group` (eager NCCL init
+through `device_id`) and `torch.zeros(1)`; `device_used_end_bytes` the same reading after step 3
+(context, NCCL buffers, cuBLAS workspaces and the allocator's reserve); `host_rss_peak_bytes` is
+the process's VmHWM (CPU offload shows there).
+
+Exactly how each strategy is built, in this order (the estimator's simulator copies it):
+
+* Every strategy: `dist.init_process_group("nccl", device_id=torch.device("cuda", LOCAL_RANK))`
+  after `torch.cuda.set_device(LOCAL_RANK)`; then `torch.zeros(1, device="cuda")`; then (rank 0,
+  with --snapshot) `torch.cuda.memory._record_memory_history(max_entries=1_000_000,
+  stacks="python")`. The HF config is the one measure.py builds (`use_cache=False`). The token
+  ids (`torch.randint(0, vocab, (batch_size, seq_len))`, a different seed per rank) are made
+  after the model and the optimizer.
+
+* `fsdp` (FSDP2, `torch.distributed.fsdp.fully_shard`):
+  1. `with torch.device("meta"): model = cls.from_config(cfg, dtype=fp32 for fp32/amp-*, bf16 for
+     bf16, attn_implementation=...)`.
+  2. gradient checkpointing, if asked, as measure.py:
+     `model.gradient_checkpointing_enable({"use_reentrant": False}); model.enable_input_require_grads()`.
+  3. mesh: `init_device_mesh("cuda", (world_size,))`, or for HSDP (shard_size < world_size)
+     `init_device_mesh("cuda", (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))`.
+  4. `fully_shard(layer, mesh=mesh, reshard_after_forward=R, offload_policy=O)` for each layer of
+     `model.model.layers` in order, then `fully_shard(model, mesh=mesh, reshard_after_forward=R,
+     offload_policy=O)` for the root (embeddings, final norm, lm_head; a tied lm_head is the
+     embedding's parameter, held once). R is `parallel.reshard_after_forward`, passed explicitly
+     to the root too, so the root's own "keep the root unsharded after forward" default is off:
+     with R true the root's parameters are freed after forward and gathered again in backward.
+     O is `CPUOffloadPolicy()` (pin_memory=True) when `offload_params`, else FSDP's default
+     `OffloadPolicy()`. No MixedPrecisionPolicy: parameters, gradients and reductions are in the
+     parameters' dtype.
+  5. `model.to_empty(device="cuda")` (`"cpu"` under offload_params): each rank allocates its shard.
+  6. `with torch.no_grad(): torch.nn.init.normal_(p, std=0.02)` for every parameter (DTensors:
+     each rank fills its shard).
+  7. The rotary embedding's non-persistent buffers (`inv_freq`, `original_inv_freq`) are garbage
+     after `to_empty`, so `model.model.rotary_emb` is rebuilt: `with torch.device("cuda"):
+     type(old)(config=model.config)` (on the GPU also under offload, where the inputs are).
+  8. `torch.optim.AdamW(params, lr=1e-5)` (foreach) over the sharded parameters (measure.py's
+     `_optimizer` for other optimizer names). Under offload the optimizer steps on the CPU.
+  The wrapped HF module is called directly (`model(input_ids=ids, labels=ids)`).
+
+* `ddp`: `with torch.device("cuda"): model = cls.from_config(cfg, dtype=...)` as measure.py;
+  gradient checkpointing as above; `DistributedDataParallel(model, device_ids=[local_rank])` with
+  its defaults (bucket_cap_mb 25, gradient_as_bucket_view False, broadcast of rank 0's
+  parameters and buffers at construction); `torch.optim.AdamW(ddp.parameters(), lr=1e-5)`.
+
+* `zero1` / `zero2` / `zero3` (DeepSpeed): the DeepSpeed config is
+  `{"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
+  "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": true}},
+  "zero_optimization": {"stage": 1|2|3}, "bf16": {"enabled": true}}` (no `bf16` key for fp32).
+  `offload_optimizer` adds `"offload_optimizer": {"device": "cpu", "pin_memory": true}` to
+  zero_optimization and sets `torch_adam` false (DeepSpeedCPUAdam, a JIT-built op);
+  `offload_params` (zero3) adds `"offload_param": {"device": "cpu", "pin_memory": true}`.
+  Stages 1 and 2 build the model as ddp does (`with torch.device("cuda")`, bf16 params for bf16);
+  stage 3 first creates `transformers.integrations.HfDeepSpeedConfig(config)` (kept alive), so
+  that `cls.from_config` builds the model under `deepspeed.zero.Init` (each parameter partitioned
+  as its module is made). Gradient checkpointing as above, then
+  `engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)`.
+  A step is `loss = forward(engine)`, `engine.backward(loss)` (the bwd phase), `engine.step()`
+  (the opt phase; it zeroes the gradients). The forward is wrapped in the same `torch.autocast`
+  as the others, but DeepSpeed turns it off inside its engine (it warns so): with bf16 params the
+  zero runs compute in plain bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from .measure import STEPS, _hf_config, _optimizer, _train_forward, _versions, default_id
+from .spec import Spec
+
+SNAPSHOT_ENTRIES = 1_000_000
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _host_rss_peak() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def ds_config(spec: Spec) -> dict:
+    """The DeepSpeed config of a zero1/2/3 spec (see the module docstring)."""
+    par = spec.parallel
+    offload_opt = par.offload_optimizer
+    zero: dict = {"stage": int(par.strategy[-1])}
+    if offload_opt:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if par.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    cfg = {
+        "train_micro_batch_size_per_gpu": spec.batch_size,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": not offload_opt}},
+        "zero_optimization": zero,
+    }
+    if spec.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _enable_gc(spec: Spec, model) -> None:
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+
+
+def _build_fsdp(spec: Spec, cfg, cls, dtype, device):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    par = spec.parallel
+    with torch.device("meta"):
+        model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
+    _enable_gc(spec, model)
+    if par.shard_size < par.world_size:
+        mesh = init_device_mesh(
+            device.type,
+            (par.world_size // par.shard_size, par.shard_size),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    else:
+        mesh = init_device_mesh(device.type, (par.world_size,))
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": par.reshard_after_forward,
+        "offload_policy": CPUOffloadPolicy() if par.offload_params else OffloadPolicy(),
+    }
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    model.to_empty(device="cpu" if par.offload_params else device)
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    old = model.model.rotary_emb
+    with torch.device(device):
+        model.model.rotary_emb = type(old)(config=model.config)
+    return model
+
+
+def _build_ddp(spec: Spec, cfg, cls, dtype, device, local_rank):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    with torch.device(device):
+        model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
+    _enable_gc(spec, model)
+    ids = [local_rank] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def _build_zero(spec: Spec, cfg, cls, dtype, device):
+    import deepspeed
+    import torch
+
+    config = ds_config(spec)
+    keep = None
+    if spec.parallel.strategy == "zero3":
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep = HfDeepSpeedConfig(config)  # noqa: F841 - must stay alive while the model is built
+        model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
+    else:
+        with torch.device(device):
+            model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
+    _enable_gc(spec, model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    engine._headroom_keep = keep
+    return engine
+
+
+def measure_dist(spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None) -> dict | None:
+    """Measure on every rank; returns the record on rank 0 (None on the others)."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.time()
+    par = spec.parallel
+    on_cpu = os.environ.get("HEADROOM_DIST_CPU") == "1"  # a smoke test without GPUs (gloo, no counters)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if on_cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != par.world_size:
+        raise RuntimeError(f"parallel.world_size is {par.world_size} but torchrun started {world} processes")
+    cuda = not on_cpu
+    context = None
+    if cuda:
+        torch.zeros(1, device=device)
+        free, total = torch.cuda.mem_get_info()
+        context = total - free
+    snap = bool(snapshot) and rank == 0 and cuda
+    if snap:
+        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier(device_ids=[local_rank]) if cuda else dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+
+    def stats() -> tuple[int, int]:
+        if not cuda:
+            return 0, 0
+        s = torch.cuda.memory_stats()
+        return s.get("allocated_bytes.all.peak", 0), s.get("reserved_bytes.all.peak", 0)
+
+    def allocated() -> int:
+        return torch.cuda.memory_allocated() if cuda else 0
+
+    def reset():
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    # ---- load: build, wrap, initialise, optimizer
+    cfg = _hf_config(spec, fields)
+    import transformers
+
+    cls = transformers.AutoModelForSequenceClassification if spec.task == "seq-cls" else transformers.AutoModelForCausalLM
+    dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+    engine = None
+    if par.strategy == "fsdp":
+        model = _build_fsdp(spec, cfg, cls, dtype, device)
+        hf_model = model
+    elif par.strategy == "ddp":
+        model = _build_ddp(spec, cfg, cls, dtype, device, local_rank)
+        hf_model = model.module
+    else:
+        engine = _build_zero(spec, cfg, cls, dtype, device)
+        model = engine
+        hf_model = engine.module
+    params = _count_params(hf_model, world)
+    trainable_params = _count_params(hf_model, world, trainable_only=True)
+    optimizer = None
+    if engine is None:
+        optimizer = _optimizer(spec, [p for p in model.parameters() if p.requires_grad])
+    model.train()
+    sync()
+    peak_alloc, peak_res = stats()
+    load = {
+        "peak_allocated": peak_alloc,
+        "peak_reserved": peak_res,
+        "end_allocated": allocated(),
+        "end_reserved": torch.cuda.memory_reserved() if cuda else 0,
+    }
+
+    torch.manual_seed(1234 + rank)
+    ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
+    autocast_dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(
+        spec.precision
+    )
+
+    def autocast():
+        if autocast_dtype is None or not cuda:
+            return torch.autocast("cuda", enabled=False)
+        return torch.autocast("cuda", dtype=autocast_dtype)
+
+    steps = []
+    losses = []
+    peak_reserved = load["peak_reserved"]
+
+    def phase_end(rec: dict, key: str):
+        nonlocal peak_reserved
+        sync()
+        a, r = stats()
+        rec[key] = a
+        rec["peak_reserved"] = max(rec.get("peak_reserved", 0), r)
+        peak_reserved = max(peak_reserved, r)
+        reset()
+
+    for step in range(STEPS):
+        rec = {"start_allocated": allocated()}
+        reset()
+        loss = _train_forward(spec, model, ids, autocast)
+        phase_end(rec, "fwd_peak")
+        losses.append(round(float(loss.detach()), 4))  # a sanity check (random weights: about ln(vocab))
+        if engine is not None:
+            engine.backward(loss)
+        else:
+            loss.backward()
+        del loss
+        phase_end(rec, "bwd_peak")
+        if engine is not None:
+            engine.step()
+        else:
+            optimizer.step()
+        phase_end(rec, "opt_peak")
+        if engine is None:
+            optimizer.zero_grad(set_to_none=True)
+        sync()
+        rec["end_allocated"] = allocated()
+        steps.append(rec)
+        print(f"[rank {rank} {time.time() - t0:6.1f}s] step {step + 1}: {json.dumps(rec)}", file=sys.stderr, flush=True)
+
+    if snap:
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    used_end = None
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        used_end = total - free
+    phase_peaks = [load["peak_allocated"]] + [v for r in steps for k, v in r.items() if k.endswith("_peak")]
+    mine = {
+        "rank": rank,
+        "local_rank": local_rank,
+        "load": load,
+        "steps": steps,
+        "peak_allocated_bytes": max(phase_peaks),
+        "peak_reserved_bytes": peak_reserved,
+        "cuda_context_bytes": context,
+        "device_used_end_bytes": used_end,
+        "host_rss_peak_bytes": _host_rss_peak(),
+        "losses": losses,
+    }
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, mine)
+    record = None
+    if rank == 0:
+        spec_json = spec.to_json()
+        if spec.model_config is not None:
+            spec_json["model_config"] = dict(spec.model_config)
+        env = {
+            "gpu": torch.cuda.get_device_properties(device).name if cuda else "cpu",
+            "gpu_total_bytes": torch.cuda.mem_get_info()[1] if cuda else None,
+            **_versions(),
+            "world_size": world,
+            "launcher": "torchrun",
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM"))},
+            "wall_s": round(time.time() - t0, 2),
+        }
+        if engine is not None:
+            import deepspeed
+
+            env["deepspeed"] = deepspeed.__version__
+            env["deepspeed_config"] = ds_config(spec)
+        record = {
+            "id": row_id or default_id(spec) + f"/{par.strategy}-w{world}",
+            "spec": spec_json,
+            "measured": {
+                "peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in ranks),
+                "peak_reserved_bytes": max(r["peak_reserved_bytes"] for r in ranks),
+                "ranks": ranks,
+                "params": params,
+                "trainable_params": trainable_params,
+            },
+            "env": env,
+        }
+    dist.barrier()
+    dist.destroy_process_group()
+    return record
+
+
+def _count_params(model, world: int, trainable_only: bool = False) -> int:
+    """The model's full parameter count (not this rank's shard): DTensors by their global shape,
+    DeepSpeed zero3 partitions by `ds_numel`. Tied parameters count once."""
+    seen = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        if hasattr(p, "ds_numel"):
+            total += p.ds_numel
+        else:
+            total += p.numel()  # a DTensor's numel() is its global size
+    return total

@@ -1,0 +1,154 @@
+"""The `parallel` block of a run spec: defaults, normalised output, and errors that name the field."""
+
+import unittest
+
+from headroom_measure import spec as specmod
+
+
+def parse(parallel, **extra):
+    return specmod.parse({"model": "qwen2.5-1.5b", "parallel": parallel, **extra})
+
+
+class ParallelSpecTest(unittest.TestCase):
+    def test_absent_means_one_gpu(self):
+        s = specmod.parse({"model": "m"})
+        self.assertIsNone(s.parallel)
+        self.assertNotIn("parallel", s.to_json())
+
+    def test_fsdp_defaults_are_full_sharding_without_offload(self):
+        p = parse({"strategy": "fsdp", "world_size": 2}).parallel
+        self.assertEqual(
+            (p.strategy, p.world_size, p.reshard_after_forward, p.shard_size, p.offload_params, p.offload_optimizer),
+            ("fsdp", 2, True, 2, False, False),
+        )
+
+    def test_to_json_emits_every_key_normalised_and_round_trips(self):
+        s = parse({"strategy": "fsdp", "world_size": 4, "reshard_after_forward": False, "shard_size": 2},
+                  precision="bf16", gradient_checkpointing=True)
+        out = s.to_json()
+        self.assertEqual(
+            out["parallel"],
+            {
+                "strategy": "fsdp",
+                "world_size": 4,
+                "reshard_after_forward": False,
+                "shard_size": 2,
+                "offload_params": False,
+                "offload_optimizer": False,
+            },
+        )
+        self.assertEqual(specmod.parse(out).to_json(), out)
+        ddp = parse({"strategy": "ddp", "world_size": 2}).to_json()["parallel"]
+        self.assertEqual(sorted(ddp), sorted(specmod.PARALLEL_KEYS))
+        self.assertEqual((ddp["shard_size"], ddp["reshard_after_forward"]), (2, True))
+        self.assertEqual(specmod.parse({"model": "m", "parallel": ddp}).to_json()["parallel"], ddp)
+
+    def test_each_strategy_parses(self):
+        for strategy in specmod.STRATEGIES:
+            with self.subTest(strategy=strategy):
+                extra = {"precision": "bf16"} if strategy.startswith("zero") else {}
+                self.assertEqual(parse({"strategy": strategy, "world_size": 2}, **extra).parallel.strategy, strategy)
+        z3 = parse({"strategy": "zero3", "world_size": 2, "offload_params": True, "offload_optimizer": True},
+                   precision="bf16").parallel
+        self.assertEqual((z3.offload_params, z3.offload_optimizer), (True, True))
+
+    def test_bad_values_name_the_field_the_value_and_what_is_allowed(self):
+        cases = [
+            ("fsdp", ["parallel", "mapping"]),
+            ({"world_size": 2}, ["parallel.strategy", "required", "fsdp"]),
+            ({"strategy": "tp", "world_size": 2}, ["parallel.strategy", "tp", "zero3"]),
+            ({"strategy": "fsdp"}, ["parallel.world_size", "required"]),
+            ({"strategy": "fsdp", "world_size": 0}, ["parallel.world_size", "0", ">= 1"]),
+            ({"strategy": "fsdp", "world_size": True}, ["parallel.world_size", "True"]),
+            ({"strategy": "fsdp", "world_size": 2, "shard_size": 3}, ["parallel.shard_size", "3", "divides"]),
+            ({"strategy": "fsdp", "world_size": 2, "shard_size": 0}, ["parallel.shard_size", "0"]),
+            ({"strategy": "fsdp", "world_size": 2, "reshard_after_forward": "no"},
+             ["parallel.reshard_after_forward", "no", "true or false"]),
+            ({"strategy": "ddp", "world_size": 2, "reshard_after_forward": False},
+             ["parallel.reshard_after_forward", "fsdp", "ddp"]),
+            ({"strategy": "ddp", "world_size": 4, "shard_size": 2}, ["parallel.shard_size", "fsdp", "ddp"]),
+            ({"strategy": "ddp", "world_size": 2, "offload_params": True}, ["parallel.offload_params", "zero3"]),
+            ({"strategy": "fsdp", "world_size": 2, "offload_optimizer": True},
+             ["parallel.offload_optimizer", "zero1", "fsdp"]),
+            ({"strategy": "zero2", "world_size": 2, "offload_params": True}, ["parallel.offload_params", "zero2"]),
+            ({"strategy": "fsdp", "world_size": 2, "tensor_parallel": 2}, ["parallel.tensor_parallel", "strategy"]),
+        ]
+        for parallel, words in cases:
+            with self.subTest(parallel=parallel):
+                with self.assertRaises(specmod.SpecError) as ctx:
+                    parse(parallel)
+                for word in words:
+                    self.assertIn(word, str(ctx.exception))
+
+    def test_combinations_that_are_not_measured_are_refused(self):
+        fsdp = {"strategy": "fsdp", "world_size": 2}
+        cases = [
+            (dict(mode="forward"), ["parallel", "forward", "train"]),
+            (dict(lora={"r": 8}), ["parallel", "lora"]),
+            (dict(quantization="nf4"), ["parallel", "quantization"]),
+        ]
+        for extra, words in cases:
+            with self.subTest(extra=extra):
+                with self.assertRaises(specmod.SpecError) as ctx:
+                    parse(fsdp, **extra)
+                for word in words:
+                    self.assertIn(word, str(ctx.exception))
+        with self.assertRaises(specmod.SpecError) as ctx:
+            parse({"strategy": "zero2", "world_size": 2}, precision="amp-bf16")
+        self.assertIn("precision", str(ctx.exception))
+        self.assertIn("bf16", str(ctx.exception))
+        with self.assertRaises(specmod.SpecError) as ctx:
+            parse({"strategy": "zero3", "world_size": 2}, precision="bf16", optimizer="sgd")
+        self.assertIn("optimizer", str(ctx.exception))
+
+
+class DeepSpeedConfigTest(unittest.TestCase):
+    """The DeepSpeed config dist.py hands to deepspeed.initialize (no torch needed to build it)."""
+
+    def test_stages_precision_and_offload(self):
+        from headroom_measure.dist import ds_config
+
+        z2 = ds_config(parse({"strategy": "zero2", "world_size": 2}, precision="bf16", batch_size=4))
+        self.assertEqual(z2["zero_optimization"], {"stage": 2})
+        self.assertEqual(z2["bf16"], {"enabled": True})
+        self.assertEqual(z2["train_micro_batch_size_per_gpu"], 4)
+        self.assertTrue(z2["optimizer"]["params"]["torch_adam"])
+        z1 = ds_config(parse({"strategy": "zero1", "world_size": 2}, precision="fp32"))
+        self.assertNotIn("bf16", z1)
+        z3 = ds_config(parse({"strategy": "zero3", "world_size": 2, "offload_params": True, "offload_optimizer": True},
+                             precision="bf16"))
+        self.assertEqual(z3["zero_optimization"]["stage"], 3)
+        self.assertEqual(z3["zero_optimization"]["offload_optimizer"]["device"], "cpu")
+        self.assertEqual(z3["zero_optimization"]["offload_param"]["device"], "cpu")
+        self.assertFalse(z3["optimizer"]["params"]["torch_adam"])  # DeepSpeedCPUAdam
+
+
+class CommittedRunsTest(unittest.TestCase):
+    """bench/distributed: every spec parses, and every row carries each rank's phases."""
+
+    def test_specs_and_rows(self):
+        import json
+        from pathlib import Path
+
+        here = Path(__file__).resolve().parents[2] / "bench" / "distributed"
+        specs = [json.loads(l) for l in (here / "specs.jsonl").read_text().splitlines() if l.strip()]
+        for line in specs:
+            self.assertIsNotNone(specmod.parse(line["spec"]).parallel, line["id"])
+        rows_file = here / "h200x2-torch2.11.jsonl"
+        if not rows_file.is_file():
+            return
+        for line in rows_file.read_text().splitlines():
+            row = json.loads(line)
+            m = row["measured"]
+            spec = specmod.parse(row["spec"])
+            self.assertEqual(len(m["ranks"]), spec.parallel.world_size, row["id"])
+            self.assertEqual(row["spec"]["parallel"], spec.parallel.to_json())
+            self.assertEqual(m["peak_allocated_bytes"], max(r["peak_allocated_bytes"] for r in m["ranks"]))
+            for r in m["ranks"]:
+                self.assertEqual(len(r["steps"]), 3)
+                peaks = [r["load"]["peak_allocated"]] + [v for s in r["steps"] for k, v in s.items() if k.endswith("_peak")]
+                self.assertEqual(r["peak_allocated_bytes"], max(peaks))
+
+
+if __name__ == "__main__":
+    unittest.main()

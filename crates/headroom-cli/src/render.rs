@@ -191,27 +191,88 @@ pub fn pipeline(
     est: &headroom::pipeline::PipelineEstimate,
     verdict: bool,
 ) -> String {
-    use headroom::timeline::pipeline::Placement;
-    let describe = |s: &headroom::spec::RunSpec| {
-        format!(
-            "{} ({}, {})",
-            s.model,
+    use headroom::timeline::instance::Home;
+    use headroom::timeline::pipeline::Pass;
+    let mut out = String::new();
+    let sharded = spec.instances.iter().any(|i| i.spec.parallel.is_some());
+    let mut it = table();
+    it.set_header(vec!["instance", "model", "setup", "lives"]);
+    for i in &spec.instances {
+        let s = &i.spec;
+        let mut setup = format!(
+            "{}, {}, {} x {}",
             s.precision.name(),
-            s.optimizer.name()
-        )
-    };
-    let placement = match spec.placement {
-        Placement::Resident => "resident on the GPU",
-        Placement::ManualOffload => {
-            "on the CPU between passes (model.cpu() / .cuda() + empty_cache)"
+            match s.mode {
+                headroom::spec::Mode::Train => s.optimizer.name(),
+                headroom::spec::Mode::Forward => "no grad",
+            },
+            s.batch_size,
+            s.seq_len
+        );
+        if s.gradient_checkpointing {
+            setup += ", checkpointing";
         }
-        Placement::Fsdp2Offload => "on the CPU, FSDP2 CPUOffloadPolicy layer by layer",
-    };
-    let mut out = format!(
-        "policy {} + reference {}, reference {placement}, {} iterations of (ref_logprob, train)\n\n",
-        describe(&spec.policy),
-        spec.reference.model,
-        spec.iterations
+        if let Some(l) = &s.lora {
+            setup += &format!(", LoRA r{}", l.r);
+        }
+        let lives = match (&s.parallel, i.home) {
+            (Some(p), _) if p.offload_params => format!(
+                "host (FSDP2 CPU offload, {} rank{})",
+                p.world_size,
+                if p.world_size == 1 { "" } else { "s" }
+            ),
+            (Some(p), _) => format!("GPU, {} over {} ranks", p.strategy.name(), p.world_size),
+            (None, Home::Gpu) => "GPU".into(),
+            (None, Home::Cpu) => "host, moved in for its passes".into(),
+        };
+        let mut name = i.name.clone();
+        if !i.aliases.is_empty() {
+            name += &format!(" (= {})", i.aliases.join(", "));
+        }
+        it.add_row(vec![name, s.model.clone(), setup, lives]);
+    }
+    out += &format!(
+        "{it}
+"
+    );
+    let phases: Vec<String> = spec
+        .phases
+        .iter()
+        .map(|p| {
+            let runs: Vec<String> = p
+                .passes
+                .iter()
+                .map(|x| {
+                    let name = &spec.instances[x.instance].name;
+                    let pass = match x.pass {
+                        Pass::Train => "step",
+                        Pass::Forward => "forward",
+                    };
+                    match x.repeat {
+                        1 => format!("{name} {pass}"),
+                        n => format!("{name} {pass} x{n}"),
+                    }
+                })
+                .collect();
+            let mut text = format!("{} ({}", p.name, runs.join(", "));
+            if !p.offload.is_empty() {
+                let names: Vec<&str> = p
+                    .offload
+                    .iter()
+                    .map(|&i| spec.instances[i].name.as_str())
+                    .collect();
+                text += &format!("; {} moved to the host", names.join(", "));
+            }
+            text + ")"
+        })
+        .collect();
+    out += &format!(
+        "{} iterations of: {}{}
+
+",
+        spec.iterations,
+        phases.join(", "),
+        if sharded { "; bytes are per GPU" } else { "" }
     );
     let mut t = table();
     t.set_header(vec![
@@ -226,7 +287,7 @@ pub fn pipeline(
         let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
         t.add_row(vec![
             Cell::new(p.iteration),
-            Cell::new(p.name),
+            Cell::new(&p.name),
             right(gib(p.peak_allocated)),
             right(gib(p.peak_reserved)),
             right(gib(p.host_bytes)),

@@ -8,7 +8,7 @@ use headroom_alloc::{AllocatorConfig, OutOfMemory};
 use crate::arch::Architecture;
 use crate::error::Result;
 use crate::gpu::Gpu;
-use crate::spec::RunSpec;
+use crate::spec::{RunSpec, Strategy};
 use crate::timeline::{self, Component, PhasePeak, SimulatedOom, TraceEvent};
 
 /// The estimate of one run spec.
@@ -91,6 +91,14 @@ pub fn estimate_with_trace(
     let model = spec.resolve_model(spec_dir)?;
     let arch = Architecture::from_hf_config(&model.config)?;
     spec.check_against(&arch)?;
+    if let Some(parallel) = &spec.parallel
+        && !matches!(parallel.strategy, Strategy::Ddp | Strategy::Fsdp)
+    {
+        return Err(crate::error::Error::Unsupported {
+            what: format!("parallel.strategy {}", parallel.strategy.name()),
+            supported: "ddp and fsdp (DeepSpeed ZeRO is not modelled yet)".into(),
+        });
+    }
     let allocator = AllocatorConfig {
         expandable_segments: spec.allocator.expandable_segments,
         ..AllocatorConfig::default()

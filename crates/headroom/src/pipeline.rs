@@ -1,14 +1,25 @@
-//! Pipelines: several models on one GPU. The first kind is the policy + reference iteration of
-//! DPO and of the reference pass of PPO/GRPO (seeds 001 and 003): each iteration the reference
-//! computes log-probs without gradients, then the policy takes one training step; the question
-//! is where the reference lives meanwhile.
+//! Pipelines: several models in one process per GPU (RLHF, DPO, reward scoring). A pipeline
+//! lists its instances (each a run spec, built in order) and the phases of one iteration:
+//! which instances run which pass, and which are moved to the host meanwhile.
 //!
 //! ```yaml
-//! policy: {model: qwen2.5-1.5b, precision: amp-bf16, optimizer: adamw, batch_size: 4, seq_len: 1024, gradient_checkpointing: true}
-//! reference: {model: qwen2.5-1.5b, precision: bf16, batch_size: 4, seq_len: 1024}
-//! placement: manual-offload   # resident, manual-offload or fsdp2-offload
+//! instances:
+//!   - {name: actor, model: qwen2.5-1.5b, precision: amp-bf16, optimizer: adamw, batch_size: 4, seq_len: 1024}
+//!   - {name: ref, model: qwen2.5-1.5b, precision: bf16, mode: forward, batch_size: 4, seq_len: 1024, home: cpu}
+//!   - {name: scorer, shares: actor}         # the same model object under a second name
+//! phases:
+//!   - {name: ref_logprob, run: [ref], offload: [actor]}
+//!   - {name: score, run: [{instance: scorer, pass: forward, repeat: 2}]}
+//!   - {name: train, run: [actor]}
 //! iterations: 3
 //! ```
+//!
+//! `home: cpu` builds an instance on the host: a phase that runs it copies it in
+//! (`model.cuda()`) and out again. `offload` moves instances out for the phase and back after
+//! it (`model.cpu()`: parameters only, optimizer states stay). A `parallel` section in an
+//! instance shards it over ranks; the estimate is then per rank. The older form
+//! `{policy, reference, placement, iterations}` (placement `resident`, `manual-offload` or
+//! `fsdp2-offload`) is read as the two-instance pipeline it describes.
 
 use std::path::Path;
 
@@ -19,11 +30,12 @@ use crate::arch::Architecture;
 use crate::error::{Error, Result};
 use crate::estimate::Limit;
 use crate::gpu::Gpu;
-use crate::spec::{Mode, RunSpec};
+use crate::spec::{Mode, Optimizer, Parallel, RunSpec, Strategy};
 use crate::timeline::SimulatedOom;
-use crate::timeline::pipeline::{PipelinePhase, Placement, simulate_policy_reference};
-
-const KEYS: &[&str] = &["policy", "reference", "placement", "iterations"];
+use crate::timeline::instance::Home;
+use crate::timeline::pipeline::{
+    InstanceDef, Pass, PassDef, PhaseDef, PipelinePhase, simulate_pipeline,
+};
 
 /// Host-to-device (and back) bandwidth of `model.cpu()` / `model.cuda()` through pageable
 /// memory: 18.6 GB moved per iteration took 4.8-7.1 s in the shared fixture's run on an H200
@@ -31,16 +43,24 @@ const KEYS: &[&str] = &["policy", "reference", "placement", "iterations"];
 pub const PAGEABLE_COPY_BYTES_PER_S: f64 = 3.0e9;
 
 #[derive(Clone, Debug, PartialEq)]
+pub struct InstanceSpec {
+    pub name: String,
+    pub spec: RunSpec,
+    pub home: Home,
+    /// Other names of this instance (`shares:`), reported with it.
+    pub aliases: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
 pub struct PipelineSpec {
-    pub policy: RunSpec,
-    pub reference: RunSpec,
-    pub placement: Placement,
+    pub instances: Vec<InstanceSpec>,
+    pub phases: Vec<PhaseDef>,
     pub iterations: u32,
 }
 
 /// Whether a parsed document is a pipeline rather than a run spec.
 pub fn is_pipeline(doc: &Value) -> bool {
-    doc.get("policy").is_some()
+    doc.get("instances").is_some() || doc.get("policy").is_some()
 }
 
 fn prefixed(e: Error, prefix: &str) -> Error {
@@ -58,17 +78,251 @@ fn prefixed(e: Error, prefix: &str) -> Error {
     }
 }
 
+fn unknown_keys(obj: &Map<String, Value>, prefix: &str, known: &[&str]) -> Result<()> {
+    match obj.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(key) => Err(Error::field(
+            format!("{prefix}{key}"),
+            "this key",
+            format!("use {}", known.join(", ")),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn iterations(obj: &Map<String, Value>) -> Result<u32> {
+    match obj.get("iterations") {
+        None => Ok(3),
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| (1..=100).contains(&n))
+            .map(|n| n as u32)
+            .ok_or_else(|| Error::field("iterations", v, "use an integer from 1 to 100")),
+    }
+}
+
 impl PipelineSpec {
     pub fn from_value(value: &Value) -> Result<Self> {
         let empty = Map::new();
         let obj = value.as_object().unwrap_or(&empty);
-        if let Some(key) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
-            return Err(Error::field(
-                key.as_str(),
-                "this key",
-                format!("a pipeline has the keys {}", KEYS.join(", ")),
-            ));
+        if obj.contains_key("policy") {
+            return Self::from_policy_reference(obj);
         }
+        unknown_keys(obj, "", &["instances", "phases", "iterations"])?;
+        let list = |key: &str, what: &str| -> Result<&Vec<Value>> {
+            obj.get(key)
+                .and_then(Value::as_array)
+                .filter(|a| !a.is_empty())
+                .ok_or_else(|| {
+                    Error::field(
+                        key,
+                        obj.get(key).cloned().unwrap_or(Value::Null),
+                        format!("a non-empty list of {what}"),
+                    )
+                })
+        };
+        let mut instances: Vec<InstanceSpec> = Vec::new();
+        for (i, item) in list("instances", "instances {name, model, ...}")?
+            .iter()
+            .enumerate()
+        {
+            let at = format!("instances[{i}]");
+            let mut fields = item
+                .as_object()
+                .cloned()
+                .ok_or_else(|| Error::field(&at, item, "a mapping {name, model, ...}"))?;
+            let name = match fields.remove("name") {
+                Some(Value::String(n)) if !n.is_empty() => n,
+                other => {
+                    return Err(Error::field(
+                        format!("{at}.name"),
+                        other.unwrap_or(Value::Null),
+                        "a name for the instance",
+                    ));
+                }
+            };
+            if instances
+                .iter()
+                .any(|x| x.name == name || x.aliases.contains(&name))
+            {
+                return Err(Error::field(
+                    format!("{at}.name"),
+                    name,
+                    "instance names must be different",
+                ));
+            }
+            if let Some(target) = fields.remove("shares") {
+                unknown_keys(&fields, &format!("{at}."), &[])?;
+                let target = target.as_str().unwrap_or_default();
+                let Some(owner) = instances.iter_mut().find(|x| x.name == target) else {
+                    return Err(Error::field(
+                        format!("{at}.shares"),
+                        target,
+                        "the name of an instance listed before it",
+                    ));
+                };
+                owner.aliases.push(name);
+                continue;
+            }
+            let home = match fields.remove("home") {
+                None => Home::Gpu,
+                Some(Value::String(h)) if h == "gpu" => Home::Gpu,
+                Some(Value::String(h)) if h == "cpu" => Home::Cpu,
+                Some(v) => return Err(Error::field(format!("{at}.home"), v, "use gpu or cpu")),
+            };
+            let spec = RunSpec::from_value(&Value::Object(fields)).map_err(|e| prefixed(e, &at))?;
+            check_instance(&spec, home, &at)?;
+            instances.push(InstanceSpec {
+                name,
+                spec,
+                home,
+                aliases: Vec::new(),
+            });
+        }
+        let find = |name: &str| {
+            instances
+                .iter()
+                .position(|x| x.name == name || x.aliases.iter().any(|a| a == name))
+        };
+        let names: Vec<String> = instances
+            .iter()
+            .flat_map(|x| std::iter::once(x.name.clone()).chain(x.aliases.clone()))
+            .collect();
+        let unknown = |field: String, name: &str| {
+            Error::field(
+                field,
+                name,
+                format!("use an instance name: {}", names.join(", ")),
+            )
+        };
+        let mut phases = Vec::new();
+        for (i, item) in list("phases", "phases {name, run, offload}")?
+            .iter()
+            .enumerate()
+        {
+            let at = format!("phases[{i}]");
+            let p = item
+                .as_object()
+                .ok_or_else(|| Error::field(&at, item, "a mapping {name, run, offload}"))?;
+            unknown_keys(p, &format!("{at}."), &["name", "run", "offload"])?;
+            let name = p
+                .get("name")
+                .and_then(Value::as_str)
+                .filter(|n| !n.is_empty() && *n != "load")
+                .ok_or_else(|| {
+                    Error::field(
+                        format!("{at}.name"),
+                        p.get("name").cloned().unwrap_or(Value::Null),
+                        "a name (not `load`, the building phase)",
+                    )
+                })?
+                .to_string();
+            let mut passes = Vec::new();
+            let runs = p.get("run").and_then(Value::as_array).ok_or_else(|| {
+                Error::field(
+                    format!("{at}.run"),
+                    p.get("run").cloned().unwrap_or(Value::Null),
+                    "a list of instance names or {instance, pass, repeat}",
+                )
+            })?;
+            for (j, run) in runs.iter().enumerate() {
+                let at = format!("{at}.run[{j}]");
+                let (name, pass, repeat) = match run {
+                    Value::String(n) => (n.as_str(), None, 1),
+                    Value::Object(r) => {
+                        unknown_keys(r, &format!("{at}."), &["instance", "pass", "repeat"])?;
+                        let pass = match r.get("pass") {
+                            None => None,
+                            Some(Value::String(s)) if s == "train" => Some(Pass::Train),
+                            Some(Value::String(s)) if s == "forward" => Some(Pass::Forward),
+                            Some(v) => {
+                                return Err(Error::field(
+                                    format!("{at}.pass"),
+                                    v,
+                                    "use train or forward",
+                                ));
+                            }
+                        };
+                        let repeat = match r.get("repeat") {
+                            None => 1,
+                            Some(v) => {
+                                v.as_u64()
+                                    .filter(|&n| (1..=64).contains(&n))
+                                    .ok_or_else(|| {
+                                        Error::field(
+                                            format!("{at}.repeat"),
+                                            v,
+                                            "use an integer from 1 to 64",
+                                        )
+                                    })? as u32
+                            }
+                        };
+                        (
+                            r.get("instance")
+                                .and_then(Value::as_str)
+                                .unwrap_or_default(),
+                            pass,
+                            repeat,
+                        )
+                    }
+                    other => {
+                        return Err(Error::field(at, other, "an instance name or a mapping"));
+                    }
+                };
+                let instance = find(name).ok_or_else(|| unknown(at.clone(), name))?;
+                let spec = &instances[instance].spec;
+                let pass = pass.unwrap_or(match spec.mode {
+                    Mode::Train => Pass::Train,
+                    Mode::Forward => Pass::Forward,
+                });
+                if pass == Pass::Train && spec.mode != Mode::Train {
+                    return Err(Error::field(
+                        format!("{at}.pass"),
+                        "train",
+                        format!("{name} is built for `mode: forward`; use pass: forward"),
+                    ));
+                }
+                passes.push(PassDef {
+                    instance,
+                    pass,
+                    repeat,
+                });
+            }
+            let mut offload = Vec::new();
+            for (j, v) in p
+                .get("offload")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .enumerate()
+            {
+                let name = v.as_str().unwrap_or_default();
+                let i = find(name).ok_or_else(|| unknown(format!("{at}.offload[{j}]"), name))?;
+                if passes.iter().any(|x| x.instance == i) {
+                    return Err(Error::field(
+                        format!("{at}.offload[{j}]"),
+                        name,
+                        "an instance the phase runs cannot be offloaded in it",
+                    ));
+                }
+                offload.push(i);
+            }
+            phases.push(PhaseDef {
+                name,
+                passes,
+                offload,
+            });
+        }
+        Ok(PipelineSpec {
+            instances,
+            phases,
+            iterations: iterations(obj)?,
+        })
+    }
+
+    /// `{policy, reference, placement, iterations}`: each iteration the reference's no-grad
+    /// pass (`ref_logprob`), then one policy step (`train`).
+    fn from_policy_reference(obj: &Map<String, Value>) -> Result<Self> {
+        unknown_keys(obj, "", &["policy", "reference", "placement", "iterations"])?;
         let part = |key: &str| -> Result<RunSpec> {
             let v = obj.get(key).ok_or_else(|| {
                 Error::field(
@@ -82,44 +336,13 @@ impl PipelineSpec {
         let policy = part("policy")?;
         let mut reference = part("reference")?;
         reference.mode = Mode::Forward;
-        reference.optimizer = crate::spec::Optimizer::None;
-        let placement = match obj.get("placement").and_then(Value::as_str) {
-            None if obj.get("placement").is_none() => Placement::Resident,
-            Some("resident") => Placement::Resident,
-            Some("manual-offload") => Placement::ManualOffload,
-            Some("fsdp2-offload") => Placement::Fsdp2Offload,
-            _ => {
-                return Err(Error::field(
-                    "placement",
-                    obj.get("placement").map_or(Value::Null, Value::clone),
-                    "use resident, manual-offload or fsdp2-offload",
-                ));
-            }
-        };
-        let iterations = match obj.get("iterations") {
-            None => 3,
-            Some(v) => v
-                .as_u64()
-                .filter(|&n| (1..=100).contains(&n))
-                .ok_or_else(|| Error::field("iterations", v, "use an integer from 1 to 100"))?
-                as u32,
-        };
+        reference.optimizer = Optimizer::None;
         if policy.mode != Mode::Train {
             return Err(Error::field(
                 "policy.mode",
                 "forward",
                 "the policy trains: use train",
             ));
-        }
-        for (name, spec) in [("policy", &policy), ("reference", &reference)] {
-            if spec.lora.is_some() || spec.quantization.is_some() {
-                return Err(Error::Unsupported {
-                    what: format!("{name} with LoRA or quantization in a pipeline"),
-                    supported: "full-parameter models (LoRA/QLoRA policies are a single-run \
-                                estimate for now)"
-                        .into(),
-                });
-            }
         }
         if (reference.batch_size, reference.seq_len) != (policy.batch_size, policy.seq_len) {
             return Err(Error::field(
@@ -131,29 +354,122 @@ impl PipelineSpec {
                 ),
             ));
         }
+        let (home, offload) = match obj.get("placement").and_then(Value::as_str) {
+            None if obj.get("placement").is_none() => (Home::Gpu, vec![]),
+            Some("resident") => (Home::Gpu, vec![]),
+            Some("manual-offload") => (Home::Cpu, vec![0]),
+            Some("fsdp2-offload") => {
+                reference.parallel = Some(Parallel {
+                    strategy: Strategy::Fsdp,
+                    world_size: 1,
+                    reshard_after_forward: true,
+                    shard_size: 1,
+                    offload_params: true,
+                    offload_optimizer: false,
+                });
+                (Home::Cpu, vec![])
+            }
+            _ => {
+                return Err(Error::field(
+                    "placement",
+                    obj.get("placement").map_or(Value::Null, Value::clone),
+                    "use resident, manual-offload or fsdp2-offload",
+                ));
+            }
+        };
+        for (name, spec, home) in [
+            ("policy", &policy, Home::Gpu),
+            ("reference", &reference, home),
+        ] {
+            check_instance(spec, home, name)?;
+        }
+        let instance = |name: &str, spec: RunSpec, home| InstanceSpec {
+            name: name.into(),
+            spec,
+            home,
+            aliases: Vec::new(),
+        };
         Ok(PipelineSpec {
-            policy,
-            reference,
-            placement,
-            iterations,
+            instances: vec![
+                instance("policy", policy, Home::Gpu),
+                instance("reference", reference, home),
+            ],
+            phases: vec![
+                PhaseDef {
+                    name: "ref_logprob".into(),
+                    passes: vec![PassDef {
+                        instance: 1,
+                        pass: Pass::Forward,
+                        repeat: 1,
+                    }],
+                    offload,
+                },
+                PhaseDef {
+                    name: "train".into(),
+                    passes: vec![PassDef {
+                        instance: 0,
+                        pass: Pass::Train,
+                        repeat: 1,
+                    }],
+                    offload: vec![],
+                },
+            ],
+            iterations: iterations(obj)?,
         })
+    }
+
+    /// The instance that `name` (a name or an alias) refers to.
+    pub fn instance(&self, name: &str) -> Option<&InstanceSpec> {
+        self.instances
+            .iter()
+            .find(|x| x.name == name || x.aliases.iter().any(|a| a == name))
     }
 }
 
-/// A pipeline's estimate on one GPU.
+/// What an instance may be in a pipeline.
+fn check_instance(spec: &RunSpec, home: Home, at: &str) -> Result<()> {
+    if home == Home::Cpu && spec.quantization.is_some() {
+        return Err(Error::Unsupported {
+            what: format!("{at}: a 4-bit model built on the host"),
+            supported: "4-bit models loaded on the GPU (home: gpu)".into(),
+        });
+    }
+    if home == Home::Cpu
+        && spec.parallel.as_ref().is_some_and(|p| {
+            !(p.strategy == Strategy::Fsdp && p.world_size == 1 && p.offload_params)
+        })
+    {
+        return Err(Error::Unsupported {
+            what: format!("{at}: a sharded model built on the host"),
+            supported: "home: gpu for ddp and fsdp (FSDP2 offload is `parallel.offload_params`)"
+                .into(),
+        });
+    }
+    if let Some(p) = &spec.parallel
+        && !matches!(p.strategy, Strategy::Ddp | Strategy::Fsdp)
+    {
+        return Err(Error::Unsupported {
+            what: format!("{at}: parallel.strategy {}", p.strategy.name()),
+            supported: "ddp and fsdp (DeepSpeed ZeRO is not modelled yet)".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A pipeline's estimate on one GPU (per rank when instances are sharded).
 #[derive(Clone, Debug)]
 pub struct PipelineEstimate {
     pub phases: Vec<PipelinePhase>,
     pub peak_allocated_bytes: u64,
     pub peak_reserved_bytes: u64,
     /// The phase (name, iteration) of the allocated peak.
-    pub peak_phase: (&'static str, u32),
+    pub peak_phase: (String, u32),
     pub cuda_context_bytes: u64,
     /// Parameter bytes held on the host at most.
     pub host_bytes: u64,
     /// Parameter bytes copied between host and device per iteration, and a rough time for the
-    /// pageable copies of manual offload (FSDP2 copies from pinned memory, overlapped with the
-    /// pass: 0.1 s per pass measured against 0.04 s resident).
+    /// pageable copies of `model.cpu()` / `.cuda()` (FSDP2 copies from pinned memory,
+    /// overlapped with the pass: 0.1 s per pass measured against 0.04 s resident).
     pub transfer_bytes_per_iteration: u64,
     pub transfer_seconds_per_iteration: Option<f64>,
     pub gpu: Gpu,
@@ -188,20 +504,33 @@ pub fn estimate_pipeline(
     gpu: &Gpu,
     limit: Limit,
 ) -> Result<PipelineEstimate> {
-    let policy_arch = architecture(&spec.policy, spec_dir)?;
-    let ref_arch = architecture(&spec.reference, spec_dir)?;
+    let archs = spec
+        .instances
+        .iter()
+        .map(|i| architecture(&i.spec, spec_dir))
+        .collect::<Result<Vec<_>>>()?;
+    let defs: Vec<InstanceDef> = spec
+        .instances
+        .iter()
+        .zip(&archs)
+        .map(|(i, arch)| InstanceDef {
+            spec: &i.spec,
+            arch,
+            home: i.home,
+        })
+        .collect();
     let allocator = AllocatorConfig {
-        expandable_segments: spec.policy.allocator.expandable_segments,
+        expandable_segments: spec
+            .instances
+            .iter()
+            .any(|i| i.spec.allocator.expandable_segments),
         ..AllocatorConfig::default()
     };
     let capacity = (limit == Limit::Gpu).then(|| gpu.allocator_capacity());
     let run = |capacity| {
-        simulate_policy_reference(
-            &spec.policy,
-            &policy_arch,
-            &spec.reference,
-            &ref_arch,
-            spec.placement,
+        simulate_pipeline(
+            &defs,
+            &spec.phases,
             spec.iterations,
             allocator.clone(),
             capacity,
@@ -221,15 +550,12 @@ pub fn estimate_pipeline(
         .filter(|p| p.name != "load")
         .max_by_key(|p| p.peak_allocated)
         .expect("at least one iteration");
-    let transfer = sim
-        .phases
-        .iter()
-        .filter(|p| p.iteration == 0)
-        .map(|p| p.transfer_bytes)
-        .sum::<u64>();
+    let first: Vec<&PipelinePhase> = sim.phases.iter().filter(|p| p.iteration == 0).collect();
+    let transfer = first.iter().map(|p| p.transfer_bytes).sum::<u64>();
+    let pageable = first.iter().map(|p| p.pageable_bytes).sum::<u64>();
     Ok(PipelineEstimate {
         peak_allocated_bytes: peak.peak_allocated,
-        peak_phase: (peak.name, peak.iteration),
+        peak_phase: (peak.name.clone(), peak.iteration),
         peak_reserved_bytes: sim
             .phases
             .iter()
@@ -238,8 +564,8 @@ pub fn estimate_pipeline(
             .unwrap_or(0),
         host_bytes: sim.phases.iter().map(|p| p.host_bytes).max().unwrap_or(0),
         transfer_bytes_per_iteration: transfer,
-        transfer_seconds_per_iteration: (spec.placement == Placement::ManualOffload)
-            .then(|| transfer as f64 / PAGEABLE_COPY_BYTES_PER_S),
+        transfer_seconds_per_iteration: (pageable > 0)
+            .then(|| pageable as f64 / PAGEABLE_COPY_BYTES_PER_S),
         cuda_context_bytes: gpu.cuda_context_bytes,
         gpu: gpu.clone(),
         capacity_bytes: capacity,

@@ -77,6 +77,48 @@ pub struct Lora {
     pub dropout: f64,
 }
 
+/// How training is spread over GPUs; each rank runs the same step on its own micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// `DistributedDataParallel`: a full replica per rank, gradients all-reduced in buckets.
+    Ddp,
+    /// FSDP2 `fully_shard` on every decoder layer, then on the root.
+    Fsdp,
+    /// DeepSpeed ZeRO stage 1, 2 or 3.
+    Zero1,
+    Zero2,
+    Zero3,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Parallel {
+    pub strategy: Strategy,
+    pub world_size: u64,
+    /// FSDP: free a layer's gathered parameters after its forward and gather them again for
+    /// its backward (full shard), or keep them until then (shard grad op).
+    pub reshard_after_forward: bool,
+    /// FSDP: the ranks that shard one copy of the model (HSDP replicates over
+    /// `world_size / shard_size` such groups); `world_size` for plain FSDP.
+    pub shard_size: u64,
+    /// FSDP `CPUOffloadPolicy` (parameters, gradients and the optimizer step on the host);
+    /// ZeRO-3 `offload_param`.
+    pub offload_params: bool,
+    /// ZeRO `offload_optimizer`: optimizer states and step on the host.
+    pub offload_optimizer: bool,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Ddp => "ddp",
+            Strategy::Fsdp => "fsdp",
+            Strategy::Zero1 => "zero1",
+            Strategy::Zero2 => "zero2",
+            Strategy::Zero3 => "zero3",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct AllocatorSpec {
     pub expandable_segments: bool,
@@ -97,6 +139,8 @@ pub struct RunSpec {
     pub quantization: Option<Quantization>,
     pub kbit_prepare: bool,
     pub allocator: AllocatorSpec,
+    /// Data parallelism over several GPUs; `None`: one GPU.
+    pub parallel: Option<Parallel>,
 }
 
 const KEYS: &[&str] = &[
@@ -113,6 +157,16 @@ const KEYS: &[&str] = &[
     "quantization",
     "kbit_prepare",
     "allocator",
+    "parallel",
+];
+
+const PARALLEL_KEYS: &[&str] = &[
+    "strategy",
+    "world_size",
+    "reshard_after_forward",
+    "shard_size",
+    "offload_params",
+    "offload_optimizer",
 ];
 
 fn choice<T: Copy>(
@@ -305,6 +359,10 @@ impl RunSpec {
                     ));
                 }
             },
+            parallel: match obj.get("parallel") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(parse_parallel(v)?),
+            },
         };
         spec.check_combinations()?;
         Ok(spec)
@@ -334,6 +392,27 @@ impl RunSpec {
         }
         if self.mode == Mode::Train && self.optimizer == Optimizer::None && self.lora.is_none() {
             // Allowed: forward + backward without an optimizer step (gradient accumulation micro-step).
+        }
+        if let Some(parallel) = &self.parallel {
+            if self.quantization.is_some() {
+                return Err(Error::Unsupported {
+                    what: "quantization with `parallel`".into(),
+                    supported: "4-bit QLoRA on one GPU".into(),
+                });
+            }
+            if parallel.strategy == Strategy::Ddp && self.mode == Mode::Forward {
+                return Err(Error::field(
+                    "parallel.strategy",
+                    "ddp",
+                    "DDP only changes training; for a forward pass leave `parallel` out",
+                ));
+            }
+            if parallel.strategy != Strategy::Ddp && self.lora.is_some() {
+                return Err(Error::Unsupported {
+                    what: format!("LoRA with parallel.strategy {}", parallel.strategy.name()),
+                    supported: "LoRA alone or with ddp".into(),
+                });
+            }
         }
         if self.mode == Mode::Forward && self.optimizer != Optimizer::None {
             return Err(Error::field(
@@ -415,6 +494,108 @@ pub fn lora_targets_module(lora: &Lora, module: Module) -> bool {
         LoraTargets::AllLinear => !matches!(module, Module::LmHead | Module::Score),
         LoraTargets::Modules(names) => names.iter().any(|n| n == module.hf_name()),
     }
+}
+
+fn parse_parallel(value: &Value) -> Result<Parallel> {
+    let obj = value.as_object().ok_or_else(|| {
+        Error::field(
+            "parallel",
+            value,
+            "use a mapping {strategy, world_size, ...}",
+        )
+    })?;
+    unknown_key(obj, "parallel.", PARALLEL_KEYS)?;
+    let field = |e: Error| match e {
+        Error::Field {
+            field,
+            value,
+            allowed,
+        } => Error::Field {
+            field: format!("parallel.{field}"),
+            value,
+            allowed,
+        },
+        other => other,
+    };
+    let strategy = match obj.get("strategy") {
+        None => {
+            return Err(Error::field(
+                "parallel.strategy",
+                "missing",
+                "use one of ddp, fsdp, zero1, zero2, zero3",
+            ));
+        }
+        Some(_) => choice(
+            obj,
+            "strategy",
+            &[
+                ("ddp", Strategy::Ddp),
+                ("fsdp", Strategy::Fsdp),
+                ("zero1", Strategy::Zero1),
+                ("zero2", Strategy::Zero2),
+                ("zero3", Strategy::Zero3),
+            ],
+            Strategy::Ddp,
+        )
+        .map_err(field)?,
+    };
+    let world_size = positive(obj, "world_size", 1).map_err(field)?;
+    if world_size > 65536 {
+        return Err(Error::field(
+            "parallel.world_size",
+            world_size,
+            "use an integer from 1 to 65536",
+        ));
+    }
+    let given = |key: &str| obj.get(key).is_some_and(|v| !v.is_null());
+    let only_for = |key: &str, ok: bool, allowed: &str| -> Result<()> {
+        if given(key) && !ok {
+            return Err(Error::field(
+                format!("parallel.{key}"),
+                &obj[key],
+                format!("{allowed}; leave it out for {}", strategy.name()),
+            ));
+        }
+        Ok(())
+    };
+    let fsdp = strategy == Strategy::Fsdp;
+    only_for("reshard_after_forward", fsdp, "it applies to fsdp only")?;
+    only_for("shard_size", fsdp, "it applies to fsdp only (HSDP)")?;
+    only_for(
+        "offload_params",
+        fsdp || strategy == Strategy::Zero3,
+        "it applies to fsdp and zero3",
+    )?;
+    only_for(
+        "offload_optimizer",
+        matches!(
+            strategy,
+            Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
+        ),
+        "it applies to zero1, zero2 and zero3",
+    )?;
+    let reshard_after_forward = match obj.get("reshard_after_forward") {
+        None | Some(Value::Null) => true,
+        Some(v) => v.as_bool().ok_or_else(|| {
+            Error::field("parallel.reshard_after_forward", v, "use true or false")
+        })?,
+    };
+    let shard_size = positive(obj, "shard_size", world_size).map_err(field)?;
+    if world_size % shard_size != 0 {
+        return Err(Error::field(
+            "parallel.shard_size",
+            shard_size,
+            format!("it must divide world_size ({world_size})"),
+        ));
+    }
+    Ok(Parallel {
+        strategy,
+        world_size,
+        reshard_after_forward,
+        shard_size,
+        offload_params: boolean(obj, "offload_params").map_err(field)?,
+        offload_optimizer: boolean(obj, "offload_optimizer").map_err(field)?,
+    })
 }
 
 fn parse_lora(value: &Value) -> Result<Lora> {

@@ -77,10 +77,12 @@ fn seed001_manual_offload_costs_transfers_and_saves_reserved_memory() {
         .into_iter()
         .find(|r| r["id"] == "seed001-manual-offload")
         .expect("row");
-    let mut spec = PipelineSpec::from_value(&row["pipeline"]).expect("spec");
+    let spec = PipelineSpec::from_value(&row["pipeline"]).expect("spec");
     let h200 = gpu::find("h200").expect("gpu");
     let manual = estimate_pipeline(&spec, None, &h200, Limit::Gpu).expect("manual");
-    spec.placement = headroom::timeline::pipeline::Placement::Resident;
+    let mut as_resident = row["pipeline"].clone();
+    as_resident["placement"] = "resident".into();
+    let spec = PipelineSpec::from_value(&as_resident).expect("spec");
     let resident = estimate_pipeline(&spec, None, &h200, Limit::Gpu).expect("resident");
     // Resident: nothing moves; manual: the fp32 actor (6.2 GB) and the bf16 reference (3.1 GB)
     // each go out and back every iteration.

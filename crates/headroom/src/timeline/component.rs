@@ -25,13 +25,16 @@ pub enum Component {
     Workspaces,
     /// Input ids and labels.
     Inputs,
+    /// Buffers of collectives: FSDP's all-gather and reduce-scatter buffers, DDP's gradient
+    /// buckets and broadcast buffers.
+    Communication,
     /// Bytes of blocks beyond what was requested: the allocator's 512-byte rounding and the
     /// unsplit remainders of large blocks.
     AllocatorRounding,
 }
 
 impl Component {
-    pub const ALL: [Component; 11] = [
+    pub const ALL: [Component; 12] = [
         Component::Weights,
         Component::Gradients,
         Component::OptimizerStates,
@@ -42,6 +45,7 @@ impl Component {
         Component::LoraQuantExtras,
         Component::Workspaces,
         Component::Inputs,
+        Component::Communication,
         Component::AllocatorRounding,
     ];
 
@@ -64,6 +68,7 @@ impl Component {
             Component::LoraQuantExtras => "lora_quantization_extras",
             Component::Workspaces => "cuda_library_workspaces",
             Component::Inputs => "inputs",
+            Component::Communication => "communication_buffers",
             Component::AllocatorRounding => "allocator_rounding",
         }
     }
@@ -82,6 +87,7 @@ impl fmt::Display for Component {
             Component::LoraQuantExtras => "LoRA / quantization extras",
             Component::Workspaces => "cuBLAS workspaces",
             Component::Inputs => "input ids",
+            Component::Communication => "communication buffers",
             Component::AllocatorRounding => "allocator rounding",
         })
     }

@@ -76,6 +76,9 @@ pub(crate) struct Memory {
     step: u32,
     phase_peak: u64,
     trace: Option<Vec<TraceEvent>>,
+    /// The current CUDA stream: a block is served from, and returns to, the pool of the
+    /// stream it was allocated on (collectives allocate on their own streams).
+    pub(crate) stream: u32,
 }
 
 impl Memory {
@@ -91,6 +94,7 @@ impl Memory {
             step: 0,
             phase_peak: 0,
             trace: record_trace.then(Vec::new),
+            stream: 0,
         }
     }
 
@@ -125,7 +129,7 @@ impl Memory {
                 component,
             };
         }
-        let block = match self.allocator.malloc(bytes, 0) {
+        let block = match self.allocator.malloc(bytes, self.stream) {
             Ok(block) => block,
             Err(err) => {
                 // PyTorch raises here. The rest of the run goes on without a limit so that the
@@ -142,7 +146,7 @@ impl Memory {
                 self.allocator.set_capacity(None);
                 let block = self
                     .allocator
-                    .malloc(bytes, 0)
+                    .malloc(bytes, self.stream)
                     .expect("an allocator without a capacity limit does not run out");
                 if self.stop_at_oom {
                     self.stopped = Some(block);

@@ -5,6 +5,9 @@
 mod attention;
 mod backward;
 pub mod component;
+mod ddp;
+mod fsdp;
+pub mod instance;
 pub mod memory;
 mod ops;
 mod optim;

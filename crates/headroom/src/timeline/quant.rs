@@ -2,7 +2,7 @@
 //! nf4, double quantization, bf16 compute))` and peft's `prepare_model_for_kbit_training`.
 
 use super::component::Component;
-use super::tracer::Tracer;
+use super::tracer::{ParamId, Tracer};
 use super::transformer::{AttentionImpl, CheckpointTensor, Model};
 use crate::arch::{Architecture, Head, Param};
 use crate::dtype::DType;
@@ -18,6 +18,7 @@ pub(crate) fn load_nf4(
 ) -> Model {
     // The bf16 model `from_config` built, then `del model; torch.cuda.empty_cache()`.
     let first = t.params.len();
+    let buffers = t.persistent_count();
     let source = Model::build(t, arch, head, DType::BF16, &|_| false, attention);
     for p in first..t.params.len() {
         let tensor = t.param(p);
@@ -25,7 +26,7 @@ pub(crate) fn load_nf4(
     }
     t.truncate_params(first);
     drop(source);
-    t.release_persistent();
+    t.release_persistent_from(buffers);
     t.mem.allocator.empty_cache();
 
     let mut checkpoint = Vec::new();
@@ -112,8 +113,8 @@ fn quantize(t: &mut Tracer, tensor: &CheckpointTensor, n: u64, dynamic_map: &mut
 
 /// `prepare_model_for_kbit_training`: freeze everything, cast every half-precision parameter
 /// that is not 4-bit to fp32 (in `model.parameters()` order), then `torch.cuda.empty_cache()`.
-pub(crate) fn prepare_kbit(t: &mut Tracer) {
-    for p in 0..t.params.len() {
+pub(crate) fn prepare_kbit(t: &mut Tracer, params: std::ops::Range<ParamId>) {
+    for p in params {
         t.set_trainable(p, false);
         let tensor = t.param(p);
         if t.dtype(tensor).is_half() {

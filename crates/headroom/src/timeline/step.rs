@@ -6,16 +6,13 @@
 use headroom_alloc::{AllocatorConfig, CachingAllocator, Checkpoint, Decision};
 
 use super::component::Component;
+use super::instance::{Home, Instance};
 use super::memory::{Memory, PeakRecord, SimulatedOom, TraceEvent};
-use super::optim::OptimizerState;
-use super::quant;
-use super::tracer::{ParamId, Recompute, T, Tracer, TracerState};
-use super::transformer::{AttentionImpl, Batch, LoraAdapter, Model};
-use crate::arch::{Architecture, Head, Param};
+use super::tracer::{BackwardHooks, T, Tracer, TracerState};
+use super::transformer::{Batch, Model};
+use crate::arch::{Architecture, Head};
 use crate::dtype::DType;
-use crate::spec::{
-    Attention, Lora, Mode, Precision, Quantization, RunSpec, Task, lora_targets_module,
-};
+use crate::spec::{Mode, Precision, RunSpec, Task};
 
 /// Steps the harness runs; the first differs (optimizer states appear during its step).
 pub const STEPS: u32 = 3;
@@ -50,10 +47,41 @@ pub(super) struct Checkpointing<'a> {
     pub(super) autocast: Option<DType>,
 }
 
-impl Recompute for Checkpointing<'_> {
+impl BackwardHooks for Checkpointing<'_> {
     fn recompute(&mut self, tracer: &mut Tracer, region: u32) {
         self.model
             .recompute_layer(tracer, region, self.batch, self.autocast);
+    }
+
+    fn unit_backward_begins(&mut self, tracer: &mut Tracer, unit: u32) {
+        if let Some(sharded) = &self.model.sharded {
+            sharded.borrow_mut().pre_backward(tracer, unit);
+        }
+    }
+
+    fn unit_backward_done(&mut self, tracer: &mut Tracer, unit: u32) {
+        if let Some(sharded) = &self.model.sharded {
+            sharded.borrow_mut().post_backward(tracer, unit);
+        }
+    }
+}
+
+/// `loss.backward()` through the model's hooks, FSDP's final callback included.
+pub(super) fn backward(
+    t: &mut Tracer,
+    model: &Model,
+    loss: T,
+    batch: Batch,
+    autocast: Option<DType>,
+) {
+    let mut hooks = Checkpointing {
+        model,
+        batch,
+        autocast,
+    };
+    t.backward(loss, &mut hooks);
+    if let Some(sharded) = &model.sharded {
+        sharded.borrow_mut().finish_backward(t);
     }
 }
 
@@ -141,42 +169,13 @@ pub(crate) fn simulate_steps(
     if stop_at_oom {
         t.mem.stop_at_oom();
     }
-    let head = spec.head();
-    let batch = Batch {
-        b: spec.batch_size,
-        s: spec.seq_len,
-    };
     // torch.zeros(1, device="cuda"): the context and a first small segment; the tensor dies.
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);
 
     let train = spec.mode == Mode::Train;
-    let trainable = |_: &Param| train;
-    let attention = match spec.attention {
-        Attention::Sdpa => AttentionImpl::Sdpa,
-        Attention::Eager => AttentionImpl::Eager,
-    };
-    let mut model = match spec.quantization {
-        Some(Quantization::Nf4) => quant::load_nf4(&mut t, arch, head, attention, &trainable),
-        None => Model::build(&mut t, arch, head, param_dtype(spec), &trainable, attention),
-    };
-    let weights_loaded = t.mem.allocated();
-    // What `sum(p.numel() for p in model.parameters())` reports (4-bit weights count packed bytes).
-    let params: u64 = (0..t.params.len()).map(|p| t.numel(t.param(p))).sum();
-    if spec.kbit_prepare {
-        quant::prepare_kbit(&mut t);
-    }
-    if let Some(lora) = &spec.lora {
-        install_lora(&mut t, &mut model, lora, spec.task);
-    }
-    model.checkpointing = spec.gradient_checkpointing && train;
-    model.inputs_require_grads = model.checkpointing;
-    let trainable_ids: Vec<ParamId> = (0..t.params.len())
-        .filter(|&p| t.requires_grad(t.param(p)))
-        .collect();
-    let trainable_params = trainable_ids.iter().map(|&p| t.numel(t.param(p))).sum();
-    let mut optimizer = OptimizerState::new(spec.optimizer);
-
+    let mut instance = Instance::build(&mut t, spec, arch, Home::Gpu);
+    let batch = instance.batch;
     let ids = t.empty_as(batch.n(), DType::I64, Component::Inputs, "input_ids");
     // Building (or loading) the model is reported as step 0's "load" phase.
     let mut phases = vec![PhasePeak {
@@ -185,7 +184,6 @@ pub(crate) fn simulate_steps(
         peak_allocated: t.mem.phase_peak(),
         peak_reserved: t.mem.allocator.stats().reserved_bytes.all.peak as u64,
     }];
-    let autocast = autocast_dtype(spec);
     let mut previous: Option<StepRecord> = None;
     let mut repeated_steps = 0;
     // A step found to repeat the previous one: its phases and trace events.
@@ -197,8 +195,11 @@ pub(crate) fn simulate_steps(
         // Step 1 of training creates the optimizer's states, so step 2 never starts where step 1
         // did: not worth comparing (not comparing only means simulating).
         let worth_comparing = step > 1 || !train || spec.optimizer == crate::spec::Optimizer::None;
+        // Collectives' buffers are not part of the compared state: sharded runs simulate
+        // every step.
+        let repeat_steps = repeat_steps && spec.parallel.is_none();
         if repeat_steps && repeating.is_none() && worth_comparing {
-            let roots: Vec<T> = optimizer.tensors().chain([ids]).collect();
+            let roots: Vec<T> = instance.optimizer.tensors().chain([ids]).collect();
             let mut buffer = Vec::new();
             if let Some(prev) = previous.take() {
                 if t.state_is(&roots, &prev.tracer)
@@ -259,51 +260,32 @@ pub(crate) fn simulate_steps(
             });
         };
         if !train {
-            phase(&mut t, "forward", &mut |t| {
-                let grad = t.set_grad_enabled(false);
-                let outer = t.enter_autocast(autocast);
-                logprob_forward(t, &model, ids, batch);
-                t.exit_autocast(outer);
-                t.set_grad_enabled(grad);
-            });
+            phase(&mut t, "forward", &mut |t| instance.logprob_pass(t, ids));
             end_step(&mut t, &mut previous, phases.len());
             continue;
         }
         let mut loss: Option<T> = None;
         phase(&mut t, "forward", &mut |t| {
-            let outer = t.enter_autocast(autocast);
-            loss = Some(train_forward(t, &model, spec, ids, batch));
-            t.exit_autocast(outer);
+            loss = Some(instance.forward_for_loss(t, ids));
         });
         if t.mem.stopped() {
             break;
         }
         let loss = loss.expect("the forward phase produced a loss");
-        phase(&mut t, "backward", &mut |t| {
-            let mut hooks = Checkpointing {
-                model: &model,
-                batch,
-                autocast,
-            };
-            t.backward(loss, &mut hooks);
-            t.drop(loss);
-        });
+        phase(&mut t, "backward", &mut |t| instance.backward(t, loss));
         if t.mem.stopped() {
             break;
         }
         if spec.optimizer != crate::spec::Optimizer::None {
-            phase(&mut t, "optimizer", &mut |t| {
-                optimizer.step(t, &trainable_ids)
-            });
+            phase(&mut t, "optimizer", &mut |t| instance.optimizer_step(t));
         }
-        zero_grad(&mut t, &trainable_ids);
+        instance.zero_grad(&mut t);
         end_step(&mut t, &mut previous, phases.len());
     }
-    let _ = &mut model;
     Simulation {
-        params,
-        trainable_params,
-        weights_loaded,
+        params: instance.param_count,
+        trainable_params: instance.trainable_count,
+        weights_loaded: instance.weights_loaded,
         peak_reserved: phases
             .iter()
             .filter(|p| p.step > 0)
@@ -328,53 +310,6 @@ fn end_step(t: &mut Tracer, record: &mut Option<StepRecord>, phases: usize) {
     }
 }
 
-/// `get_peft_model(model, LoraConfig(...))`: freeze the base, create `lora_A`/`lora_B` for each
-/// targeted linear (on the GPU, in the base weight's dtype), then cast the adapters to fp32
-/// (`autocast_adapter_dtype=True`). For sequence classification the head is a trainable copy
-/// (`modules_to_save`).
-fn install_lora(t: &mut Tracer, model: &mut Model, lora: &Lora, task: Task) {
-    for p in 0..t.params.len() {
-        t.set_trainable(p, false);
-    }
-    let dtype = model.dtype;
-    let mut adapters = Vec::new();
-    for (module, linear) in model.linears_mut() {
-        if !lora_targets_module(lora, module) {
-            continue;
-        }
-        let a = t.parameter(lora.r * linear.in_features, dtype, true, "lora_A");
-        t.set_matrix(a, lora.r, linear.in_features);
-        let b = t.parameter(linear.out_features * lora.r, dtype, true, "lora_B");
-        t.set_matrix(b, linear.out_features, lora.r);
-        linear.lora = Some(LoraAdapter {
-            a,
-            b,
-            r: lora.r,
-            dropout: lora.dropout > 0.0,
-        });
-        adapters.extend([a, b]);
-    }
-    for p in adapters {
-        t.cast_parameter(p, DType::F32);
-    }
-    if task == Task::SeqCls
-        && let Some(score) = model.score.as_mut()
-    {
-        let n = score.out_features * score.in_features;
-        score.weight = t.parameter(n, dtype, true, "score (modules_to_save copy)");
-        t.set_matrix(score.weight, score.out_features, score.in_features);
-    }
-}
-
-/// `optimizer.zero_grad(set_to_none=True)`: gradients are dropped in parameter order.
-pub(super) fn zero_grad(t: &mut Tracer, params: &[ParamId]) {
-    for &p in params {
-        if let Some(g) = t.params[p].grad.take() {
-            t.drop(g);
-        }
-    }
-}
-
 /// The harness's training forward: `model(input_ids=ids, labels=ids).loss` (causal LM) or
 /// `model(input_ids=ids).logits.float().pow(2).mean()` (sequence classification). The
 /// output object is dropped when the function returns; only the loss survives.
@@ -389,12 +324,14 @@ pub(super) fn train_forward(
     match spec.task {
         Task::CausalLm => {
             let (loss, logits) = causal_lm_loss(t, model, hidden, batch);
+            model.forward_done(t);
             t.drop(hidden);
             t.drop(logits);
             loss
         }
         Task::SeqCls => {
             let pooled = sequence_classification(t, model, hidden, batch);
+            model.forward_done(t);
             t.drop(hidden);
             let outer = t.component;
             let f = t.to(pooled, DType::F32);
@@ -485,6 +422,7 @@ pub(super) fn logprob_forward(t: &mut Tracer, model: &Model, ids: T, batch: Batc
     let hidden = model.decoder(t, ids, batch);
     let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
     let logits = lm_head(t, model, hidden);
+    model.forward_done(t);
     t.drop(hidden);
     let logits32 = t.to(logits, DType::F32);
     let log_probs = t.log_softmax(logits32);

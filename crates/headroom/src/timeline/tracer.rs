@@ -149,6 +149,8 @@ pub(crate) struct Node {
     buffer: SmallVec<[Option<T>; 2]>,
     deps: u32,
     region: Option<u32>,
+    /// The FSDP unit whose forward recorded it (see [`BackwardHooks`]).
+    unit: Option<u32>,
     /// The component the forward was charged to; backward's allocations go there too.
     component: Component,
 }
@@ -217,9 +219,16 @@ impl StateSink for Compare<'_> {
 
 const NO_WORD: u64 = u64::MAX;
 
-/// Calls back into model code to recompute a checkpointed region during backward.
-pub(crate) trait Recompute {
+/// Calls back into model code during backward.
+pub(crate) trait BackwardHooks {
+    /// Recompute a checkpointed region.
     fn recompute(&mut self, tracer: &mut Tracer, region: u32);
+    /// A gradient reached unit `unit` (FSDP's pre-backward hook on the unit's outputs): called
+    /// before its first node runs, and before that node's region is recomputed.
+    fn unit_backward_begins(&mut self, _tracer: &mut Tracer, _unit: u32) {}
+    /// Every node of unit `unit` that this backward runs has run, its parameters'
+    /// `AccumulateGrad` included (FSDP's post-backward hook on the unit's inputs).
+    fn unit_backward_done(&mut self, _tracer: &mut Tracer, _unit: u32) {}
 }
 
 pub(crate) struct Tracer {
@@ -244,6 +253,12 @@ pub(crate) struct Tracer {
     region: Option<u32>,
     /// The region being recomputed, and the next of its nodes whose saves to fill.
     recompute: Option<(u32, usize)>,
+    /// The FSDP unit whose forward is running: nodes recorded now belong to it.
+    pub(crate) unit: Option<u32>,
+    /// Per unit, its nodes that the running backward has still to run, and whether a gradient
+    /// has reached it.
+    unit_pending: Vec<u32>,
+    unit_entered: Vec<bool>,
     /// Component new tensors are charged to (set by the model code per section).
     pub(crate) component: Component,
     /// The dtype of the active `torch.autocast` region, and its cache of weight casts.
@@ -260,6 +275,9 @@ pub(crate) struct Tracer {
     pub(crate) thread: usize,
     /// Activations made leaves by `make_grad_leaf` in this step's forward.
     activation_leaves: Vec<ParamId>,
+    /// When `Some`, parameters are appended as their gradient is stored (DDP's record of the
+    /// order gradients become ready).
+    pub(crate) grad_ready: Option<Vec<ParamId>>,
 }
 
 impl Tracer {
@@ -278,6 +296,9 @@ impl Tracer {
             regions: Vec::new(),
             region: None,
             recompute: None,
+            unit: None,
+            unit_pending: Vec::new(),
+            unit_entered: Vec::new(),
             component: Component::Activations,
             autocast: None,
             autocast_cache: Vec::new(),
@@ -286,6 +307,7 @@ impl Tracer {
             cublaslt_workspace: [false; 2],
             thread: 0,
             activation_leaves: Vec::new(),
+            grad_ready: None,
         }
     }
 
@@ -642,9 +664,14 @@ impl Tracer {
         }
     }
 
-    /// Drop every buffer kept for the life of the process (a deleted model's buffers).
-    pub(crate) fn release_persistent(&mut self) {
-        for t in std::mem::take(&mut self.persistent) {
+    /// How many tensors are kept for the life of the process so far.
+    pub(crate) fn persistent_count(&self) -> usize {
+        self.persistent.len()
+    }
+
+    /// Drop the buffers kept since `persistent_count` was `first` (a deleted model's).
+    pub(crate) fn release_persistent_from(&mut self, first: usize) {
+        for t in self.persistent.split_off(first) {
             self.drop(t);
         }
     }
@@ -830,6 +857,7 @@ impl Tracer {
             buffer: SmallVec::from_elem(None, outputs.len()),
             deps: 0,
             region: self.region,
+            unit: self.unit,
             component: self.component,
         });
         for (i, &o) in outputs.iter().enumerate() {
@@ -869,6 +897,7 @@ impl Tracer {
                     buffer: SmallVec::from_elem(None, 1),
                     deps: 0,
                     region: None,
+                    unit: self.unit,
                     component: Component::Gradients,
                 });
                 self.params[param].node = Some(node);
@@ -934,7 +963,7 @@ impl Tracer {
     // ----- backward ------------------------------------------------------------------------
 
     /// `loss.backward()`: run the engine from `root` (a scalar), then free the graph.
-    pub(crate) fn backward(&mut self, root: T, hooks: &mut dyn Recompute) {
+    pub(crate) fn backward(&mut self, root: T, hooks: &mut dyn BackwardHooks) {
         let Some((root_node, root_slot)) = self.rec(root).grad_fn else {
             return;
         };
@@ -948,6 +977,13 @@ impl Tracer {
         ready.push((self.nodes[root_node.0 as usize].seq, root_node.0));
         while let Some((_, id)) = ready.pop() {
             let node = NodeId(id);
+            let unit = self.nodes[id as usize].unit;
+            if let Some(u) = unit
+                && !self.unit_entered[u as usize]
+            {
+                self.unit_entered[u as usize] = true;
+                hooks.unit_backward_begins(self, u);
+            }
             if let Some(region) = self.nodes[id as usize].region
                 && !self.regions[region as usize].recomputed
             {
@@ -971,17 +1007,37 @@ impl Tracer {
                     ready.push((target.seq, edge.target.0));
                 }
             }
+            if let Some(u) = unit {
+                // A unit's `AccumulateGrad` nodes run as soon as they are ready (the highest
+                // sequence number), so its count reaches zero only once its grads are stored.
+                self.unit_pending[u as usize] -= 1;
+                if self.unit_pending[u as usize] == 0 {
+                    hooks.unit_backward_done(self, u);
+                }
+            }
         }
         self.thread = 0;
         self.free_graph();
         self.drop(seed);
     }
 
+    /// Count each node's incoming edges from the nodes this backward runs, and each unit's
+    /// nodes that it runs.
     fn compute_dependencies(&mut self, root: NodeId) {
         let mut stack = vec![root];
         let mut seen = vec![false; self.nodes.len()];
         seen[root.0 as usize] = true;
+        self.unit_pending.clear();
+        self.unit_entered.clear();
         while let Some(n) = stack.pop() {
+            if let Some(u) = self.nodes[n.0 as usize].unit {
+                let u = u as usize;
+                if self.unit_pending.len() <= u {
+                    self.unit_pending.resize(u + 1, 0);
+                    self.unit_entered.resize(u + 1, false);
+                }
+                self.unit_pending[u] += 1;
+            }
             let (first, count) = self.nodes[n.0 as usize].inputs;
             for i in first as usize..(first + count) as usize {
                 if let Some(edge) = self.edges[i] {
@@ -1121,6 +1177,9 @@ impl Tracer {
     }
 
     pub(crate) fn store_param_grad(&mut self, param: ParamId, grad: T) {
+        if let Some(order) = &mut self.grad_ready {
+            order.push(param);
+        }
         let p = &mut self.params[param];
         match p.grad {
             None => p.grad = Some(grad),

@@ -2,8 +2,11 @@
 //! the transformers function it mirrors; a Python name going out of scope is a `drop`.
 //! Shapes: `b` sequences of `s` tokens, `n = b * s` rows.
 
+use std::cell::RefCell;
+
 use super::attention::{self, Masks};
 use super::component::Component;
+use super::fsdp::Fsdp;
 use super::tracer::{Bwd, ParamId, T, Tracer};
 use crate::arch::{Architecture, Family, Head, Module, NormKind, Param};
 use crate::dtype::DType;
@@ -165,6 +168,8 @@ pub(crate) struct Model {
     pub inputs_require_grads: bool,
     /// Wrapped by FSDP2 with CPU offload: parameters come to the GPU unit by unit.
     pub fsdp: Option<FsdpOffload>,
+    /// Sharded by FSDP2 over several ranks; its hooks run in forward and backward.
+    pub sharded: Option<RefCell<Fsdp>>,
 }
 
 /// `fully_shard(layer, offload_policy=CPUOffloadPolicy())` for each decoder layer, then for the
@@ -264,19 +269,35 @@ impl Model {
         Self::register(t, arch, head, dtype, trainable, attention, None, false)
     }
 
-    /// Create the parameters in transformers' order on the CPU (`from_config` without a
-    /// device): none is allocated on the GPU until the model is moved there.
-    pub(crate) fn build_on_cpu(
+    /// The model's buffers as (numel, dtype): rotary `inv_freq` and `original_inv_freq`
+    /// (fp32, head_dim / 2); GPT-2 has none.
+    pub(crate) fn rotary_buffer_shapes(arch: &Architecture) -> Vec<(u64, DType)> {
+        if arch.family == Family::Gpt2 {
+            return Vec::new();
+        }
+        vec![(arch.head_dim / 2, DType::F32); 2]
+    }
+
+    /// Allocate the rotary buffers for the life of the process.
+    pub(crate) fn rotary_buffers(t: &mut Tracer, arch: &Architecture) {
+        for (numel, dtype) in Self::rotary_buffer_shapes(arch) {
+            let buffer = t.empty_as(numel, dtype, Component::Weights, "rotary inv_freq");
+            t.mark_persistent(buffer);
+        }
+    }
+
+    /// Register the parameters in transformers' order without allocating them: built on the
+    /// meta device (FSDP2 allocates each parameter's shard afterwards) or on the host (nothing
+    /// is on the GPU until the model is moved there).
+    pub(crate) fn build_on_meta(
         t: &mut Tracer,
         arch: &Architecture,
         head: Head,
         dtype: DType,
+        trainable: &dyn Fn(&Param) -> bool,
         attention: AttentionImpl,
     ) -> Model {
-        let first = t.params.len();
-        let model = Self::register(t, arch, head, dtype, &|_| false, attention, None, true);
-        debug_assert!((first..t.params.len()).all(|p| !t.is_materialized(p)));
-        model
+        Self::register(t, arch, head, dtype, trainable, attention, None, true)
     }
 
     /// Register the parameters in `model.parameters()` order. With `loading` they are not
@@ -308,7 +329,7 @@ impl Model {
             let mut register = |t: &mut Tracer, p: &Param, quantized: bool| match loading
                 .as_deref_mut()
             {
-                None if on_cpu => t.parameter_deferred(p.numel(), dtype, false, "parameter"),
+                None if on_cpu => t.parameter_deferred(p.numel(), dtype, trainable(p), "parameter"),
                 None => t.parameter(p.numel(), dtype, trainable(p), "parameter"),
                 Some(list) => {
                     let (numel, dt) = if quantized {
@@ -382,17 +403,8 @@ impl Model {
                 }
             }
         }
-        if arch.family != Family::Gpt2 && loading.is_none() && !on_cpu {
-            // Rotary `inv_freq` and `original_inv_freq` buffers (fp32, head_dim / 2).
-            for _ in 0..2 {
-                let buffer = t.empty_as(
-                    arch.head_dim / 2,
-                    DType::F32,
-                    Component::Weights,
-                    "rotary inv_freq",
-                );
-                t.mark_persistent(buffer);
-            }
+        if loading.is_none() && !on_cpu {
+            Self::rotary_buffers(t, arch);
         }
         if arch.tie_word_embeddings
             && matches!(head, Head::CausalLm)
@@ -421,6 +433,7 @@ impl Model {
             checkpointing: false,
             inputs_require_grads: false,
             fsdp: None,
+            sharded: None,
         }
     }
 
@@ -490,6 +503,10 @@ impl Model {
         if let Some(fsdp) = &self.fsdp {
             FsdpOffload::unshard(t, &fsdp.root);
         }
+        if let Some(sharded) = &self.sharded {
+            let root = sharded.borrow().root();
+            sharded.borrow_mut().pre_forward(t, root);
+        }
         let mut inputs_embeds = t.embedding(self.embed, ids, n, a.hidden);
         if a.family == Family::Gemma2 {
             // `Gemma2TextScaledWordEmbedding`: `* embed_scale.to(weight.dtype)`.
@@ -532,9 +549,12 @@ impl Model {
                 mask: masks.for_layer(a, layer),
             };
             let next = if self.checkpointing && t.grad_enabled() {
-                // The checkpoint keeps the layer's arguments to recompute it.
+                // The checkpoint keeps the layer's arguments to recompute it; FSDP's hooks
+                // run inside it (and not when it recomputes).
                 t.begin_region(&ctx.region_inputs(h));
+                self.pre_forward_hook(t, layer);
                 let out = self.layer_forward(t, layer, h, &ctx, batch);
+                self.post_forward_hook(t, layer);
                 t.end_region();
                 out
             } else if let Some(fsdp) = &self.fsdp {
@@ -543,7 +563,10 @@ impl Model {
                 FsdpOffload::reshard(t, &fsdp.layers[layer]);
                 out
             } else {
-                self.layer_forward(t, layer, h, &ctx, batch)
+                self.pre_forward_hook(t, layer);
+                let out = self.layer_forward(t, layer, h, &ctx, batch);
+                self.post_forward_hook(t, layer);
+                out
             };
             t.drop(h);
             h = next;
@@ -558,6 +581,26 @@ impl Model {
         masks.release(t);
         rope.release(t);
         out
+    }
+
+    fn pre_forward_hook(&self, t: &mut Tracer, layer: usize) {
+        if let Some(sharded) = &self.sharded {
+            sharded.borrow_mut().pre_forward(t, layer as u32);
+        }
+    }
+
+    fn post_forward_hook(&self, t: &mut Tracer, layer: usize) {
+        if let Some(sharded) = &self.sharded {
+            sharded.borrow_mut().post_forward(t, layer as u32);
+        }
+    }
+
+    /// The end of the model's forward (the loss included): the root's post-forward hook.
+    pub(crate) fn forward_done(&self, t: &mut Tracer) {
+        if let Some(sharded) = &self.sharded {
+            let root = sharded.borrow().root();
+            sharded.borrow_mut().post_forward(t, root);
+        }
     }
 
     /// The dtype of the residual stream: the parameters' (fp32 under autocast with fp32 weights).

@@ -1,0 +1,193 @@
+//! `DistributedDataParallel` (torch 2.11 defaults: `bucket_cap_mb=25`, a first bucket of
+//! 1 MiB, `broadcast_buffers=True`, `gradient_as_bucket_view=False`) as one rank sees it.
+//!
+//! What it allocates, after `nn/parallel/distributed.py` and `c10d/reducer.cpp`:
+//! - construction: `_verify_params_across_processes` copies a metadata tensor (two int64 per
+//!   dimension of every parameter) to the device and frees it; `_sync_module_states`
+//!   broadcasts parameters then buffers through `broadcast_coalesced`: tensors grouped in
+//!   buckets of at least 250 MiB, each bucket flattened into one new tensor (a lone tensor is
+//!   only viewed), at most two buckets in flight; then the `Reducer` allocates one flat
+//!   gradient buffer per bucket, buckets filled in parameter order (the first up to 1 MiB,
+//!   the rest up to 25 MiB), allocated last bucket first.
+//! - every forward broadcasts the buffers again (same bucketing). The second forward rebuilds
+//!   the buckets in the order gradients became ready in the first backward: the old buffers
+//!   are freed, then the new ones allocated in that order.
+//! - backward copies each gradient into its bucket and all-reduces the bucket in place; the
+//!   result is copied back into `.grad`: nothing is allocated. So DDP holds a second copy of
+//!   the gradients for good.
+
+use super::component::Component;
+use super::tracer::{ParamId, T, Tracer};
+use crate::dtype::DType;
+
+const BROADCAST_BUCKET_BYTES: u64 = 250 << 20;
+const FIRST_BUCKET_BYTES: u64 = 1 << 20;
+const BUCKET_BYTES: u64 = 25 << 20;
+
+pub(crate) struct Ddp {
+    /// The trainable parameters, in `model.parameters()` order.
+    params: Vec<ParamId>,
+    /// Gradient bucket buffers, in allocation order.
+    buckets: Vec<T>,
+    /// Buffers broadcast before every forward (rotary frequencies).
+    buffers: Vec<(u64, DType)>,
+    rebuilt: bool,
+}
+
+/// `compute_bucket_assignment_by_size`: tensors of one dtype in order, a bucket closed once
+/// it holds `limits[i]` bytes or more (the last limit repeats); buckets ordered by their first
+/// tensor. Returns each bucket's tensor indices.
+fn buckets_by_size(tensors: &[(u64, DType)], limits: &[u64]) -> Vec<Vec<usize>> {
+    let mut closed: Vec<Vec<usize>> = Vec::new();
+    // Per dtype: the open bucket, its bytes, and how many buckets it closed.
+    let mut open: Vec<(DType, Vec<usize>, u64, usize)> = Vec::new();
+    for (i, &(numel, dtype)) in tensors.iter().enumerate() {
+        let slot = match open.iter().position(|o| o.0 == dtype) {
+            Some(s) => s,
+            None => {
+                open.push((dtype, Vec::new(), 0, 0));
+                open.len() - 1
+            }
+        };
+        let (_, members, bytes, count) = &mut open[slot];
+        members.push(i);
+        *bytes += numel * dtype.bytes();
+        if *bytes >= limits[(*count).min(limits.len() - 1)] {
+            closed.push(std::mem::take(members));
+            *bytes = 0;
+            *count += 1;
+        }
+    }
+    closed.extend(open.into_iter().map(|o| o.1).filter(|m| !m.is_empty()));
+    closed.sort_by_key(|b| b[0]);
+    closed
+}
+
+/// `broadcast_coalesced`: each bucket of two or more tensors is flattened into a new tensor
+/// (freed when its broadcast finishes); the third bucket waits for the first.
+fn broadcast_coalesced(t: &mut Tracer, tensors: &[(u64, DType)]) {
+    let outer = std::mem::replace(&mut t.component, Component::Communication);
+    let mut in_flight: std::collections::VecDeque<Option<T>> = Default::default();
+    for bucket in buckets_by_size(tensors, &[BROADCAST_BUCKET_BYTES]) {
+        if in_flight.len() >= 2
+            && let Some(Some(flat)) = in_flight.pop_front()
+        {
+            t.drop(flat);
+        }
+        let numel = bucket.iter().map(|&i| tensors[i].0).sum();
+        let dtype = tensors[bucket[0]].1;
+        let flat =
+            (bucket.len() > 1).then(|| t.empty(numel, dtype, "broadcast_coalesced flat bucket"));
+        in_flight.push_back(flat);
+    }
+    for flat in in_flight.into_iter().flatten() {
+        t.drop(flat);
+    }
+    t.component = outer;
+}
+
+impl Ddp {
+    /// `DistributedDataParallel(model)`: `params` are every parameter in `parameters()`
+    /// order with whether it trains, `buffers` the module's buffers.
+    pub(crate) fn wrap(
+        t: &mut Tracer,
+        params: &[ParamId],
+        trainable: &[ParamId],
+        buffers: Vec<(u64, DType)>,
+    ) -> Ddp {
+        let outer = std::mem::replace(&mut t.component, Component::Communication);
+        let dims: u64 = trainable
+            .iter()
+            .map(|&p| if t.params[p].matrix.is_some() { 2 } else { 1 })
+            .sum();
+        let metadata = t.empty(2 * dims, DType::I64, "DDP parameter shape metadata");
+        t.drop(metadata);
+        t.component = outer;
+        let mut states: Vec<(u64, DType)> = params
+            .iter()
+            .map(|&p| (t.numel(t.param(p)), t.dtype(t.param(p))))
+            .collect();
+        states.extend(buffers.iter().copied());
+        broadcast_coalesced(t, &states);
+        let mut ddp = Ddp {
+            params: trainable.to_vec(),
+            buckets: Vec::new(),
+            buffers,
+            rebuilt: false,
+        };
+        let order = ddp.params.clone();
+        let mut buckets = ddp.assign(t, &order);
+        buckets.reverse();
+        ddp.allocate(t, &buckets);
+        ddp
+    }
+
+    /// The gradient buckets of parameters in `order`: (numel, dtype) each.
+    fn assign(&self, t: &Tracer, order: &[ParamId]) -> Vec<(u64, DType)> {
+        let sizes: Vec<(u64, DType)> = order
+            .iter()
+            .map(|&p| (t.numel(t.param(p)), t.dtype(t.param(p))))
+            .collect();
+        buckets_by_size(&sizes, &[FIRST_BUCKET_BYTES, BUCKET_BYTES])
+            .into_iter()
+            .map(|b| (b.iter().map(|&i| sizes[i].0).sum(), sizes[b[0]].1))
+            .collect()
+    }
+
+    fn allocate(&mut self, t: &mut Tracer, buckets: &[(u64, DType)]) {
+        let outer = std::mem::replace(&mut t.component, Component::Communication);
+        for &(numel, dtype) in buckets {
+            let b = t.empty(numel, dtype, "DDP gradient bucket");
+            self.buckets.push(b);
+        }
+        t.component = outer;
+    }
+
+    /// `_pre_forward`: rebuild the buckets once, in the order the first backward readied the
+    /// gradients (`ready`), then broadcast the buffers.
+    pub(crate) fn pre_forward(&mut self, t: &mut Tracer, ready: Option<&[ParamId]>) {
+        if t.grad_enabled()
+            && !self.rebuilt
+            && let Some(order) = ready.filter(|o| !o.is_empty())
+        {
+            self.rebuilt = true;
+            let order: Vec<ParamId> = order
+                .iter()
+                .copied()
+                .filter(|p| self.params.contains(p))
+                .collect();
+            let buckets = self.assign(t, &order);
+            for b in std::mem::take(&mut self.buckets) {
+                t.drop(b);
+            }
+            self.allocate(t, &buckets);
+        }
+        let buffers = self.buffers.clone();
+        broadcast_coalesced(t, &buffers);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_close_at_their_limit_and_keep_dtypes_apart() {
+        let mib = 1 << 20;
+        let f32_of = |bytes: u64| (bytes / 4, DType::F32);
+        // A 2 MiB tensor fills the 1 MiB first bucket alone; then 25 MiB buckets.
+        let tensors = [
+            f32_of(2 * mib),
+            f32_of(10 * mib),
+            f32_of(10 * mib),
+            f32_of(10 * mib),
+            f32_of(mib),
+        ];
+        let buckets = buckets_by_size(&tensors, &[FIRST_BUCKET_BYTES, BUCKET_BYTES]);
+        assert_eq!(buckets, vec![vec![0], vec![1, 2, 3], vec![4]]);
+        // Two dtypes form separate buckets, ordered by their first tensor.
+        let mixed = [(10, DType::BF16), (10, DType::F32), (10, DType::BF16)];
+        let buckets = buckets_by_size(&mixed, &[BUCKET_BYTES]);
+        assert_eq!(buckets, vec![vec![0, 2], vec![1]]);
+    }
+}

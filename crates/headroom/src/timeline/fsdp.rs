@@ -1,0 +1,328 @@
+//! FSDP2 (`torch.distributed.fsdp.fully_shard`, torch 2.11) as one rank sees it: every
+//! decoder layer is a unit, then the root (embedding, final norm, head). Each parameter lives
+//! as its local shard; a unit's full parameters exist only between its unshard and its
+//! reshard, and its gradients leave backward reduce-scattered into one flat shard.
+//!
+//! What each hook allocates, after `_fsdp_param_group.py` and `_fsdp_collectives.py`
+//! (no `MixedPrecisionPolicy`, so a shard is its own all-gather input):
+//! - unshard: `all_gather_output` (the unit's shards of every rank, flat) on the all-gather
+//!   copy-in stream; then, on the default stream, each parameter's unsharded storage
+//!   (`alloc_all_gather_outputs`, in parameter order) for the copy-out. In forward the output
+//!   is kept until the next unit's copy-out (`comm_ctx.all_gather_state`, to overlap the next
+//!   all-gather); in backward it is freed at once.
+//! - forward: the root unshards first and is not resharded after forward; each layer unshards
+//!   in its pre-forward hook and, with `reshard_after_forward`, frees its unsharded storages in
+//!   its post-forward hook. Under checkpointing the recomputation runs no hook.
+//! - backward: a unit's pre-backward hook unshards it (a no-op when still unsharded) and
+//!   prefetches the all-gather of the unit that finished its forward before it; its
+//!   post-backward hook takes the unsharded gradients, reshards, frees the previous unit's
+//!   `reduce_scatter_input`, allocates its own (default stream, the unit's full gradient size),
+//!   copies the gradients in and frees them, then allocates the reduce-scatter output on the
+//!   reduce-scatter stream: the sharded gradients are views of it, so it lives until
+//!   `zero_grad` drops the last of them. The last `reduce_scatter_input` is freed at the end of
+//!   backward. HSDP all-reduces that output in place.
+//! - `CPUOffloadPolicy`: shards, sharded gradients and the optimizer step stay on the host;
+//!   an unshard first copies each shard to the device (copy-in stream).
+//!
+//! Shards are padded to a multiple of the shard group in dim 0; unsharded storages are
+//! simulated at the parameter's own size (equal for the even shapes of the catalog models).
+
+use super::component::Component;
+use super::tracer::{ParamId, T, Tracer};
+use crate::arch::{Architecture, Head};
+use crate::dtype::DType;
+use crate::spec::Parallel;
+
+/// Streams of the simulated process (ids for the caching allocator's per-stream pools).
+pub(crate) const ALL_GATHER_COPY_IN_STREAM: u32 = 1;
+pub(crate) const REDUCE_SCATTER_STREAM: u32 = 2;
+
+struct Unit {
+    /// The unsharded parameters the model computes with (registered without storage).
+    params: Vec<ParamId>,
+    /// Their local shards, in the same order: what the optimizer steps.
+    shards: Vec<ParamId>,
+    unsharded: bool,
+    /// Where this backward is with it.
+    backward: UnitBackward,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum UnitBackward {
+    NotReached,
+    Running,
+    Done,
+}
+
+pub(crate) struct Fsdp {
+    /// Ranks that shard one copy (the shard group).
+    ranks: u64,
+    reshard_after_forward: bool,
+    offload: bool,
+    dtype: DType,
+    /// Decoder layers in order, then the root.
+    units: Vec<Unit>,
+    /// The last forward all-gather output, kept until the next copy-out.
+    all_gather_state: Option<T>,
+    /// A backward prefetch: the unit and its all-gather output, waiting for its copy-out.
+    prefetched: Option<(usize, T)>,
+    /// The last `reduce_scatter_input`, freed by the next reduce-scatter.
+    reduce_scatter_state: Option<T>,
+    /// Units in the order their forward finished (`comm_ctx.post_forward_order`).
+    post_forward_order: Vec<usize>,
+}
+
+impl Fsdp {
+    /// `fully_shard` each decoder layer, then the root, on a model whose parameters were
+    /// registered without storage (built on the meta device) from `first` on, in
+    /// `arch.parameters(head)` order; then `to_empty(device="cuda")`: each parameter's local
+    /// shard is allocated, in that order.
+    pub(crate) fn shard(
+        t: &mut Tracer,
+        arch: &Architecture,
+        head: Head,
+        first: ParamId,
+        dtype: DType,
+        parallel: &Parallel,
+    ) -> Fsdp {
+        let ranks = parallel.shard_size;
+        let layers = arch.layers as usize;
+        let mut units: Vec<Unit> = (0..=layers)
+            .map(|_| Unit {
+                params: Vec::new(),
+                shards: Vec::new(),
+                unsharded: false,
+                backward: UnitBackward::NotReached,
+            })
+            .collect();
+        for (i, p) in arch.parameters(head).iter().enumerate() {
+            let unit = p.layer.map_or(layers, |l| l as usize);
+            let rows = p.rows.div_ceil(ranks);
+            let shard = if parallel.offload_params {
+                // On the host: a handle without device storage.
+                t.parameter_deferred(rows * p.cols, dtype, false, "FSDP2 shard (host)")
+            } else {
+                t.parameter(rows * p.cols, dtype, false, "FSDP2 sharded parameter")
+            };
+            if p.cols > 1 {
+                t.set_matrix(shard, rows, p.cols);
+            }
+            units[unit].params.push(first + i);
+            units[unit].shards.push(shard);
+        }
+        Fsdp {
+            ranks,
+            reshard_after_forward: parallel.reshard_after_forward,
+            offload: parallel.offload_params,
+            dtype,
+            units,
+            all_gather_state: None,
+            prefetched: None,
+            reduce_scatter_state: None,
+            post_forward_order: Vec::new(),
+        }
+    }
+
+    /// The root's unit id (the units before it are the decoder layers).
+    pub(crate) fn root(&self) -> u32 {
+        (self.units.len() - 1) as u32
+    }
+
+    /// The shards the optimizer steps (none on the device under CPU offload), in parameter
+    /// order.
+    pub(crate) fn device_shards(&self) -> Vec<ParamId> {
+        if self.offload {
+            return Vec::new();
+        }
+        let mut all: Vec<ParamId> = self.units.iter().flat_map(|u| u.shards.clone()).collect();
+        all.sort_unstable();
+        all
+    }
+
+    /// Shard bytes held on the host (CPU offload).
+    pub(crate) fn host_bytes(&self, t: &Tracer) -> u64 {
+        if !self.offload {
+            return 0;
+        }
+        self.units
+            .iter()
+            .flat_map(|u| &u.shards)
+            .map(|&s| t.bytes(t.param(s)))
+            .sum()
+    }
+
+    fn shard_numel(&self, t: &Tracer, unit: usize) -> u64 {
+        self.units[unit]
+            .shards
+            .iter()
+            .map(|&s| t.numel(t.param(s)))
+            .sum()
+    }
+
+    /// `foreach_all_gather`: the output buffer on the copy-in stream (after host-to-device
+    /// copies of the shards under CPU offload).
+    fn all_gather(&self, t: &mut Tracer, unit: usize) -> T {
+        let outer = std::mem::replace(&mut t.component, Component::Communication);
+        t.mem.stream = ALL_GATHER_COPY_IN_STREAM;
+        let copies: Vec<T> = if self.offload {
+            self.units[unit]
+                .shards
+                .iter()
+                .map(|&s| {
+                    let n = t.numel(t.param(s));
+                    t.empty(n, self.dtype, "FSDP2 shard copied to the GPU")
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let numel = self.shard_numel(t, unit) * self.ranks;
+        let output = t.empty(numel, self.dtype, "FSDP2 all_gather_output");
+        t.drop_all(&copies);
+        t.mem.stream = 0;
+        t.component = outer;
+        output
+    }
+
+    /// `unshard` then `wait_for_unshard`.
+    fn unshard(&mut self, t: &mut Tracer, unit: usize, forward: bool) {
+        if self.units[unit].unsharded {
+            return;
+        }
+        let output = match self.prefetched.take() {
+            Some((u, output)) if u == unit => output,
+            other => {
+                self.prefetched = other;
+                self.all_gather(t, unit)
+            }
+        };
+        if forward && let Some(previous) = self.all_gather_state.take() {
+            t.drop(previous);
+        }
+        let outer = std::mem::replace(&mut t.component, Component::Weights);
+        for &p in &self.units[unit].params {
+            t.materialize(p);
+        }
+        t.component = outer;
+        if forward && self.ranks > 1 {
+            self.all_gather_state = Some(output);
+        } else {
+            t.drop(output);
+        }
+        self.units[unit].unsharded = true;
+    }
+
+    fn reshard(&mut self, t: &mut Tracer, unit: usize) {
+        if !self.units[unit].unsharded {
+            return;
+        }
+        for &p in &self.units[unit].params {
+            t.offload(p);
+        }
+        self.units[unit].unsharded = false;
+    }
+
+    /// A unit's pre-forward hook; nodes recorded from here on belong to it.
+    pub(crate) fn pre_forward(&mut self, t: &mut Tracer, unit: u32) {
+        self.unshard(t, unit as usize, true);
+        t.unit = Some(unit);
+    }
+
+    /// A unit's post-forward hook: a layer is resharded (full shard), the root never is.
+    pub(crate) fn post_forward(&mut self, t: &mut Tracer, unit: u32) {
+        let u = unit as usize;
+        if self.reshard_after_forward && unit != self.root() {
+            self.reshard(t, u);
+        }
+        self.post_forward_order.push(u);
+        t.unit = (unit != self.root()).then(|| self.root());
+    }
+
+    /// The pre-backward hook: unshard, then prefetch the unit whose forward finished before.
+    pub(crate) fn pre_backward(&mut self, t: &mut Tracer, unit: u32) {
+        let u = unit as usize;
+        if self.units[u].backward != UnitBackward::NotReached {
+            return;
+        }
+        self.units[u].backward = UnitBackward::Running;
+        self.unshard(t, u, false);
+        let Some(index) = self.post_forward_order.iter().rposition(|&x| x == u) else {
+            return;
+        };
+        self.post_forward_order.truncate(index);
+        if let Some(&target) = self.post_forward_order.last()
+            && !self.units[target].unsharded
+            && self.prefetched.is_none()
+        {
+            let output = self.all_gather(t, target);
+            self.prefetched = Some((target, output));
+        }
+    }
+
+    /// The post-backward hook: reshard and reduce-scatter the unit's gradients.
+    pub(crate) fn post_backward(&mut self, t: &mut Tracer, unit: u32) {
+        let u = unit as usize;
+        self.units[u].backward = UnitBackward::Done;
+        let grads: Vec<(usize, T)> = self.units[u]
+            .params
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &p)| t.params[p].grad.take().map(|g| (i, g)))
+            .collect();
+        self.reshard(t, u);
+        if grads.is_empty() {
+            return;
+        }
+        if let Some(previous) = self.reduce_scatter_state.take() {
+            t.drop(previous);
+        }
+        let grad_dtype = t.dtype(grads[0].1);
+        let shard_numel = self.shard_numel(t, u);
+        let outer = std::mem::replace(&mut t.component, Component::Communication);
+        let input = t.empty(
+            shard_numel * self.ranks,
+            grad_dtype,
+            "FSDP2 reduce_scatter_input",
+        );
+        for &(_, g) in &grads {
+            t.drop(g);
+        }
+        t.component = Component::Gradients;
+        t.mem.stream = REDUCE_SCATTER_STREAM;
+        let output = t.empty(
+            shard_numel,
+            grad_dtype,
+            "FSDP2 reduce-scatter output (sharded grads)",
+        );
+        t.mem.stream = 0;
+        t.component = outer;
+        if !self.offload {
+            for &(i, _) in &grads {
+                let shard = self.units[u].shards[i];
+                let numel = t.numel(t.param(shard));
+                let view = t.view(output, numel, "sharded grad");
+                t.params[shard].grad = Some(view);
+            }
+        }
+        t.drop(output);
+        self.reduce_scatter_state = Some(input);
+    }
+
+    /// The root's final callback: units whose post-backward hook did not run get it now, the
+    /// last `reduce_scatter_input` is freed, and the next backward starts afresh.
+    pub(crate) fn finish_backward(&mut self, t: &mut Tracer) {
+        for u in 0..self.units.len() {
+            if self.units[u].backward == UnitBackward::Running {
+                self.post_backward(t, u as u32);
+            }
+            self.units[u].backward = UnitBackward::NotReached;
+        }
+        if let Some(input) = self.reduce_scatter_state.take() {
+            t.drop(input);
+        }
+        if let Some((_, output)) = self.prefetched.take() {
+            t.drop(output);
+        }
+        self.post_forward_order.clear();
+    }
+}

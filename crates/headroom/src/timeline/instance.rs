@@ -1,0 +1,286 @@
+//! One model as a process builds and uses it: parameters (loaded 4-bit, sharded by FSDP2 or
+//! left on the host), adapters, checkpointing, DDP, the optimizer, and the passes a training
+//! step or a pipeline phase runs on it. A single run has one instance; a pipeline several,
+//! in one tracer and one caching allocator.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use super::ddp::Ddp;
+use super::fsdp::Fsdp;
+use super::optim::OptimizerState;
+use super::quant;
+use super::step::{autocast_dtype, backward, logprob_forward, param_dtype, train_forward};
+use super::tracer::{ParamId, T, Tracer};
+use super::transformer::{AttentionImpl, Batch, FsdpOffload, LoraAdapter, Model};
+use crate::arch::{Architecture, Param};
+use crate::dtype::DType;
+use crate::spec::{
+    Attention, Lora, Mode, Optimizer, Quantization, RunSpec, Strategy, Task, lora_targets_module,
+};
+
+/// Where an instance's parameters are built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Home {
+    /// `from_config` on the GPU (or FSDP2's shards there).
+    Gpu,
+    /// On the host: nothing on the GPU until it is moved there.
+    Cpu,
+}
+
+pub(crate) struct Instance {
+    pub(crate) spec: RunSpec,
+    pub(crate) model: Model,
+    pub(crate) batch: Batch,
+    autocast: Option<DType>,
+    /// The model's parameters, adapters included (not FSDP2's shards).
+    pub(crate) params: Range<ParamId>,
+    /// What the optimizer steps: the trainable parameters, or FSDP2's shards on the device.
+    pub(crate) trainable: Vec<ParamId>,
+    pub(crate) optimizer: OptimizerState,
+    ddp: Option<Ddp>,
+    /// The order the first backward readied the gradients (DDP rebuilds its buckets by it).
+    grads_ready: Option<Vec<ParamId>>,
+    /// `sum(p.numel() for p in model.parameters())` as transformers built it (4-bit weights
+    /// count packed bytes), and of the trainable ones after adapters.
+    pub(crate) param_count: u64,
+    pub(crate) trainable_count: u64,
+    /// Allocated bytes once the weights are in place (before adapters and wrapping).
+    pub(crate) weights_loaded: u64,
+}
+
+impl Instance {
+    /// Build the model of `spec` as the harness does: the weights (loaded 4-bit, or created
+    /// from the config on the GPU, on the host, or on the meta device and sharded), then
+    /// `prepare_model_for_kbit_training`, peft, checkpointing and DDP.
+    pub(crate) fn build(t: &mut Tracer, spec: &RunSpec, arch: &Architecture, home: Home) -> Self {
+        let head = spec.head();
+        let train = spec.mode == Mode::Train;
+        let trainable = |_: &Param| train;
+        let attention = match spec.attention {
+            Attention::Sdpa => AttentionImpl::Sdpa,
+            Attention::Eager => AttentionImpl::Eager,
+        };
+        let dtype = param_dtype(spec);
+        let parallel = spec.parallel.as_ref();
+        let strategy = parallel.map(|p| p.strategy);
+        // FSDP2 with CPU offload on a one-rank group for a no-grad pass (slime's reference):
+        // the units come to the GPU one at a time, from host memory.
+        let offloaded_unsharded = parallel.is_some_and(|p| {
+            p.strategy == Strategy::Fsdp && p.world_size == 1 && p.offload_params && !train
+        });
+        let first = t.params.len();
+        let mut model = match spec.quantization {
+            Some(Quantization::Nf4) => quant::load_nf4(t, arch, head, attention, &trainable),
+            None if home == Home::Cpu || offloaded_unsharded => {
+                Model::build_on_meta(t, arch, head, dtype, &trainable, attention)
+            }
+            None if strategy == Some(Strategy::Fsdp) => {
+                Model::build_on_meta(t, arch, head, dtype, &trainable, attention)
+            }
+            None => Model::build(t, arch, head, dtype, &trainable, attention),
+        };
+        let param_count = (first..t.params.len()).map(|p| t.numel(t.param(p))).sum();
+        if offloaded_unsharded {
+            model.fsdp = Some(FsdpOffload::units(arch, head, first));
+        } else if let Some(parallel) = parallel.filter(|p| p.strategy == Strategy::Fsdp) {
+            let fsdp = Fsdp::shard(t, arch, head, first, dtype, parallel);
+            model.sharded = Some(RefCell::new(fsdp));
+            // The meta device left the rotary buffers empty: they are built again on the GPU.
+            Model::rotary_buffers(t, arch);
+        }
+        let model_params = first..first + arch.parameters(head).len();
+        let weights_loaded = t.mem.allocated();
+        if spec.kbit_prepare {
+            quant::prepare_kbit(t, model_params.clone());
+        }
+        if let Some(lora) = &spec.lora {
+            install_lora(t, &mut model, model_params.clone(), lora, spec.task);
+        }
+        // Adapters follow the model's parameters; FSDP2's shards are not the model's.
+        let params = if model.sharded.is_some() {
+            model_params
+        } else {
+            first..t.params.len()
+        };
+        model.checkpointing = spec.gradient_checkpointing && train;
+        model.inputs_require_grads = model.checkpointing;
+        let trainable_ids: Vec<ParamId> = params
+            .clone()
+            .filter(|&p| t.requires_grad(t.param(p)))
+            .collect();
+        let trainable_count = trainable_ids.iter().map(|&p| t.numel(t.param(p))).sum();
+        let trainable_ids = match &model.sharded {
+            Some(sharded) => sharded.borrow().device_shards(),
+            None => trainable_ids,
+        };
+        let ddp = (strategy == Some(Strategy::Ddp)).then(|| {
+            let all: Vec<ParamId> = params.clone().collect();
+            Ddp::wrap(t, &all, &trainable_ids, Model::rotary_buffer_shapes(arch))
+        });
+        Instance {
+            spec: spec.clone(),
+            model,
+            batch: Batch {
+                b: spec.batch_size,
+                s: spec.seq_len,
+            },
+            autocast: autocast_dtype(spec),
+            params,
+            trainable: trainable_ids,
+            optimizer: OptimizerState::new(spec.optimizer),
+            ddp,
+            grads_ready: None,
+            param_count,
+            trainable_count,
+            weights_loaded,
+        }
+    }
+
+    /// The training forward up to the loss (DDP's pre-forward first).
+    pub(crate) fn forward_for_loss(&mut self, t: &mut Tracer, ids: T) -> T {
+        if let Some(ddp) = self.ddp.as_mut() {
+            ddp.pre_forward(t, self.grads_ready.as_deref());
+            if self.grads_ready.is_none() {
+                t.grad_ready = Some(Vec::new());
+            }
+        }
+        let outer = t.enter_autocast(self.autocast);
+        let loss = train_forward(t, &self.model, &self.spec, ids, self.batch);
+        t.exit_autocast(outer);
+        loss
+    }
+
+    /// `loss.backward()`; the loss is dropped.
+    pub(crate) fn backward(&mut self, t: &mut Tracer, loss: T) {
+        backward(t, &self.model, loss, self.batch, self.autocast);
+        t.drop(loss);
+        if self.ddp.is_some() && self.grads_ready.is_none() {
+            self.grads_ready = t.grad_ready.take();
+        }
+    }
+
+    pub(crate) fn optimizer_step(&mut self, t: &mut Tracer) {
+        if self.spec.optimizer != Optimizer::None {
+            self.optimizer.step(t, &self.trainable);
+        }
+    }
+
+    /// `optimizer.zero_grad(set_to_none=True)`: gradients are dropped in parameter order.
+    pub(crate) fn zero_grad(&self, t: &mut Tracer) {
+        for &p in &self.trainable {
+            if let Some(g) = t.params[p].grad.take() {
+                t.drop(g);
+            }
+        }
+    }
+
+    /// One training step as one phase: forward, backward, `optimizer.step()`, `zero_grad`.
+    pub(crate) fn train_step(&mut self, t: &mut Tracer, ids: T) {
+        let loss = self.forward_for_loss(t, ids);
+        if t.mem.stopped() {
+            return;
+        }
+        self.backward(t, loss);
+        self.optimizer_step(t);
+        self.zero_grad(t);
+    }
+
+    /// The no-grad log-prob pass.
+    pub(crate) fn logprob_pass(&mut self, t: &mut Tracer, ids: T) {
+        let grad = t.set_grad_enabled(false);
+        let outer = t.enter_autocast(self.autocast);
+        logprob_forward(t, &self.model, ids, self.batch);
+        t.exit_autocast(outer);
+        t.set_grad_enabled(grad);
+    }
+
+    /// Parameter bytes of the model (what `model.cpu()` moves).
+    pub(crate) fn param_bytes(&self, t: &Tracer) -> u64 {
+        self.params.clone().map(|p| t.bytes(t.param(p))).sum()
+    }
+
+    /// Parameter bytes on the host: a model moved or built there, FSDP2 CPU offload's shards
+    /// (its host copy stays while units visit the GPU).
+    pub(crate) fn host_bytes(&self, t: &Tracer) -> u64 {
+        if self.model.fsdp.is_some() {
+            return self.param_bytes(t);
+        }
+        let on_host: u64 = self
+            .params
+            .clone()
+            .filter(|&p| !t.is_materialized(p))
+            .map(|p| t.bytes(t.param(p)))
+            .sum();
+        match &self.model.sharded {
+            Some(sharded) => sharded.borrow().host_bytes(t),
+            None => on_host,
+        }
+    }
+
+    /// `model.cpu()`: each parameter's storage is copied out and freed, in parameter order
+    /// (optimizer states stay). Returns the bytes moved.
+    pub(crate) fn to_cpu(&self, t: &mut Tracer) -> u64 {
+        for p in self.params.clone() {
+            t.offload(p);
+        }
+        self.param_bytes(t)
+    }
+
+    /// `model.cuda()`: each parameter is allocated again, in parameter order.
+    pub(crate) fn to_gpu(&self, t: &mut Tracer) -> u64 {
+        for p in self.params.clone() {
+            t.materialize(p);
+        }
+        self.param_bytes(t)
+    }
+
+    /// What a pass copies in from host memory: the FSDP2-offloaded units not on the GPU.
+    pub(crate) fn streamed_bytes(&self, t: &Tracer) -> u64 {
+        self.model.fsdp.as_ref().map_or(0, |f| f.sharded_bytes(t))
+    }
+}
+
+/// `get_peft_model(model, LoraConfig(...))`: freeze the base, create `lora_A`/`lora_B` for each
+/// targeted linear (on the GPU, in the base weight's dtype), then cast the adapters to fp32
+/// (`autocast_adapter_dtype=True`). For sequence classification the head is a trainable copy
+/// (`modules_to_save`).
+fn install_lora(
+    t: &mut Tracer,
+    model: &mut Model,
+    params: Range<ParamId>,
+    lora: &Lora,
+    task: Task,
+) {
+    for p in params {
+        t.set_trainable(p, false);
+    }
+    let dtype = model.dtype;
+    let mut adapters = Vec::new();
+    for (module, linear) in model.linears_mut() {
+        if !lora_targets_module(lora, module) {
+            continue;
+        }
+        let a = t.parameter(lora.r * linear.in_features, dtype, true, "lora_A");
+        t.set_matrix(a, lora.r, linear.in_features);
+        let b = t.parameter(linear.out_features * lora.r, dtype, true, "lora_B");
+        t.set_matrix(b, linear.out_features, lora.r);
+        linear.lora = Some(LoraAdapter {
+            a,
+            b,
+            r: lora.r,
+            dropout: lora.dropout > 0.0,
+        });
+        adapters.extend([a, b]);
+    }
+    for p in adapters {
+        t.cast_parameter(p, DType::F32);
+    }
+    if task == Task::SeqCls
+        && let Some(score) = model.score.as_mut()
+    {
+        let n = score.out_features * score.in_features;
+        score.weight = t.parameter(n, dtype, true, "score (modules_to_save copy)");
+        t.set_matrix(score.weight, score.out_features, score.in_features);
+    }
+}

@@ -141,6 +141,9 @@ pub struct RunSpec {
     pub allocator: AllocatorSpec,
     /// Data parallelism over several GPUs; `None`: one GPU.
     pub parallel: Option<Parallel>,
+    /// An HF config given inline (`model_config:`), used instead of looking `model` up; `model`
+    /// then only names it.
+    pub model_config: Option<Value>,
 }
 
 const KEYS: &[&str] = &[
@@ -158,6 +161,7 @@ const KEYS: &[&str] = &[
     "kbit_prepare",
     "allocator",
     "parallel",
+    "model_config",
 ];
 
 const PARALLEL_KEYS: &[&str] = &[
@@ -363,6 +367,17 @@ impl RunSpec {
                 None | Some(Value::Null) => None,
                 Some(v) => Some(parse_parallel(v)?),
             },
+            model_config: match obj.get("model_config") {
+                None | Some(Value::Null) => None,
+                Some(v @ Value::Object(_)) => Some(v.clone()),
+                Some(v) => {
+                    return Err(Error::field(
+                        "model_config",
+                        v,
+                        "use a mapping of HF config fields (model_type, hidden_size, ...)",
+                    ));
+                }
+            },
         };
         spec.check_combinations()?;
         Ok(spec)
@@ -427,7 +442,13 @@ impl RunSpec {
     /// The model's config, resolved against the catalog or the file system (relative paths
     /// are taken from `spec_dir`, the folder of the spec file).
     pub fn resolve_model(&self, spec_dir: Option<&Path>) -> Result<ResolvedModel> {
-        catalog::resolve(&self.model, spec_dir)
+        match &self.model_config {
+            Some(config) => Ok(ResolvedModel {
+                name: self.model.clone(),
+                config: config.clone(),
+            }),
+            None => catalog::resolve(&self.model, spec_dir),
+        }
     }
 
     pub fn head(&self) -> Head {
@@ -547,9 +568,16 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             "use an integer from 1 to 65536",
         ));
     }
-    let given = |key: &str| obj.get(key).is_some_and(|v| !v.is_null());
+    // The harness writes every key; a key that does not apply is accepted at its default.
+    let set = |key: &str| {
+        obj.get(key).is_some_and(|v| match key {
+            "reshard_after_forward" => v != &Value::Bool(true),
+            "shard_size" => v.as_u64() != Some(world_size),
+            _ => v != &Value::Bool(false) && !v.is_null(),
+        })
+    };
     let only_for = |key: &str, ok: bool, allowed: &str| -> Result<()> {
-        if given(key) && !ok {
+        if set(key) && !ok {
             return Err(Error::field(
                 format!("parallel.{key}"),
                 &obj[key],

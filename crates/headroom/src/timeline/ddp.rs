@@ -6,12 +6,13 @@
 //!   dimension of every parameter) to the device and frees it; `_sync_module_states`
 //!   broadcasts parameters then buffers through `broadcast_coalesced`: tensors grouped in
 //!   buckets of at least 250 MiB, each bucket flattened into one new tensor (a lone tensor is
-//!   only viewed), at most two buckets in flight; then the `Reducer` allocates one flat
-//!   gradient buffer per bucket, buckets filled in parameter order (the first up to 1 MiB,
-//!   the rest up to 25 MiB), allocated last bucket first.
+//!   only viewed), at most two buckets in flight; then the `Reducer` allocates its gradient
+//!   buffer: the order gradients become ready is not known yet, so the first iteration has one
+//!   bucket per dtype holding every trainable parameter (measured: bench/distributed).
 //! - every forward broadcasts the buffers again (same bucketing). The second forward rebuilds
-//!   the buckets in the order gradients became ready in the first backward: the old buffers
-//!   are freed, then the new ones allocated in that order.
+//!   the buckets in the order gradients became ready in the first backward (the first up to
+//!   1 MiB, the rest up to 25 MiB): the old buffer is freed, then the new ones allocated in
+//!   that order.
 //! - backward copies each gradient into its bucket and all-reduces the bucket in place; the
 //!   result is copied back into `.grad`: nothing is allocated. So DDP holds a second copy of
 //!   the gradients for good.
@@ -116,19 +117,18 @@ impl Ddp {
             rebuilt: false,
         };
         let order = ddp.params.clone();
-        let mut buckets = ddp.assign(t, &order);
-        buckets.reverse();
+        let buckets = ddp.assign(t, &order, &[u64::MAX]);
         ddp.allocate(t, &buckets);
         ddp
     }
 
     /// The gradient buckets of parameters in `order`: (numel, dtype) each.
-    fn assign(&self, t: &Tracer, order: &[ParamId]) -> Vec<(u64, DType)> {
+    fn assign(&self, t: &Tracer, order: &[ParamId], limits: &[u64]) -> Vec<(u64, DType)> {
         let sizes: Vec<(u64, DType)> = order
             .iter()
             .map(|&p| (t.numel(t.param(p)), t.dtype(t.param(p))))
             .collect();
-        buckets_by_size(&sizes, &[FIRST_BUCKET_BYTES, BUCKET_BYTES])
+        buckets_by_size(&sizes, limits)
             .into_iter()
             .map(|b| (b.iter().map(|&i| sizes[i].0).sum(), sizes[b[0]].1))
             .collect()
@@ -156,7 +156,7 @@ impl Ddp {
                 .copied()
                 .filter(|p| self.params.contains(p))
                 .collect();
-            let buckets = self.assign(t, &order);
+            let buckets = self.assign(t, &order, &[FIRST_BUCKET_BYTES, BUCKET_BYTES]);
             for b in std::mem::take(&mut self.buckets) {
                 t.drop(b);
             }

@@ -9,10 +9,13 @@
 //!   copy-in stream; then, on the default stream, each parameter's unsharded storage
 //!   (`alloc_all_gather_outputs`, in parameter order) for the copy-out. In forward the output
 //!   is kept until the next unit's copy-out (`comm_ctx.all_gather_state`, to overlap the next
-//!   all-gather); in backward it is freed at once.
-//! - forward: the root unshards first and is not resharded after forward; each layer unshards
-//!   in its pre-forward hook and, with `reshard_after_forward`, frees its unsharded storages in
-//!   its post-forward hook. Under checkpointing the recomputation runs no hook.
+//!   all-gather) and the last one until the root's post-forward; in backward it is freed at
+//!   once.
+//! - forward: the root unshards first; each unit unshards in its pre-forward hook and, with
+//!   `reshard_after_forward`, frees its unsharded storages in its post-forward hook. The root
+//!   reshards too: `fully_shard(model, reshard_after_forward=...)` given explicitly, as
+//!   training scripts do, overrides FSDP2's keep-the-root default, so backward gathers the
+//!   root again first. Under checkpointing the recomputation runs no hook.
 //! - backward: a unit's pre-backward hook unshards it (a no-op when still unsharded) and
 //!   prefetches the all-gather of the unit that finished its forward before it; its
 //!   post-backward hook takes the unsharded gradients, reshards, frees the previous unit's
@@ -29,6 +32,7 @@
 
 use super::component::Component;
 use super::tracer::{ParamId, T, Tracer};
+use super::transformer::Model;
 use crate::arch::{Architecture, Head};
 use crate::dtype::DType;
 use crate::spec::Parallel;
@@ -110,6 +114,21 @@ impl Fsdp {
             units[unit].params.push(first + i);
             units[unit].shards.push(shard);
         }
+        // `to_empty` reaches the meta buffers after the parameters, and the tied `lm_head`
+        // last: its shard is made again and dropped (the tie holds the embedding's).
+        let meta_buffers: Vec<T> = Model::rotary_buffer_shapes(arch)
+            .into_iter()
+            .map(|(n, d)| t.empty_as(n, d, Component::Weights, "rotary inv_freq (meta, to_empty)"))
+            .collect();
+        if arch.tie_word_embeddings && head == Head::CausalLm && !parallel.offload_params {
+            let embed = units[layers].shards[0];
+            let numel = t.numel(t.param(embed));
+            let copy = t.empty_as(numel, dtype, Component::Weights, "tied lm_head shard (to_empty)");
+            t.drop(copy);
+        }
+        // The harness then builds the rotary module again on the GPU.
+        Model::rotary_buffers(t, arch);
+        t.drop_all(&meta_buffers);
         Fsdp {
             ranks,
             reshard_after_forward: parallel.reshard_after_forward,
@@ -196,14 +215,15 @@ impl Fsdp {
                 self.all_gather(t, unit)
             }
         };
-        if forward && let Some(previous) = self.all_gather_state.take() {
-            t.drop(previous);
-        }
         let outer = std::mem::replace(&mut t.component, Component::Weights);
         for &p in &self.units[unit].params {
             t.materialize(p);
         }
         t.component = outer;
+        // The previous forward all-gather output goes once this copy-out is queued.
+        if forward && let Some(previous) = self.all_gather_state.take() {
+            t.drop(previous);
+        }
         if forward && self.ranks > 1 {
             self.all_gather_state = Some(output);
         } else {
@@ -228,11 +248,16 @@ impl Fsdp {
         t.unit = Some(unit);
     }
 
-    /// A unit's post-forward hook: a layer is resharded (full shard), the root never is.
+    /// A unit's post-forward hook: resharded under full shard.
     pub(crate) fn post_forward(&mut self, t: &mut Tracer, unit: u32) {
         let u = unit as usize;
-        if self.reshard_after_forward && unit != self.root() {
+        if self.reshard_after_forward {
             self.reshard(t, u);
+        }
+        if unit == self.root()
+            && let Some(output) = self.all_gather_state.take()
+        {
+            t.drop(output);
         }
         self.post_forward_order.push(u);
         t.unit = (unit != self.root()).then(|| self.root());

@@ -86,8 +86,6 @@ impl Instance {
         } else if let Some(parallel) = parallel.filter(|p| p.strategy == Strategy::Fsdp) {
             let fsdp = Fsdp::shard(t, arch, head, first, dtype, parallel);
             model.sharded = Some(RefCell::new(fsdp));
-            // The meta device left the rotary buffers empty: they are built again on the GPU.
-            Model::rotary_buffers(t, arch);
         }
         let model_params = first..first + arch.parameters(head).len();
         let weights_loaded = t.mem.allocated();

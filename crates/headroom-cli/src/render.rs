@@ -245,8 +245,9 @@ pub fn pipeline(
                 .map(|x| {
                     let name = &spec.instances[x.instance].name;
                     let pass = match x.pass {
-                        Pass::Train => "step",
-                        Pass::Forward => "forward",
+                        Pass::Train => "step".to_string(),
+                        Pass::Forward => "forward".to_string(),
+                        Pass::Generate { new_tokens } => format!("generates {new_tokens}"),
                     };
                     match x.repeat {
                         1 => format!("{name} {pass}"),

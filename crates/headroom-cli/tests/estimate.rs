@@ -139,6 +139,22 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
             vec!["batchsize", "did you mean `batch_size`"],
         ),
         ("not-a-mapping", vec!["mapping"]),
+        (
+            "parallel-strategy",
+            vec!["parallel.strategy", "zero4", "fsdp"],
+        ),
+        (
+            "parallel-shard-size",
+            vec!["parallel.shard_size", "3", "divide world_size (8)"],
+        ),
+        (
+            "pipeline-unknown-instance",
+            vec!["phases[0].run[0]", "critic", "actor"],
+        ),
+        (
+            "pipeline-generate-tokens",
+            vec!["phases[0].run[0].new_tokens", "512", "fewer than 512"],
+        ),
     ];
     let mut messages = String::new();
     for (name, words) in cases {

@@ -229,19 +229,42 @@ impl PipelineSpec {
                 let (name, pass, repeat) = match run {
                     Value::String(n) => (n.as_str(), None, 1),
                     Value::Object(r) => {
-                        unknown_keys(r, &format!("{at}."), &["instance", "pass", "repeat"])?;
+                        unknown_keys(
+                            r,
+                            &format!("{at}."),
+                            &["instance", "pass", "repeat", "new_tokens"],
+                        )?;
+                        let new_tokens = r.get("new_tokens");
                         let pass = match r.get("pass") {
                             None => None,
                             Some(Value::String(s)) if s == "train" => Some(Pass::Train),
                             Some(Value::String(s)) if s == "forward" => Some(Pass::Forward),
+                            Some(Value::String(s)) if s == "generate" => {
+                                let n = new_tokens.and_then(Value::as_u64).filter(|&n| n >= 1);
+                                let Some(new_tokens) = n else {
+                                    return Err(Error::field(
+                                        format!("{at}.new_tokens"),
+                                        new_tokens.cloned().unwrap_or(Value::Null),
+                                        "a generate pass needs new_tokens, an integer >= 1",
+                                    ));
+                                };
+                                Some(Pass::Generate { new_tokens })
+                            }
                             Some(v) => {
                                 return Err(Error::field(
                                     format!("{at}.pass"),
                                     v,
-                                    "use train or forward",
+                                    "use train, forward or generate",
                                 ));
                             }
                         };
+                        if new_tokens.is_some() && !matches!(pass, Some(Pass::Generate { .. })) {
+                            return Err(Error::field(
+                                format!("{at}.new_tokens"),
+                                new_tokens.cloned().unwrap_or(Value::Null),
+                                "new_tokens goes with pass: generate",
+                            ));
+                        }
                         let repeat = match r.get("repeat") {
                             None => 1,
                             Some(v) => {
@@ -279,6 +302,18 @@ impl PipelineSpec {
                         format!("{at}.pass"),
                         "train",
                         format!("{name} is built for `mode: forward`; use pass: forward"),
+                    ));
+                }
+                if let Pass::Generate { new_tokens } = pass
+                    && new_tokens >= spec.seq_len
+                {
+                    return Err(Error::field(
+                        format!("{at}.new_tokens"),
+                        new_tokens,
+                        format!(
+                            "the prompt is seq_len - new_tokens: use fewer than {} (seq_len of {name})",
+                            spec.seq_len
+                        ),
                     ));
                 }
                 passes.push(PassDef {

@@ -159,6 +159,14 @@ pub fn families(row: &Row) -> Vec<String> {
         format!("optimizer: {}", s.optimizer.name()),
     ];
     out.push(format!("gpu: {}", row.gpu.name));
+    out.push(match &s.parallel {
+        Some(p) => format!(
+            "parallel: {} over {} ranks",
+            p.strategy.name(),
+            p.world_size
+        ),
+        None => "parallel: one GPU".to_string(),
+    });
     out.push(
         match (&s.lora, s.quantization) {
             (_, Some(_)) => "adapters: QLoRA (nf4)",

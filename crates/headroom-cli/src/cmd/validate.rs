@@ -42,10 +42,14 @@ pub fn run(args: Args) -> CliResult {
         let rows = validate::load_rows(file).map_err(|e| CliError::input(e.to_string()))?;
         for row in rows {
             let id = row.id.clone();
-            results.push(
-                validate::check(row, file.parent())
-                    .map_err(|e| CliError::input(format!("row {id}: {e}")))?,
-            );
+            match validate::check(row, file.parent()) {
+                Ok(result) => results.push(result),
+                // A setup measured ahead of its model is listed, not failed.
+                Err(e @ headroom::error::Error::Unsupported { .. }) => pipelines
+                    .notes
+                    .push((format!("{id}: measured, not estimated: {e}"), true)),
+                Err(e) => return Err(CliError::input(format!("row {id}: {e}"))),
+            }
         }
         let checks = validate::check_pipelines(file).map_err(|e| CliError::input(e.to_string()))?;
         pipelines.phases.extend(checks.phases);

@@ -123,7 +123,12 @@ impl Fsdp {
         if arch.tie_word_embeddings && head == Head::CausalLm && !parallel.offload_params {
             let embed = units[layers].shards[0];
             let numel = t.numel(t.param(embed));
-            let copy = t.empty_as(numel, dtype, Component::Weights, "tied lm_head shard (to_empty)");
+            let copy = t.empty_as(
+                numel,
+                dtype,
+                Component::Weights,
+                "tied lm_head shard (to_empty)",
+            );
             t.drop(copy);
         }
         // The harness then builds the rotary module again on the GPU.

@@ -6,11 +6,12 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
+use super::component::Component;
 use super::ddp::Ddp;
 use super::fsdp::Fsdp;
 use super::optim::OptimizerState;
 use super::quant;
-use super::step::{autocast_dtype, backward, logprob_forward, param_dtype, train_forward};
+use super::step::{autocast_dtype, backward, lm_head, logprob_forward, param_dtype, train_forward};
 use super::tracer::{ParamId, T, Tracer};
 use super::transformer::{AttentionImpl, Batch, FsdpOffload, LoraAdapter, Model};
 use crate::arch::{Architecture, Param};
@@ -189,6 +190,81 @@ impl Instance {
         let grad = t.set_grad_enabled(false);
         let outer = t.enter_autocast(self.autocast);
         logprob_forward(t, &self.model, ids, self.batch);
+        t.exit_autocast(outer);
+        t.set_grad_enabled(grad);
+    }
+
+    /// `model.generate(ids[:, :seq_len - new_tokens], max_new_tokens=new_tokens,
+    /// min_new_tokens=new_tokens, do_sample=False, use_cache=True)` without grad: a prefill
+    /// whose layers leave their key and value states in the cache and whose head scores the
+    /// last position only (`logits_to_keep=1`); then per new token, each layer's cache grows
+    /// by one position through `torch.cat` (a new tensor, the old one freed) and the head's
+    /// logits are copied to fp32 for the argmax. The token ids and the attention mask grow
+    /// the same way.
+    pub(crate) fn generate_pass(&mut self, t: &mut Tracer, ids: T, new_tokens: u64) {
+        let grad = t.set_grad_enabled(false);
+        let outer = t.enter_autocast(self.autocast);
+        let (b, prompt) = (self.batch.b, self.batch.s - new_tokens);
+        let vocab = self.model.arch.vocab;
+        let hidden_width = self.model.arch.hidden;
+        let component = std::mem::replace(&mut t.component, Component::Inputs);
+        let mut mask = t.empty(b * prompt, DType::I64, "attention_mask (generate)");
+        t.component = component;
+        self.model.kv_cache = Some(RefCell::new(Vec::new()));
+        let hidden = self.model.decoder(t, ids, Batch { b, s: prompt });
+        let last = t.view(hidden, b * hidden_width, "hidden_states[:, -1:]");
+        let mut logits = lm_head(t, &self.model, last);
+        self.model.forward_done(t);
+        t.drop_all(&[last, hidden]);
+        let cache = self.model.kv_cache.take().expect("set above").into_inner();
+        let mut cache: Vec<(T, T)> = cache;
+        let mut tokens = None;
+        for step in 0..new_tokens {
+            let length = prompt + step;
+            if step > 0 {
+                // One decode forward: each layer's new position joins its cache.
+                for (k, v) in cache.iter_mut() {
+                    for state in [k, v] {
+                        let per_position = t.numel(*state) / length.max(1);
+                        let dtype = t.dtype(*state);
+                        let new = t.empty(per_position, dtype, "key/value states (one token)");
+                        let grown =
+                            t.empty(per_position * (length + 1), dtype, "DynamicCache torch.cat");
+                        t.drop_all(&[*state, new]);
+                        *state = grown;
+                    }
+                }
+                let h = t.empty(b * hidden_width, self.model.dtype, "decode hidden state");
+                t.drop(logits);
+                logits = lm_head(t, &self.model, h);
+                t.drop(h);
+            }
+            let scores = t.empty(b * vocab, DType::F32, "next_token_logits (fp32 copy)");
+            let next = t.empty(b, DType::I64, "argmax");
+            t.drop(scores);
+            let component = std::mem::replace(&mut t.component, Component::Inputs);
+            let grown = t.empty(
+                b * (length + 1),
+                DType::I64,
+                "input_ids = cat(input_ids, next)",
+            );
+            if let Some(previous) = tokens.replace(grown) {
+                t.drop(previous);
+            }
+            let grown_mask = t.empty(b * (length + 1), DType::I64, "attention_mask cat");
+            t.drop(mask);
+            mask = grown_mask;
+            t.component = component;
+            t.drop(next);
+        }
+        t.drop(logits);
+        for (k, v) in cache {
+            t.drop_all(&[k, v]);
+        }
+        if let Some(tokens) = tokens {
+            t.drop(tokens);
+        }
+        t.drop(mask);
         t.exit_autocast(outer);
         t.set_grad_enabled(grad);
     }

@@ -33,6 +33,8 @@ pub enum Pass {
     Train,
     /// The no-grad log-prob pass (a reference, a reward model, a scoring pass).
     Forward,
+    /// `model.generate` of `new_tokens` tokens after a prompt of the rest of `seq_len`.
+    Generate { new_tokens: u64 },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -171,6 +173,7 @@ pub fn simulate_pipeline(
                     match pass.pass {
                         Pass::Train => m.train_step(&mut t, ids),
                         Pass::Forward => m.logprob_pass(&mut t, ids),
+                        Pass::Generate { new_tokens } => m.generate_pass(&mut t, ids, new_tokens),
                     }
                     if t.mem.stopped() {
                         break;

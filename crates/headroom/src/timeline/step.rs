@@ -366,7 +366,7 @@ fn causal_lm_loss(t: &mut Tracer, model: &Model, hidden: T, batch: Batch) -> (T,
 }
 
 /// The output head (tied or not), with Gemma-2's final soft-capping.
-fn lm_head(t: &mut Tracer, model: &Model, hidden: T) -> T {
+pub(super) fn lm_head(t: &mut Tracer, model: &Model, hidden: T) -> T {
     let a = &model.arch;
     let (weight, bias) = match model.lm_head {
         Some(head) => (head.weight, head.bias),

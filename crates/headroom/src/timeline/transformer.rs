@@ -170,6 +170,9 @@ pub(crate) struct Model {
     pub fsdp: Option<FsdpOffload>,
     /// Sharded by FSDP2 over several ranks; its hooks run in forward and backward.
     pub sharded: Option<RefCell<Fsdp>>,
+    /// While generating: each layer's key and value states go to the KV cache
+    /// (`DynamicCache`: the prefill's tensors are kept as they are).
+    pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
 }
 
 /// `fully_shard(layer, offload_policy=CPUOffloadPolicy())` for each decoder layer, then for the
@@ -434,6 +437,7 @@ impl Model {
             inputs_require_grads: false,
             fsdp: None,
             sharded: None,
+            kv_cache: None,
         }
     }
 
@@ -750,6 +754,10 @@ impl Model {
             t.drop_all(&[q, k]);
             (qr, kr)
         };
+        if let Some(cache) = &self.kv_cache {
+            let entry = (t.share(k), t.share(v));
+            cache.borrow_mut().push(entry);
+        }
         let out = attention::attention(
             t,
             a,

@@ -304,6 +304,13 @@ pub fn pipeline(
         gib(est.peak_reserved_bytes),
         gib(est.cuda_context_bytes)
     );
+    let parts: Vec<String> = est
+        .breakdown
+        .iter()
+        .take(4)
+        .map(|(c, bytes)| format!("{c} {}", gib(*bytes)))
+        .collect();
+    out += &format!("at the peak: {}\n", parts.join(", "));
     match est.transfer_seconds_per_iteration {
         Some(seconds) => {
             out += &format!(

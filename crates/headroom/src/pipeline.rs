@@ -31,11 +31,11 @@ use crate::error::{Error, Result};
 use crate::estimate::Limit;
 use crate::gpu::Gpu;
 use crate::spec::{Mode, Optimizer, Parallel, RunSpec, Strategy};
-use crate::timeline::SimulatedOom;
 use crate::timeline::instance::Home;
 use crate::timeline::pipeline::{
     InstanceDef, Pass, PassDef, PhaseDef, PipelinePhase, simulate_pipeline,
 };
+use crate::timeline::{Component, SimulatedOom};
 
 /// Host-to-device (and back) bandwidth of `model.cpu()` / `model.cuda()` through pageable
 /// memory: 18.6 GB moved per iteration took 4.8-7.1 s in the shared fixture's run on an H200
@@ -499,6 +499,8 @@ pub struct PipelineEstimate {
     pub peak_reserved_bytes: u64,
     /// The phase (name, iteration) of the allocated peak.
     pub peak_phase: (String, u32),
+    /// What the allocated peak is made of, largest first.
+    pub breakdown: Vec<(Component, u64)>,
     pub cuda_context_bytes: u64,
     /// Parameter bytes held on the host at most.
     pub host_bytes: u64,
@@ -588,7 +590,14 @@ pub fn estimate_pipeline(
     let first: Vec<&PipelinePhase> = sim.phases.iter().filter(|p| p.iteration == 0).collect();
     let transfer = first.iter().map(|p| p.transfer_bytes).sum::<u64>();
     let pageable = first.iter().map(|p| p.pageable_bytes).sum::<u64>();
+    let mut breakdown: Vec<(Component, u64)> = Component::ALL
+        .iter()
+        .map(|&c| (c, sim.peak.breakdown[c.index()]))
+        .filter(|&(_, bytes)| bytes > 0)
+        .collect();
+    breakdown.sort_by(|a, b| b.1.cmp(&a.1));
     Ok(PipelineEstimate {
+        breakdown,
         peak_allocated_bytes: peak.peak_allocated,
         peak_phase: (peak.name.clone(), peak.iteration),
         peak_reserved_bytes: sim

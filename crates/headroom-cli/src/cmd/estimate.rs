@@ -134,6 +134,9 @@ fn pipeline_json(est: &PipelineEstimate, with_verdict: bool) -> serde_json::Valu
         "peak_reserved_bytes": est.peak_reserved_bytes,
         "cuda_context_bytes": est.cuda_context_bytes,
         "peak_phase": {"name": est.peak_phase.0, "iteration": est.peak_phase.1},
+        "breakdown": est.breakdown.iter().map(|(c, bytes)| json!({
+            "component": c.key(), "bytes": bytes,
+        })).collect::<Vec<_>>(),
         "host_bytes": est.host_bytes,
         "transfer_bytes_per_iteration": est.transfer_bytes_per_iteration,
         "transfer_seconds_per_iteration": est.transfer_seconds_per_iteration,

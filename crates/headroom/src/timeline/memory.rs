@@ -169,7 +169,7 @@ impl Memory {
         let allocated = self.allocated();
         self.phase_peak = self.phase_peak.max(allocated);
         // The peak that matters is that of the measured steps; loading is a phase of its own.
-        if self.step > 0 && allocated > self.peak.allocated {
+        if self.phase != "load" && allocated > self.peak.allocated {
             self.peak = PeakRecord {
                 allocated,
                 breakdown: self.live,

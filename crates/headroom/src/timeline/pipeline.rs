@@ -13,7 +13,7 @@ use headroom_alloc::{AllocatorConfig, CachingAllocator};
 
 use super::component::Component;
 use super::instance::{Home, Instance};
-use super::memory::{Memory, SimulatedOom};
+use super::memory::{Memory, PeakRecord, SimulatedOom};
 use super::tracer::{T, Tracer};
 use crate::arch::Architecture;
 use crate::dtype::DType;
@@ -72,6 +72,8 @@ pub struct PipelinePhase {
 
 pub struct PipelineSimulation {
     pub phases: Vec<PipelinePhase>,
+    /// The allocated peak after loading, and what it was made of.
+    pub peak: PeakRecord,
     pub oom: Option<SimulatedOom>,
 }
 
@@ -196,6 +198,7 @@ pub fn simulate_pipeline(
     drop(models);
     PipelineSimulation {
         phases: out,
+        peak: t.mem.peak().clone(),
         oom: t.mem.oom().cloned(),
     }
 }

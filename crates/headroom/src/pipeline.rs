@@ -595,7 +595,7 @@ pub fn estimate_pipeline(
         .map(|&c| (c, sim.peak.breakdown[c.index()]))
         .filter(|&(_, bytes)| bytes > 0)
         .collect();
-    breakdown.sort_by(|a, b| b.1.cmp(&a.1));
+    breakdown.sort_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
     Ok(PipelineEstimate {
         breakdown,
         peak_allocated_bytes: peak.peak_allocated,

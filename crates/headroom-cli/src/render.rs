@@ -33,11 +33,19 @@ pub fn table() -> Table {
 pub fn estimate(est: &Estimate, verdict: bool) -> String {
     let mut out = String::new();
     out += &format!(
-        "{}: {} parameters, {} trainable\n\n",
+        "{}: {} parameters, {} trainable\n",
         est.model,
         count(est.params),
         count(est.trainable_params)
     );
+    if let Some(p) = &est.parallel {
+        out += &format!(
+            "{} over {} GPUs: every number below is per GPU\n",
+            p.strategy.name(),
+            p.world_size
+        );
+    }
+    out += "\n";
     let mut t = table();
     t.set_header(vec![
         "at the peak (step ".to_string() + &est.peak_step.to_string() + ", " + est.peak_phase + ")",

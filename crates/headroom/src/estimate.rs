@@ -15,6 +15,8 @@ use crate::timeline::{self, Component, PhasePeak, SimulatedOom, TraceEvent};
 #[derive(Clone, Debug)]
 pub struct Estimate {
     pub model: String,
+    /// How the run is spread over GPUs: the numbers are then per GPU (rank).
+    pub parallel: Option<crate::spec::Parallel>,
     pub arch: Architecture,
     pub params: u64,
     pub trainable_params: u64,
@@ -122,6 +124,7 @@ pub fn estimate_with_trace(
         .collect();
     let estimate = Estimate {
         model: model.name,
+        parallel: spec.parallel.clone(),
         params: sim.params,
         trainable_params: sim.trainable_params,
         weights_loaded_bytes: sim.weights_loaded,

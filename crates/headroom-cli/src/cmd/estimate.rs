@@ -96,6 +96,10 @@ pub fn to_json(est: &Estimate, with_verdict: bool) -> serde_json::Value {
         })).collect::<Vec<_>>(),
         "breakdown": est.breakdown.iter().map(|(c, b)| json!({"component": c.key(), "bytes": b})).collect::<Vec<_>>(),
     });
+    if let Some(p) = &est.parallel {
+        // Present only for multi-GPU runs: the numbers are per GPU.
+        v["per_gpu_of"] = json!({"strategy": p.strategy.name(), "world_size": p.world_size});
+    }
     if with_verdict {
         v["gpu"] = verdict_json(
             &est.gpu,

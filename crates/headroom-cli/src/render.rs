@@ -224,6 +224,17 @@ pub fn pipeline(
             setup += &format!(", LoRA r{}", l.r);
         }
         let lives = match (&s.parallel, i.home) {
+            _ if i.engine.is_some() => {
+                let e = i.engine.as_ref().expect("checked");
+                format!(
+                    "vLLM-style engine, {:.0}% of the GPU, {}",
+                    100.0 * e.gpu_memory_utilization,
+                    match e.sleep_level {
+                        Some(l) => format!("sleeps at level {l} between rollouts"),
+                        None => "never sleeps".into(),
+                    }
+                )
+            }
             (Some(p), _) if p.offload_params => format!(
                 "host (FSDP2 CPU offload, {} rank{})",
                 p.world_size,
@@ -292,16 +303,31 @@ pub fn pipeline(
         "on the host",
         "copied",
     ]);
+    let with_engines = !est.engines.is_empty();
+    if with_engines {
+        t.set_header(vec![
+            "iteration",
+            "phase",
+            "peak allocated",
+            "peak reserved",
+            "engines",
+            "on the host",
+            "copied",
+        ]);
+    }
     for p in &est.phases {
         let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
-        t.add_row(vec![
+        let mut row = vec![
             Cell::new(p.iteration),
             Cell::new(&p.name),
             right(gib(p.peak_allocated)),
             right(gib(p.peak_reserved)),
-            right(gib(p.host_bytes)),
-            right(gib(p.transfer_bytes)),
-        ]);
+        ];
+        if with_engines {
+            row.push(right(gib(p.engine_bytes)));
+        }
+        row.extend([right(gib(p.host_bytes)), right(gib(p.transfer_bytes))]);
+        t.add_row(row);
     }
     out += &format!("{t}\n");
     out += &format!(
@@ -312,6 +338,17 @@ pub fn pipeline(
         gib(est.peak_reserved_bytes),
         gib(est.cuda_context_bytes)
     );
+    for e in &est.engines {
+        out += &format!(
+            "engine {}: {} of the GPU while awake, {} of it weights: room for at most {} tokens of \
+             KV cache (its activations and CUDA graphs take part of that; vLLM is not installed on \
+             the measuring machines, so this share is vLLM's contract, not a measurement)\n",
+            e.name,
+            gib(e.bytes),
+            gib(e.weight_bytes),
+            count(e.kv_tokens)
+        );
+    }
     let parts: Vec<String> = est
         .breakdown
         .iter()

@@ -33,7 +33,7 @@ use crate::gpu::Gpu;
 use crate::spec::{Mode, Optimizer, Parallel, RunSpec, Strategy};
 use crate::timeline::instance::Home;
 use crate::timeline::pipeline::{
-    InstanceDef, Pass, PassDef, PhaseDef, PipelinePhase, simulate_pipeline,
+    EngineDef, InstanceDef, Pass, PassDef, PhaseDef, PipelinePhase, simulate_pipeline,
 };
 use crate::timeline::{Component, SimulatedOom};
 
@@ -49,6 +49,19 @@ pub struct InstanceSpec {
     pub home: Home,
     /// Other names of this instance (`shares:`), reported with it.
     pub aliases: Vec<String>,
+    /// A rollout engine (`engine: vllm`) rather than a model in PyTorch's allocator.
+    pub engine: Option<EngineSpec>,
+}
+
+/// A vLLM-style rollout engine colocated with the trainer (verl, OpenRLHF, slime): awake, it
+/// holds `gpu_memory_utilization` of the device (weights, KV cache, its activations) in its own
+/// memory pool, outside PyTorch's caching allocator; asleep, level 1 keeps its weights in host
+/// memory and drops the KV cache, level 2 drops both.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineSpec {
+    pub gpu_memory_utilization: f64,
+    /// `None`: never sleeps (awake from start to end).
+    pub sleep_level: Option<u8>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -163,6 +176,51 @@ impl PipelineSpec {
                 owner.aliases.push(name);
                 continue;
             }
+            let engine = match fields.remove("engine") {
+                None => None,
+                Some(Value::String(e)) if e == "vllm" => {
+                    let util = match fields.remove("gpu_memory_utilization") {
+                        None => 0.9,
+                        Some(v) => {
+                            v.as_f64()
+                                .filter(|u| *u > 0.0 && *u <= 1.0)
+                                .ok_or_else(|| {
+                                    Error::field(
+                                        format!("{at}.gpu_memory_utilization"),
+                                        v,
+                                        "a fraction in (0, 1]",
+                                    )
+                                })?
+                        }
+                    };
+                    let sleep_level = match fields.remove("sleep_level") {
+                        None | Some(Value::Null) => None,
+                        Some(v) => {
+                            Some(v.as_u64().filter(|l| matches!(l, 1 | 2)).ok_or_else(|| {
+                                Error::field(format!("{at}.sleep_level"), v, "use 1 or 2")
+                            })? as u8)
+                        }
+                    };
+                    Some(EngineSpec {
+                        gpu_memory_utilization: util,
+                        sleep_level,
+                    })
+                }
+                Some(v) => {
+                    return Err(Error::field(format!("{at}.engine"), v, "use vllm"));
+                }
+            };
+            if engine.is_none() {
+                for key in ["gpu_memory_utilization", "sleep_level"] {
+                    if let Some(v) = fields.get(key) {
+                        return Err(Error::field(
+                            format!("{at}.{key}"),
+                            v,
+                            "it belongs to a rollout engine: add `engine: vllm`",
+                        ));
+                    }
+                }
+            }
             let home = match fields.remove("home") {
                 None => Home::Gpu,
                 Some(Value::String(h)) if h == "gpu" => Home::Gpu,
@@ -171,11 +229,20 @@ impl PipelineSpec {
             };
             let spec = RunSpec::from_value(&Value::Object(fields)).map_err(|e| prefixed(e, &at))?;
             check_instance(&spec, home, &at)?;
+            if engine.is_some()
+                && (spec.parallel.is_some() || spec.lora.is_some() || home == Home::Cpu)
+            {
+                return Err(Error::Unsupported {
+                    what: format!("{at}: a rollout engine with parallel, lora or home: cpu"),
+                    supported: "one engine per GPU holding the whole model".into(),
+                });
+            }
             instances.push(InstanceSpec {
                 name,
                 spec,
                 home,
                 aliases: Vec::new(),
+                engine,
             });
         }
         let find = |name: &str| {
@@ -297,6 +364,16 @@ impl PipelineSpec {
                     Mode::Train => Pass::Train,
                     Mode::Forward => Pass::Forward,
                 });
+                if instances[instance].engine.is_some() && !matches!(pass, Pass::Generate { .. }) {
+                    return Err(Error::field(
+                        format!("{at}.pass"),
+                        match pass {
+                            Pass::Train => "train",
+                            _ => "forward",
+                        },
+                        format!("{name} is a rollout engine: use pass: generate"),
+                    ));
+                }
                 if pass == Pass::Train && spec.mode != Mode::Train {
                     return Err(Error::field(
                         format!("{at}.pass"),
@@ -423,6 +500,7 @@ impl PipelineSpec {
             spec,
             home,
             aliases: Vec::new(),
+            engine: None,
         };
         Ok(PipelineSpec {
             instances: vec![
@@ -513,18 +591,54 @@ pub struct PipelineEstimate {
     pub capacity_bytes: Option<u64>,
     /// Where the run ran out on `gpu`; the phases are then those of the run without a limit.
     pub oom: Option<SimulatedOom>,
+    /// The most the process holds on the device in one phase: PyTorch's reserved bytes plus
+    /// awake rollout engines (the CUDA context aside).
+    pub peak_device_bytes: u64,
+    pub engines: Vec<EngineSummary>,
+}
+
+/// A rollout engine's share of the device and the KV cache it leaves room for.
+#[derive(Clone, Debug)]
+pub struct EngineSummary {
+    pub name: String,
+    pub bytes: u64,
+    pub weight_bytes: u64,
+    /// Tokens of KV cache the budget holds at most, its activations aside.
+    pub kv_tokens: u64,
 }
 
 impl PipelineEstimate {
     pub fn fits(&self) -> bool {
         match self.capacity_bytes {
             Some(_) => self.oom.is_none(),
-            None => self.peak_reserved_bytes + self.cuda_context_bytes <= self.gpu.total_bytes,
+            None => self.peak_device_bytes + self.cuda_context_bytes <= self.gpu.total_bytes,
         }
     }
 
     pub fn headroom_bytes(&self) -> i128 {
-        self.gpu.total_bytes as i128 - (self.peak_reserved_bytes + self.cuda_context_bytes) as i128
+        self.gpu.total_bytes as i128 - (self.peak_device_bytes + self.cuda_context_bytes) as i128
+    }
+}
+
+/// What an engine holds: `gpu_memory_utilization` of the device's total (vLLM's budget,
+/// from `cudaMemGetInfo`'s total), of which its weights in the spec's precision.
+fn engine_def(e: &EngineSpec, spec: &RunSpec, arch: &Architecture, gpu: &Gpu) -> EngineDef {
+    let weight_bytes = arch.param_count(spec.head())
+        * crate::dtype::DType::BF16.bytes()
+        * if spec.precision == crate::spec::Precision::Fp32 {
+            2
+        } else {
+            1
+        };
+    EngineDef {
+        bytes: (e.gpu_memory_utilization * gpu.total_bytes as f64) as u64,
+        weight_bytes,
+        sleep_level: e.sleep_level,
+        kv_bytes_per_token: 2
+            * arch.layers
+            * arch.kv_heads
+            * arch.head_dim
+            * crate::dtype::DType::BF16.bytes(),
     }
 }
 
@@ -554,6 +668,7 @@ pub fn estimate_pipeline(
             spec: &i.spec,
             arch,
             home: i.home,
+            engine: i.engine.as_ref().map(|e| engine_def(e, &i.spec, arch, gpu)),
         })
         .collect();
     let allocator = AllocatorConfig {
@@ -596,7 +711,27 @@ pub fn estimate_pipeline(
         .filter(|&(_, bytes)| bytes > 0)
         .collect();
     breakdown.sort_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
+    let engines = spec
+        .instances
+        .iter()
+        .zip(&defs)
+        .filter_map(|(i, d)| {
+            d.engine.map(|e| EngineSummary {
+                name: i.name.clone(),
+                bytes: e.bytes,
+                weight_bytes: e.weight_bytes,
+                kv_tokens: e.bytes.saturating_sub(e.weight_bytes) / e.kv_bytes_per_token.max(1),
+            })
+        })
+        .collect();
     Ok(PipelineEstimate {
+        peak_device_bytes: sim
+            .phases
+            .iter()
+            .map(|p| p.peak_reserved + p.engine_bytes)
+            .max()
+            .unwrap_or(0),
+        engines,
         breakdown,
         peak_allocated_bytes: peak.peak_allocated,
         peak_phase: (peak.name.clone(), peak.iteration),

@@ -93,3 +93,77 @@ fn seed001_manual_offload_costs_transfers_and_saves_reserved_memory() {
     assert!(manual.peak_reserved_bytes + (8u64 << 30) < resident.peak_reserved_bytes);
     assert_eq!(manual.host_bytes, actor + reference);
 }
+
+fn pipeline(doc: &str) -> PipelineSpec {
+    let value: Value = yaml_serde::from_str(doc).expect("yaml");
+    PipelineSpec::from_value(&value).expect("pipeline")
+}
+
+#[test]
+fn a_shared_instance_costs_no_weights_and_a_reloaded_copy_costs_all_of_them() {
+    let read = |path: &str| {
+        let text = std::fs::read_to_string(format!("../../{path}")).expect("example");
+        pipeline(&text)
+    };
+    let h100 = gpu::find("h100-80gb").expect("gpu");
+    let reuse = estimate_pipeline(
+        &read("examples/seed000-reuse.yaml"),
+        None,
+        &h100,
+        Limit::None,
+    )
+    .expect("reuse");
+    let reload = estimate_pipeline(
+        &read("examples/seed000-reload.yaml"),
+        None,
+        &h100,
+        Limit::None,
+    )
+    .expect("reload");
+    // The second copy is Qwen2.5-3B in 16-bit on every rank: 3.09e9 x 2 bytes.
+    let copy = 3_085_938_688u64 * 2;
+    let score = |e: &headroom::pipeline::PipelineEstimate| {
+        e.phases
+            .iter()
+            .find(|p| p.name == "score" && p.iteration == 1)
+            .expect("score")
+            .peak_allocated
+    };
+    let extra = score(&reload) - score(&reuse);
+    assert!(extra.abs_diff(copy) < copy / 50, "{extra} vs {copy}");
+}
+
+#[test]
+fn an_engine_holds_its_share_awake_and_its_weights_on_the_host_asleep() {
+    let doc = |util: f64| {
+        format!(
+            "instances:
+  - {{name: actor, model: qwen2.5-0.5b, precision: bf16, optimizer: adamw, batch_size: 2, seq_len: 512}}
+  - {{name: rollout, engine: vllm, model: qwen2.5-0.5b, precision: bf16, mode: forward, batch_size: 2, seq_len: 512, gpu_memory_utilization: {util}, sleep_level: 1}}
+phases:
+  - {{name: rollout, run: [{{instance: rollout, pass: generate, new_tokens: 256}}]}}
+  - {{name: train, run: [actor]}}
+iterations: 2"
+        )
+    };
+    let h100 = gpu::find("h100-80gb").expect("gpu");
+    let est = estimate_pipeline(&pipeline(&doc(0.5)), None, &h100, Limit::Gpu).expect("est");
+    let share = (0.5 * h100.total_bytes as f64) as u64;
+    let weights = 494_032_768u64 * 2;
+    for p in est.phases.iter().filter(|p| p.name != "load") {
+        if p.name == "rollout" {
+            assert_eq!(p.engine_bytes, share, "{p:?}");
+        } else {
+            assert_eq!(p.engine_bytes, 0, "{p:?}");
+            assert_eq!(p.host_bytes, weights, "{p:?}");
+        }
+    }
+    assert!(est.oom.is_none() && est.fits());
+    // At 97% the engine starts beside the actor's weights, but cannot wake again once the
+    // actor also holds gradients' and optimizer states' worth of memory.
+    let est = estimate_pipeline(&pipeline(&doc(0.97)), None, &h100, Limit::Gpu).expect("est");
+    assert!(!est.fits());
+    let oom = est.oom.expect("the engine does not fit");
+    assert!(oom.tensor.contains("wake_up"), "{oom:?}");
+    assert_eq!((oom.phase, oom.step), ("rollout", 1));
+}

@@ -148,6 +148,12 @@ fn pipeline_json(est: &PipelineEstimate, with_verdict: bool) -> serde_json::Valu
             "name": p.name, "iteration": p.iteration,
             "peak_allocated_bytes": p.peak_allocated, "peak_reserved_bytes": p.peak_reserved,
             "host_bytes": p.host_bytes, "transfer_bytes": p.transfer_bytes,
+            "engine_bytes": p.engine_bytes,
+        })).collect::<Vec<_>>(),
+        "peak_device_bytes": est.peak_device_bytes,
+        "engines": est.engines.iter().map(|e| json!({
+            "name": e.name, "bytes": e.bytes, "weight_bytes": e.weight_bytes,
+            "kv_cache_tokens_at_most": e.kv_tokens,
         })).collect::<Vec<_>>(),
     });
     if with_verdict {

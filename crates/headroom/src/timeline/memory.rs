@@ -239,6 +239,39 @@ impl Memory {
         self.stop_at_oom = true;
     }
 
+    /// Memory taken outside the caching allocator (a rollout engine's pool) on a device of
+    /// `device_total` allocator bytes, after the allocator was limited to what is left: when
+    /// what the allocator holds does not leave room for it, that is where the run runs out.
+    /// The rest of the run goes on without a limit.
+    pub(crate) fn outside_allocation(
+        &mut self,
+        bytes: u64,
+        device_total: u64,
+        label: &'static str,
+    ) {
+        let stats = self.allocator.stats();
+        let reserved = stats.reserved_bytes.all.current as u64;
+        if reserved + bytes <= device_total || self.oom.is_some() {
+            return;
+        }
+        self.oom = Some(SimulatedOom {
+            step: self.step,
+            phase: self.phase,
+            tensor: label,
+            requested_bytes: bytes,
+            error: OutOfMemory::Device(headroom_alloc::DeviceOutOfMemory {
+                requested: bytes,
+                alloc_size: bytes,
+                device: 0,
+                device_total,
+                device_free: device_total.saturating_sub(reserved),
+                allocated_bytes: stats.allocated_bytes.all.current as u64,
+                reserved_bytes: reserved,
+            }),
+        });
+        self.allocator.set_capacity(None);
+    }
+
     /// Whether the run stopped at an out-of-memory error.
     pub(crate) fn stopped(&self) -> bool {
         self.stopped.is_some()

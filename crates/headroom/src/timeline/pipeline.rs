@@ -24,6 +24,19 @@ pub struct InstanceDef<'a> {
     pub spec: &'a RunSpec,
     pub arch: &'a Architecture,
     pub home: Home,
+    /// A rollout engine: its memory is its own pool, outside the caching allocator.
+    pub engine: Option<EngineDef>,
+}
+
+/// A rollout engine's device memory (see `crate::pipeline::EngineSpec`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineDef {
+    /// Held while awake: its `gpu_memory_utilization` share of the device.
+    pub bytes: u64,
+    pub weight_bytes: u64,
+    pub sleep_level: Option<u8>,
+    /// KV cache bytes per token (keys and values of every layer).
+    pub kv_bytes_per_token: u64,
 }
 
 /// What a phase runs on an instance.
@@ -66,8 +79,11 @@ pub struct PipelinePhase {
     /// Bytes that went through pageable `model.cpu()` / `.cuda()` copies (the slow kind).
     pub pageable_bytes: u64,
     /// Parameter bytes on the host at most during the phase (pageable copies: a model moved
-    /// out is freed on the device once copied, and on the host once moved back).
+    /// out is freed on the device once copied, and on the host once moved back), a sleeping
+    /// engine's weights included.
     pub host_bytes: u64,
+    /// Device bytes rollout engines hold during the phase, outside the caching allocator.
+    pub engine_bytes: u64,
 }
 
 pub struct PipelineSimulation {
@@ -110,60 +126,101 @@ pub fn simulate_pipeline(
             transfer_bytes: transfer.0,
             pageable_bytes: transfer.1,
             host_bytes,
+            engine_bytes: 0,
         }
     };
 
     // load: every instance in order, then the inputs (one `input_ids` per batch shape).
     begin(&mut t, "load", 0);
-    let mut models: Vec<Instance> = instances
-        .iter()
-        .map(|d| Instance::build(&mut t, d.spec, d.arch, d.home))
-        .collect();
+    let mut engines = Engines {
+        defs: instances.iter().map(|d| d.engine).collect(),
+        awake: vec![false; instances.len()],
+        capacity,
+    };
+    let mut models: Vec<Option<Instance>> = Vec::new();
+    for (i, d) in instances.iter().enumerate() {
+        if d.engine.is_some() {
+            // Created awake; one that sleeps is put to sleep at once, so the trainer can load.
+            engines.wake(&mut t, i);
+            if d.engine.is_some_and(|e| e.sleep_level.is_some()) {
+                engines.sleep(&mut t, i);
+            }
+            models.push(None);
+        } else {
+            models.push(Some(Instance::build(&mut t, d.spec, d.arch, d.home)));
+        }
+    }
     let mut inputs: Vec<((u64, u64), T)> = Vec::new();
-    for m in &models {
+    for m in models.iter().flatten() {
         let shape = (m.batch.b, m.batch.s);
         if !inputs.iter().any(|(s, _)| *s == shape) {
             let ids = t.empty_as(m.batch.n(), DType::I64, Component::Inputs, "input_ids");
             inputs.push((shape, ids));
         }
     }
-    let host = |t: &Tracer, models: &[Instance]| models.iter().map(|m| m.host_bytes(t)).sum();
-    out.push(end(&t, "load", 0, (0, 0), host(&t, &models)));
+    let host = |t: &Tracer, models: &[Option<Instance>], engines: &Engines| {
+        models
+            .iter()
+            .flatten()
+            .map(|m| m.host_bytes(t))
+            .sum::<u64>()
+            + engines.host_bytes()
+    };
+    let mut record = end(&t, "load", 0, (0, 0), host(&t, &models, &engines));
+    record.engine_bytes = engines.device_bytes();
+    out.push(record);
 
     'iterations: for iteration in 0..iterations {
         for phase in phases {
             if t.mem.stopped() {
                 break 'iterations;
             }
+            // Between phases, engines the next one does not run go to sleep, then those it
+            // runs wake up (a failure to wake is the next phase's).
+            t.mem.start_phase(phase_name(&phase.name), iteration);
+            for i in 0..instances.len() {
+                let runs = phase.passes.iter().any(|p| p.instance == i);
+                if !runs && engines.sleeps(i) {
+                    engines.sleep(&mut t, i);
+                }
+            }
+            for pass in &phase.passes {
+                if engines.defs[pass.instance].is_some() {
+                    engines.wake(&mut t, pass.instance);
+                }
+            }
             begin(&mut t, &phase.name, iteration);
             let mut pageable = 0;
             let mut streamed = 0;
-            let mut host_peak = host(&t, &models);
+            let mut host_peak = host(&t, &models, &engines);
             let mut evicted = Vec::new();
             for &i in &phase.offload {
-                if models[i].params.clone().any(|p| t.is_materialized(p)) {
-                    pageable += models[i].to_cpu(&mut t);
+                let Some(m) = &models[i] else { continue };
+                if m.params.clone().any(|p| t.is_materialized(p)) {
+                    pageable += m.to_cpu(&mut t);
                     evicted.push(i);
                 }
             }
             // The evicted and the host-homed models are all on the host now.
-            host_peak = host_peak.max(host(&t, &models));
+            host_peak = host_peak.max(host(&t, &models, &engines));
             if !evicted.is_empty() {
                 t.mem.allocator.empty_cache();
             }
             let mut brought = Vec::new();
             for pass in &phase.passes {
                 let i = pass.instance;
-                if instances[i].home == Home::Cpu
-                    && models[i].model.fsdp.is_none()
-                    && !brought.contains(&i)
+                let Some(m) = &models[i] else { continue };
+                if instances[i].home == Home::Cpu && m.model.fsdp.is_none() && !brought.contains(&i)
                 {
-                    pageable += models[i].to_gpu(&mut t);
+                    pageable += m.to_gpu(&mut t);
                     brought.push(i);
                 }
             }
             for pass in &phase.passes {
-                let m = &mut models[pass.instance];
+                // An engine generates in its own memory.
+                let Some(m) = &mut models[pass.instance] else {
+                    continue;
+                };
                 let shape = (m.batch.b, m.batch.s);
                 let ids = inputs
                     .iter()
@@ -183,16 +240,18 @@ pub fn simulate_pipeline(
                 }
             }
             for &i in &brought {
-                pageable += models[i].to_cpu(&mut t);
+                pageable += models[i].as_ref().map_or(0, |m| m.to_cpu(&mut t));
             }
             if !brought.is_empty() || !evicted.is_empty() {
                 t.mem.allocator.empty_cache();
             }
             for &i in &evicted {
-                pageable += models[i].to_gpu(&mut t);
+                pageable += models[i].as_ref().map_or(0, |m| m.to_gpu(&mut t));
             }
             let transfer = (pageable + streamed, pageable);
-            out.push(end(&t, &phase.name, iteration, transfer, host_peak));
+            let mut record = end(&t, &phase.name, iteration, transfer, host_peak);
+            record.engine_bytes = engines.device_bytes();
+            out.push(record);
         }
     }
     drop(models);
@@ -200,6 +259,73 @@ pub fn simulate_pipeline(
         phases: out,
         peak: t.mem.peak().clone(),
         oom: t.mem.oom().cloned(),
+    }
+}
+
+/// The rollout engines of a pipeline and whether each is awake; the caching allocator gets the
+/// device's capacity less what awake engines hold.
+struct Engines {
+    defs: Vec<Option<EngineDef>>,
+    awake: Vec<bool>,
+    /// What the caching allocator may hold with every engine asleep (`None`: no limit).
+    capacity: Option<u64>,
+}
+
+impl Engines {
+    fn device_bytes(&self) -> u64 {
+        self.defs
+            .iter()
+            .zip(&self.awake)
+            .filter(|(_, a)| **a)
+            .filter_map(|(d, _)| d.map(|e| e.bytes))
+            .sum()
+    }
+
+    /// Weights of engines asleep at level 1 (kept in host memory).
+    fn host_bytes(&self) -> u64 {
+        self.defs
+            .iter()
+            .zip(&self.awake)
+            .filter(|(_, a)| !**a)
+            .filter_map(|(d, _)| *d)
+            .filter(|e| e.sleep_level == Some(1))
+            .map(|e| e.weight_bytes)
+            .sum()
+    }
+
+    fn sleeps(&self, i: usize) -> bool {
+        self.awake[i] && self.defs[i].is_some_and(|e| e.sleep_level.is_some())
+    }
+
+    fn limit(&self, t: &mut Tracer) {
+        if let Some(capacity) = self.capacity {
+            let limit = capacity.saturating_sub(self.device_bytes());
+            t.mem.allocator.set_capacity(Some(limit));
+        }
+    }
+
+    fn sleep(&mut self, t: &mut Tracer, i: usize) {
+        self.awake[i] = false;
+        self.limit(t);
+    }
+
+    /// `wake_up()`, after `torch.cuda.empty_cache()` as the frameworks call it: the engine's
+    /// memory must fit beside what the caching allocator still holds.
+    fn wake(&mut self, t: &mut Tracer, i: usize) {
+        if self.awake[i] {
+            return;
+        }
+        self.awake[i] = true;
+        t.mem.allocator.empty_cache();
+        self.limit(t);
+        if let Some(capacity) = self.capacity {
+            let engine = self.defs[i].map_or(0, |e| e.bytes);
+            t.mem.outside_allocation(
+                engine,
+                capacity,
+                "rollout engine wake_up (weights + KV cache)",
+            );
+        }
     }
 }
 

@@ -5,7 +5,11 @@
 #   bash bench/distributed/run.sh [OUT_DIR]        (from the repository root; OUT_DIR defaults to $OUT)
 #
 # Writes OUT_DIR/results.jsonl (rank 0's record per spec), OUT_DIR/log.txt (everything printed),
-# OUT_DIR/snap/NAME.pickle.gz (rank 0's memory snapshot where a spec line names one).
+# OUT_DIR/snap/NAME.pickle.gz (rank 0's memory snapshot where a spec line names one; with
+# "snapshot_ranks": "all" every rank's, as NAME-rank0.pickle.gz, NAME-rank1.pickle.gz).
+# "stacks" (python, all or none) picks the frames a snapshot keeps (default python).
+# SPECS (default bench/distributed/specs.jsonl) names the spec lines to run, e.g.
+# SPECS=bench/distributed/specs-zero.jsonl for the ZeRO snapshot runs.
 # ZeRO lines need DeepSpeed: if .whl-ds/ holds its wheels (README.md says which), they are
 # installed into /tmp/site-ds and put on PYTHONPATH for those lines only.
 # DEADLINE (seconds, default 560) skips the lines that would start after it.
@@ -37,6 +41,8 @@ for i in $(seq 1 "$n"); do
   id=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["id"])' "$line")
   spec=$(python3 -c 'import json,sys; print(json.dumps(json.loads(sys.argv[1])["spec"]))' "$line")
   snap=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1]).get("snapshot", ""))' "$line")
+  ranks=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1]).get("snapshot_ranks", "0"))' "$line")
+  stacks=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1]).get("stacks", "python"))' "$line")
   strategy=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["spec"]["parallel"]["strategy"])' "$line")
   limit=150
   case "$id" in *offload*) limit=300 ;; esac
@@ -46,6 +52,8 @@ for i in $(seq 1 "$n"); do
   (( SECONDS + limit > deadline )) && limit=$(( deadline - SECONDS ))
   extra=()
   [ -n "$snap" ] && extra=(--snapshot "$out/snap/$snap.pickle")
+  [ -n "$snap" ] && [ "$ranks" = all ] && extra=(--snapshot "$out/snap/$snap-rank{rank}.pickle")
+  [ -n "$snap" ] && extra+=(--stacks "$stacks")
   pp="$PYTHONPATH"
   if [[ $strategy == zero* ]]; then
     [ -z "$ds_path" ] && { echo "=== SKIPPED (no DeepSpeed wheels) $id" | tee -a "$log"; continue; }
@@ -57,6 +65,8 @@ for i in $(seq 1 "$n"); do
     -m headroom_measure dist --spec-json "$spec" --id "$id" --out "$out/results.jsonl" "${extra[@]}" \
     2>&1 | grep -v '^{"id"' | tee -a "$log"
   echo "=== rc=${PIPESTATUS[0]} $id ($((SECONDS - t0))s)" | tee -a "$log"
-  [ -n "$snap" ] && [ -f "$out/snap/$snap.pickle" ] && gzip -9 -f "$out/snap/$snap.pickle"
+  for f in "$out/snap/$snap.pickle" "$out/snap/$snap"-rank*.pickle; do
+    [ -n "$snap" ] && [ -f "$f" ] && gzip -9 -f "$f"
+  done
 done
 nvidia-smi 2>&1 | tail -n 8 | tee -a "$log"

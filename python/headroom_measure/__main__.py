@@ -2,11 +2,13 @@
 
     python -m headroom_measure run SPEC [--catalog FILE] [--snapshot FILE] [--id ID]
     python -m headroom_measure batch SPECS.jsonl --out RESULTS.jsonl [--catalog FILE] [--jobs N]
-    python -m headroom_measure pipeline PIPELINE.json [--id ID] [--snapshot FILE]
+    python -m headroom_measure pipeline PIPELINE.yaml [--id ID] [--out FILE] [--snapshot FILE]
+    torchrun --nproc-per-node N -m headroom_measure pipeline PIPELINE.yaml ...  (sharded instances)
     torchrun --nproc-per-node N -m headroom_measure dist SPEC --out FILE.jsonl [--id ID] [--snapshot FILE]
 
 `run` measures one spec in this process and prints one calibration-format JSON line.
-`pipeline` measures a reference pass + policy step iteration (see pipeline.py).
+`pipeline` measures a pipeline: instances built in one process, phases of train / forward /
+generate passes, host offload (see pipeline.py); it prints the record (rank 0 under torchrun).
 `dist` measures a spec with a `parallel` block on N GPUs, one process each (see dist.py); rank 0
 appends the record to --out and prints it.
 `batch` runs every line of SPECS.jsonl ({"id", "spec", optional "hint_bytes"}) in a fresh process
@@ -85,18 +87,32 @@ def cmd_pipeline(args) -> int:
     from . import pipeline
 
     try:
-        raw = json.loads(Path(args.spec).read_text())
-        pipe = pipeline.parse_pipeline(raw)
+        raw, pipe = pipeline.load_pipeline(args.spec)
         catalog = load_catalog(args.catalog)
-        fields = specmod.resolve_model_config(pipe["policy"], catalog)
-        ref_fields = specmod.resolve_model_config(pipe["reference"], catalog)
+        fields = [specmod.resolve_model_config(inst.spec, catalog) for inst in pipe.instances]
     except (specmod.SpecError, OSError, json.JSONDecodeError) as err:
         return _fail(str(err))
+    world = pipe.world_size
+    started = int(os.environ.get("WORLD_SIZE", "0"))
+    if world and started != world and not (world == 1 and started == 0):
+        return _fail(
+            f"the sharded instances' `parallel.world_size` is {world} but WORLD_SIZE is {started or 'unset'}; "
+            f"start it with `torchrun --nproc-per-node {world} -m headroom_measure pipeline ...`"
+        )
+    if not world and started > 1:
+        return _fail(f"no instance has `parallel` but WORLD_SIZE is {started}; run it without torchrun")
     missing = missing_dependencies()
     if missing:
         return _fail(f"{', '.join(missing)} not installed; `pip install torch transformers peft` to measure")
-    record = pipeline.measure_pipeline(pipe, fields, ref_fields, args.id or Path(args.spec).stem, args.snapshot)
-    print(json.dumps(record), flush=True)
+    record = pipeline.measure_pipeline(
+        pipe, fields, args.id or Path(args.spec).stem, raw, snapshot=args.snapshot, stacks=args.stacks
+    )
+    if record is not None:
+        line = json.dumps(record)
+        if args.out:
+            with open(args.out, "a") as out:
+                out.write(line + "\n")
+        print(line, flush=True)
     return 0
 
 
@@ -127,7 +143,7 @@ def cmd_dist(args) -> int:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
     from .dist import measure_dist
 
-    record = measure_dist(spec, fields, row_id=args.id, snapshot=args.snapshot)
+    record = measure_dist(spec, fields, row_id=args.id, snapshot=args.snapshot, stacks=args.stacks)
     if record is not None:
         line = json.dumps(record)
         with open(args.out, "a") as out:
@@ -228,17 +244,22 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--snapshot", help="write a torch.cuda.memory snapshot of the run here")
     run.add_argument("--stacks", default="python", choices=["python", "all"], help="frames kept in the snapshot")
     run.add_argument("--id")
-    pipe = sub.add_parser("pipeline", help="measure a reference pass + policy step iteration")
-    pipe.add_argument("spec")
+    pipe = sub.add_parser("pipeline", help="measure a pipeline: several models, phases of passes")
+    pipe.add_argument("spec", help="a pipeline, YAML or JSON")
     pipe.add_argument("--catalog")
-    pipe.add_argument("--snapshot")
+    pipe.add_argument("--snapshot", help="rank 0 writes a memory snapshot here; with {rank} in it, every rank")
+    pipe.add_argument("--stacks", default="python", choices=["python", "all"], help="frames kept in the snapshot")
+    pipe.add_argument("--out", help="(rank 0) append the record here too")
     pipe.add_argument("--id")
     dst = sub.add_parser("dist", help="measure a parallel spec, one process per GPU (under torchrun)")
     dst.add_argument("spec", nargs="?")
     dst.add_argument("--spec-json", help="the spec inline, as JSON")
     dst.add_argument("--out", required=True, help="rank 0 appends the record here")
     dst.add_argument("--catalog")
-    dst.add_argument("--snapshot", help="rank 0 writes a torch.cuda.memory snapshot here")
+    dst.add_argument("--snapshot", help="rank 0 writes a torch.cuda.memory snapshot here; with {rank} in it, every rank")
+    dst.add_argument(
+        "--stacks", default="python", choices=["python", "all", "none"], help="frames kept in the snapshot"
+    )
     dst.add_argument("--id")
     batch = sub.add_parser("batch", help="measure many specs, a fresh process each")
     batch.add_argument("specs")

@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node N -m headroom_measure dist SPEC --out FILE.jsonl [--id ID] [--snapshot FILE]
 
+(--snapshot NAME-rank{rank}.pickle: every rank writes its own.)
+
 N must equal the spec's `parallel.world_size`. Rank 0 appends one JSON line to FILE.jsonl:
 `{"id", "spec" (with `parallel`), "measured": {"peak_allocated_bytes", "peak_reserved_bytes",
 "ranks": [...], "params", "trainable_params"}, "env"}`.
@@ -26,9 +28,10 @@ the process's VmHWM (CPU offload shows there).
 Exactly how each strategy is built, in this order (the estimator's simulator copies it):
 
 * Every strategy: `dist.init_process_group("nccl", device_id=torch.device("cuda", LOCAL_RANK))`
-  after `torch.cuda.set_device(LOCAL_RANK)`; then `torch.zeros(1, device="cuda")`; then (rank 0,
-  with --snapshot) `torch.cuda.memory._record_memory_history(max_entries=1_000_000,
-  stacks="python")`. The HF config is the one measure.py builds (`use_cache=False`). The token
+  after `torch.cuda.set_device(LOCAL_RANK)`; then `torch.zeros(1, device="cuda")`; then (with --snapshot: rank 0,
+  or every rank when the path holds `{rank}`) `torch.cuda.memory._record_memory_history(
+  max_entries=1_000_000, stacks="python")` (`--stacks all`: C++ frames too; `--stacks none`:
+  `context=None`, the events without stack traces). The HF config is the one measure.py builds (`use_cache=False`). The token
   ids (`torch.randint(0, vocab, (batch_size, seq_len))`, a different seed per rank) are made
   after the model and the optimizer.
 
@@ -203,7 +206,9 @@ def _build_zero(spec: Spec, cfg, cls, dtype, device):
     return engine
 
 
-def measure_dist(spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None) -> dict | None:
+def measure_dist(
+    spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None, stacks: str = "python"
+) -> dict | None:
     """Measure on every rank; returns the record on rank 0 (None on the others)."""
     import torch
     import torch.distributed as dist
@@ -228,9 +233,17 @@ def measure_dist(spec: Spec, fields: dict, row_id: str | None = None, snapshot: 
         torch.zeros(1, device=device)
         free, total = torch.cuda.mem_get_info()
         context = total - free
-    snap = bool(snapshot) and rank == 0 and cuda
+    # Rank 0 only, or every rank when the path holds `{rank}`.
+    if snapshot and "{rank}" in snapshot:
+        snapshot = snapshot.replace("{rank}", str(rank))
+    elif rank != 0:
+        snapshot = None
+    snap = bool(snapshot) and cuda
     if snap:
-        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
+        if stacks == "none":  # events (sizes, streams, order) without stack traces
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, context=None)
+        else:
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks=stacks)
 
     def sync():
         if cuda:

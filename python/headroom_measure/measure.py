@@ -90,6 +90,34 @@ def _build(spec: Spec, cfg):
         return cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
 
 
+def _prepare(spec: Spec, model):
+    """What follows the build in the single-run harness, in its order: peft's
+    `prepare_model_for_kbit_training` (kbit_prepare), `get_peft_model` (lora), then gradient
+    checkpointing (`gradient_checkpointing_enable(use_reentrant=False)`,
+    `enable_input_require_grads()`). Returns the model (peft wraps it)."""
+    if spec.quantization and spec.kbit_prepare:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=spec.gradient_checkpointing
+        )
+    if spec.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lcfg = LoraConfig(
+            r=spec.lora.r,
+            lora_alpha=spec.lora.alpha,
+            target_modules=spec.lora.targets,
+            lora_dropout=spec.lora.dropout,
+            task_type="SEQ_CLS" if spec.task == "seq-cls" else "CAUSAL_LM",
+        )
+        model = get_peft_model(model, lcfg)
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return model
+
+
 def _optimizer(spec: Spec, params):
     import torch
 
@@ -161,26 +189,7 @@ def measure(
     weights_loaded = torch.cuda.memory_allocated()
     params = sum(p.numel() for p in model.parameters())
 
-    if spec.quantization and spec.kbit_prepare:
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=spec.gradient_checkpointing
-        )
-    if spec.lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        lcfg = LoraConfig(
-            r=spec.lora.r,
-            lora_alpha=spec.lora.alpha,
-            target_modules=spec.lora.targets,
-            lora_dropout=spec.lora.dropout,
-            task_type="SEQ_CLS" if spec.task == "seq-cls" else "CAUSAL_LM",
-        )
-        model = get_peft_model(model, lcfg)
-    if spec.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+    model = _prepare(spec, model)
 
     # `params` counts the base model as transformers built it (before adapters); LoRA and
     # modules_to_save copies show only in `trainable_params`.

@@ -130,7 +130,9 @@ def _bool(raw: dict, key: str, default: bool) -> bool:
     return value
 
 
-def parse(raw: dict) -> Spec:
+def parse(raw: dict, *, forward_parallel: bool = False) -> Spec:
+    """A run spec from its mapping. `forward_parallel`: a `parallel` block may go with mode
+    forward (a pipeline instance that only scores or generates); a single run trains."""
     if not isinstance(raw, dict):
         raise SpecError("a run spec is a mapping of keys (model, precision, ...)")
     unknown = sorted(set(raw) - KNOWN_KEYS)
@@ -182,11 +184,11 @@ def parse(raw: dict) -> Spec:
         raise SpecError(f"`allocator`: {alloc!r} is not allowed; use {{expandable_segments: true|false}}")
     spec.expandable_segments = _bool(alloc, "expandable_segments", False)
     if raw.get("parallel") is not None:
-        spec.parallel = _parallel(raw["parallel"], spec)
+        spec.parallel = _parallel(raw["parallel"], spec, forward_parallel)
     return spec
 
 
-def _parallel(raw: Any, spec: Spec) -> Parallel:
+def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
     """`parallel`: {strategy, world_size, reshard_after_forward, shard_size, offload_params,
     offload_optimizer}; each option only where its strategy has it."""
     if not isinstance(raw, dict):
@@ -233,7 +235,7 @@ def _parallel(raw: Any, spec: Spec) -> Parallel:
             f"leave it out or world_size ({world})"
         )
     out.shard_size = shard
-    if spec.mode != "train":
+    if spec.mode != "train" and not forward_ok:
         raise SpecError(f"`parallel`: mode {spec.mode!r} is not allowed; sharded runs are measured in mode train")
     if spec.quantization or spec.lora is not None:
         raise SpecError("`parallel`: not measured with `quantization` or `lora`; leave those out")

@@ -3,8 +3,9 @@
 //! fit, as a Pareto front of device memory against estimated slowdown.
 //!
 //! Knobs the run spec can express (optimizer, checkpointing, LoRA/QLoRA, micro-batch,
-//! `expandable_segments`) are simulated by the estimator. Knobs it cannot express yet
-//! (ZeRO/FSDP sharding, CPU offload, a fused loss, moving a resident model off the GPU) are
+//! `expandable_segments`, and over several GPUs DDP and FSDP2 full sharding of a full
+//! fine-tune) are simulated by the estimator. Knobs it cannot express yet (ZeRO-1/2, CPU
+//! offload, a fused loss, moving a resident model off the GPU, sharding with adapters) are
 //! *computed* from the estimate's breakdown at the peak and its per-phase peaks: each removes
 //! a known share of known components, and the new peak is the largest phase peak after the
 //! removal, where a component only counts as removed from a phase it is certain to be live
@@ -16,7 +17,9 @@ use crate::arch::Architecture;
 use crate::error::{Error, Result};
 use crate::estimate::{self, Estimate};
 use crate::gpu::Gpu;
-use crate::spec::{Lora, LoraTargets, Mode, Optimizer, Precision, Quantization, RunSpec};
+use crate::spec::{
+    Lora, LoraTargets, Mode, Optimizer, Parallel, Precision, Quantization, RunSpec, Strategy,
+};
 use crate::timeline::{Component, PhasePeak};
 
 /// What NCCL adds to each rank's memory outside the allocator: 1.43 GiB per rank was measured
@@ -152,11 +155,38 @@ impl Knobs {
 
     /// Whether any knob is computed rather than simulated.
     pub fn has_computed(&self) -> bool {
-        self.sharding != Sharding::None
+        (self.sharding != Sharding::None && !self.sharding_simulated())
             || self.cpu_offload
             || self.fused_loss
             || self.residents_off_gpu
     }
+
+    /// FSDP2 full sharding of a full fine-tune is simulated (`parallel: fsdp`); the other
+    /// shardings are computed.
+    fn sharding_simulated(&self) -> bool {
+        self.sharding == Sharding::Zero3 && self.adapter == Adapter::Full && !self.cpu_offload
+    }
+}
+
+/// The data parallelism the simulated run has over `gpus` ranks: DDP when nothing is sharded,
+/// FSDP2 full shard for ZeRO-3 of a full fine-tune.
+fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
+    if gpus <= 1 || spec.mode != Mode::Train {
+        return None;
+    }
+    let strategy = match k.sharding {
+        Sharding::None => Strategy::Ddp,
+        _ if k.sharding_simulated() => Strategy::Fsdp,
+        _ => return None,
+    };
+    Some(Parallel {
+        strategy,
+        world_size: u64::from(gpus),
+        reshard_after_forward: true,
+        shard_size: u64::from(gpus),
+        offload_params: false,
+        offload_optimizer: false,
+    })
 }
 
 fn adapter_of(spec: &RunSpec) -> Adapter {
@@ -246,7 +276,11 @@ pub fn simulate(setup: &Setup, k: &Knobs) -> Result<Estimate> {
         total_bytes: setup.gpu.total_bytes.saturating_sub(outside),
         ..setup.gpu.clone()
     };
-    let mut est = estimate::estimate(&spec_for(&setup.spec, k), setup.spec_dir, &gpu)?;
+    let mut spec = spec_for(&setup.spec, k);
+    if let Some(parallel) = parallel_for(&spec, k, setup.gpus) {
+        spec.parallel = Some(parallel);
+    }
+    let mut est = estimate::estimate(&spec, setup.spec_dir, &gpu)?;
     est.gpu = setup.gpu.clone();
     Ok(est)
 }
@@ -269,7 +303,9 @@ pub fn evaluate_with(setup: &Setup, k: &Knobs, est: &Estimate) -> Evaluation {
         fits: device_bytes <= setup.gpu.total_bytes && (removed || est.oom.is_none()),
         slowdown: cost_factor(k) / cost_factor(&base),
         fidelity: fidelity(&base, k),
-        computed: k.has_computed() || ranks > 1 || !setup.residents.is_empty(),
+        computed: k.has_computed()
+            || (ranks > 1 && parallel_for(&setup.spec, k, setup.gpus).is_none())
+            || !setup.residents.is_empty(),
     }
 }
 
@@ -306,7 +342,8 @@ fn live_in(c: Component, phase: &PhasePeak, is_peak: bool) -> bool {
 /// simulated run.
 fn computed_peaks(setup: &Setup, k: &Knobs, est: &Estimate) -> (u64, u64, bool) {
     let ranks = f64::from(setup.gpus.max(1));
-    let shard = 1.0 - 1.0 / ranks;
+    let simulated = parallel_for(&setup.spec, k, setup.gpus).is_some();
+    let shard = if simulated { 0.0 } else { 1.0 - 1.0 / ranks };
     let mut removed = [0.0f64; Component::COUNT];
     let frac = |c: Component| -> f64 {
         match c {
@@ -328,7 +365,7 @@ fn computed_peaks(setup: &Setup, k: &Knobs, est: &Estimate) -> (u64, u64, bool) 
                     0.0
                 }
             }
-            Component::Weights if k.sharding == Sharding::Zero3 => shard,
+            Component::Weights if k.sharding == Sharding::Zero3 && !simulated => shard,
             Component::LogitsAndLoss if k.fused_loss => 1.0,
             _ => 0.0,
         }
@@ -337,13 +374,17 @@ fn computed_peaks(setup: &Setup, k: &Knobs, est: &Estimate) -> (u64, u64, bool) 
         removed[c.index()] = frac(c) * bytes as f64;
     }
     let mut added = 0u64;
-    if k.sharding == Sharding::Zero3 && setup.gpus > 1 {
+    if k.sharding == Sharding::Zero3 && setup.gpus > 1 && !simulated {
         added += zero3_gather_bytes(est);
     }
     if k.fused_loss {
         added += fused_loss_chunk_bytes(est, k);
     }
-    if setup.gpus > 1 && k.sharding == Sharding::None && setup.spec.mode == Mode::Train {
+    if setup.gpus > 1
+        && k.sharding == Sharding::None
+        && setup.spec.mode == Mode::Train
+        && !simulated
+    {
         added += ddp_bucket_bytes(est, &spec_for(&setup.spec, k));
     }
     if !k.residents_off_gpu {

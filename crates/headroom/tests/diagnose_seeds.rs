@@ -175,7 +175,7 @@ fn seed003_remedies_are_ranked_with_savings_from_the_estimator() {
 }
 
 #[test]
-fn computed_sharding_savings_stay_within_the_sharded_components() {
+fn sharding_savings_stay_within_the_sharded_components() {
     let setup = Setup {
         gpus: 4,
         residents: Vec::new(),
@@ -203,17 +203,25 @@ fn computed_sharding_savings_stay_within_the_sharded_components() {
             &est,
         )
     };
-    let (z1, z2, z3) = (
-        eval(Sharding::Zero1),
-        eval(Sharding::Zero2),
-        eval(Sharding::Zero3),
-    );
-    // Each stage shards more; none saves more than 3/4 of what it shards.
+    let (z1, z2) = (eval(Sharding::Zero1), eval(Sharding::Zero2));
+    // ZeRO-3 of a full fine-tune is FSDP2 full sharding, simulated rather than computed.
+    let z3 = plan::evaluate(
+        &setup,
+        &plan::Knobs {
+            sharding: Sharding::Zero3,
+            ..base.clone()
+        },
+    )
+    .expect("simulates");
+    // Each stage shards more; none saves more than 3/4 of what it shards, plus DDP's buckets
+    // (the baseline over 4 GPUs is simulated under DDP).
     assert!(z1.peak_allocated_bytes < est.peak_allocated_bytes);
     assert!(z2.peak_allocated_bytes < z1.peak_allocated_bytes);
     assert!(z3.peak_allocated_bytes < z2.peak_allocated_bytes);
-    assert!(est.peak_allocated_bytes - z3.peak_allocated_bytes <= sharded * 3 / 4);
-    assert!(z3.computed && z1.computed);
+    let buckets = get(Component::Communication);
+    assert!(buckets > 0);
+    assert!(est.peak_allocated_bytes - z3.peak_allocated_bytes <= sharded * 3 / 4 + buckets);
+    assert!(z1.computed && z2.computed && !z3.computed);
 }
 
 #[test]

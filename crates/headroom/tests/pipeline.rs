@@ -100,37 +100,60 @@ fn pipeline(doc: &str) -> PipelineSpec {
 }
 
 #[test]
-fn a_shared_instance_costs_no_weights_and_a_reloaded_copy_costs_all_of_them() {
+fn reusing_the_fsdp_actor_saves_less_than_the_copy_it_avoids() {
     let read = |path: &str| {
         let text = std::fs::read_to_string(format!("../../{path}")).expect("example");
         pipeline(&text)
     };
-    let h100 = gpu::find("h100-80gb").expect("gpu");
-    let reuse = estimate_pipeline(
-        &read("examples/seed000-reuse.yaml"),
-        None,
-        &h100,
-        Limit::None,
-    )
-    .expect("reuse");
-    let reload = estimate_pipeline(
-        &read("examples/seed000-reload.yaml"),
-        None,
-        &h100,
-        Limit::None,
-    )
-    .expect("reload");
-    // The second copy is Qwen2.5-3B in 16-bit on every rank: 3.09e9 x 2 bytes.
-    let copy = 3_085_938_688u64 * 2;
-    let score = |e: &headroom::pipeline::PipelineEstimate| {
-        e.phases
-            .iter()
-            .find(|p| p.name == "score" && p.iteration == 1)
-            .expect("score")
-            .peak_allocated
+    let h200 = gpu::find("h200").expect("gpu");
+    let estimate = |path| estimate_pipeline(&read(path), None, &h200, Limit::None).expect(path);
+    let (reuse, reload) = (
+        estimate("examples/seed000-reuse.yaml"),
+        estimate("examples/seed000-reload.yaml"),
+    );
+    let score = |phases: Vec<(String, u32, u64)>| {
+        phases
+            .into_iter()
+            .find(|(name, iteration, _)| name == "score" && *iteration == 1)
+            .expect("score 1")
+            .2
     };
-    let extra = score(&reload) - score(&reuse);
-    assert!(extra.abs_diff(copy) < copy / 50, "{extra} vs {copy}");
+    let estimated = |e: &headroom::pipeline::PipelineEstimate| {
+        score(
+            e.phases
+                .iter()
+                .map(|p| (p.name.clone(), p.iteration, p.peak_allocated))
+                .collect(),
+        )
+    };
+    let measured = |id: &str| {
+        let row = rows().into_iter().find(|r| r["id"] == id).expect(id);
+        score(
+            row["measured"]["phases"]
+                .as_array()
+                .expect("phases")
+                .iter()
+                .map(|m| {
+                    (
+                        m["phase"].as_str().unwrap().to_string(),
+                        m["iteration"].as_u64().unwrap() as u32,
+                        m["peak_allocated"].as_u64().unwrap(),
+                    )
+                })
+                .collect(),
+        )
+    };
+    // A second Qwen2.5-3B in 16-bit is 5.75 GiB on every rank; reusing the fp32 actor under
+    // bf16 autocast caches a 16-bit cast of every weight it gathers until the pass leaves
+    // autocast, so reuse saves only about 3.2 GiB (measured on 2 x H200).
+    let copy = 3_085_938_688u64 * 2;
+    let saved = estimated(&reload) - estimated(&reuse);
+    let saved_measured = measured("seed000-reload") - measured("seed000-reuse");
+    assert!(saved < copy * 6 / 10, "{saved}");
+    assert!(
+        saved.abs_diff(saved_measured) < saved_measured / 100,
+        "{saved} vs {saved_measured}"
+    );
 }
 
 #[test]

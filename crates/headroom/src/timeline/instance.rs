@@ -188,9 +188,7 @@ impl Instance {
     /// The no-grad log-prob pass.
     pub(crate) fn logprob_pass(&mut self, t: &mut Tracer, ids: T) {
         let grad = t.set_grad_enabled(false);
-        let outer = t.enter_autocast(self.autocast);
-        logprob_forward(t, &self.model, ids, self.batch);
-        t.exit_autocast(outer);
+        logprob_forward(t, &self.model, ids, self.batch, self.autocast);
         t.set_grad_enabled(grad);
     }
 

@@ -177,7 +177,7 @@ impl Tracer {
         if self.dtype(w) != DType::F32 {
             return self.share(w);
         }
-        let cacheable = self.is_param(w) && self.requires_grad(w) && self.grad_enabled();
+        let cacheable = self.is_param(w) && self.requires_grad(w);
         if cacheable && let Some(cast) = self.autocast_cached(w) {
             return self.share(cast);
         }

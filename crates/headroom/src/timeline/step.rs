@@ -10,7 +10,7 @@ use super::instance::{Home, Instance};
 use super::memory::{Memory, PeakRecord, SimulatedOom, TraceEvent};
 use super::tracer::{BackwardHooks, T, Tracer, TracerState};
 use super::transformer::{Batch, Model};
-use crate::arch::{Architecture, Head};
+use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::spec::{Mode, Precision, RunSpec, Task};
 
@@ -416,14 +416,23 @@ fn sequence_classification(t: &mut Tracer, model: &Model, hidden: T, batch: Batc
     pooled
 }
 
-/// The no-grad reference log-prob pass: `log_softmax(model(ids).logits.float(), -1)` gathered
-/// at the next tokens.
-pub(super) fn logprob_forward(t: &mut Tracer, model: &Model, ids: T, batch: Batch) {
+/// The no-grad reference log-prob pass: `logits = model(ids).logits` under the autocast
+/// `autocast`, then outside it `log_softmax(logits.float(), -1)` gathered at the next tokens.
+/// Leaving autocast clears its weight-cast cache before the fp32 logits exist.
+pub(super) fn logprob_forward(
+    t: &mut Tracer,
+    model: &Model,
+    ids: T,
+    batch: Batch,
+    autocast: Option<DType>,
+) {
+    let outer_autocast = t.enter_autocast(autocast);
     let hidden = model.decoder(t, ids, batch);
     let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
     let logits = lm_head(t, model, hidden);
     model.forward_done(t);
     t.drop(hidden);
+    t.exit_autocast(outer_autocast);
     let logits32 = t.to(logits, DType::F32);
     let log_probs = t.log_softmax(logits32);
     t.drop(logits32);
@@ -434,7 +443,6 @@ pub(super) fn logprob_forward(t: &mut Tracer, model: &Model, ids: T, batch: Batc
     );
     t.drop_all(&[gathered, log_probs, logits]);
     t.component = outer;
-    let _ = Head::CausalLm;
 }
 
 #[cfg(test)]

@@ -7,28 +7,13 @@ use headroom_alloc::{BlockId, CachingAllocator, OutOfMemory};
 
 use super::component::Component;
 
-/// One live allocation.
+/// One live allocation. Its block's address and size are the allocator's (fixed while it is
+/// allocated); kept to 16 bytes, it is returned in registers and keeps tensor records small.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Allocation {
-    block: BlockId,
-    /// The block's address (fixed while it is allocated).
-    address: u64,
     requested: u64,
-    block_size: u64,
+    block: BlockId,
     component: Component,
-}
-
-impl Allocation {
-    /// What the allocation is, block handles aside: (block address, requested bytes, block
-    /// size, component).
-    pub(crate) fn signature(&self) -> (u64, u64, u64, Component) {
-        (
-            self.address,
-            self.requested,
-            self.block_size,
-            self.component,
-        )
-    }
 }
 
 /// A recorded allocation or free, for comparing a timeline with a real trace.
@@ -119,9 +104,7 @@ impl Memory {
         if let Some(block) = self.stopped {
             return Allocation {
                 block,
-                address: 0,
                 requested: bytes,
-                block_size: bytes,
                 component,
             };
         }
@@ -151,7 +134,6 @@ impl Memory {
             }
         };
         let block_size = self.allocator.block_size(block);
-        let address = self.allocator.block_address(block);
         self.live[component.index()] += bytes;
         self.live[Component::AllocatorRounding.index()] += block_size - bytes;
         if let Some(trace) = &mut self.trace {
@@ -175,20 +157,30 @@ impl Memory {
         }
         Allocation {
             block,
-            address,
             requested: bytes,
-            block_size,
             component,
         }
+    }
+
+    /// What a live allocation is, block handles aside: (block address, requested bytes,
+    /// block size, component).
+    pub(crate) fn signature(&self, a: &Allocation) -> (u64, u64, u64, Component) {
+        (
+            self.allocator.block_address(a.block),
+            a.requested,
+            self.allocator.block_size(a.block),
+            a.component,
+        )
     }
 
     pub(crate) fn free(&mut self, a: Allocation, label: &'static str) {
         if self.stopped.is_some() {
             return;
         }
+        let block_size = self.allocator.block_size(a.block);
         self.allocator.free(a.block);
         self.live[a.component.index()] -= a.requested;
-        self.live[Component::AllocatorRounding.index()] -= a.block_size - a.requested;
+        self.live[Component::AllocatorRounding.index()] -= block_size - a.requested;
         if let Some(trace) = &mut self.trace {
             trace.push(TraceEvent {
                 alloc: false,

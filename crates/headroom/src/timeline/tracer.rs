@@ -339,7 +339,7 @@ impl Tracer {
                 let rec = &self.tensors[x.0 as usize];
                 canonical[x.0 as usize] = next_id;
                 next_id += 1;
-                let alloc = rec.allocation.map(|a| a.signature());
+                let alloc = rec.allocation.map(|a| self.mem.signature(&a));
                 out.word(rec.numel);
                 out.word(
                     rec.dtype as u64

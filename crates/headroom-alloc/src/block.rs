@@ -5,6 +5,14 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BlockId(pub(crate) u32);
 
+impl BlockId {
+    /// A small number for the block, unique among live blocks (its slot in the arena): for
+    /// tables a caller keeps by block.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
 /// "No block": the null `prev`/`next`/`expandable_segment_` pointer.
 pub(crate) const NONE: u32 = u32::MAX;
 

@@ -1,11 +1,9 @@
 //! `BlockPool`: the free blocks of one pool, ordered for best fit.
 //!
 //! PyTorch keeps them in a `std::set<Block*, BlockComparatorSize>`, ordered by (stream, size,
-//! address). Here each stream has its own set of (size, address) pairs, so a key is one
-//! `u128` compare, and the set is a sorted array cut into short chunks: a lookup is a binary
-//! search over the chunks' last keys and then within one chunk, an insert or removal moves at
-//! most one chunk's entries. Iterating the streams in ascending order, each set in order, is
-//! PyTorch's order.
+//! address). Here each stream has its own set, kept as the distinct sizes with, per size, the
+//! blocks by address (see [`SizeOrdered`]). Iterating the streams in ascending order, each set
+//! in order, is PyTorch's order.
 
 use std::collections::BTreeSet;
 
@@ -18,11 +16,11 @@ pub(crate) struct FreeBlock {
     pub id: u32,
 }
 
-/// The blocks of one size, by address, highest first (best fit takes the last).
+/// The blocks of one size as (address, block), highest address first (best fit takes the
+/// last).
 #[derive(Default, Clone)]
 struct SizeClass {
-    ptrs: Vec<u64>,
-    ids: Vec<u32>,
+    entries: Vec<(u64, u32)>,
 }
 
 impl SizeClass {
@@ -30,12 +28,55 @@ impl SizeClass {
     /// end is looked at first.
     #[inline]
     fn position(&self, ptr: u64) -> usize {
-        match self.ptrs.last() {
-            Some(&lowest) if lowest > ptr => self.ptrs.len(),
-            Some(&lowest) if lowest == ptr => self.ptrs.len() - 1,
-            _ => self.ptrs.partition_point(|&p| p > ptr),
+        let e = &self.entries;
+        match e.last() {
+            Some(&(lowest, _)) if lowest > ptr => e.len(),
+            Some(&(lowest, _)) if lowest == ptr => e.len() - 1,
+            _ => e.partition_point(|&(p, _)| p > ptr),
         }
     }
+
+    /// Inserts at `index`. Freed blocks mostly come back at or next to the low-address end,
+    /// so no entry or one moves (about one on average in the bench runs): those two cases
+    /// are plain stores instead of a `memmove` call.
+    #[inline]
+    fn insert(&mut self, index: usize, entry: (u64, u32)) {
+        let e = &mut self.entries;
+        let end = e.len();
+        e.push(entry);
+        match end - index {
+            0 => {}
+            1 => {
+                e[end] = e[index];
+                e[index] = entry;
+            }
+            _ => {
+                e.copy_within(index..end, index + 1);
+                e[index] = entry;
+            }
+        }
+    }
+
+    /// Removes the entry at `index`; as for `insert`, the last two positions without a
+    /// `memmove` call.
+    #[inline]
+    fn remove(&mut self, index: usize) {
+        let e = &mut self.entries;
+        let last = e.len() - 1;
+        match last - index {
+            0 => {}
+            1 => e[index] = e[last],
+            _ => e.copy_within(index + 1.., index),
+        }
+        e.pop();
+    }
+}
+
+/// The index of the first of `sizes` (ascending) that is at least `size`. A count rather than
+/// a binary search: there are only tens of sizes, and a count has no dependent loads.
+#[inline]
+fn first_size_at_least(sizes: &[u64], size: u64) -> usize {
+    sizes.iter().map(|&s| usize::from(s < size)).sum()
 }
 
 /// The free blocks of one stream, in (size, address) order: the distinct sizes ascending,
@@ -67,18 +108,18 @@ impl SizeOrdered {
     /// The smallest block with at least `size` bytes (its lowest address).
     #[inline]
     fn first_at_least(&self, size: u64) -> Option<Cursor> {
-        let class = self.sizes.partition_point(|&s| s < size);
+        let class = first_size_at_least(&self.sizes, size);
         let c = self.classes.get(class)?;
         Some(Cursor {
             class,
-            index: c.ptrs.len() - 1,
+            index: c.entries.len() - 1,
         })
     }
 
     #[inline]
     fn at(&self, c: Cursor) -> (u64, u64, u32) {
-        let class = &self.classes[c.class];
-        (self.sizes[c.class], class.ptrs[c.index], class.ids[c.index])
+        let (ptr, id) = self.classes[c.class].entries[c.index];
+        (self.sizes[c.class], ptr, id)
     }
 
     /// The next block in (size, address) order.
@@ -94,7 +135,7 @@ impl SizeOrdered {
             let next = self.classes.get(class)?;
             Some(Cursor {
                 class,
-                index: next.ptrs.len() - 1,
+                index: next.entries.len() - 1,
             })
         }
     }
@@ -102,7 +143,7 @@ impl SizeOrdered {
     /// The previous block in (size, address) order.
     #[inline]
     fn prev(&self, c: Cursor) -> Option<Cursor> {
-        if c.index + 1 < self.classes[c.class].ptrs.len() {
+        if c.index + 1 < self.classes[c.class].entries.len() {
             Some(Cursor {
                 class: c.class,
                 index: c.index + 1,
@@ -119,37 +160,36 @@ impl SizeOrdered {
 
     /// The largest block smaller than `size` (its highest address).
     fn last_below(&self, size: u64) -> Option<Cursor> {
-        let class = self.sizes.partition_point(|&s| s < size).checked_sub(1)?;
+        let class = first_size_at_least(&self.sizes, size).checked_sub(1)?;
         Some(Cursor { class, index: 0 })
     }
 
     /// Where (size, ptr) is.
     #[inline]
     fn find(&self, size: u64, ptr: u64) -> Option<Cursor> {
-        let class = self.sizes.binary_search(&size).ok()?;
+        let class = first_size_at_least(&self.sizes, size);
+        if self.sizes.get(class) != Some(&size) {
+            return None;
+        }
         let c = &self.classes[class];
         let index = c.position(ptr);
-        (c.ptrs.get(index) == Some(&ptr)).then_some(Cursor { class, index })
+        (c.entries.get(index).map(|e| e.0) == Some(ptr)).then_some(Cursor { class, index })
     }
 
     /// Adds (size, ptr); returns false if it was there already.
     fn insert(&mut self, size: u64, ptr: u64, id: u32) -> bool {
-        let class = match self.sizes.binary_search(&size) {
-            Ok(class) => class,
-            Err(class) => {
-                self.sizes.insert(class, size);
-                self.classes
-                    .insert(class, self.spare.pop().unwrap_or_default());
-                class
-            }
-        };
+        let class = first_size_at_least(&self.sizes, size);
+        if self.sizes.get(class) != Some(&size) {
+            self.sizes.insert(class, size);
+            self.classes
+                .insert(class, self.spare.pop().unwrap_or_default());
+        }
         let c = &mut self.classes[class];
         let index = c.position(ptr);
-        if c.ptrs.get(index) == Some(&ptr) {
+        if c.entries.get(index).map(|e| e.0) == Some(ptr) {
             return false;
         }
-        c.ptrs.insert(index, ptr);
-        c.ids.insert(index, id);
+        c.insert(index, (ptr, id));
         self.len += 1;
         true
     }
@@ -158,10 +198,9 @@ impl SizeOrdered {
     #[inline]
     fn remove_at(&mut self, c: Cursor) {
         let class = &mut self.classes[c.class];
-        class.ptrs.remove(c.index);
-        class.ids.remove(c.index);
+        class.remove(c.index);
         self.len -= 1;
-        if class.ptrs.is_empty() {
+        if class.entries.is_empty() {
             self.sizes.remove(c.class);
             let empty = self.classes.remove(c.class);
             self.spare.push(empty);
@@ -190,11 +229,10 @@ impl SizeOrdered {
     /// Every entry in (size, address) order.
     fn iter(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
         self.sizes.iter().zip(&self.classes).flat_map(|(&size, c)| {
-            c.ptrs
+            c.entries
                 .iter()
-                .zip(&c.ids)
                 .rev()
-                .map(move |(&ptr, &id)| (size, ptr, id))
+                .map(move |&(ptr, id)| (size, ptr, id))
         })
     }
 }

@@ -7,28 +7,13 @@ use headroom_alloc::{BlockId, CachingAllocator, OutOfMemory};
 
 use super::component::Component;
 
-/// One live allocation.
+/// One live allocation. Its block's address and size are the allocator's (fixed while it is
+/// allocated); kept to 16 bytes, it is returned in registers and keeps tensor records small.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Allocation {
-    block: BlockId,
-    /// The block's address (fixed while it is allocated).
-    address: u64,
     requested: u64,
-    block_size: u64,
+    block: BlockId,
     component: Component,
-}
-
-impl Allocation {
-    /// What the allocation is, block handles aside: (block address, requested bytes, block
-    /// size, component).
-    pub(crate) fn signature(&self) -> (u64, u64, u64, Component) {
-        (
-            self.address,
-            self.requested,
-            self.block_size,
-            self.component,
-        )
-    }
 }
 
 /// A recorded allocation or free, for comparing a timeline with a real trace.
@@ -62,6 +47,76 @@ pub struct SimulatedOom {
     pub error: OutOfMemory,
 }
 
+/// One request a step made of the device, recorded so that a step known to make the same
+/// requests can make them again without the tracer (see `step.rs`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Request {
+    Malloc {
+        bytes: u64,
+        component: Component,
+        label: &'static str,
+    },
+    /// Free what the `index`th `Malloc` of the record allocated.
+    Free { index: u32, label: &'static str },
+    /// Charge what the `index`th `Malloc` of the record allocated to `component`.
+    Recategorize { index: u32, component: Component },
+}
+
+/// Requests being recorded.
+struct Recording {
+    requests: Vec<Request>,
+    mallocs: u32,
+    /// By block index: the `Malloc` whose allocation the block holds, `BEFORE` for a block
+    /// allocated before the recording started (or free).
+    by_block: Vec<u32>,
+    /// Every request refers to allocations of the record only, and the run did not stop.
+    complete: bool,
+}
+
+const BEFORE: u32 = u32::MAX;
+
+impl Recording {
+    /// Out of line: the allocation paths stay small for the steps that record nothing.
+    #[inline(never)]
+    fn malloc(&mut self, block: BlockId, bytes: u64, component: Component, label: &'static str) {
+        self.requests.push(Request::Malloc {
+            bytes,
+            component,
+            label,
+        });
+        if self.by_block.len() <= block.index() {
+            self.by_block.resize(block.index() + 1, BEFORE);
+        }
+        self.by_block[block.index()] = self.mallocs;
+        self.mallocs += 1;
+    }
+
+    #[inline(never)]
+    fn free(&mut self, block: BlockId, label: &'static str) {
+        if let Some(index) = self.index_of(block, true) {
+            self.requests.push(Request::Free { index, label });
+        }
+    }
+
+    /// The `Malloc` behind `block` (freed now if `free`), or `None` (the record is then
+    /// incomplete).
+    fn index_of(&mut self, block: BlockId, free: bool) -> Option<u32> {
+        let slot = self.by_block.get_mut(block.index());
+        let index = match slot {
+            Some(index) if *index != BEFORE => {
+                let found = *index;
+                if free {
+                    *index = BEFORE;
+                }
+                Some(found)
+            }
+            _ => None,
+        };
+        self.complete &= index.is_some();
+        index
+    }
+}
+
 pub(crate) struct Memory {
     pub(crate) allocator: CachingAllocator,
     oom: Option<SimulatedOom>,
@@ -79,6 +134,7 @@ pub(crate) struct Memory {
     /// The current CUDA stream: a block is served from, and returns to, the pool of the
     /// stream it was allocated on (collectives allocate on their own streams).
     pub(crate) stream: u32,
+    recording: Option<Recording>,
 }
 
 impl Memory {
@@ -95,6 +151,7 @@ impl Memory {
             phase_peak: 0,
             trace: record_trace.then(Vec::new),
             stream: 0,
+            recording: None,
         }
     }
 
@@ -121,11 +178,12 @@ impl Memory {
         label: &'static str,
     ) -> Allocation {
         if let Some(block) = self.stopped {
+            if let Some(r) = &mut self.recording {
+                r.complete = false;
+            }
             return Allocation {
                 block,
-                address: 0,
                 requested: bytes,
-                block_size: bytes,
                 component,
             };
         }
@@ -155,7 +213,9 @@ impl Memory {
             }
         };
         let block_size = self.allocator.block_size(block);
-        let address = self.allocator.block_address(block);
+        if let Some(r) = &mut self.recording {
+            r.malloc(block, bytes, component, label);
+        }
         self.live[component.index()] += bytes;
         self.live[Component::AllocatorRounding.index()] += block_size - bytes;
         if let Some(trace) = &mut self.trace {
@@ -179,20 +239,34 @@ impl Memory {
         }
         Allocation {
             block,
-            address,
             requested: bytes,
-            block_size,
             component,
         }
     }
 
+    /// What a live allocation is, block handles aside: (block address, requested bytes,
+    /// block size, component).
+    pub(crate) fn signature(&self, a: &Allocation) -> (u64, u64, u64, Component) {
+        (
+            self.allocator.block_address(a.block),
+            a.requested,
+            self.allocator.block_size(a.block),
+            a.component,
+        )
+    }
+
+    #[inline]
     pub(crate) fn free(&mut self, a: Allocation, label: &'static str) {
         if self.stopped.is_some() {
             return;
         }
+        if let Some(r) = &mut self.recording {
+            r.free(a.block, label);
+        }
+        let block_size = self.allocator.block_size(a.block);
         self.allocator.free(a.block);
         self.live[a.component.index()] -= a.requested;
-        self.live[Component::AllocatorRounding.index()] -= a.block_size - a.requested;
+        self.live[Component::AllocatorRounding.index()] -= block_size - a.requested;
         if let Some(trace) = &mut self.trace {
             trace.push(TraceEvent {
                 alloc: false,
@@ -208,9 +282,59 @@ impl Memory {
         if self.stopped.is_some() {
             return;
         }
+        if let Some(r) = &mut self.recording
+            && let Some(index) = r.index_of(a.block, false)
+        {
+            r.requests.push(Request::Recategorize { index, component });
+        }
         self.live[a.component.index()] -= a.requested;
         self.live[component.index()] += a.requested;
         a.component = component;
+    }
+
+    /// Starts recording requests. Room is made for as many as were made so far (a step makes
+    /// about as many as the one before): growing the record by copying costs more than
+    /// writing it.
+    pub(crate) fn record_requests(&mut self) {
+        let counts = &self.allocator.stats().allocation.all;
+        let so_far = (counts.allocated + counts.freed) as usize;
+        self.recording = Some(Recording {
+            requests: Vec::with_capacity(so_far),
+            mallocs: 0,
+            by_block: Vec::new(),
+            complete: true,
+        });
+    }
+
+    /// Requests recorded so far (0 when not recording).
+    pub(crate) fn requests_recorded(&self) -> usize {
+        self.recording.as_ref().map_or(0, |r| r.requests.len())
+    }
+
+    /// Stops recording: the requests, if they refer to allocations of the record only.
+    pub(crate) fn take_requests(&mut self) -> Option<Vec<Request>> {
+        self.recording
+            .take()
+            .filter(|r| r.complete)
+            .map(|r| r.requests)
+    }
+
+    /// Makes `requests` again; `allocations` holds those of the record's `Malloc`s made so
+    /// far (the record's indices), to be continued by a later call.
+    pub(crate) fn replay(&mut self, requests: &[Request], allocations: &mut Vec<Allocation>) {
+        for &request in requests {
+            match request {
+                Request::Malloc {
+                    bytes,
+                    component,
+                    label,
+                } => allocations.push(self.malloc(bytes, component, label)),
+                Request::Free { index, label } => self.free(allocations[index as usize], label),
+                Request::Recategorize { index, component } => {
+                    self.recategorize(&mut allocations[index as usize], component)
+                }
+            }
+        }
     }
 
     /// Bytes requested by live allocations, per component.

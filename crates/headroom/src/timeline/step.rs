@@ -7,7 +7,7 @@ use headroom_alloc::{AllocatorConfig, CachingAllocator, Checkpoint, Decision};
 
 use super::component::Component;
 use super::instance::{Home, Instance};
-use super::memory::{Memory, PeakRecord, SimulatedOom, TraceEvent};
+use super::memory::{Memory, PeakRecord, Request, SimulatedOom, TraceEvent};
 use super::tracer::{BackwardHooks, T, Tracer, TracerState};
 use super::transformer::{Batch, Model};
 use crate::arch::Architecture;
@@ -39,6 +39,9 @@ pub struct Simulation {
     pub oom: Option<SimulatedOom>,
     /// Steps taken from the previous one rather than simulated (see `simulate_steps`).
     pub repeated_steps: u32,
+    /// Steps whose requests were taken from the previous one and served by the allocator
+    /// again, the tracer not run (see `simulate_steps`).
+    pub replayed_steps: u32,
 }
 
 pub(super) struct Checkpointing<'a> {
@@ -110,6 +113,10 @@ struct StepRecord {
     /// Its phases (the last entries of `phases` when it ended).
     phases: usize,
     trace: std::ops::Range<usize>,
+    /// What it asked of the device, when recorded (the step before the last) and complete.
+    requests: Option<Vec<Request>>,
+    /// Its phases' names and their requests (ranges of `requests`).
+    script: Vec<(&'static str, std::ops::Range<usize>)>,
 }
 
 /// Simulate the run of `spec` on `arch`; `record_trace` keeps every allocation and free.
@@ -153,6 +160,16 @@ pub fn simulate_to_first_oom(
 /// those spare ones), no peak is exceeded, and it ends in the state it started from (the
 /// spare segments are exactly step k-1's new ones, all used again where they were made).
 /// Every later step then repeats it exactly.
+///
+/// When only the allocator's side fails (the tracer state is the previous step's), the step
+/// still makes the previous step's requests: model code never reads what the allocator
+/// answered (allocations are only kept, freed and compared), so the tracer's requests in a
+/// step depend on its state at the start alone. The last step then makes those requests,
+/// recorded in order with the phases they fall in, to the allocator again instead of running
+/// the tracer: the allocator, peaks, breakdown and trace see exactly what they would have
+/// seen. The tracer is left where the step started; nothing reads it after the last step.
+/// A record that frees or recharges an allocation made before it (or a run that stopped
+/// while recording) is not used.
 pub(crate) fn simulate_steps(
     spec: &RunSpec,
     arch: &Architecture,
@@ -186,6 +203,7 @@ pub(crate) fn simulate_steps(
     }];
     let mut previous: Option<StepRecord> = None;
     let mut repeated_steps = 0;
+    let mut replayed_steps = 0;
     // A step found to repeat the previous one: its phases and trace events.
     let mut repeating: Option<(usize, std::ops::Range<usize>)> = None;
     for step in 1..=STEPS {
@@ -202,7 +220,8 @@ pub(crate) fn simulate_steps(
             let roots: Vec<T> = instance.optimizer.tensors().chain([ids]).collect();
             let mut buffer = Vec::new();
             if let Some(prev) = previous.take() {
-                if t.state_is(&roots, &prev.tracer)
+                let same_tracer = t.state_is(&roots, &prev.tracer);
+                if same_tracer
                     && t.mem
                         .allocator
                         .repeats_from(&prev.allocator, &prev.decisions)
@@ -224,17 +243,31 @@ pub(crate) fn simulate_steps(
                     repeated_steps += 1;
                     continue;
                 }
+                if same_tracer
+                    && step == STEPS
+                    && let Some(requests) = &prev.requests
+                {
+                    replay_step(&mut t, step, requests, &prev.script, &mut phases);
+                    replayed_steps += 1;
+                    continue;
+                }
                 buffer = prev.decisions;
             }
             // The last step has no next one to compare with.
             if step < STEPS {
                 t.mem.allocator.record_decisions_into(buffer);
+                // Only the last step is ever replayed.
+                if step + 1 == STEPS {
+                    t.mem.record_requests();
+                }
                 previous = Some(StepRecord {
                     tracer: t.state(&roots),
                     allocator: t.mem.allocator.checkpoint(),
                     decisions: Vec::new(),
                     phases: phases.len(),
                     trace: t.mem.trace_len()..0,
+                    requests: None,
+                    script: Vec::new(),
                 });
             }
         }
@@ -248,10 +281,13 @@ pub(crate) fn simulate_steps(
             t.mem.repeat_trace(trace.clone());
             continue;
         }
+        let mut script = Vec::new();
         let mut phase = |t: &mut Tracer, name: &'static str, f: &mut dyn FnMut(&mut Tracer)| {
+            let first = t.mem.requests_recorded();
             t.mem.start_phase(name, step);
             t.mem.allocator.reset_peak_stats();
             f(t);
+            script.push((name, first..t.mem.requests_recorded()));
             phases.push(PhasePeak {
                 step,
                 phase: name,
@@ -261,7 +297,7 @@ pub(crate) fn simulate_steps(
         };
         if !train {
             phase(&mut t, "forward", &mut |t| instance.logprob_pass(t, ids));
-            end_step(&mut t, &mut previous, phases.len());
+            end_step(&mut t, &mut previous, phases.len(), script);
             continue;
         }
         let mut loss: Option<T> = None;
@@ -280,7 +316,7 @@ pub(crate) fn simulate_steps(
             phase(&mut t, "optimizer", &mut |t| instance.optimizer_step(t));
         }
         instance.zero_grad(&mut t);
-        end_step(&mut t, &mut previous, phases.len());
+        end_step(&mut t, &mut previous, phases.len(), script);
     }
     Simulation {
         params: instance.param_count,
@@ -297,16 +333,57 @@ pub(crate) fn simulate_steps(
         oom: t.mem.oom().cloned(),
         trace: t.mem.take_trace(),
         repeated_steps,
+        replayed_steps,
     }
 }
 
-/// Close the record of the step just simulated: its decisions, phases and trace events.
-fn end_step(t: &mut Tracer, record: &mut Option<StepRecord>, phases: usize) {
+/// Makes the recorded `requests` of a step again, phase by phase as `script` lays them out
+/// (see `simulate_steps`), as step `step`: what the step loop does around each phase, with
+/// the requests in place of the tracer.
+fn replay_step(
+    t: &mut Tracer,
+    step: u32,
+    requests: &[Request],
+    script: &[(&'static str, std::ops::Range<usize>)],
+    phases: &mut Vec<PhasePeak>,
+) {
+    let mut allocations = Vec::new();
+    let mut done = 0;
+    for (name, range) in script {
+        t.mem.replay(&requests[done..range.start], &mut allocations);
+        t.mem.start_phase(name, step);
+        t.mem.allocator.reset_peak_stats();
+        t.mem.replay(&requests[range.clone()], &mut allocations);
+        phases.push(PhasePeak {
+            step,
+            phase: name,
+            peak_allocated: t.mem.phase_peak(),
+            peak_reserved: t.mem.allocator.stats().reserved_bytes.all.peak as u64,
+        });
+        done = range.end;
+        // The loop stops after a phase that ran out; what follows would change nothing.
+        if t.mem.stopped() {
+            return;
+        }
+    }
+    t.mem.replay(&requests[done..], &mut allocations);
+}
+
+/// Close the record of the step just simulated: its decisions, phases, trace events and
+/// requests.
+fn end_step(
+    t: &mut Tracer,
+    record: &mut Option<StepRecord>,
+    phases: usize,
+    script: Vec<(&'static str, std::ops::Range<usize>)>,
+) {
     if let Some(r) = record {
         r.decisions = t.mem.allocator.take_decisions();
         t.mem.allocator.record_decisions(false);
         r.phases = phases - r.phases;
         r.trace = r.trace.start..t.mem.trace_len();
+        r.requests = t.mem.take_requests();
+        r.script = script;
     }
 }
 
@@ -450,7 +527,8 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    /// Taking a step from the previous one gives what simulating it gives, to the byte.
+    /// Taking a step from the previous one, or its requests, gives what simulating it gives,
+    /// to the byte.
     #[test]
     fn repeated_steps_equal_simulated_ones() {
         let specs = [
@@ -470,6 +548,7 @@ mod tests {
                    "batch_size": 1, "seq_len": 128}),
         ];
         let (mut repeated, mut ooms, mut limited_repeats) = (0, 0, 0);
+        let (mut replayed, mut replayed_ooms) = (0, 0);
         for value in specs {
             let spec = RunSpec::from_value(&value).expect("valid spec");
             let model = spec.resolve_model(None).expect("known model");
@@ -493,6 +572,9 @@ mod tests {
             let capacities = [
                 None,
                 Some(reserved),
+                // Short by a byte of the unlimited run's reserved peak: the step that reaches
+                // it (often the last) flushes the cache, or runs out.
+                Some(reserved - 1),
                 Some(allocated + (reserved - allocated) / 2),
                 Some(allocated - 1),
             ];
@@ -512,7 +594,7 @@ mod tests {
                     (fast.params, fast.trainable_params, fast.weights_loaded),
                     (slow.params, slow.trainable_params, slow.weights_loaded)
                 );
-                assert_eq!(slow.repeated_steps, 0);
+                assert_eq!((slow.repeated_steps, slow.replayed_steps), (0, 0));
                 // Stopping at the first error finds the same error, and without one the run.
                 let stopped = simulate_steps(
                     &spec,
@@ -532,6 +614,8 @@ mod tests {
                 if capacity.is_none() {
                     repeated += fast.repeated_steps;
                 }
+                replayed += fast.replayed_steps;
+                replayed_ooms += fast.replayed_steps * u32::from(slow.oom.is_some());
                 ooms += usize::from(slow.oom.is_some());
                 limited_repeats += fast.repeated_steps * u32::from(capacity.is_some());
             }
@@ -543,6 +627,13 @@ mod tests {
         assert!(
             limited_repeats >= 3,
             "{limited_repeats} steps repeated on limited devices"
+        );
+        // Others make the last step's requests again (the allocator decides differently),
+        // also in runs that flush the cache or run out of memory.
+        assert!(replayed >= 6, "{replayed} steps replayed");
+        assert!(
+            replayed_ooms >= 3,
+            "{replayed_ooms} replayed steps in runs out of memory"
         );
     }
 }

@@ -147,7 +147,6 @@ pub(crate) struct Node {
     inputs: (u32, u32),
     /// Gradient of each output as it accumulates (`InputBuffer`).
     buffer: SmallVec<[Option<T>; 2]>,
-    deps: u32,
     region: Option<u32>,
     /// The FSDP unit whose forward recorded it (see [`BackwardHooks`]).
     unit: Option<u32>,
@@ -361,7 +360,7 @@ impl Tracer {
                 let rec = &self.tensors[x.0 as usize];
                 canonical[x.0 as usize] = next_id;
                 next_id += 1;
-                let alloc = rec.allocation.map(|a| a.signature());
+                let alloc = rec.allocation.map(|a| self.mem.signature(&a));
                 out.word(rec.numel);
                 out.word(
                     rec.dtype as u64
@@ -855,7 +854,6 @@ impl Tracer {
             saved: kept,
             inputs,
             buffer: SmallVec::from_elem(None, outputs.len()),
-            deps: 0,
             region: self.region,
             unit: self.unit,
             component: self.component,
@@ -895,7 +893,6 @@ impl Tracer {
                     saved: SmallVec::new(),
                     inputs: (0, 0),
                     buffer: SmallVec::from_elem(None, 1),
-                    deps: 0,
                     region: None,
                     unit: self.unit,
                     component: Component::Gradients,
@@ -970,7 +967,7 @@ impl Tracer {
         // `torch.autograd.backward` makes `ones_like(loss)` in Python, which holds it until
         // the call returns.
         let seed = self.empty(1, self.dtype(root), "grad of loss (ones_like)");
-        self.compute_dependencies(root_node);
+        let mut deps = self.compute_dependencies(root_node);
         self.nodes[root_node.0 as usize].buffer[root_slot as usize] = Some(self.share(seed));
         self.thread = 1;
         let mut ready = BinaryHeap::new();
@@ -1001,10 +998,10 @@ impl Tracer {
                     continue;
                 };
                 self.accumulate_into(edge.target, edge.slot, grad);
-                let target = &mut self.nodes[edge.target.0 as usize];
-                target.deps -= 1;
-                if target.deps == 0 {
-                    ready.push((target.seq, edge.target.0));
+                let target = edge.target.0 as usize;
+                deps[target] -= 1;
+                if deps[target] == 0 {
+                    ready.push((self.nodes[target].seq, edge.target.0));
                 }
             }
             if let Some(u) = unit {
@@ -1021,12 +1018,12 @@ impl Tracer {
         self.drop(seed);
     }
 
-    /// Count each node's incoming edges from the nodes this backward runs, and each unit's
-    /// nodes that it runs.
-    fn compute_dependencies(&mut self, root: NodeId) {
+    /// How many edges of the graph under `root` point at each node (by node id), kept apart
+    /// from the nodes (the count is all the engine touches of most nodes, and a node is
+    /// large); and per unit, how many of its nodes this backward runs.
+    fn compute_dependencies(&mut self, root: NodeId) -> Vec<u32> {
+        let mut deps = vec![0u32; self.nodes.len()];
         let mut stack = vec![root];
-        let mut seen = vec![false; self.nodes.len()];
-        seen[root.0 as usize] = true;
         self.unit_pending.clear();
         self.unit_entered.clear();
         while let Some(n) = stack.pop() {
@@ -1039,17 +1036,19 @@ impl Tracer {
                 self.unit_pending[u] += 1;
             }
             let (first, count) = self.nodes[n.0 as usize].inputs;
-            for i in first as usize..(first + count) as usize {
-                if let Some(edge) = self.edges[i] {
-                    let t = edge.target.0 as usize;
-                    self.nodes[t].deps += 1;
-                    if !seen[t] {
-                        seen[t] = true;
-                        stack.push(edge.target);
-                    }
+            for edge in self.edges[first as usize..(first + count) as usize]
+                .iter()
+                .flatten()
+            {
+                let t = edge.target.0 as usize;
+                // The graph has no cycles: the root is nobody's target.
+                if deps[t] == 0 {
+                    stack.push(edge.target);
                 }
+                deps[t] += 1;
             }
         }
+        deps
     }
 
     /// `InputBuffer::add` (`input_buffer.cpp`): the first gradient is stored; a later one is

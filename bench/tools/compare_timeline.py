@@ -21,7 +21,9 @@ def real_events(path):
     with opener(path, "rb") as f:
         snap = pickle.load(f)
     out = []
-    for e in snap["device_traces"][0]:
+    # A rank's snapshot holds its own device's trace (the others are empty).
+    trace = next((t for t in snap["device_traces"] if t), [])
+    for e in trace:
         if e["action"] not in ("alloc", "free_completed"):
             continue
         frames = [fr for fr in e.get("frames", []) if "torch/" not in fr["filename"] and "<" not in fr["filename"]]

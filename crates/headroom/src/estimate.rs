@@ -93,13 +93,27 @@ pub fn estimate_with_trace(
     let model = spec.resolve_model(spec_dir)?;
     let arch = Architecture::from_hf_config(&model.config)?;
     spec.check_against(&arch)?;
-    if let Some(parallel) = &spec.parallel
-        && !matches!(parallel.strategy, Strategy::Ddp | Strategy::Fsdp)
-    {
-        return Err(crate::error::Error::Unsupported {
-            what: format!("parallel.strategy {}", parallel.strategy.name()),
-            supported: "ddp and fsdp (DeepSpeed ZeRO is not modelled yet)".into(),
-        });
+    if let Some(parallel) = &spec.parallel {
+        if parallel.strategy == Strategy::Zero3 {
+            return Err(crate::error::Error::Unsupported {
+                what: format!("parallel.strategy {}", parallel.strategy.name()),
+                supported: "ddp, fsdp, zero1 and zero2 (DeepSpeed ZeRO-3 is not modelled yet)"
+                    .into(),
+            });
+        }
+        let zero = matches!(parallel.strategy, Strategy::Zero1 | Strategy::Zero2);
+        if zero && parallel.offload_optimizer {
+            return Err(crate::error::Error::Unsupported {
+                what: "parallel.offload_optimizer with zero1/zero2".into(),
+                supported: "zero1 and zero2 with the optimizer on the GPU".into(),
+            });
+        }
+        if zero && spec.optimizer != crate::spec::Optimizer::AdamW {
+            return Err(crate::error::Error::Unsupported {
+                what: format!("optimizer {} with zero1/zero2", spec.optimizer.name()),
+                supported: "adamw (DeepSpeed's torch_adam: torch.optim.AdamW, foreach)".into(),
+            });
+        }
     }
     let allocator = AllocatorConfig {
         expandable_segments: spec.allocator.expandable_segments,

@@ -1,6 +1,7 @@
-//! Data-parallel estimates against the per-rank measurements of bench/distributed (FSDP2 and
-//! DDP on 2 x H200): the peak of every measured phase of every step, and the run's reserved
-//! peak, for rank 0 (FSDP2 and DDP ranks measured equal to the byte).
+//! Data-parallel estimates against the per-rank measurements of bench/distributed (FSDP2, DDP
+//! and DeepSpeed ZeRO 1/2 on 2 x H200): the peak of every measured phase of every step, and the
+//! run's reserved peak; for rank 0 under FSDP2 and DDP (ranks measured equal to the byte), the
+//! larger rank under ZeRO.
 
 use headroom::gpu;
 use headroom::spec::{RunSpec, Strategy};
@@ -92,4 +93,77 @@ fn sharding_moves_memory_where_the_measurements_say() {
     let extra = (kept.peak_allocated_bytes - full.peak_allocated_bytes) as f64 / gib;
     assert!((4.8..5.0).contains(&extra), "{extra}");
     assert!(ddp.peak_allocated_bytes > full.peak_allocated_bytes + (10u64 << 30));
+}
+
+/// DeepSpeed ZeRO stages 1 and 2 (bf16, torch AdamW): the estimate is the rank that needs
+/// most, so every phase is checked against the larger of the two ranks' peaks, the load phase
+/// against rank 1 (rank 0's is cut short by DeepSpeed's `see_memory_usage` resetting the peak
+/// statistics), and the reserved peak against the larger rank's.
+#[test]
+fn every_phase_of_every_zero1_and_zero2_row() {
+    let mut checked = 0;
+    for row in rows() {
+        let id = row["id"].as_str().expect("id");
+        let spec = RunSpec::from_value(&row["spec"]).expect(id);
+        let strategy = spec.parallel.as_ref().expect("parallel").strategy;
+        if !matches!(strategy, Strategy::Zero1 | Strategy::Zero2) {
+            continue;
+        }
+        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
+        let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
+        let ranks = row["measured"]["ranks"].as_array().expect("ranks");
+        let phase = |step: u32, name: &str| {
+            est.phases
+                .iter()
+                .find(|p| p.step == step && p.phase == name)
+                .unwrap_or_else(|| panic!("{id}: no {name} {step}"))
+                .peak_allocated
+        };
+        let load = ranks[1]["load"]["peak_allocated"].as_u64().expect("load");
+        let err = rel(phase(0, "load"), load);
+        assert!(err.abs() < 0.005, "{id} load: allocated {err:+.4}");
+        for i in 0..3 {
+            for (key, name) in [
+                ("fwd_peak", "forward"),
+                ("bwd_peak", "backward"),
+                ("opt_peak", "optimizer"),
+            ] {
+                let measured = ranks
+                    .iter()
+                    .map(|r| r["steps"][i][key].as_u64().expect(key))
+                    .max()
+                    .expect("ranks");
+                let err = rel(phase(i as u32 + 1, name), measured);
+                assert!(
+                    err.abs() < 0.005,
+                    "{id} step {} {name}: allocated {err:+.4}",
+                    i + 1
+                );
+                checked += 1;
+            }
+        }
+        let reserved = rel(
+            est.peak_reserved_bytes,
+            row["measured"]["peak_reserved_bytes"]
+                .as_u64()
+                .expect("reserved"),
+        );
+        assert!(reserved.abs() < 0.01, "{id}: reserved {reserved:+.4}");
+    }
+    assert_eq!(checked, 27, "{checked} phases checked");
+}
+
+#[test]
+fn zero3_and_zero_with_optimizer_offload_stay_unsupported() {
+    for parallel in [
+        serde_json::json!({"strategy": "zero3", "world_size": 2}),
+        serde_json::json!({"strategy": "zero2", "world_size": 2, "offload_optimizer": true}),
+    ] {
+        let spec = RunSpec::from_value(&serde_json::json!({"model": "qwen2.5-0.5b",
+            "precision": "bf16", "optimizer": "adamw", "batch_size": 1, "seq_len": 128,
+            "parallel": parallel}))
+        .expect("spec");
+        let err = headroom::estimate::estimate(&spec, None, &gpu::find("h200").expect("gpu"));
+        assert!(err.is_err(), "{parallel}");
+    }
 }

@@ -14,6 +14,7 @@ use super::quant;
 use super::step::{autocast_dtype, backward, lm_head, logprob_forward, param_dtype, train_forward};
 use super::tracer::{ParamId, T, Tracer};
 use super::transformer::{AttentionImpl, Batch, FsdpOffload, LoraAdapter, Model};
+use super::zero::Zero;
 use crate::arch::{Architecture, Param};
 use crate::dtype::DType;
 use crate::spec::{
@@ -36,7 +37,8 @@ pub(crate) struct Instance {
     autocast: Option<DType>,
     /// The model's parameters, adapters included (not FSDP2's shards).
     pub(crate) params: Range<ParamId>,
-    /// What the optimizer steps: the trainable parameters, or FSDP2's shards on the device.
+    /// What the optimizer steps: the trainable parameters, FSDP2's shards on the device, or
+    /// DeepSpeed's fp32 master partition.
     pub(crate) trainable: Vec<ParamId>,
     pub(crate) optimizer: OptimizerState,
     ddp: Option<Ddp>,
@@ -55,6 +57,18 @@ impl Instance {
     /// from the config on the GPU, on the host, or on the meta device and sharded), then
     /// `prepare_model_for_kbit_training`, peft, checkpointing and DDP.
     pub(crate) fn build(t: &mut Tracer, spec: &RunSpec, arch: &Architecture, home: Home) -> Self {
+        Self::build_on_rank(t, spec, arch, home, None)
+    }
+
+    /// [`Instance::build`] as rank `rank` sees it (where ranks differ: DeepSpeed ZeRO's
+    /// partitions); `None`: the last rank.
+    pub(crate) fn build_on_rank(
+        t: &mut Tracer,
+        spec: &RunSpec,
+        arch: &Architecture,
+        home: Home,
+        rank: Option<u64>,
+    ) -> Self {
         let head = spec.head();
         let train = spec.mode == Mode::Train;
         let trainable = |_: &Param| train;
@@ -117,6 +131,24 @@ impl Instance {
             let all: Vec<ParamId> = params.clone().collect();
             Ddp::wrap(t, &all, &trainable_ids, Model::rotary_buffer_shapes(arch))
         });
+        // DeepSpeed ZeRO 1/2: the optimizer steps the rank's fp32 master partition, and the
+        // engine turns the harness's `torch.autocast` off (its forward runs in the
+        // parameters' dtype).
+        let mut autocast = autocast_dtype(spec);
+        let trainable_ids = match parallel.filter(|p| {
+            matches!(p.strategy, Strategy::Zero1 | Strategy::Zero2) && !trainable_ids.is_empty()
+        }) {
+            Some(parallel) => {
+                let world = parallel.world_size;
+                let rank = rank.unwrap_or(world - 1).min(world - 1);
+                let zero = Zero::wrap(t, &trainable_ids, parallel.strategy, world, rank);
+                let master = zero.master;
+                model.zero = Some(RefCell::new(zero));
+                autocast = None;
+                vec![master]
+            }
+            None => trainable_ids,
+        };
         Instance {
             spec: spec.clone(),
             model,
@@ -124,7 +156,7 @@ impl Instance {
                 b: spec.batch_size,
                 s: spec.seq_len,
             },
-            autocast: autocast_dtype(spec),
+            autocast,
             params,
             trainable: trainable_ids,
             optimizer: OptimizerState::new(spec.optimizer),
@@ -160,7 +192,9 @@ impl Instance {
     }
 
     pub(crate) fn optimizer_step(&mut self, t: &mut Tracer) {
-        if self.spec.optimizer != Optimizer::None {
+        if let Some(zero) = &self.model.zero {
+            zero.borrow_mut().step(t, &mut self.optimizer);
+        } else if self.spec.optimizer != Optimizer::None {
             self.optimizer.step(t, &self.trainable);
         }
     }

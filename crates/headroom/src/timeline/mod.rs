@@ -16,6 +16,7 @@ mod quant;
 pub mod step;
 mod tracer;
 mod transformer;
+mod zero;
 
 pub use component::Component;
 pub use memory::{PeakRecord, SimulatedOom, TraceEvent};

@@ -12,7 +12,7 @@ use super::tracer::{BackwardHooks, T, Tracer, TracerState};
 use super::transformer::{Batch, Model};
 use crate::arch::Architecture;
 use crate::dtype::DType;
-use crate::spec::{Mode, Precision, RunSpec, Task};
+use crate::spec::{Mode, Precision, RunSpec, Strategy, Task};
 
 /// Steps the harness runs; the first differs (optimizer states appear during its step).
 pub const STEPS: u32 = 3;
@@ -67,9 +67,16 @@ impl BackwardHooks for Checkpointing<'_> {
             sharded.borrow_mut().post_backward(tracer, unit);
         }
     }
+
+    fn grad_accumulated(&mut self, tracer: &mut Tracer, param: super::tracer::ParamId) {
+        if let Some(zero) = &self.model.zero {
+            zero.borrow_mut().grad_hook(tracer, param);
+        }
+    }
 }
 
-/// `loss.backward()` through the model's hooks, FSDP's final callback included.
+/// `loss.backward()` through the model's hooks, FSDP's final callback and DeepSpeed's
+/// backward epilogue included.
 pub(super) fn backward(
     t: &mut Tracer,
     model: &Model,
@@ -85,6 +92,9 @@ pub(super) fn backward(
     t.backward(loss, &mut hooks);
     if let Some(sharded) = &model.sharded {
         sharded.borrow_mut().finish_backward(t);
+    }
+    if let Some(zero) = &model.zero {
+        zero.borrow_mut().finish_backward(t);
     }
 }
 
@@ -179,6 +189,49 @@ pub(crate) fn simulate_steps(
     repeat_steps: bool,
     stop_at_oom: bool,
 ) -> Simulation {
+    let run = |rank| {
+        simulate_rank(
+            spec,
+            arch,
+            allocator.clone(),
+            capacity,
+            record_trace,
+            repeat_steps,
+            stop_at_oom,
+            rank,
+        )
+    };
+    // DeepSpeed ZeRO's ranks hold different partitions (see `zero.rs`): the first and the
+    // last rank are simulated, and the one that needs more reported (an out-of-memory error
+    // first, then the larger reserved and allocated peaks).
+    let zero = spec.parallel.as_ref().is_some_and(|p| {
+        matches!(p.strategy, Strategy::Zero1 | Strategy::Zero2) && p.world_size > 1
+    });
+    let last = run(None);
+    if !zero {
+        return last;
+    }
+    let first = run(Some(0));
+    let need = |s: &Simulation| (s.oom.is_some(), s.peak_reserved, s.peak.allocated);
+    if need(&first) > need(&last) {
+        first
+    } else {
+        last
+    }
+}
+
+/// [`simulate_steps`] on one rank (`None`: the last).
+#[allow(clippy::too_many_arguments)]
+fn simulate_rank(
+    spec: &RunSpec,
+    arch: &Architecture,
+    allocator: AllocatorConfig,
+    capacity: Option<u64>,
+    record_trace: bool,
+    repeat_steps: bool,
+    stop_at_oom: bool,
+    rank: Option<u64>,
+) -> Simulation {
     let mut t = Tracer::new(Memory::new(
         CachingAllocator::new(allocator, capacity),
         record_trace,
@@ -191,7 +244,7 @@ pub(crate) fn simulate_steps(
     t.drop(zero);
 
     let train = spec.mode == Mode::Train;
-    let mut instance = Instance::build(&mut t, spec, arch, Home::Gpu);
+    let mut instance = Instance::build_on_rank(&mut t, spec, arch, Home::Gpu, rank);
     let batch = instance.batch;
     let ids = t.empty_as(batch.n(), DType::I64, Component::Inputs, "input_ids");
     // Building (or loading) the model is reported as step 0's "load" phase.

@@ -228,6 +228,9 @@ pub(crate) trait BackwardHooks {
     /// Every node of unit `unit` that this backward runs has run, its parameters'
     /// `AccumulateGrad` included (FSDP's post-backward hook on the unit's inputs).
     fn unit_backward_done(&mut self, _tracer: &mut Tracer, _unit: u32) {}
+    /// `AccumulateGrad` stored `param`'s gradient (a post-accumulate-grad hook, DeepSpeed's
+    /// gradient hook).
+    fn grad_accumulated(&mut self, _tracer: &mut Tracer, _param: ParamId) {}
 }
 
 pub(crate) struct Tracer {
@@ -638,9 +641,25 @@ impl Tracer {
         self.rec_mut(t).allocation = Some(allocation);
     }
 
-    /// Whether a parameter's storage is on the GPU.
+    /// `param.data = base[...]`: the parameter becomes a view of `base`'s storage (a slice of
+    /// a flat buffer); its own storage, if it still has one, is freed.
+    pub(crate) fn param_into_view(&mut self, p: ParamId, base: T, label: &'static str) {
+        let old = self.params[p].tensor;
+        let numel = self.numel(old);
+        let view = self.view(base, numel, label);
+        let rec = self.rec(old);
+        let (requires_grad, param) = (rec.requires_grad, rec.param);
+        let rec = self.rec_mut(view);
+        rec.requires_grad = requires_grad;
+        rec.param = param;
+        self.params[p].tensor = view;
+        self.drop(old);
+    }
+
+    /// Whether a parameter's storage is on the GPU (its own, or a flat buffer's it views).
     pub(crate) fn is_materialized(&self, p: ParamId) -> bool {
-        self.rec(self.params[p].tensor).allocation.is_some()
+        let rec = self.rec(self.params[p].tensor);
+        rec.allocation.is_some() || rec.base.is_some()
     }
 
     /// `param.data = param.data.cpu()`: the GPU storage is freed, the parameter lives on.
@@ -988,6 +1007,11 @@ impl Tracer {
             }
             let outputs = self.run_node(node);
             self.release_node(node);
+            if let Bwd::AccumulateGrad(param) = self.nodes[id as usize].op
+                && self.params[param].grad.is_some()
+            {
+                hooks.grad_accumulated(self, param);
+            }
             let (first, count) = self.nodes[id as usize].inputs;
             for (i, grad) in (first as usize..(first + count) as usize).zip(outputs) {
                 let edge = self.edges[i];

@@ -170,6 +170,8 @@ pub(crate) struct Model {
     pub fsdp: Option<FsdpOffload>,
     /// Sharded by FSDP2 over several ranks; its hooks run in forward and backward.
     pub sharded: Option<RefCell<Fsdp>>,
+    /// Wrapped by DeepSpeed ZeRO stage 1 or 2: its gradient hooks run in backward.
+    pub zero: Option<RefCell<super::zero::Zero>>,
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
@@ -437,6 +439,7 @@ impl Model {
             inputs_require_grads: false,
             fsdp: None,
             sharded: None,
+            zero: None,
             kv_cache: None,
         }
     }

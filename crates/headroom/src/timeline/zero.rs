@@ -1,0 +1,305 @@
+//! DeepSpeed ZeRO stages 1 and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`, DeepSpeed 0.18.2,
+//! `bf16` enabled, `torch_adam` AdamW, the stage defaults: `reduce_bucket_size` 5e8,
+//! `contiguous_gradients`, no `overlap_comm`, no round-robin gradients) as one rank sees it.
+//! Ranks differ in which parameters their partition holds, and so in the sizes of
+//! `grads_in_partition` and of the gradient-norm temporaries, and in how the caching allocator
+//! lays them out (measured: 5.20 vs 5.16 GiB optimizer peak, 13.19 vs 10.87 GiB reserved on the
+//! 4-layer model). `step::simulate_steps` simulates the first and the last rank (the only one
+//! whose gradient list ends with the flat buffer's padding) and reports the one that needs
+//! more; ranks between them hold the same kinds of slices.
+//!
+//! Every parameter keeps a bf16 copy on every rank (views of one flat buffer); the rank owns a
+//! contiguous `1 / world_size` slice of that flat buffer (its partition), for which it keeps
+//! the fp32 master weights and the Adam states. What is allocated, in order (checked against
+//! both ranks' snapshots of the 4-layer run, bench/distributed/zero2-q15-4l-rank*.pickle.gz):
+//! - construction (`DeepSpeedZeroOptimizer.__init__`): each trainable parameter is moved to the
+//!   host (`param.data = torch.empty(1).to(device)`: a 4-byte placeholder, then the parameter's
+//!   storage freed), then `empty_cache()` (the freed segments go back to the driver); the flat
+//!   buffer of every parameter, aligned to `2 * world_size` elements, comes back to the GPU
+//!   in one allocation and each parameter becomes a view of it (placeholders freed in
+//!   parameter order); the partition is cloned (bf16) and cast to the fp32 master (the clone
+//!   dies); `initialize_optimizer_states` makes a zero fp32 gradient of the partition and
+//!   drops it again (torch's AdamW creates its states lazily, at the first step).
+//! - backward: the first gradient hook allocates the IPG bucket (`setup_buckets`: 5e8
+//!   elements of the parameters' dtype, 1e9 bytes in bf16). Under stage 2 each gradient, as
+//!   `AccumulateGrad` stores it, is copied into the bucket and its own storage freed
+//!   (`reduce_independent_p_g_buckets_and_remove_grads`); a gradient that would overflow the
+//!   bucket first reduces it (`reduce_ipg_grads`). Stage 1 only allocates the bucket in its
+//!   hooks: the gradients stay where autograd put them until backward ends, then
+//!   `reduce_gradients` moves them into the bucket the same way, in parameter order.
+//! - `reduce_ipg_grads`: `average_tensor` → `allreduce_and_scatter` → `allreduce_bucket`
+//!   flattens the bucket's gradient slices into a new tensor (the bucket's elements), all-reduces
+//!   it and copies it back; it is freed before the copy-out. Then each gradient of a parameter
+//!   in this rank's partition is copied into `grads_in_partition` (allocated at the first such
+//!   gradient, of the parameters' dtype, as large as every parameter that touches the partition,
+//!   whole: the parameter straddling the partition's start counts in full); under stage 2 the
+//!   others are dropped.
+//! - end of backward (`independent_gradient_partition_epilogue`): the last bucket is reduced,
+//!   the bucket released; `averaged_gradients` keeps views of `grads_in_partition`.
+//! - `step()`: `get_grad_norm_direct` takes `g.double()` of each gradient slice in the
+//!   partition (8 bytes an element, freed after its norm); the slices are flattened (bf16, the
+//!   partition's size) and cast to the fp32 gradient of the master (the flat bf16 dies);
+//!   `averaged_gradients` is dropped, freeing `grads_in_partition`; torch's foreach AdamW steps
+//!   the one fp32 master tensor (states of the partition's size at step 1, one `_foreach_sqrt`
+//!   temporary); the fp32 gradient is dropped; the updated partition is copied into the flat
+//!   bf16 buffer and all-gathered in place (nothing allocated).
+//!
+//! Not modelled: a parameter larger than the bucket is reduced from its own gradient without
+//! being copied into the bucket (its flatten is simulated at its full size); a few tiny
+//! allocations (the 128-byte broadcasts of engine construction, the norms' reduction
+//! workspaces, the zero padding of the last partition's gradient list).
+
+use super::component::Component;
+use super::optim::OptimizerState;
+use super::tracer::{ParamId, T, Tracer};
+use crate::dtype::DType;
+use crate::spec::Strategy;
+
+/// `reduce_bucket_size` (elements).
+const REDUCE_BUCKET_ELEMENTS: u64 = 500_000_000;
+/// `nccl_start_alignment_factor`: the flat buffer is padded to a multiple of this times the
+/// number of ranks.
+const ALIGNMENT: u64 = 2;
+
+pub(crate) struct Zero {
+    /// Stage 2 partitions gradients (reduces them as they arrive); stage 1 only the optimizer.
+    partition_gradients: bool,
+    dtype: DType,
+    /// The trainable parameters in `model.parameters()` order (the flat buffer's order).
+    params: Vec<ParamId>,
+    /// Per parameter: whether it touches this rank's partition.
+    in_partition: Vec<bool>,
+    /// Elements of each parameter inside the partition, in flat order (the gradient slices
+    /// `averaged_gradients` holds).
+    slices: Vec<u64>,
+    /// Elements of the parameters that touch the partition, whole.
+    in_partition_numel: u64,
+    partition_numel: u64,
+    /// The fp32 master partition (a parameter of its own, what AdamW steps).
+    pub(crate) master: ParamId,
+    /// The IPG bucket while backward runs, the parameters whose gradients it holds and their
+    /// elements.
+    ipg: Option<T>,
+    bucket: Vec<usize>,
+    bucket_elements: u64,
+    /// A gradient too large for the bucket, reduced on its own.
+    extra_large: Option<(usize, T)>,
+    /// `grads_in_partition` (from backward to `step()`, held by `averaged_gradients`).
+    grads_in_partition: Option<T>,
+}
+
+impl Zero {
+    /// `deepspeed.initialize(model=..., model_parameters=trainable)`: the optimizer's
+    /// construction as rank `rank` of `world` does it.
+    pub(crate) fn wrap(
+        t: &mut Tracer,
+        trainable: &[ParamId],
+        strategy: Strategy,
+        world: u64,
+        rank: u64,
+    ) -> Zero {
+        let dtype = t.dtype(t.param(trainable[0]));
+        let numels: Vec<u64> = trainable.iter().map(|&p| t.numel(t.param(p))).collect();
+        let total: u64 = numels.iter().sum();
+        let flat_numel = total.div_ceil(ALIGNMENT * world) * ALIGNMENT * world;
+        let partition_numel = flat_numel / world;
+        let (start, end) = (rank * partition_numel, (rank + 1) * partition_numel);
+        // `get_partition_info` and `get_flat_partition`.
+        let mut in_partition = Vec::with_capacity(numels.len());
+        let mut slices = Vec::new();
+        let mut offset = 0;
+        let mut taken = 0;
+        for &n in &numels {
+            let touches =
+                (start <= offset && offset < end) || (offset < start && start < offset + n);
+            in_partition.push(touches);
+            if touches {
+                let skip = start.saturating_sub(offset);
+                let slice = (n - skip).min(partition_numel - taken);
+                slices.push(slice);
+                taken += slice;
+            }
+            offset += n;
+        }
+        let in_partition_numel = numels
+            .iter()
+            .zip(&in_partition)
+            .filter(|&(_, &i)| i)
+            .map(|(&n, _)| n)
+            .sum();
+
+        // Each parameter to the host: a placeholder first, then its storage is freed.
+        let outer = std::mem::replace(&mut t.component, Component::Weights);
+        let placeholders: Vec<T> = trainable
+            .iter()
+            .map(|&p| {
+                let placeholder = t.empty(1, DType::F32, "torch.empty(1) placeholder (DeepSpeed)");
+                t.offload(p);
+                placeholder
+            })
+            .collect();
+        t.mem.allocator.empty_cache();
+        let flat = t.empty(flat_numel, dtype, "DeepSpeed flat bf16 parameters");
+        for (&p, placeholder) in trainable.iter().zip(placeholders) {
+            t.param_into_view(p, flat, "parameter (view of the flat buffer)");
+            t.drop(placeholder);
+        }
+        // The views keep the flat buffer alive.
+        t.drop(flat);
+        // The fp32 master of the partition: `partition.detach().clone().to(fp32)`.
+        let clone =
+            (dtype != DType::F32).then(|| t.empty(partition_numel, dtype, "partition clone"));
+        let master = t.parameter(partition_numel, DType::F32, true, "fp32 master partition");
+        t.recategorize(t.param(master), Component::OptimizerStates);
+        if let Some(clone) = clone {
+            t.drop(clone);
+        }
+        // `initialize_optimizer_states`: a zero gradient, set and dropped.
+        t.component = Component::Gradients;
+        let zeros = t.empty(
+            partition_numel,
+            DType::F32,
+            "initialize_optimizer_states zero grad",
+        );
+        t.drop(zeros);
+        t.component = outer;
+        Zero {
+            partition_gradients: strategy == Strategy::Zero2,
+            dtype,
+            params: trainable.to_vec(),
+            in_partition,
+            slices,
+            in_partition_numel,
+            partition_numel,
+            master,
+            ipg: None,
+            bucket: Vec::new(),
+            bucket_elements: 0,
+            extra_large: None,
+            grads_in_partition: None,
+        }
+    }
+
+    /// The gradient hook (`grad_handling_hook` → `process_gradients`).
+    pub(crate) fn grad_hook(&mut self, t: &mut Tracer, param: ParamId) {
+        let Some(index) = self.params.iter().position(|&p| p == param) else {
+            return;
+        };
+        if self.ipg.is_none() {
+            // `setup_buckets`.
+            let outer = std::mem::replace(&mut t.component, Component::Communication);
+            self.ipg = Some(t.empty(REDUCE_BUCKET_ELEMENTS, self.dtype, "DeepSpeed IPG bucket"));
+            t.component = outer;
+        }
+        if self.partition_gradients {
+            self.bucket_gradient(t, index);
+        }
+    }
+
+    /// `reduce_independent_p_g_buckets_and_remove_grads`.
+    fn bucket_gradient(&mut self, t: &mut Tracer, index: usize) {
+        let p = self.params[index];
+        let Some(grad) = t.params[p].grad.take() else {
+            return;
+        };
+        let numel = t.numel(grad);
+        if self.bucket_elements + numel > REDUCE_BUCKET_ELEMENTS {
+            self.reduce_ipg_grads(t);
+        }
+        if numel > REDUCE_BUCKET_ELEMENTS {
+            self.extra_large = Some((index, grad));
+        } else {
+            // Copied into the bucket; the gradient becomes a view of it.
+            t.drop(grad);
+        }
+        self.bucket_elements += numel;
+        self.bucket.push(index);
+    }
+
+    /// `reduce_ipg_grads`: the all-reduce's flat copy, then the partition's gradients out.
+    fn reduce_ipg_grads(&mut self, t: &mut Tracer) {
+        let outer = std::mem::replace(&mut t.component, Component::Communication);
+        let elements = match &self.extra_large {
+            Some((_, g)) => t.numel(*g),
+            None => self.bucket_elements,
+        };
+        if elements > 0 {
+            let flat = t.empty(elements, self.dtype, "allreduce_bucket flatten");
+            t.drop(flat);
+        }
+        t.component = Component::Gradients;
+        let extra = self.extra_large.take();
+        for &index in &self.bucket {
+            if self.in_partition[index] && self.grads_in_partition.is_none() {
+                self.grads_in_partition =
+                    Some(t.empty(self.in_partition_numel, self.dtype, "grads_in_partition"));
+            }
+        }
+        // The extra-large gradient is copied into the partition (in it) or cleared (stage 2
+        // outside it): either way its storage goes; stage 1 keeps it outside until the
+        // epilogue clears every `.grad`.
+        if let Some((index, g)) = extra {
+            if self.in_partition[index] || self.partition_gradients {
+                t.drop(g);
+            } else {
+                self.extra_large = Some((index, g));
+            }
+        }
+        self.bucket.clear();
+        self.bucket_elements = 0;
+        t.component = outer;
+    }
+
+    /// After `loss.backward()`: stage 1's `reduce_gradients`, then the epilogue of both.
+    pub(crate) fn finish_backward(&mut self, t: &mut Tracer) {
+        if !self.partition_gradients {
+            for index in 0..self.params.len() {
+                if t.params[self.params[index]].grad.is_some() {
+                    self.bucket_gradient(t, index);
+                }
+            }
+        }
+        self.reduce_ipg_grads(t);
+        if let Some((_, g)) = self.extra_large.take() {
+            t.drop(g);
+        }
+        if let Some(ipg) = self.ipg.take() {
+            t.drop(ipg);
+        }
+    }
+
+    /// `engine.step()`: the gradient norm, the fp32 gradient, AdamW on the master partition.
+    pub(crate) fn step(&mut self, t: &mut Tracer, optimizer: &mut OptimizerState) {
+        let outer = std::mem::replace(&mut t.component, Component::OptimizerTemporaries);
+        // `get_grad_norm_direct`: fp64 copies (8-byte elements; I64 has their size).
+        let mut norms = Vec::with_capacity(self.slices.len());
+        for &slice in &self.slices {
+            let double = t.empty(slice, DType::I64, "g.double() (get_grad_norm_direct)");
+            norms.push(t.empty(1, DType::I64, "vector_norm (fp64)"));
+            t.drop(double);
+        }
+        t.drop_all(&norms);
+        // `_flatten_dense_tensors` of a single tensor is a view of it; of several, a copy.
+        // The last rank's list ends with zeros when the flat buffer's padding falls in it.
+        let padded = self.slices.iter().sum::<u64>() < self.partition_numel;
+        let pieces = self.slices.len() + usize::from(padded);
+        let flat = (pieces > 1).then(|| {
+            t.empty(
+                self.partition_numel,
+                self.dtype,
+                "flatten(averaged_gradients)",
+            )
+        });
+        t.component = Component::Gradients;
+        let grad32 = t.empty(self.partition_numel, DType::F32, "fp32 gradient partition");
+        if let Some(flat) = flat {
+            t.drop(flat);
+        }
+        if let Some(g) = self.grads_in_partition.take() {
+            t.drop(g);
+        }
+        t.component = outer;
+        optimizer.step(t, &[self.master]);
+        t.drop(grad32);
+    }
+}

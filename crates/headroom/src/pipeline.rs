@@ -563,7 +563,7 @@ fn check_instance(spec: &RunSpec, home: Home, at: &str) -> Result<()> {
     {
         return Err(Error::Unsupported {
             what: format!("{at}: parallel.strategy {}", p.strategy.name()),
-            supported: "ddp and fsdp (DeepSpeed ZeRO is not modelled yet)".into(),
+            supported: "ddp and fsdp in pipelines (zero1 and zero2 in single runs)".into(),
         });
     }
     Ok(())

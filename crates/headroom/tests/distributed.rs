@@ -1,5 +1,5 @@
 //! Data-parallel estimates against the per-rank measurements of bench/distributed (FSDP2, DDP
-//! and DeepSpeed ZeRO 1/2 on 2 x H200): the peak of every measured phase of every step, and the
+//! and DeepSpeed ZeRO 1/2 on 2 x H200; HSDP, FSDP2 and DDP on 4 x H200): the peak of every measured phase of every step, and the
 //! run's reserved peak; for rank 0 under FSDP2 and DDP (ranks measured equal to the byte), the
 //! larger rank under ZeRO.
 
@@ -8,8 +8,12 @@ use headroom::spec::{RunSpec, Strategy};
 use serde_json::Value;
 
 fn rows() -> Vec<Value> {
-    include_str!("../../../bench/distributed/h200x2-torch2.11.jsonl")
-        .lines()
+    [
+        include_str!("../../../bench/distributed/h200x2-torch2.11.jsonl"),
+        include_str!("../../../bench/distributed/h200x4-torch2.11.jsonl"),
+    ]
+    .iter()
+    .flat_map(|t| t.lines())
         .filter(|l| !l.trim().is_empty())
         .map(|l| serde_json::from_str(l).expect("json"))
         .collect()

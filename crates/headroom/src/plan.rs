@@ -3,9 +3,10 @@
 //! fit, as a Pareto front of device memory against estimated slowdown.
 //!
 //! Knobs the run spec can express (optimizer, checkpointing, LoRA/QLoRA, micro-batch,
-//! `expandable_segments`, and over several GPUs DDP and FSDP2 full sharding of a full
-//! fine-tune) are simulated by the estimator. Knobs it cannot express yet (ZeRO-1/2, CPU
-//! offload, a fused loss, moving a resident model off the GPU, sharding with adapters) are
+//! `expandable_segments`, and over several GPUs DDP, FSDP2 full sharding and DeepSpeed ZeRO-1/2
+//! of a full fine-tune) are simulated by the estimator. Knobs it cannot express yet (CPU
+//! offload, a fused loss, moving a resident model off the GPU, sharding with adapters, ZeRO-1/2
+//! of fp32 parameters) are
 //! *computed* from the estimate's breakdown at the peak and its per-phase peaks: each removes
 //! a known share of known components, and the new peak is the largest phase peak after the
 //! removal, where a component only counts as removed from a phase it is certain to be live
@@ -133,6 +134,8 @@ pub struct Knobs {
     pub fused_loss: bool,
     /// Resident models moved off the GPU (reference log-probs precomputed, or on the CPU).
     pub residents_off_gpu: bool,
+    /// The spec trains bf16 parameters (DeepSpeed's `bf16` mode, which ZeRO-1/2 simulate).
+    pub bf16_params: bool,
 }
 
 impl Knobs {
@@ -150,6 +153,7 @@ impl Knobs {
             cpu_offload: false,
             fused_loss: false,
             residents_off_gpu: false,
+            bf16_params: spec.precision == Precision::Bf16 && spec.quantization.is_none(),
         }
     }
 
@@ -161,23 +165,35 @@ impl Knobs {
             || self.residents_off_gpu
     }
 
-    /// FSDP2 full sharding of a full fine-tune is simulated (`parallel: fsdp`); the other
-    /// shardings are computed.
+    /// The sharding of a full fine-tune with the optimizer on the GPU is simulated: ZeRO-3 as
+    /// FSDP2 full sharding, ZeRO-1/2 as DeepSpeed runs them (bf16 parameters, torch AdamW).
+    /// The others are computed.
     fn sharding_simulated(&self) -> bool {
-        self.sharding == Sharding::Zero3 && self.adapter == Adapter::Full && !self.cpu_offload
+        if self.adapter != Adapter::Full || self.cpu_offload {
+            return false;
+        }
+        match self.sharding {
+            Sharding::None => false,
+            Sharding::Zero1 | Sharding::Zero2 => {
+                self.bf16_params && self.optimizer == Optimizer::AdamW
+            }
+            Sharding::Zero3 => true,
+        }
     }
 }
 
 /// The data parallelism the simulated run has over `gpus` ranks: DDP when nothing is sharded,
-/// FSDP2 full shard for ZeRO-3 of a full fine-tune.
+/// DeepSpeed ZeRO-1/2, FSDP2 full shard for ZeRO-3 (see `Knobs::sharding_simulated`).
 fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
     if gpus <= 1 || spec.mode != Mode::Train {
         return None;
     }
     let strategy = match k.sharding {
         Sharding::None => Strategy::Ddp,
-        _ if k.sharding_simulated() => Strategy::Fsdp,
-        _ => return None,
+        _ if !k.sharding_simulated() => return None,
+        Sharding::Zero1 => Strategy::Zero1,
+        Sharding::Zero2 => Strategy::Zero2,
+        Sharding::Zero3 => Strategy::Fsdp,
     };
     Some(Parallel {
         strategy,

@@ -14,9 +14,9 @@ fn rows() -> Vec<Value> {
     ]
     .iter()
     .flat_map(|t| t.lines())
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).expect("json"))
-        .collect()
+    .filter(|l| !l.trim().is_empty())
+    .map(|l| serde_json::from_str(l).expect("json"))
+    .collect()
 }
 
 fn rel(estimated: u64, measured: u64) -> f64 {

@@ -233,3 +233,51 @@ fn runs_measured_at_the_h100s_capacity_fit_and_reserve_what_they_reserved() {
         );
     }
 }
+
+#[test]
+fn zero_stages_of_a_bf16_full_fine_tune_are_simulated_not_computed() {
+    let base = spec(
+        "model: qwen2.5-1.5b\nprecision: bf16\noptimizer: adamw\nbatch_size: 4\nseq_len: 1024\ngradient_checkpointing: true\n",
+    );
+    let s = Setup {
+        gpus: 2,
+        ..setup(base.clone(), gpu::find("h200").expect("gpu"))
+    };
+    let knobs = plan::Knobs::of(&s.spec);
+    for (sharding, strategy) in [
+        (plan::Sharding::Zero1, "zero1"),
+        (plan::Sharding::Zero2, "zero2"),
+        (plan::Sharding::Zero3, "fsdp"),
+    ] {
+        let e = plan::evaluate(
+            &s,
+            &plan::Knobs {
+                sharding,
+                ..knobs.clone()
+            },
+        )
+        .expect("evaluates");
+        assert!(!e.computed, "{strategy}");
+        let direct = spec(&format!(
+            "model: qwen2.5-1.5b\nprecision: bf16\noptimizer: adamw\nbatch_size: 4\nseq_len: 1024\ngradient_checkpointing: true\nparallel: {{strategy: {strategy}, world_size: 2}}\n"
+        ));
+        let est = estimate::estimate(&direct, None, &gpu::find("h200").expect("gpu")).expect("est");
+        assert_eq!(
+            e.peak_allocated_bytes, est.peak_allocated_bytes,
+            "{strategy}"
+        );
+    }
+    // With fp32 parameters under autocast, ZeRO-1/2 stay computed (DeepSpeed turns autocast off).
+    let amp = Setup {
+        gpus: 2,
+        ..setup(
+            spec("model: qwen2.5-1.5b\nprecision: amp-bf16\nbatch_size: 4\nseq_len: 1024\n"),
+            gpu::find("h200").expect("gpu"),
+        )
+    };
+    let k = plan::Knobs {
+        sharding: plan::Sharding::Zero2,
+        ..plan::Knobs::of(&amp.spec)
+    };
+    assert!(plan::evaluate(&amp, &k).expect("evaluates").computed);
+}

@@ -147,7 +147,7 @@ fn render(setup: &Setup, r: &FitReport) -> String {
     out += &t.to_string();
     out += "\n";
     if r.front.iter().any(|e| e.computed) {
-        out += "* computed from the estimate's breakdown (ZeRO-1/2, sharding with adapters, offload, fused loss, \
+        out += "* computed from the estimate's breakdown (sharding with adapters or fp32 parameters, offload, fused loss, \
                 residents), not simulated\n";
     }
     out += "Step time: relative to the spec, same tokens per optimizer step; rough factors \

@@ -31,6 +31,22 @@ pub enum Error {
 }
 
 impl Error {
+    /// The same error with its field named inside `prefix` (`lora.r`, `instances[0].model`).
+    pub fn prefixed(self, prefix: &str) -> Self {
+        match self {
+            Error::Field {
+                field,
+                value,
+                allowed,
+            } => Error::Field {
+                field: format!("{prefix}.{field}"),
+                value,
+                allowed,
+            },
+            other => other,
+        }
+    }
+
     pub fn field(
         field: impl Into<String>,
         value: impl fmt::Display,

@@ -76,21 +76,6 @@ pub fn is_pipeline(doc: &Value) -> bool {
     doc.get("instances").is_some() || doc.get("policy").is_some()
 }
 
-fn prefixed(e: Error, prefix: &str) -> Error {
-    match e {
-        Error::Field {
-            field,
-            value,
-            allowed,
-        } => Error::Field {
-            field: format!("{prefix}.{field}"),
-            value,
-            allowed,
-        },
-        other => other,
-    }
-}
-
 fn unknown_keys(obj: &Map<String, Value>, prefix: &str, known: &[&str]) -> Result<()> {
     match obj.keys().find(|k| !known.contains(&k.as_str())) {
         Some(key) => Err(Error::field(
@@ -227,7 +212,7 @@ impl PipelineSpec {
                 Some(Value::String(h)) if h == "cpu" => Home::Cpu,
                 Some(v) => return Err(Error::field(format!("{at}.home"), v, "use gpu or cpu")),
             };
-            let spec = RunSpec::from_value(&Value::Object(fields)).map_err(|e| prefixed(e, &at))?;
+            let spec = RunSpec::from_value(&Value::Object(fields)).map_err(|e| e.prefixed(&at))?;
             check_instance(&spec, home, &at)?;
             if engine.is_some()
                 && (spec.parallel.is_some() || spec.lora.is_some() || home == Home::Cpu)
@@ -443,7 +428,7 @@ impl PipelineSpec {
                     "a run spec (model, precision, ...) is required",
                 )
             })?;
-            RunSpec::from_value(v).map_err(|e| prefixed(e, key))
+            RunSpec::from_value(v).map_err(|e| e.prefixed(key))
         };
         let policy = part("policy")?;
         let mut reference = part("reference")?;

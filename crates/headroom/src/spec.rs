@@ -526,18 +526,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         )
     })?;
     unknown_key(obj, "parallel.", PARALLEL_KEYS)?;
-    let field = |e: Error| match e {
-        Error::Field {
-            field,
-            value,
-            allowed,
-        } => Error::Field {
-            field: format!("parallel.{field}"),
-            value,
-            allowed,
-        },
-        other => other,
-    };
+    let field = |e: Error| e.prefixed("parallel");
     let strategy = match obj.get("strategy") {
         None => {
             return Err(Error::field(

@@ -7,20 +7,45 @@ use headroom::gpu;
 use headroom::spec::{RunSpec, Strategy};
 use serde_json::Value;
 
+mod common;
+use common::rel;
+
 fn rows() -> Vec<Value> {
-    [
+    common::jsonl(&[
         include_str!("../../../bench/distributed/h200x2-torch2.11.jsonl"),
         include_str!("../../../bench/distributed/h200x4-torch2.11.jsonl"),
-    ]
-    .iter()
-    .flat_map(|t| t.lines())
-    .filter(|l| !l.trim().is_empty())
-    .map(|l| serde_json::from_str(l).expect("json"))
-    .collect()
+    ])
 }
 
-fn rel(estimated: u64, measured: u64) -> f64 {
-    (estimated as f64 - measured as f64) / measured as f64
+/// Every step's forward, backward and optimizer peaks against `measured(step index, key)`,
+/// within 0.5%; returns how many were checked.
+fn check_steps(
+    id: &str,
+    est: &headroom::estimate::Estimate,
+    measured: impl Fn(usize, &str) -> u64,
+) -> usize {
+    let mut checked = 0;
+    for i in 0..3 {
+        for (key, name) in [
+            ("fwd_peak", "forward"),
+            ("bwd_peak", "backward"),
+            ("opt_peak", "optimizer"),
+        ] {
+            let e = est
+                .phases
+                .iter()
+                .find(|p| p.step == i as u32 + 1 && p.phase == name)
+                .unwrap_or_else(|| panic!("{id}: no {name} {}", i + 1));
+            let err = rel(e.peak_allocated, measured(i, key));
+            assert!(
+                err.abs() < 0.005,
+                "{id} step {} {name}: allocated {err:+.4}",
+                i + 1
+            );
+            checked += 1;
+        }
+    }
+    checked
 }
 
 #[test]
@@ -36,27 +61,9 @@ fn every_phase_of_every_fsdp_and_ddp_row() {
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
         let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
         let rank = &row["measured"]["ranks"][0];
-        for (i, step) in rank["steps"].as_array().expect("steps").iter().enumerate() {
-            for (key, phase) in [
-                ("fwd_peak", "forward"),
-                ("bwd_peak", "backward"),
-                ("opt_peak", "optimizer"),
-            ] {
-                let measured = step[key].as_u64().expect(key);
-                let e = est
-                    .phases
-                    .iter()
-                    .find(|p| p.step == i as u32 + 1 && p.phase == phase)
-                    .unwrap_or_else(|| panic!("{id}: no {phase} {}", i + 1));
-                let err = rel(e.peak_allocated, measured);
-                assert!(
-                    err.abs() < 0.005,
-                    "{id} step {} {phase}: allocated {err:+.4}",
-                    i + 1
-                );
-                checked += 1;
-            }
-        }
+        checked += check_steps(id, &est, |i, key| {
+            rank["steps"][i][key].as_u64().expect(key)
+        });
         let reserved = rel(
             est.peak_reserved_bytes,
             row["measured"]["peak_reserved_bytes"]
@@ -126,26 +133,13 @@ fn every_phase_of_every_zero1_and_zero2_row() {
         let load = ranks[1]["load"]["peak_allocated"].as_u64().expect("load");
         let err = rel(phase(0, "load"), load);
         assert!(err.abs() < 0.005, "{id} load: allocated {err:+.4}");
-        for i in 0..3 {
-            for (key, name) in [
-                ("fwd_peak", "forward"),
-                ("bwd_peak", "backward"),
-                ("opt_peak", "optimizer"),
-            ] {
-                let measured = ranks
-                    .iter()
-                    .map(|r| r["steps"][i][key].as_u64().expect(key))
-                    .max()
-                    .expect("ranks");
-                let err = rel(phase(i as u32 + 1, name), measured);
-                assert!(
-                    err.abs() < 0.005,
-                    "{id} step {} {name}: allocated {err:+.4}",
-                    i + 1
-                );
-                checked += 1;
-            }
-        }
+        checked += check_steps(id, &est, |i, key| {
+            ranks
+                .iter()
+                .map(|r| r["steps"][i][key].as_u64().expect(key))
+                .max()
+                .expect("ranks")
+        });
         let reserved = rel(
             est.peak_reserved_bytes,
             row["measured"]["peak_reserved_bytes"]

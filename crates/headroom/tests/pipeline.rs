@@ -8,20 +8,14 @@ use headroom::pipeline::{PipelineSpec, estimate_pipeline};
 use headroom_alloc::OutOfMemory;
 use serde_json::Value;
 
+mod common;
+use common::rel;
+
 fn rows() -> Vec<Value> {
-    [
+    common::jsonl(&[
         include_str!("../../../bench/pipelines/h100-torch2.11.jsonl"),
         include_str!("../../../bench/pipelines/h200-torch2.11.jsonl"),
-    ]
-    .iter()
-    .flat_map(|t| t.lines())
-    .filter(|l| !l.trim().is_empty())
-    .map(|l| serde_json::from_str(l).expect("json"))
-    .collect()
-}
-
-fn rel(estimated: u64, measured: u64) -> f64 {
-    (estimated as f64 - measured as f64) / measured as f64
+    ])
 }
 
 #[test]

@@ -86,6 +86,13 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
         Cell::new(gib(est.cuda_context_bytes)).set_alignment(CellAlignment::Right),
         Cell::new(""),
     ]);
+    if est.nccl_bytes > 0 {
+        t.add_row(vec![
+            Cell::new("NCCL communicators (measured per strategy)"),
+            Cell::new(gib(est.nccl_bytes)).set_alignment(CellAlignment::Right),
+            Cell::new(""),
+        ]);
+    }
     t.add_row(vec![
         Cell::new("device total (nvidia-smi)"),
         Cell::new(gib(est.device_bytes())).set_alignment(CellAlignment::Right),

@@ -23,11 +23,6 @@ use crate::spec::{
 };
 use crate::timeline::{Component, PhasePeak};
 
-/// What NCCL adds to each rank's memory outside the allocator: 1.43 GiB per rank was measured
-/// with NCCL initialised on 2 GPUs against 621 MiB for one process
-/// (shared/calibration/README.md), so about 914 MiB.
-pub const NCCL_BYTES_PER_RANK: u64 = 914 << 20;
-
 /// Tokens per micro-batch at which a GPU is half as efficient as when saturated, in the
 /// throughput model `time per token ∝ 1 + T0 / tokens` used to cost smaller micro-batches
 /// (GEMMs of a few hundred rows already run near peak on current GPUs).
@@ -277,11 +272,32 @@ impl Evaluation {
     }
 }
 
+/// What NCCL holds on each rank of `k` over the setup's GPUs (measured per strategy; a computed
+/// sharding is charged DDP's single communicator).
+pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
+    if setup.gpus <= 1 {
+        return 0;
+    }
+    let spec = spec_for(&setup.spec, k);
+    let ddp = Parallel {
+        strategy: Strategy::Ddp,
+        world_size: u64::from(setup.gpus),
+        reshard_after_forward: true,
+        shard_size: u64::from(setup.gpus),
+        offload_params: false,
+        offload_optimizer: false,
+    };
+    estimate::nccl_bytes(Some(&parallel_for(&spec, k, setup.gpus).unwrap_or(ddp)))
+}
+
 /// Estimate the simulated part of `k` on the setup's GPU. Resident models and NCCL hold part
-/// of the device outside the simulated run, so its allocator gets what they leave.
+/// of the device outside the simulated run, so its allocator gets what they leave (the
+/// estimator takes NCCL off itself when the run it simulates is data parallel).
 pub fn simulate(setup: &Setup, k: &Knobs) -> Result<Estimate> {
-    let mut outside = if setup.gpus > 1 {
-        NCCL_BYTES_PER_RANK
+    let mut spec = spec_for(&setup.spec, k);
+    let parallel = parallel_for(&spec, k, setup.gpus);
+    let mut outside = if parallel.is_none() {
+        nccl_bytes(setup, k)
     } else {
         0
     };
@@ -292,9 +308,8 @@ pub fn simulate(setup: &Setup, k: &Knobs) -> Result<Estimate> {
         total_bytes: setup.gpu.total_bytes.saturating_sub(outside),
         ..setup.gpu.clone()
     };
-    let mut spec = spec_for(&setup.spec, k);
-    if let Some(parallel) = parallel_for(&spec, k, setup.gpus) {
-        spec.parallel = Some(parallel);
+    if parallel.is_some() {
+        spec.parallel = parallel;
     }
     let mut est = estimate::estimate(&spec, setup.spec_dir, &gpu)?;
     est.gpu = setup.gpu.clone();
@@ -306,8 +321,7 @@ pub fn evaluate_with(setup: &Setup, k: &Knobs, est: &Estimate) -> Evaluation {
     let base = Knobs::of(&setup.spec);
     let (allocated, reserved, removed) = computed_peaks(setup, k, est);
     let ranks = u64::from(setup.gpus.max(1));
-    let nccl = if ranks > 1 { NCCL_BYTES_PER_RANK } else { 0 };
-    let device_bytes = reserved + est.cuda_context_bytes + nccl;
+    let device_bytes = reserved + est.cuda_context_bytes + nccl_bytes(setup, k);
     Evaluation {
         knobs: k.clone(),
         peak_allocated_bytes: allocated,

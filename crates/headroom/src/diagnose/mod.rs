@@ -80,7 +80,7 @@ pub fn check_spec(setup: &Setup, message: Option<&OomMessage>) -> Result<SpecChe
     if setup.gpus > 1 {
         parts += &format!(
             " + DDP gradient buckets and {} of NCCL buffers per rank",
-            gib(plan::NCCL_BYTES_PER_RANK)
+            gib(plan::nccl_bytes(setup, &plan::Knobs::of(&setup.spec)))
         );
     }
     parts += &format!(" + {} CUDA context", gib(estimate.cuda_context_bytes));

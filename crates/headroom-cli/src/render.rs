@@ -345,6 +345,9 @@ pub fn pipeline(
         gib(est.peak_reserved_bytes),
         gib(est.cuda_context_bytes)
     );
+    if est.nccl_bytes > 0 {
+        out += &format!("+ {} of NCCL communicators per GPU\n", gib(est.nccl_bytes));
+    }
     for e in &est.engines {
         out += &format!(
             "engine {}: {} of the GPU while awake, {} of it weights: room for at most {} tokens of \

@@ -565,6 +565,8 @@ pub struct PipelineEstimate {
     /// What the allocated peak is made of, largest first.
     pub breakdown: Vec<(Component, u64)>,
     pub cuda_context_bytes: u64,
+    /// NCCL's communicators when instances are sharded (see `estimate::nccl_bytes`).
+    pub nccl_bytes: u64,
     /// Parameter bytes held on the host at most.
     pub host_bytes: u64,
     /// Parameter bytes copied between host and device per iteration, and a rough time for the
@@ -596,12 +598,16 @@ impl PipelineEstimate {
     pub fn fits(&self) -> bool {
         match self.capacity_bytes {
             Some(_) => self.oom.is_none(),
-            None => self.peak_device_bytes + self.cuda_context_bytes <= self.gpu.total_bytes,
+            None => {
+                self.peak_device_bytes + self.cuda_context_bytes + self.nccl_bytes
+                    <= self.gpu.total_bytes
+            }
         }
     }
 
     pub fn headroom_bytes(&self) -> i128 {
-        self.gpu.total_bytes as i128 - (self.peak_device_bytes + self.cuda_context_bytes) as i128
+        self.gpu.total_bytes as i128
+            - (self.peak_device_bytes + self.cuda_context_bytes + self.nccl_bytes) as i128
     }
 }
 
@@ -663,7 +669,14 @@ pub fn estimate_pipeline(
             .any(|i| i.spec.allocator.expandable_segments),
         ..AllocatorConfig::default()
     };
-    let capacity = (limit == Limit::Gpu).then(|| gpu.allocator_capacity());
+    // One process: its sharded instances share the default process group's communicators.
+    let nccl = spec
+        .instances
+        .iter()
+        .map(|i| crate::estimate::nccl_bytes(i.spec.parallel.as_ref()))
+        .max()
+        .unwrap_or(0);
+    let capacity = (limit == Limit::Gpu).then(|| gpu.allocator_capacity().saturating_sub(nccl));
     let run = |capacity| {
         simulate_pipeline(
             &defs,
@@ -731,6 +744,7 @@ pub fn estimate_pipeline(
         transfer_seconds_per_iteration: (pageable > 0)
             .then(|| pageable as f64 / PAGEABLE_COPY_BYTES_PER_S),
         cuda_context_bytes: gpu.cuda_context_bytes,
+        nccl_bytes: nccl,
         gpu: gpu.clone(),
         capacity_bytes: capacity,
         oom,

@@ -152,6 +152,7 @@ fn pipeline_json(est: &PipelineEstimate, with_verdict: bool) -> serde_json::Valu
             "engine_bytes": p.engine_bytes,
         })).collect::<Vec<_>>(),
         "peak_device_bytes": est.peak_device_bytes,
+        "nccl_bytes": est.nccl_bytes,
         "engines": est.engines.iter().map(|e| json!({
             "name": e.name, "bytes": e.bytes, "weight_bytes": e.weight_bytes,
             "kv_cache_tokens_at_most": e.kv_tokens,

@@ -312,16 +312,14 @@ impl Instance {
         if self.model.fsdp.is_some() {
             return self.param_bytes(t);
         }
-        let on_host: u64 = self
-            .params
+        if let Some(sharded) = &self.model.sharded {
+            return sharded.borrow().host_bytes(t);
+        }
+        self.params
             .clone()
             .filter(|&p| !t.is_materialized(p))
             .map(|p| t.bytes(t.param(p)))
-            .sum();
-        match &self.model.sharded {
-            Some(sharded) => sharded.borrow().host_bytes(t),
-            None => on_host,
-        }
+            .sum()
     }
 
     /// `model.cpu()`: each parameter's storage is copied out and freed, in parameter order

@@ -190,16 +190,14 @@ pub(crate) fn simulate_steps(
     stop_at_oom: bool,
 ) -> Simulation {
     let run = |rank| {
-        simulate_rank(
-            spec,
-            arch,
-            allocator.clone(),
-            capacity,
+        let mut t = Tracer::new(Memory::new(
+            CachingAllocator::new(allocator.clone(), capacity),
             record_trace,
-            repeat_steps,
-            stop_at_oom,
-            rank,
-        )
+        ));
+        if stop_at_oom {
+            t.mem.stop_at_oom();
+        }
+        simulate_rank(spec, arch, t, repeat_steps, rank)
     };
     // DeepSpeed ZeRO's ranks hold different partitions (see `zero.rs`): the first and the
     // last rank are simulated, and the one that needs more reported (an out-of-memory error
@@ -220,25 +218,14 @@ pub(crate) fn simulate_steps(
     }
 }
 
-/// [`simulate_steps`] on one rank (`None`: the last).
-#[allow(clippy::too_many_arguments)]
+/// [`simulate_steps`] on one rank (`None`: the last), in a fresh process `t`.
 fn simulate_rank(
     spec: &RunSpec,
     arch: &Architecture,
-    allocator: AllocatorConfig,
-    capacity: Option<u64>,
-    record_trace: bool,
+    mut t: Tracer,
     repeat_steps: bool,
-    stop_at_oom: bool,
     rank: Option<u64>,
 ) -> Simulation {
-    let mut t = Tracer::new(Memory::new(
-        CachingAllocator::new(allocator, capacity),
-        record_trace,
-    ));
-    if stop_at_oom {
-        t.mem.stop_at_oom();
-    }
     // torch.zeros(1, device="cuda"): the context and a first small segment; the tensor dies.
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);

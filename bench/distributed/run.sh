@@ -13,6 +13,7 @@
 # ZeRO lines need DeepSpeed: if .whl-ds/ holds its wheels (README.md says which), they are
 # installed into /tmp/site-ds and put on PYTHONPATH for those lines only.
 # DEADLINE (seconds, default 560) skips the lines that would start after it.
+# NPROC (default 2) is the number of processes (GPUs); it must equal each line's world_size.
 set -u -o pipefail
 out=${1:-${OUT:?give OUT_DIR or set OUT}}
 deadline=${DEADLINE:-560}
@@ -61,7 +62,7 @@ for i in $(seq 1 "$n"); do
   fi
   echo "=== $id (limit ${limit}s, t=${SECONDS}s)" | tee -a "$log"
   t0=$SECONDS
-  PYTHONPATH="$pp" timeout -k 10 "$limit" torchrun --nproc-per-node 2 --master-port $((29600 + i)) \
+  PYTHONPATH="$pp" timeout -k 10 "$limit" torchrun --nproc-per-node "${NPROC:-2}" --master-port $((29600 + i)) \
     -m headroom_measure dist --spec-json "$spec" --id "$id" --out "$out/results.jsonl" "${extra[@]}" \
     2>&1 | grep -v '^{"id"' | tee -a "$log"
   echo "=== rc=${PIPESTATUS[0]} $id ($((SECONDS - t0))s)" | tee -a "$log"

@@ -191,6 +191,20 @@ def _build_ddp(spec: Spec, cfg, cls, dtype, device, local_rank):
 
 
 def _build_zero(spec: Spec, cfg, cls, dtype, device):
+    """A DeepSpeed engine. DeepSpeed's `see_memory_usage(..., force=True)` resets the peak
+    counters on rank 0 in the middle of construction, which cut the load phase's peak there
+    (rank 1's was the true one); while building, that reset does nothing."""
+    import torch
+
+    reset = torch.cuda.reset_peak_memory_stats
+    torch.cuda.reset_peak_memory_stats = lambda device=None: None
+    try:
+        return _initialize_zero(spec, cfg, cls, dtype, device)
+    finally:
+        torch.cuda.reset_peak_memory_stats = reset
+
+
+def _initialize_zero(spec: Spec, cfg, cls, dtype, device):
     import deepspeed
     import torch
 

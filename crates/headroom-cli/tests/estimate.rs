@@ -148,6 +148,10 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
             vec!["parallel.shard_size", "3", "divide world_size (8)"],
         ),
         (
+            "parallel-forward-zero2",
+            vec!["parallel.strategy", "zero2", "leave `parallel` out"],
+        ),
+        (
             "pipeline-unknown-instance",
             vec!["phases[0].run[0]", "critic", "actor"],
         ),

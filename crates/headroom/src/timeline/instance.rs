@@ -55,14 +55,9 @@ pub(crate) struct Instance {
 impl Instance {
     /// Build the model of `spec` as the harness does: the weights (loaded 4-bit, or created
     /// from the config on the GPU, on the host, or on the meta device and sharded), then
-    /// `prepare_model_for_kbit_training`, peft, checkpointing and DDP.
-    pub(crate) fn build(t: &mut Tracer, spec: &RunSpec, arch: &Architecture, home: Home) -> Self {
-        Self::build_on_rank(t, spec, arch, home, None)
-    }
-
-    /// [`Instance::build`] as rank `rank` sees it (where ranks differ: DeepSpeed ZeRO's
-    /// partitions); `None`: the last rank.
-    pub(crate) fn build_on_rank(
+    /// `prepare_model_for_kbit_training`, peft, checkpointing and DDP, as rank `rank` sees
+    /// it (where ranks differ: DeepSpeed ZeRO's partitions); `None`: the last rank.
+    pub(crate) fn build(
         t: &mut Tracer,
         spec: &RunSpec,
         arch: &Architecture,

@@ -12,7 +12,7 @@ use super::tracer::{BackwardHooks, T, Tracer, TracerState};
 use super::transformer::{Batch, Model};
 use crate::arch::Architecture;
 use crate::dtype::DType;
-use crate::spec::{Mode, Precision, RunSpec, Strategy, Task};
+use crate::spec::{Mode, Parallel, Precision, RunSpec, Task};
 
 /// Steps the harness runs; the first differs (optimizer states appear during its step).
 pub const STEPS: u32 = 3;
@@ -202,11 +202,8 @@ pub(crate) fn simulate_steps(
     // DeepSpeed ZeRO's ranks hold different partitions (see `zero.rs`): the first and the
     // last rank are simulated, and the one that needs more reported (an out-of-memory error
     // first, then the larger reserved and allocated peaks).
-    let zero = spec.parallel.as_ref().is_some_and(|p| {
-        matches!(p.strategy, Strategy::Zero1 | Strategy::Zero2) && p.world_size > 1
-    });
     let last = run(None);
-    if !zero {
+    if !spec.parallel.as_ref().is_some_and(Parallel::ranks_differ) {
         return last;
     }
     let first = run(Some(0));
@@ -231,7 +228,7 @@ fn simulate_rank(
     t.drop(zero);
 
     let train = spec.mode == Mode::Train;
-    let mut instance = Instance::build_on_rank(&mut t, spec, arch, Home::Gpu, rank);
+    let mut instance = Instance::build(&mut t, spec, arch, Home::Gpu, rank);
     let batch = instance.batch;
     let ids = t.empty_as(batch.n(), DType::I64, Component::Inputs, "input_ids");
     // Building (or loading) the model is reported as step 0's "load" phase.

@@ -108,8 +108,8 @@ impl Instance {
         // it is made, then gathered for transformers' init); the buffers are made on the GPU.
         let zero3_partitions = parallel.filter(|p| p.strategy == Strategy::Zero3).map(|p| {
             let params: Vec<ParamId> = model_params.clone().collect();
-            let tied_head = (arch.tie_word_embeddings && head == crate::arch::Head::CausalLm)
-                .then(|| {
+            let tied_head =
+                (arch.tie_word_embeddings && head == crate::arch::Head::CausalLm).then(|| {
                     let numel = t.numel(t.param(model.embed));
                     t.parameter_deferred(numel, dtype, false, "untied lm_head (zero.Init)")
                 });

@@ -277,7 +277,11 @@ impl Zero {
             t.component = Component::OptimizerTemporaries;
             for &index in &self.bucket {
                 if let Some(slice) = self.offload_slices[index] {
-                    let double = t.empty(slice, DType::I64, "g.double() (set_norm_for_param_grad_in_gpu)");
+                    let double = t.empty(
+                        slice,
+                        DType::I64,
+                        "g.double() (set_norm_for_param_grad_in_gpu)",
+                    );
                     let norm = t.empty(1, DType::I64, "norm (fp64)");
                     t.drop(double);
                     let float = t.empty(slice, DType::F32, "g.float() (copy to the host)");

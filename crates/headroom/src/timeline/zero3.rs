@@ -97,7 +97,11 @@ impl Zero3 {
         let partition = |t: &mut Tracer, p: ParamId| {
             let (numel, dtype) = (t.numel(t.param(p)), t.dtype(t.param(p)));
             let whole = t.empty(numel, dtype, "zero.Init: parameter made whole");
-            let part = t.empty(numel.div_ceil(world), dtype, "zero.Init: partition (ds_tensor)");
+            let part = t.empty(
+                numel.div_ceil(world),
+                dtype,
+                "zero.Init: partition (ds_tensor)",
+            );
             t.drop(whole);
             part
         };
@@ -168,7 +172,11 @@ impl Zero3 {
         }
         // The IPG bucket and (on the GPU unless offloaded) the gradient partitions.
         t.component = Component::Communication;
-        let bucket = t.empty(REDUCE_BUCKET_ELEMENTS, dtype, "DeepSpeed IPG bucket (stage 3)");
+        let bucket = t.empty(
+            REDUCE_BUCKET_ELEMENTS,
+            dtype,
+            "DeepSpeed IPG bucket (stage 3)",
+        );
         t.mark_persistent(bucket);
         if !offload_optimizer {
             t.component = Component::Gradients;
@@ -189,7 +197,10 @@ impl Zero3 {
             params: trainable.to_vec(),
             numels,
             partitions: parts,
-            optimizers: masters.iter().map(|_| OptimizerState::new(optimizer)).collect(),
+            optimizers: masters
+                .iter()
+                .map(|_| OptimizerState::new(optimizer))
+                .collect(),
             sub_groups,
             masters,
             bucket: Vec::new(),
@@ -320,7 +331,11 @@ impl Zero3 {
 /// partition, the whole parameter copied out of it, the flat buffer freed, then the whole
 /// freed as the parameter is partitioned again.
 fn gather_whole(t: &mut Tracer, numel: u64, dtype: DType, world: u64, label: &'static str) {
-    let flat = t.empty(numel.div_ceil(world) * world, dtype, "_allgather_params flat");
+    let flat = t.empty(
+        numel.div_ceil(world) * world,
+        dtype,
+        "_allgather_params flat",
+    );
     let whole = t.empty(numel, dtype, label);
     t.drop(flat);
     t.drop(whole);

@@ -244,7 +244,8 @@ impl Zero3 {
         t.mem.stream = REDUCE_STREAM;
         self.bucket.sort_unstable();
         // `reduce_scatter_coalesced`: one tensor divisible by the world is reduced in place.
-        let single = self.bucket.len() == 1 && self.numels[self.bucket[0]] % self.world == 0;
+        let single =
+            self.bucket.len() == 1 && self.numels[self.bucket[0]].is_multiple_of(self.world);
         let flat = (!single).then(|| {
             let padded = self
                 .bucket

@@ -50,6 +50,20 @@ fn check_steps(
     checked
 }
 
+/// [`check_steps`] against rank 0's phases; returns how many were checked and the reserved
+/// peak's error.
+fn check_rank0(id: &str, est: &headroom::estimate::Estimate, row: &Value) -> (usize, f64) {
+    let rank = &row["measured"]["ranks"][0];
+    let checked = check_steps(id, est, |i, key| rank["steps"][i][key].as_u64().expect(key));
+    let reserved = rel(
+        est.peak_reserved_bytes,
+        row["measured"]["peak_reserved_bytes"]
+            .as_u64()
+            .expect("reserved"),
+    );
+    (checked, reserved)
+}
+
 #[test]
 fn every_phase_of_every_fsdp_and_ddp_row() {
     let mut checked = 0;
@@ -62,16 +76,8 @@ fn every_phase_of_every_fsdp_and_ddp_row() {
         }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
         let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
-        let rank = &row["measured"]["ranks"][0];
-        checked += check_steps(id, &est, |i, key| {
-            rank["steps"][i][key].as_u64().expect(key)
-        });
-        let reserved = rel(
-            est.peak_reserved_bytes,
-            row["measured"]["peak_reserved_bytes"]
-                .as_u64()
-                .expect("reserved"),
-        );
+        let (phases, reserved) = check_rank0(id, &est, &row);
+        checked += phases;
         let limit = if strategy == Strategy::Fsdp {
             0.005
         } else {
@@ -177,16 +183,8 @@ fn every_phase_of_every_one_rank_deepspeed_row() {
         }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
         let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
-        let rank = &row["measured"]["ranks"][0];
-        checked += check_steps(id, &est, |i, key| {
-            rank["steps"][i][key].as_u64().expect(key)
-        });
-        let reserved = rel(
-            est.peak_reserved_bytes,
-            row["measured"]["peak_reserved_bytes"]
-                .as_u64()
-                .expect("reserved"),
-        );
+        let (phases, reserved) = check_rank0(id, &est, &row);
+        checked += phases;
         assert!(reserved.abs() < 0.01, "{id}: reserved {reserved:+.4}");
         if parallel.offload_optimizer {
             assert!(

@@ -339,14 +339,7 @@ impl Zero {
             return;
         };
         let outer = std::mem::replace(&mut t.component, Component::OptimizerTemporaries);
-        // `get_grad_norm_direct`: fp64 copies (8-byte elements; I64 has their size).
-        let mut norms = Vec::with_capacity(self.slices.len());
-        for &slice in &self.slices {
-            let double = t.empty(slice, DType::I64, "g.double() (get_grad_norm_direct)");
-            norms.push(t.empty(1, DType::I64, "vector_norm (fp64)"));
-            t.drop(double);
-        }
-        t.drop_all(&norms);
+        grad_norm_direct(t, &self.slices);
         // `_flatten_dense_tensors` of a single tensor is a view of it; of several, a copy.
         // The last rank's list ends with zeros when the flat buffer's padding falls in it.
         let padded = self.slices.iter().sum::<u64>() < self.partition_numel;
@@ -370,4 +363,16 @@ impl Zero {
         optimizer.step(t, &[master]);
         t.drop(grad32);
     }
+}
+
+/// `get_grad_norm_direct` (stages 1-3 alike): per gradient of `sizes` elements an fp64 copy
+/// (8-byte elements; I64 has their size), freed once its norm (kept for the sum) exists.
+pub(super) fn grad_norm_direct(t: &mut Tracer, sizes: &[u64]) {
+    let mut norms = Vec::with_capacity(sizes.len());
+    for &n in sizes {
+        let double = t.empty(n, DType::I64, "g.double() (get_grad_norm_direct)");
+        norms.push(t.empty(1, DType::I64, "vector_norm (fp64)"));
+        t.drop(double);
+    }
+    t.drop_all(&norms);
 }

@@ -305,14 +305,7 @@ impl Zero3 {
             return;
         }
         let outer = std::mem::replace(&mut t.component, Component::OptimizerTemporaries);
-        // `get_grad_norm_direct`: fp64 copies (8-byte elements; I64 has their size).
-        let mut norms = Vec::with_capacity(self.partitions.len());
-        for &n in &self.partitions {
-            let double = t.empty(n, DType::I64, "g.double() (get_grad_norm_direct)");
-            norms.push(t.empty(1, DType::I64, "vector_norm (fp64)"));
-            t.drop(double);
-        }
-        t.drop_all(&norms);
+        super::zero::grad_norm_direct(t, &self.partitions);
         for (g, group) in self.sub_groups.iter().enumerate() {
             let n = self.partitions[group.clone()].iter().sum();
             t.component = Component::OptimizerTemporaries;

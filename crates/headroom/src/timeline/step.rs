@@ -34,6 +34,8 @@ pub struct Simulation {
     pub phases: Vec<PhasePeak>,
     pub peak: PeakRecord,
     pub peak_reserved: u64,
+    /// Host bytes the rank keeps (see `Instance::host_bytes`).
+    pub host_bytes: u64,
     pub trace: Vec<TraceEvent>,
     /// The first allocation that failed on a device of the given capacity.
     pub oom: Option<SimulatedOom>,
@@ -72,6 +74,9 @@ impl BackwardHooks for Checkpointing<'_> {
         if let Some(zero) = &self.model.zero {
             zero.borrow_mut().grad_hook(tracer, param);
         }
+        if let Some(zero3) = &self.model.zero3 {
+            zero3.borrow_mut().grad_hook(tracer, param);
+        }
     }
 }
 
@@ -95,6 +100,9 @@ pub(super) fn backward(
     }
     if let Some(zero) = &model.zero {
         zero.borrow_mut().finish_backward(t);
+    }
+    if let Some(zero3) = &model.zero3 {
+        zero3.borrow_mut().finish_backward(t);
     }
 }
 
@@ -366,6 +374,7 @@ fn simulate_rank(
             .max()
             .unwrap_or(0),
         peak: t.mem.peak().clone(),
+        host_bytes: instance.host_bytes(&t),
         phases,
         oom: t.mem.oom().cloned(),
         trace: t.mem.take_trace(),

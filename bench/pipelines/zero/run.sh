@@ -7,7 +7,7 @@
 #
 # Writes OUT_DIR/results.jsonl (one row per pipeline, in file order), OUT_DIR/log.txt and
 # OUT_DIR/dpo-zero3-4l.pickle.gz (events without stack traces: ZeRO-3's recomputation under
-# checkpointing crashes when frames are recorded).
+# checkpointing crashes when frames are recorded) and dpo-zero3-4l-nogc.pickle.gz (with frames).
 set -u -o pipefail
 out=${1:-${OUT:?give OUT_DIR or set OUT}}
 mkdir -p "$out"
@@ -22,6 +22,7 @@ for spec in bench/pipelines/zero/*.yaml; do
   port=$((port + 1))
   extra=()
   [[ $id == *-4l ]] && extra=(--snapshot "$out/$id.pickle" --stacks none)
+  [[ $id == *-4l-nogc ]] && extra=(--snapshot "$out/$id.pickle")
   echo "=== $id (t=${SECONDS}s)" | tee -a "$log"
   t0=$SECONDS
   timeout -k 10 200 torchrun --nproc-per-node 1 --master-port $port -m headroom_measure pipeline \

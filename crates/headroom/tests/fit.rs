@@ -309,7 +309,10 @@ fn search_evaluates_each_configuration_as_its_own_simulation() {
             );
             simulated_shardings += 1;
         }
-        assert!(simulated_shardings > 0, "{gpus} GPUs: no simulated sharding or offload");
+        assert!(
+            simulated_shardings > 0,
+            "{gpus} GPUs: no simulated sharding or offload"
+        );
     }
 }
 
@@ -334,11 +337,15 @@ fn zero_offload_on_one_gpu_is_the_measured_run() {
     };
     let e = plan::evaluate(&s, &k).expect("evaluates");
     assert!(!e.computed);
-    let measured = row["measured"]["peak_allocated_bytes"].as_u64().expect("peak");
+    let measured = row["measured"]["peak_allocated_bytes"]
+        .as_u64()
+        .expect("peak");
     let err = common::rel(e.peak_allocated_bytes, measured);
     assert!(err.abs() < 0.005, "allocated {err:+.4}");
     assert!(
-        plan::describe(&s, &k).iter().any(|d| d.contains("ZeRO-Offload")),
+        plan::describe(&s, &k)
+            .iter()
+            .any(|d| d.contains("ZeRO-Offload")),
         "{:?}",
         plan::describe(&s, &k)
     );

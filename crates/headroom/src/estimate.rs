@@ -128,12 +128,11 @@ pub fn estimate_with_trace(
     spec.check_against(&arch)?;
     if let Some(parallel) = &spec.parallel {
         let zero3 = parallel.strategy == Strategy::Zero3;
-        if zero3 && (parallel.world_size > 1 || parallel.offload_params) {
+        if zero3 && parallel.offload_params {
             return Err(crate::error::Error::Unsupported {
-                what: "parallel.strategy zero3 over several ranks or with offload_params".into(),
-                supported: "zero3 on one rank, with or without offload_optimizer (the \
-                            per-module gathers of several ranks and of offload_param are not \
-                            modelled yet)"
+                what: "parallel.offload_params true with strategy zero3".into(),
+                supported: "offload_params false (ZeRO-3's offload_param, the host-to-device \
+                            copy of every gather, is not modelled yet); offload_optimizer is"
                     .into(),
             });
         }

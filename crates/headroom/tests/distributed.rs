@@ -206,21 +206,61 @@ fn every_phase_of_every_one_rank_deepspeed_row() {
     assert_eq!(checked, 100, "{checked} phases checked");
 }
 
-/// ZeRO-3 over several ranks and `offload_param` need the per-module gathers of
-/// `PartitionedParameterCoordinator`, not modelled yet: refused rather than guessed.
+/// DeepSpeed ZeRO-3 over two ranks (the per-module gathers of
+/// `PartitionedParameterCoordinator`: step 1 records the trace and releases every module
+/// after use, later steps prefetch and keep what comes back within the reuse distance):
+/// every phase of every step against the larger rank's peak (the ranks' step phases agree to
+/// the byte), the load phase against rank 1 (rank 0's is cut short by DeepSpeed's own peak
+/// reset), and the reserved peak. Measured errors: allocated within +0.11% (+2.0 MiB, step 1's
+/// optimizer), the load exact, reserved within +0.02%; the gate is the (allocated 5%,
+/// reserved 10%) tightened to 0.5% and 1%.
 #[test]
-fn zero3_gathers_stay_unsupported() {
-    for parallel in [
-        serde_json::json!({"strategy": "zero3", "world_size": 2}),
-        serde_json::json!({"strategy": "zero3", "world_size": 1, "offload_params": true}),
-    ] {
-        let spec = RunSpec::from_value(&serde_json::json!({"model": "qwen2.5-0.5b",
-            "precision": "bf16", "optimizer": "adamw", "batch_size": 1, "seq_len": 128,
-            "parallel": parallel}))
-        .expect("spec");
-        let err = headroom::estimate::estimate(&spec, None, &gpu::find("h200").expect("gpu"));
-        assert!(err.is_err(), "{parallel}");
+fn every_phase_of_every_multi_rank_zero3_row() {
+    let mut checked = 0;
+    for row in rows() {
+        let id = row["id"].as_str().expect("id");
+        let spec = RunSpec::from_value(&row["spec"]).expect(id);
+        let parallel = spec.parallel.as_ref().expect("parallel");
+        if parallel.strategy != Strategy::Zero3 || parallel.world_size < 2 {
+            continue;
+        }
+        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
+        let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
+        let ranks = row["measured"]["ranks"].as_array().expect("ranks");
+        let load = est.phases.iter().find(|p| p.phase == "load").expect("load");
+        let err = rel(
+            load.peak_allocated,
+            ranks[1]["load"]["peak_allocated"].as_u64().expect("load"),
+        );
+        assert!(err.abs() < 0.005, "{id} load: allocated {err:+.4}");
+        checked += 1 + check_steps(id, &est, |i, key| {
+            ranks
+                .iter()
+                .map(|r| r["steps"][i][key].as_u64().expect(key))
+                .max()
+                .expect("ranks")
+        });
+        let reserved = rel(
+            est.peak_reserved_bytes,
+            row["measured"]["peak_reserved_bytes"]
+                .as_u64()
+                .expect("reserved"),
+        );
+        assert!(reserved.abs() < 0.01, "{id}: reserved {reserved:+.4}");
     }
+    assert_eq!(checked, 40, "{checked} phases checked");
+}
+
+/// ZeRO-3's `offload_param` needs the host-to-device copies of every gather, not modelled
+/// yet: refused rather than guessed.
+#[test]
+fn zero3_offload_params_stays_unsupported() {
+    let spec = RunSpec::from_value(&serde_json::json!({"model": "qwen2.5-0.5b",
+        "precision": "bf16", "optimizer": "adamw", "batch_size": 1, "seq_len": 128,
+        "parallel": {"strategy": "zero3", "world_size": 1, "offload_params": true}}))
+    .expect("spec");
+    let err = headroom::estimate::estimate(&spec, None, &gpu::find("h200").expect("gpu"));
+    assert!(err.is_err());
 }
 
 /// What a rank holds on the device at the end (nvidia-smi's reading): reserved, the CUDA
@@ -233,9 +273,7 @@ fn device_totals_include_the_communicators() {
         let id = row["id"].as_str().expect("id");
         let spec = RunSpec::from_value(&row["spec"]).expect(id);
         let parallel = spec.parallel.as_ref().expect("parallel");
-        if parallel.strategy == Strategy::Zero3
-            && (parallel.world_size > 1 || parallel.offload_params)
-        {
+        if parallel.strategy == Strategy::Zero3 && parallel.offload_params {
             continue;
         }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");

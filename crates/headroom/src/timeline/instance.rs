@@ -173,9 +173,8 @@ impl Instance {
                     &trainable_ids,
                     partitions,
                     untied_head,
-                    parallel.world_size,
+                    parallel,
                     spec.optimizer,
-                    parallel.offload_optimizer,
                 );
                 model.zero3 = Some(RefCell::new(zero3));
                 autocast = None;

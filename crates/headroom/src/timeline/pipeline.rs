@@ -149,9 +149,7 @@ pub fn simulate_pipeline(
             }
             models.push(None);
         } else {
-            models.push(Some(Instance::build(
-                &mut t, d.spec, d.arch, d.home, rank,
-            )));
+            models.push(Some(Instance::build(&mut t, d.spec, d.arch, d.home, rank)));
         }
     }
     let mut inputs: Vec<((u64, u64), T)> = Vec::new();

@@ -1,12 +1,14 @@
 //! DeepSpeed ZeRO stage 3 (`deepspeed/runtime/zero/stage3.py`, `partition_parameters.py`,
 //! DeepSpeed 0.18.2, `bf16` enabled, `torch_adam` AdamW or DeepSpeedCPUAdam under
 //! `offload_optimizer`, the stage defaults: `reduce_bucket_size` 5e8, `contiguous_gradients`,
-//! `reduce_scatter`, `sub_group_size` 1e9) as one rank of a one-rank world sees it: the
-//! partition of every parameter is the whole parameter, and `all_gather_coalesced` of a
-//! one-partition world hands each parameter its partition's storage (`_no_gather_coalesced`):
-//! the per-module gathers of forward and backward allocate nothing, so forward and backward
-//! are those of the plain bf16 model. What is allocated, in order (checked against
-//! bench/distributed/zero3-q15-4l-nogc-w1-rank0.pickle.gz, which has stack frames):
+//! `reduce_scatter`, `sub_group_size` 1e9) as one rank sees it. Each parameter's partition is
+//! `ceil(numel / world)` elements, equal on every rank. On a one-rank world the partition is
+//! the whole parameter and `all_gather_coalesced` hands each parameter its partition's storage
+//! (`_no_gather_coalesced`): the per-module gathers of forward and backward allocate nothing,
+//! and forward and backward are those of the plain bf16 model. Over several ranks the
+//! gathers are `zero3_gather.rs`'s (below). What is allocated, in order (checked against
+//! bench/distributed/zero3-q15-4l-nogc-w1-rank0.pickle.gz, which has stack frames, and the
+//! two ranks' `zero3-q15-4l-rank{0,1}.pickle.gz`):
 //! - `from_config` under `zero.Init`: as each module is made, each of its parameters is
 //!   allocated whole, its partition (`ceil(numel / world)` elements) allocated and the whole
 //!   freed (`_partition_param`); the tied `lm_head` gets its own parameter and partition.
@@ -41,17 +43,38 @@
 //!   chunks of at most 2.5e8 elements and its `.float()` copied into the host fp32 gradient;
 //!   `step()` runs on the host.
 //!
-//! Not modelled: more than one rank (the gathers, their prefetching and the reuse-distance
-//! release policy of `PartitionedParameterCoordinator`) and `offload_param`; both are refused
-//! by `estimate`. The few tiny allocations of the barriers and norm reductions.
+//! - several ranks (`zero3_gather.rs`, after `parameter_offload.py` and
+//!   `partitioned_param_coordinator.py`): every module (the model class, the decoder stack,
+//!   the embedding, rotary embedding, each layer, norm, attention, projection, MLP and
+//!   activation, the head) fetches its own parameters in its forward pre-hook and its
+//!   backward pre-hook, and releases them in its forward and backward post-hooks (none for
+//!   the embedding, whose input needs no grad: it stays gathered until `step()`). A fetch of
+//!   one parameter allocates `partition * world` elements on the all-gather stream, which the
+//!   parameter views; of several, one flat buffer of their partitions times the world, then
+//!   at the first wait each parameter's `torch.cat` (whole size, same stream), the flat buffer
+//!   freed once every parameter of it has been waited for. A release frees the gathered
+//!   storage. Step 1 records the module order and releases everything after use; from step 2
+//!   the trace is complete: each fetch (parameterless modules' too) prefetches the next
+//!   parameters of the trace up to `stage3_prefetch_bucket_size` (5e7 elements) of missing
+//!   ones, capped by `stage3_max_live_parameters` (1e9) less what is gathered, and a release
+//!   keeps what the trace uses again within `stage3_max_reuse_distance` (1e9 elements) or
+//!   what was prefetched for a later use, and the persistent parameters (at most 1e5
+//!   elements: norms, biases). Checkpoint recomputation runs the layer's hooks again until
+//!   PyTorch stops it early. `step()` releases everything first and gathers the persistent
+//!   parameters again at its end (a flat buffer each, default stream). The gradients are
+//!   whole-size; the IPG bucket and `reduce_scatter_coalesced` are as above.
+//!
+//! Not modelled: `offload_param` (refused by `estimate`). The few tiny allocations of the
+//! barriers and norm reductions.
 
 use std::ops::Range;
 
 use super::component::Component;
 use super::optim::OptimizerState;
 use super::tracer::{ParamId, T, Tracer};
+use super::zero3_gather::Gathers;
 use crate::dtype::DType;
-use crate::spec::Optimizer;
+use crate::spec::{Optimizer, Parallel};
 
 /// `reduce_bucket_size` (elements).
 const REDUCE_BUCKET_ELEMENTS: u64 = 500_000_000;
@@ -80,6 +103,9 @@ pub(crate) struct Zero3 {
     /// The parameters whose gradients the IPG bucket holds, and their elements.
     bucket: Vec<usize>,
     bucket_elements: u64,
+    /// The per-module gathers of several ranks (or of `offload_param`); `None` on one rank,
+    /// where a gather only hands each parameter its partition.
+    pub(crate) gathers: Option<Gathers>,
 }
 
 impl Zero3 {
@@ -123,10 +149,11 @@ impl Zero3 {
         trainable: &[ParamId],
         partitions: Vec<T>,
         untied_head: Option<T>,
-        world: u64,
+        parallel: &Parallel,
         optimizer: Optimizer,
-        offload_optimizer: bool,
     ) -> Zero3 {
+        let (world, offload_optimizer) = (parallel.world_size, parallel.offload_optimizer);
+        let offload_params = parallel.offload_params;
         let dtype = t.dtype(t.param(trainable[0]));
         let numels: Vec<u64> = trainable.iter().map(|&p| t.numel(t.param(p))).collect();
         let parts: Vec<u64> = numels.iter().map(|n| n.div_ceil(world)).collect();
@@ -205,6 +232,8 @@ impl Zero3 {
             masters,
             bucket: Vec::new(),
             bucket_elements: 0,
+            gathers: (world > 1 || offload_params)
+                .then(|| Gathers::new(t, trainable, world, offload_params)),
         }
     }
 
@@ -300,6 +329,16 @@ impl Zero3 {
 
     /// `engine.step()`: the gradient norm, then per sub-group the fp32 gradient and AdamW.
     pub(crate) fn step(&mut self, t: &mut Tracer) {
+        if let Some(g) = self.gathers.as_mut() {
+            g.release_all(t);
+        }
+        self.step_sub_groups(t);
+        if let Some(g) = self.gathers.as_mut() {
+            g.gather_persistent(t);
+        }
+    }
+
+    fn step_sub_groups(&mut self, t: &mut Tracer) {
         if self.offload_optimizer {
             // The norms were taken in backward; the step is the host's.
             return;

@@ -162,11 +162,13 @@ fn every_phase_of_every_zero1_and_zero2_row() {
 }
 
 /// DeepSpeed on one rank (bench/distributed/h200x1-torch2.11.jsonl): ZeRO-3 with and without
-/// checkpointing and `offload_optimizer`, and ZeRO 1/2 with `offload_optimizer`, every phase of
-/// every step, the load phase and the reserved peak. (The rows were measured with DeepSpeed's
-/// own `reset_peak_memory_stats()` calls silenced while the engine is built: rank 0's load
-/// peak is whole.) Measured errors: allocated within 0.02%, reserved within 0.01%, the load
-/// exact; the gate is the (allocated 5%, reserved 10%) tightened to 0.5% and 1%.
+/// checkpointing, `offload_optimizer` and `offload_param`, and ZeRO 1/2 with
+/// `offload_optimizer`, every phase of every step, the load phase and the reserved peak. (The
+/// rows were measured with DeepSpeed's own `reset_peak_memory_stats()` calls silenced while
+/// the engine is built: rank 0's load peak is whole.) Measured errors: allocated within 0.14%
+/// (+2.0 MiB, step 1's optimizer), the load exact, reserved within 0.02% but the full-size
+/// `offload_param` row's -2.8%; the gate is the (allocated 5%, reserved 10%)
+/// tightened to 0.5% and 1% (3% for `offload_param`).
 #[test]
 fn every_phase_of_every_one_rank_deepspeed_row() {
     let mut checked = 0;
@@ -178,14 +180,17 @@ fn every_phase_of_every_one_rank_deepspeed_row() {
             parallel.strategy,
             Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
         );
-        if !deepspeed || parallel.world_size != 1 || parallel.offload_params {
+        if !deepspeed || parallel.world_size != 1 {
             continue;
         }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
         let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
         let (phases, reserved) = check_rank0(id, &est, &row);
         checked += phases;
-        assert!(reserved.abs() < 0.01, "{id}: reserved {reserved:+.4}");
+        // The full-size `offload_param` row's step 3 reserves one more 446 MiB segment than
+        // its step 2 (an embedding-sized block), which the simulation does not: -2.8%.
+        let limit = if parallel.offload_params { 0.03 } else { 0.01 };
+        assert!(reserved.abs() < limit, "{id}: reserved {reserved:+.4}");
         let load = &row["measured"]["ranks"][0]["load"];
         let e = est.phases.iter().find(|p| p.phase == "load").expect("load");
         for (estimated, key) in [
@@ -203,7 +208,7 @@ fn every_phase_of_every_one_rank_deepspeed_row() {
             );
         }
     }
-    assert_eq!(checked, 100, "{checked} phases checked");
+    assert_eq!(checked, 130, "{checked} phases checked");
 }
 
 /// DeepSpeed ZeRO-3 over two ranks (the per-module gathers of
@@ -251,10 +256,10 @@ fn every_phase_of_every_multi_rank_zero3_row() {
     assert_eq!(checked, 40, "{checked} phases checked");
 }
 
-/// ZeRO-3's `offload_param` needs the host-to-device copies of every gather, not modelled
-/// yet: refused rather than guessed.
+/// ZeRO-3's `offload_param` without `offload_optimizer` (fp32 masters made from host
+/// partitions) is not measured: refused rather than guessed.
 #[test]
-fn zero3_offload_params_stays_unsupported() {
+fn zero3_offload_params_without_offload_optimizer_stays_unsupported() {
     let spec = RunSpec::from_value(&serde_json::json!({"model": "qwen2.5-0.5b",
         "precision": "bf16", "optimizer": "adamw", "batch_size": 1, "seq_len": 128,
         "parallel": {"strategy": "zero3", "world_size": 1, "offload_params": true}}))
@@ -265,7 +270,7 @@ fn zero3_offload_params_stays_unsupported() {
 
 /// What a rank holds on the device at the end (nvidia-smi's reading): reserved, the CUDA
 /// context and NCCL's communicators, against `device_used_end_bytes` of every FSDP2, DDP and
-/// ZeRO-1/2 row (its reserved bytes at the end are the run's peak).
+/// DeepSpeed row (its reserved bytes at the end are the run's peak).
 #[test]
 fn device_totals_include_the_communicators() {
     let mut checked = 0;
@@ -273,9 +278,6 @@ fn device_totals_include_the_communicators() {
         let id = row["id"].as_str().expect("id");
         let spec = RunSpec::from_value(&row["spec"]).expect(id);
         let parallel = spec.parallel.as_ref().expect("parallel");
-        if parallel.strategy == Strategy::Zero3 && parallel.offload_params {
-            continue;
-        }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
         let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
         let used = row["measured"]["ranks"]
@@ -286,9 +288,12 @@ fn device_totals_include_the_communicators() {
             .max()
             .expect("ranks");
         let err = rel(est.device_bytes(), used);
-        // The 28-layer DDP rows carry the reserved gap of the allocator's address ties.
+        // The 28-layer DDP rows carry the reserved gap of the allocator's address ties; the
+        // full-size ZeRO-3 `offload_param` row the 446 MiB segment its step 3 adds.
         let limit = if id.starts_with("ddp/qwen2.5-1.5b/") {
             0.065
+        } else if parallel.offload_params {
+            0.03
         } else {
             0.005
         };

@@ -108,7 +108,7 @@ impl Instance {
                     let numel = t.numel(t.param(model.embed));
                     t.parameter_deferred(numel, dtype, false, "untied lm_head (zero.Init)")
                 });
-            let made = Zero3::init(t, &params, p.world_size, tied_head);
+            let made = Zero3::init(t, &params, p, tied_head);
             Model::rotary_buffers(t, arch);
             made
         });

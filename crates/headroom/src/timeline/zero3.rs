@@ -64,8 +64,17 @@
 //!   parameters again at its end (a flat buffer each, default stream). The gradients are
 //!   whole-size; the IPG bucket and `reduce_scatter_coalesced` are as above.
 //!
-//! Not modelled: `offload_param` (refused by `estimate`). The few tiny allocations of the
-//! barriers and norm reductions.
+//! - `offload_param` (checked against `zero3-offload-params-q15-4l-nogc-w1-rank0.pickle.gz`,
+//!   with frames): `zero.Init` makes each partition on the host (the whole parameter is still
+//!   made and freed on the GPU), engine construction keeps them there (no flat buffer, no
+//!   `empty_cache`), and every gather copies host partitions over: on one rank each fetched
+//!   parameter becomes `ds_tensor.to(device)`, a whole-size copy on the all-gather stream
+//!   (`_no_gather_coalesced`), freed at its release, and `_post_step` copies the persistent
+//!   parameters over on the default stream; over several ranks each partition is copied in
+//!   before its all-gather and freed after it.
+//!
+//! Not modelled: `offload_param` without `offload_optimizer` (refused by `estimate`). The few
+//! tiny allocations of the barriers and norm reductions.
 
 use std::ops::Range;
 
@@ -116,23 +125,27 @@ impl Zero3 {
     pub(crate) fn init(
         t: &mut Tracer,
         params: &[ParamId],
-        world: u64,
+        parallel: &Parallel,
         tied_lm_head: Option<ParamId>,
     ) -> (Vec<T>, Option<T>) {
+        let world = parallel.world_size;
         let outer = std::mem::replace(&mut t.component, Component::Weights);
+        // Under `offload_param` the partition is made on the host.
         let partition = |t: &mut Tracer, p: ParamId| {
             let (numel, dtype) = (t.numel(t.param(p)), t.dtype(t.param(p)));
             let whole = t.empty(numel, dtype, "zero.Init: parameter made whole");
-            let part = t.empty(
-                numel.div_ceil(world),
-                dtype,
-                "zero.Init: partition (ds_tensor)",
-            );
+            let part = (!parallel.offload_params).then(|| {
+                t.empty(
+                    numel.div_ceil(world),
+                    dtype,
+                    "zero.Init: partition (ds_tensor)",
+                )
+            });
             t.drop(whole);
             part
         };
-        let partitions: Vec<T> = params.iter().map(|&p| partition(t, p)).collect();
-        let head = tied_lm_head.map(|p| partition(t, p));
+        let partitions: Vec<T> = params.iter().filter_map(|&p| partition(t, p)).collect();
+        let head = tied_lm_head.and_then(|p| partition(t, p));
         // `_init_weights` under `GatheredParameters`, in module order (the head last).
         for &p in params.iter().chain(&tied_lm_head) {
             let (numel, dtype) = (t.numel(t.param(p)), t.dtype(t.param(p)));
@@ -173,14 +186,17 @@ impl Zero3 {
         if let Some(head) = untied_head {
             t.drop(head);
         }
-        // `defragment`: every partition to the host, the cache emptied, one flat buffer back.
-        t.drop_all(&partitions);
-        t.mem.allocator.empty_cache();
-        let flat = t.empty(parts.iter().sum(), dtype, "DeepSpeed flat bf16 partitions");
-        for &p in trainable {
-            t.param_into_view(p, flat, "parameter (its partition in the flat buffer)");
+        // `defragment`: every partition to the host, the cache emptied, one flat buffer back
+        // (under `offload_param` the partitions stay on the host, flattened there).
+        if !offload_params {
+            t.drop_all(&partitions);
+            t.mem.allocator.empty_cache();
+            let flat = t.empty(parts.iter().sum(), dtype, "DeepSpeed flat bf16 partitions");
+            for &p in trainable {
+                t.param_into_view(p, flat, "parameter (its partition in the flat buffer)");
+            }
+            t.drop(flat);
         }
-        t.drop(flat);
         // `_create_fp32_partitions`, then `initialize_optimizer_states`.
         let mut masters = Vec::new();
         if !offload_optimizer {
@@ -238,12 +254,19 @@ impl Zero3 {
     }
 
     /// Host bytes under `offload_optimizer`: per partition element the fp32 master, its fp32
-    /// gradient, the two Adam states and the bf16 gradient partition.
+    /// gradient, the two Adam states and the bf16 gradient partition; under `offload_param`
+    /// the bf16 partitions too.
     pub(crate) fn host_bytes(&self) -> u64 {
+        let partitions = self.partitions.iter().sum::<u64>();
+        let params = if self.gathers.as_ref().is_some_and(|g| g.offload) {
+            self.dtype.bytes() * partitions
+        } else {
+            0
+        };
         if !self.offload_optimizer {
-            return 0;
+            return params;
         }
-        (4 * 4 + self.dtype.bytes()) * self.partitions.iter().sum::<u64>()
+        params + (4 * 4 + self.dtype.bytes()) * partitions
     }
 
     /// The gradient hook (`reduce_partition_and_remove_grads` →

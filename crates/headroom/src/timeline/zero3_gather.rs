@@ -76,7 +76,7 @@ pub(crate) struct Gathers {
     world: u64,
     dtype: DType,
     /// `offload_param`: the partitions live on the host and come over at each gather.
-    offload: bool,
+    pub(crate) offload: bool,
     params: Vec<ParamId>,
     index: HashMap<ParamId, usize>,
     numels: Vec<u64>,
@@ -327,15 +327,33 @@ impl Gathers {
         let outer = std::mem::replace(&mut t.component, Component::Communication);
         let stream = std::mem::replace(&mut t.mem.stream, ALL_GATHER_COPY_IN_STREAM);
         let h = self.handles.len();
-        let handle = if let [p] = params[..] {
-            let copy = self.host_copy(t, p);
+        let handle = if self.world == 1 {
+            // `_no_gather_coalesced`: each parameter becomes `ds_tensor.to(device)`, a copy
+            // of its host partition.
+            t.component = Component::Weights;
+            for &p in &params {
+                let copy = t.empty(
+                    self.numels[p],
+                    self.dtype,
+                    "ZeRO-3 parameter copied to the GPU (offload_param)",
+                );
+                self.gathered[p] = Some(copy);
+            }
+            Handle {
+                flat: None,
+                params: params.clone(),
+                complete: true,
+                pending: params.len(),
+            }
+        } else if let [p] = params[..] {
             t.component = Component::Weights;
             let buffer = t.empty(
                 self.partitions[p] * self.world,
                 self.dtype,
                 "ZeRO-3 all_gather buffer (the parameter views it)",
             );
-            if let Some(copy) = copy {
+            // `_dist_allgather_fn(param.ds_tensor.to(device), ...)`.
+            if let Some(copy) = self.host_copy(t, p) {
                 t.drop(copy);
             }
             self.gathered[p] = Some(buffer);
@@ -377,7 +395,7 @@ impl Gathers {
 
     /// `ds_tensor.to(device)` of a host partition (`offload_param`).
     fn host_copy(&self, t: &mut Tracer, p: usize) -> Option<T> {
-        (self.offload && !self.persist[p]).then(|| {
+        self.offload.then(|| {
             t.empty(
                 self.partitions[p],
                 self.dtype,
@@ -474,20 +492,36 @@ impl Gathers {
     }
 
     /// `_post_step`: the persistent parameters gathered (`_allgather_params_coalesced`, on
-    /// the default stream: a flat buffer per parameter, which it then views).
+    /// the default stream): every host partition copied over (`offload_param`), then a flat
+    /// buffer per parameter, which it views; on one rank each parameter is the copy of its
+    /// host partition (`_no_gather_coalesced`), or its partition itself.
     pub(crate) fn gather_persistent(&mut self, t: &mut Tracer) {
         let outer = std::mem::replace(&mut t.component, Component::Weights);
-        for p in 0..self.params.len() {
-            if self.persist[p] && self.status[p] == Status::NotAvailable {
-                let flat = t.empty(
+        let persistent: Vec<usize> = (0..self.params.len())
+            .filter(|&p| self.persist[p] && self.status[p] == Status::NotAvailable)
+            .collect();
+        let copies: Vec<T> = if self.world > 1 {
+            persistent
+                .iter()
+                .filter_map(|&p| self.host_copy(t, p))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for &p in &persistent {
+            let gathered = if self.world > 1 {
+                Some(t.empty(
                     self.partitions[p] * self.world,
                     self.dtype,
                     "ZeRO-3 persistent parameter (gathered at step end)",
-                );
-                self.gathered[p] = Some(flat);
-                self.status[p] = Status::Available;
-            }
+                ))
+            } else {
+                self.host_copy(t, p)
+            };
+            self.gathered[p] = gathered;
+            self.status[p] = Status::Available;
         }
+        t.drop_all(&copies);
         t.component = outer;
     }
 }

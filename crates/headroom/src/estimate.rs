@@ -128,7 +128,8 @@ pub fn estimate_with_trace(
     spec.check_against(&arch)?;
     if let Some(parallel) = &spec.parallel {
         let zero3 = parallel.strategy == Strategy::Zero3;
-        if zero3 && parallel.offload_params && !parallel.offload_optimizer {
+        let train = spec.mode == crate::spec::Mode::Train;
+        if zero3 && train && parallel.offload_params && !parallel.offload_optimizer {
             return Err(crate::error::Error::Unsupported {
                 what: "parallel.offload_params true with offload_optimizer false (zero3)".into(),
                 supported: "offload_params with offload_optimizer true (as measured; fp32 \
@@ -148,10 +149,17 @@ pub fn estimate_with_trace(
                     .into(),
             });
         }
-        if zero && spec.mode != crate::spec::Mode::Train {
+        if zero && !zero3 && !train {
             return Err(crate::error::Error::Unsupported {
-                what: "a DeepSpeed ZeRO run that does not train".into(),
-                supported: "mode train".into(),
+                what: format!(
+                    "mode {:?} with parallel.strategy {}",
+                    spec.mode,
+                    parallel.strategy.name()
+                )
+                .to_lowercase(),
+                supported: "mode train for zero1 and zero2; zero3 also builds a forward-only \
+                            inference engine"
+                    .into(),
             });
         }
     }

@@ -73,7 +73,15 @@
 //!   parameters over on the default stream; over several ranks each partition is copied in
 //!   before its all-gather and freed after it.
 //!
-//! Not modelled: `offload_param` without `offload_optimizer` (refused by `estimate`). The few
+//! - an inference engine (`mode: forward`: `deepspeed.initialize(model=...)` without an
+//!   optimizer, as OpenRLHF and TRL build a reference model): `zero.Init` and the init's
+//!   gathers as above, then `DeepSpeedZeRoOffload` alone: the untied head's partition
+//!   collected, the partitions left as made (no flat buffer, bucket or gradient hooks), and
+//!   the module hooks and their gathers (or host copies) in every forward; the engine runs
+//!   without the outer autocast.
+//!
+//! Not modelled: training with `offload_param` but not `offload_optimizer` (refused by
+//! `estimate`). The few
 //! tiny allocations of the barriers and norm reductions.
 
 use std::ops::Range;
@@ -250,6 +258,42 @@ impl Zero3 {
             bucket_elements: 0,
             gathers: (world > 1 || offload_params)
                 .then(|| Gathers::new(t, trainable, world, offload_params)),
+        }
+    }
+
+    /// `deepspeed.initialize(model=...)` without an optimizer (an inference engine, as
+    /// OpenRLHF and TRL build a reference model): `DeepSpeedZeRoOffload` alone. Its first
+    /// `see_memory_usage` collects the untied head's partition; the partitions stay as
+    /// `zero.Init` made them (no defragmentation), and only the parameter hooks run.
+    pub(crate) fn inference(
+        t: &mut Tracer,
+        params: &[ParamId],
+        partitions: Vec<T>,
+        untied_head: Option<T>,
+        parallel: &Parallel,
+    ) -> Zero3 {
+        if let Some(head) = untied_head {
+            t.drop(head);
+        }
+        for part in partitions {
+            t.mark_persistent(part);
+        }
+        let world = parallel.world_size;
+        let numels: Vec<u64> = params.iter().map(|&p| t.numel(t.param(p))).collect();
+        Zero3 {
+            world,
+            dtype: t.dtype(t.param(params[0])),
+            offload_optimizer: false,
+            params: Vec::new(),
+            partitions: numels.iter().map(|n| n.div_ceil(world)).collect(),
+            numels,
+            sub_groups: Vec::new(),
+            masters: Vec::new(),
+            optimizers: Vec::new(),
+            bucket: Vec::new(),
+            bucket_elements: 0,
+            gathers: (world > 1 || parallel.offload_params)
+                .then(|| Gathers::new(t, params, world, parallel.offload_params)),
         }
     }
 

@@ -11,6 +11,26 @@ use serde_json::Value;
 mod common;
 use common::rel;
 
+/// The allocated and reserved errors of the estimate's phase `name` of `iteration` against
+/// its measurement `m`.
+fn phase_errors(
+    id: &str,
+    est: &headroom::pipeline::PipelineEstimate,
+    m: &Value,
+    name: &str,
+    iteration: u64,
+) -> (f64, f64) {
+    let e = est
+        .phases
+        .iter()
+        .find(|p| p.name == name && u64::from(p.iteration) == iteration)
+        .unwrap_or_else(|| panic!("{id}: no {name} {iteration}"));
+    (
+        rel(e.peak_allocated, m["peak_allocated"].as_u64().unwrap()),
+        rel(e.peak_reserved, m["peak_reserved"].as_u64().unwrap()),
+    )
+}
+
 fn rows() -> Vec<Value> {
     common::jsonl(&[
         include_str!("../../../bench/pipelines/h100-torch2.11.jsonl"),
@@ -50,13 +70,7 @@ fn every_measured_phase_of_every_modelled_placement() {
                 checked += 1;
                 continue;
             }
-            let e = est
-                .phases
-                .iter()
-                .find(|p| p.name == name && u64::from(p.iteration) == iteration)
-                .unwrap_or_else(|| panic!("{id}: no {name} {iteration}"));
-            let a = rel(e.peak_allocated, m["peak_allocated"].as_u64().unwrap());
-            let r = rel(e.peak_reserved, m["peak_reserved"].as_u64().unwrap());
+            let (a, r) = phase_errors(id, &est, m, name, iteration);
             assert!(a.abs() < 0.02, "{id} {name} {iteration}: allocated {a:+.4}");
             assert!(r.abs() < 0.03, "{id} {name} {iteration}: reserved {r:+.4}");
             checked += 1;
@@ -209,13 +223,7 @@ fn every_phase_of_the_deepspeed_pipelines() {
                 m["phase"].as_str().unwrap(),
                 m["iteration"].as_u64().unwrap(),
             );
-            let e = est
-                .phases
-                .iter()
-                .find(|p| p.name == name && u64::from(p.iteration) == iteration)
-                .unwrap_or_else(|| panic!("{id}: no {name} {iteration}"));
-            let a = rel(e.peak_allocated, m["peak_allocated"].as_u64().unwrap());
-            let r = rel(e.peak_reserved, m["peak_reserved"].as_u64().unwrap());
+            let (a, r) = phase_errors(id, &est, m, name, iteration);
             assert!(
                 a.abs() < 0.005,
                 "{id} {name} {iteration}: allocated {a:+.4}"

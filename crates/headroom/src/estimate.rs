@@ -128,12 +128,12 @@ pub fn estimate_with_trace(
     spec.check_against(&arch)?;
     if let Some(parallel) = &spec.parallel {
         let zero3 = parallel.strategy == Strategy::Zero3;
-        if zero3 && (parallel.world_size > 1 || parallel.offload_params) {
+        let train = spec.mode == crate::spec::Mode::Train;
+        if zero3 && train && parallel.offload_params && !parallel.offload_optimizer {
             return Err(crate::error::Error::Unsupported {
-                what: "parallel.strategy zero3 over several ranks or with offload_params".into(),
-                supported: "zero3 on one rank, with or without offload_optimizer (the \
-                            per-module gathers of several ranks and of offload_param are not \
-                            modelled yet)"
+                what: "parallel.offload_params true with offload_optimizer false (zero3)".into(),
+                supported: "offload_params with offload_optimizer true (as measured; fp32 \
+                            masters made from host partitions are not modelled)"
                     .into(),
             });
         }
@@ -149,10 +149,17 @@ pub fn estimate_with_trace(
                     .into(),
             });
         }
-        if zero && spec.mode != crate::spec::Mode::Train {
+        if zero && !zero3 && !train {
             return Err(crate::error::Error::Unsupported {
-                what: "a DeepSpeed ZeRO run that does not train".into(),
-                supported: "mode train".into(),
+                what: format!(
+                    "mode {:?} with parallel.strategy {}",
+                    spec.mode,
+                    parallel.strategy.name()
+                )
+                .to_lowercase(),
+                supported: "mode train for zero1 and zero2; zero3 also builds a forward-only \
+                            inference engine"
+                    .into(),
             });
         }
     }

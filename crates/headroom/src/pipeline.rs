@@ -544,14 +544,6 @@ fn check_instance(spec: &RunSpec, home: Home, at: &str) -> Result<()> {
                 .into(),
         });
     }
-    if let Some(p) = &spec.parallel
-        && p.strategy == Strategy::Zero3
-    {
-        return Err(Error::Unsupported {
-            what: format!("{at}: parallel.strategy zero3"),
-            supported: "ddp, fsdp, zero1 and zero2 in pipelines".into(),
-        });
-    }
     Ok(())
 }
 

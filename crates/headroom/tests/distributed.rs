@@ -114,20 +114,26 @@ fn sharding_moves_memory_where_the_measurements_say() {
     assert!(ddp.peak_allocated_bytes > full.peak_allocated_bytes + (10u64 << 30));
 }
 
-/// DeepSpeed ZeRO stages 1 and 2 (bf16, torch AdamW): the estimate is the rank that needs
-/// most, so every phase is checked against the larger of the two ranks' peaks, the load phase
-/// against rank 1 (rank 0's is cut short by DeepSpeed's `see_memory_usage` resetting the peak
-/// statistics), and the reserved peak against the larger rank's.
+/// DeepSpeed ZeRO stages 1, 2 and 3 over two ranks (bf16, torch AdamW; ZeRO-3 with and
+/// without `offload_optimizer`, its per-module gathers those of `PartitionedParameterCoordinator`):
+/// the estimate is the rank that needs most, so every phase is checked against the larger of
+/// the two ranks' peaks, the load phase against rank 1 (rank 0's is cut short by DeepSpeed's
+/// `see_memory_usage` resetting the peak statistics), and the reserved peak against the larger
+/// rank's. Measured errors of the ZeRO-3 rows: allocated within +0.11% (+2.0 MiB, step 1's
+/// optimizer), the load exact, reserved within +0.02%; the gate is the (allocated 5%,
+/// reserved 10%) tightened to 0.5% and 1%.
 #[test]
-fn every_phase_of_every_zero1_and_zero2_row() {
+fn every_phase_of_every_multi_rank_deepspeed_row() {
     let mut checked = 0;
     for row in rows() {
         let id = row["id"].as_str().expect("id");
         let spec = RunSpec::from_value(&row["spec"]).expect(id);
         let parallel = spec.parallel.as_ref().expect("parallel");
-        if !matches!(parallel.strategy, Strategy::Zero1 | Strategy::Zero2)
-            || parallel.world_size < 2
-        {
+        let deepspeed = matches!(
+            parallel.strategy,
+            Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
+        );
+        if !deepspeed || parallel.world_size < 2 {
             continue;
         }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
@@ -158,15 +164,17 @@ fn every_phase_of_every_zero1_and_zero2_row() {
         );
         assert!(reserved.abs() < 0.01, "{id}: reserved {reserved:+.4}");
     }
-    assert_eq!(checked, 27, "{checked} phases checked");
+    assert_eq!(checked, 63, "{checked} step phases checked");
 }
 
 /// DeepSpeed on one rank (bench/distributed/h200x1-torch2.11.jsonl): ZeRO-3 with and without
-/// checkpointing and `offload_optimizer`, and ZeRO 1/2 with `offload_optimizer`, every phase of
-/// every step, the load phase and the reserved peak. (The rows were measured with DeepSpeed's
-/// own `reset_peak_memory_stats()` calls silenced while the engine is built: rank 0's load
-/// peak is whole.) Measured errors: allocated within 0.02%, reserved within 0.01%, the load
-/// exact; the gate is the (allocated 5%, reserved 10%) tightened to 0.5% and 1%.
+/// checkpointing, `offload_optimizer` and `offload_param`, and ZeRO 1/2 with
+/// `offload_optimizer`, every phase of every step, the load phase and the reserved peak. (The
+/// rows were measured with DeepSpeed's own `reset_peak_memory_stats()` calls silenced while
+/// the engine is built: rank 0's load peak is whole.) Measured errors: allocated within 0.14%
+/// (+2.0 MiB, step 1's optimizer), the load exact, reserved within 0.02% but the full-size
+/// `offload_param` row's -2.8%; the gate is the (allocated 5%, reserved 10%)
+/// tightened to 0.5% and 1% (3% for `offload_param`).
 #[test]
 fn every_phase_of_every_one_rank_deepspeed_row() {
     let mut checked = 0;
@@ -178,14 +186,17 @@ fn every_phase_of_every_one_rank_deepspeed_row() {
             parallel.strategy,
             Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
         );
-        if !deepspeed || parallel.world_size != 1 || parallel.offload_params {
+        if !deepspeed || parallel.world_size != 1 {
             continue;
         }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
         let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
         let (phases, reserved) = check_rank0(id, &est, &row);
         checked += phases;
-        assert!(reserved.abs() < 0.01, "{id}: reserved {reserved:+.4}");
+        // The full-size `offload_param` row's step 3 reserves one more 446 MiB segment than
+        // its step 2 (an embedding-sized block), which the simulation does not: -2.8%.
+        let limit = if parallel.offload_params { 0.03 } else { 0.01 };
+        assert!(reserved.abs() < limit, "{id}: reserved {reserved:+.4}");
         let load = &row["measured"]["ranks"][0]["load"];
         let e = est.phases.iter().find(|p| p.phase == "load").expect("load");
         for (estimated, key) in [
@@ -203,29 +214,24 @@ fn every_phase_of_every_one_rank_deepspeed_row() {
             );
         }
     }
-    assert_eq!(checked, 100, "{checked} phases checked");
+    assert_eq!(checked, 130, "{checked} phases checked");
 }
 
-/// ZeRO-3 over several ranks and `offload_param` need the per-module gathers of
-/// `PartitionedParameterCoordinator`, not modelled yet: refused rather than guessed.
+/// ZeRO-3's `offload_param` without `offload_optimizer` (fp32 masters made from host
+/// partitions) is not measured: refused rather than guessed.
 #[test]
-fn zero3_gathers_stay_unsupported() {
-    for parallel in [
-        serde_json::json!({"strategy": "zero3", "world_size": 2}),
-        serde_json::json!({"strategy": "zero3", "world_size": 1, "offload_params": true}),
-    ] {
-        let spec = RunSpec::from_value(&serde_json::json!({"model": "qwen2.5-0.5b",
-            "precision": "bf16", "optimizer": "adamw", "batch_size": 1, "seq_len": 128,
-            "parallel": parallel}))
-        .expect("spec");
-        let err = headroom::estimate::estimate(&spec, None, &gpu::find("h200").expect("gpu"));
-        assert!(err.is_err(), "{parallel}");
-    }
+fn zero3_offload_params_without_offload_optimizer_stays_unsupported() {
+    let spec = RunSpec::from_value(&serde_json::json!({"model": "qwen2.5-0.5b",
+        "precision": "bf16", "optimizer": "adamw", "batch_size": 1, "seq_len": 128,
+        "parallel": {"strategy": "zero3", "world_size": 1, "offload_params": true}}))
+    .expect("spec");
+    let err = headroom::estimate::estimate(&spec, None, &gpu::find("h200").expect("gpu"));
+    assert!(err.is_err());
 }
 
 /// What a rank holds on the device at the end (nvidia-smi's reading): reserved, the CUDA
 /// context and NCCL's communicators, against `device_used_end_bytes` of every FSDP2, DDP and
-/// ZeRO-1/2 row (its reserved bytes at the end are the run's peak).
+/// DeepSpeed row (its reserved bytes at the end are the run's peak).
 #[test]
 fn device_totals_include_the_communicators() {
     let mut checked = 0;
@@ -233,11 +239,6 @@ fn device_totals_include_the_communicators() {
         let id = row["id"].as_str().expect("id");
         let spec = RunSpec::from_value(&row["spec"]).expect(id);
         let parallel = spec.parallel.as_ref().expect("parallel");
-        if parallel.strategy == Strategy::Zero3
-            && (parallel.world_size > 1 || parallel.offload_params)
-        {
-            continue;
-        }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
         let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
         let used = row["measured"]["ranks"]
@@ -248,9 +249,12 @@ fn device_totals_include_the_communicators() {
             .max()
             .expect("ranks");
         let err = rel(est.device_bytes(), used);
-        // The 28-layer DDP rows carry the reserved gap of the allocator's address ties.
+        // The 28-layer DDP rows carry the reserved gap of the allocator's address ties; the
+        // full-size ZeRO-3 `offload_param` row the 446 MiB segment its step 3 adds.
         let limit = if id.starts_with("ddp/qwen2.5-1.5b/") {
             0.065
+        } else if parallel.offload_params {
+            0.03
         } else {
             0.005
         };

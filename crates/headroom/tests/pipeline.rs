@@ -11,6 +11,26 @@ use serde_json::Value;
 mod common;
 use common::rel;
 
+/// The allocated and reserved errors of the estimate's phase `name` of `iteration` against
+/// its measurement `m`.
+fn phase_errors(
+    id: &str,
+    est: &headroom::pipeline::PipelineEstimate,
+    m: &Value,
+    name: &str,
+    iteration: u64,
+) -> (f64, f64) {
+    let e = est
+        .phases
+        .iter()
+        .find(|p| p.name == name && u64::from(p.iteration) == iteration)
+        .unwrap_or_else(|| panic!("{id}: no {name} {iteration}"));
+    (
+        rel(e.peak_allocated, m["peak_allocated"].as_u64().unwrap()),
+        rel(e.peak_reserved, m["peak_reserved"].as_u64().unwrap()),
+    )
+}
+
 fn rows() -> Vec<Value> {
     common::jsonl(&[
         include_str!("../../../bench/pipelines/h100-torch2.11.jsonl"),
@@ -50,13 +70,7 @@ fn every_measured_phase_of_every_modelled_placement() {
                 checked += 1;
                 continue;
             }
-            let e = est
-                .phases
-                .iter()
-                .find(|p| p.name == name && u64::from(p.iteration) == iteration)
-                .unwrap_or_else(|| panic!("{id}: no {name} {iteration}"));
-            let a = rel(e.peak_allocated, m["peak_allocated"].as_u64().unwrap());
-            let r = rel(e.peak_reserved, m["peak_reserved"].as_u64().unwrap());
+            let (a, r) = phase_errors(id, &est, m, name, iteration);
             assert!(a.abs() < 0.02, "{id} {name} {iteration}: allocated {a:+.4}");
             assert!(r.abs() < 0.03, "{id} {name} {iteration}: reserved {r:+.4}");
             checked += 1;
@@ -183,4 +197,40 @@ iterations: 2"
     let oom = est.oom.expect("the engine does not fit");
     assert!(oom.tensor.contains("wake_up"), "{oom:?}");
     assert_eq!((oom.phase, oom.step), ("rollout", 1));
+}
+
+/// The DeepSpeed DPO pipelines of bench/pipelines/zero (one H200): a ZeRO-3 or ZeRO-2 policy
+/// with a ZeRO-3 inference-engine reference (`deepspeed.initialize` without an optimizer,
+/// with and without `offload_param`), and a plain bf16 reference; every phase of every
+/// iteration, the load included. Measured errors: allocated within 0.01%, reserved within
+/// 0.02% but `dpo-zero2-ref-offload`'s last iteration (-1.2%: it reserves one more 446 MiB
+/// segment than the iteration before, which the simulation does not). Gates: allocated 0.5%,
+/// reserved 2%.
+#[test]
+fn every_phase_of_the_deepspeed_pipelines() {
+    let rows = common::jsonl(&[include_str!(
+        "../../../bench/pipelines/zero/h200-torch2.11.jsonl"
+    )]);
+    let mut checked = 0;
+    for row in rows {
+        let id = row["id"].as_str().expect("id");
+        let spec = PipelineSpec::from_value(&row["pipeline"]).expect(id);
+        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
+        let est = estimate_pipeline(&spec, None, &gpu, Limit::Gpu).expect(id);
+        assert!(est.oom.is_none(), "{id}");
+        for m in row["measured"]["phases"].as_array().expect("phases") {
+            let (name, iteration) = (
+                m["phase"].as_str().unwrap(),
+                m["iteration"].as_u64().unwrap(),
+            );
+            let (a, r) = phase_errors(id, &est, m, name, iteration);
+            assert!(
+                a.abs() < 0.005,
+                "{id} {name} {iteration}: allocated {a:+.4}"
+            );
+            assert!(r.abs() < 0.02, "{id} {name} {iteration}: reserved {r:+.4}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 35, "{checked} phases checked");
 }

@@ -99,6 +99,7 @@ impl Instance {
             model.sharded = Some(RefCell::new(fsdp));
         }
         let model_params = first..first + arch.parameters(head).len();
+        let all_model_params: Vec<ParamId> = model_params.clone().collect();
         // ZeRO-3: `from_config` under `deepspeed.zero.Init` (each parameter partitioned as
         // it is made, then gathered for transformers' init); the buffers are made on the GPU.
         let zero3_partitions = parallel.filter(|p| p.strategy == Strategy::Zero3).map(|p| {
@@ -108,7 +109,7 @@ impl Instance {
                     let numel = t.numel(t.param(model.embed));
                     t.parameter_deferred(numel, dtype, false, "untied lm_head (zero.Init)")
                 });
-            let made = Zero3::init(t, &params, p.world_size, tied_head);
+            let made = Zero3::init(t, &params, p, tied_head);
             Model::rotary_buffers(t, arch);
             made
         });
@@ -173,13 +174,20 @@ impl Instance {
                     &trainable_ids,
                     partitions,
                     untied_head,
-                    parallel.world_size,
+                    parallel,
                     spec.optimizer,
-                    parallel.offload_optimizer,
                 );
                 model.zero3 = Some(RefCell::new(zero3));
                 autocast = None;
                 Vec::new()
+            }
+            (Some(parallel), Some((partitions, untied_head))) => {
+                // Nothing to train: an inference engine over the model's parameters.
+                let zero3 =
+                    Zero3::inference(t, &all_model_params, partitions, untied_head, parallel);
+                model.zero3 = Some(RefCell::new(zero3));
+                autocast = None;
+                trainable_ids
             }
             _ => trainable_ids,
         };

@@ -18,6 +18,7 @@ mod tracer;
 mod transformer;
 mod zero;
 mod zero3;
+mod zero3_gather;
 
 pub use component::Component;
 pub use memory::{PeakRecord, SimulatedOom, TraceEvent};

@@ -62,11 +62,21 @@ impl BackwardHooks for Checkpointing<'_> {
         if let Some(sharded) = &self.model.sharded {
             sharded.borrow_mut().pre_backward(tracer, unit);
         }
+        if let Some(zero3) = &self.model.zero3
+            && let Some(g) = zero3.borrow_mut().gathers.as_mut()
+        {
+            g.unit_backward_begins(tracer, unit);
+        }
     }
 
     fn unit_backward_done(&mut self, tracer: &mut Tracer, unit: u32) {
         if let Some(sharded) = &self.model.sharded {
             sharded.borrow_mut().post_backward(tracer, unit);
+        }
+        if let Some(zero3) = &self.model.zero3
+            && let Some(g) = zero3.borrow_mut().gathers.as_mut()
+        {
+            g.unit_backward_done(tracer, unit);
         }
     }
 
@@ -94,6 +104,11 @@ pub(super) fn backward(
         batch,
         autocast,
     };
+    if let Some(zero3) = &model.zero3
+        && let Some(g) = zero3.borrow_mut().gathers.as_mut()
+    {
+        g.backward_begins();
+    }
     t.backward(loss, &mut hooks);
     if let Some(sharded) = &model.sharded {
         sharded.borrow_mut().finish_backward(t);
@@ -495,7 +510,10 @@ pub(super) fn lm_head(t: &mut Tracer, model: &Model, hidden: T) -> T {
         Some(head) => (head.weight, head.bias),
         None => (model.embed, None),
     };
+    let params: Vec<_> = std::iter::once(weight).chain(bias).collect();
+    model.z3_pre(t, super::zero3_gather::ZModule::LmHead, &params, true);
     let mut logits = t.linear(hidden, weight, bias, a.vocab, false);
+    model.z3_post(t);
     if a.final_logit_softcapping.is_some() {
         let div = t.mul_scalar(logits);
         t.drop(logits);

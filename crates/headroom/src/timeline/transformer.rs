@@ -8,6 +8,7 @@ use super::attention::{self, Masks};
 use super::component::Component;
 use super::fsdp::Fsdp;
 use super::tracer::{Bwd, ParamId, T, Tracer};
+use super::zero3_gather::ZModule;
 use crate::arch::{Architecture, Family, Head, Module, NormKind, Param};
 use crate::dtype::DType;
 
@@ -517,7 +518,11 @@ impl Model {
             let root = sharded.borrow().root();
             sharded.borrow_mut().pre_forward(t, root);
         }
+        self.z3_pre(t, ZModule::Root, &[], false);
+        self.z3_pre(t, ZModule::Model, &[], false);
+        self.z3_pre(t, ZModule::Params(self.embed), &[self.embed], false);
         let mut inputs_embeds = t.embedding(self.embed, ids, n, a.hidden);
+        self.z3_post(t);
         if a.family == Family::Gemma2 {
             // `Gemma2TextScaledWordEmbedding`: `* embed_scale.to(weight.dtype)`.
             let scaled = t.mul_scalar(inputs_embeds);
@@ -534,9 +539,12 @@ impl Model {
         // GPT-2 adds learned positions before building the mask; the others keep
         // `hidden_states = inputs_embeds` (the name `inputs_embeds` keeps the embedding output
         // alive until the forward returns).
-        let position_embeds = self
-            .pos_embed
-            .map(|pos| t.embedding(pos, position_ids, batch.s, a.hidden));
+        let position_embeds = self.pos_embed.map(|pos| {
+            self.z3_pre(t, ZModule::Params(pos), &[pos], false);
+            let out = t.embedding(pos, position_ids, batch.s, a.hidden);
+            self.z3_post(t);
+            out
+        });
         let mut h = match position_embeds {
             Some(pe) => t.add(inputs_embeds, pe),
             None => t.share(inputs_embeds),
@@ -545,7 +553,10 @@ impl Model {
         let rope = if a.family == Family::Gpt2 {
             Rope::none()
         } else {
-            Rope::compute(t, a, batch, self.activation_dtype())
+            self.z3_pre(t, ZModule::Rotary, &[], false);
+            let rope = Rope::compute(t, a, batch, self.activation_dtype());
+            self.z3_post(t);
+            rope
         };
         if a.embedding_dropout > 0.0 {
             let dropped = t.dropout(h);
@@ -581,7 +592,7 @@ impl Model {
             t.drop(h);
             h = next;
         }
-        let out = self.norm(t, h, self.final_norm);
+        let out = self.hooked_norm(t, h, self.final_norm);
         t.drop(h);
         t.drop(inputs_embeds);
         t.drop(position_ids);
@@ -590,6 +601,54 @@ impl Model {
         }
         masks.release(t);
         rope.release(t);
+        self.z3_post(t);
+        out
+    }
+
+    /// DeepSpeed ZeRO-3's forward pre-hook of a module (its parameters fetched); `input_grad`:
+    /// whether its input requires grad (its post-backward hook runs).
+    pub(crate) fn z3_pre(
+        &self,
+        t: &mut Tracer,
+        key: ZModule,
+        params: &[ParamId],
+        input_grad: bool,
+    ) {
+        if let Some(zero3) = &self.zero3
+            && let Some(g) = zero3.borrow_mut().gathers.as_mut()
+        {
+            g.pre_forward(t, key, params, input_grad);
+        }
+    }
+
+    /// DeepSpeed ZeRO-3's forward post-hook of the innermost running module.
+    pub(crate) fn z3_post(&self, t: &mut Tracer) {
+        if let Some(zero3) = &self.zero3
+            && let Some(g) = zero3.borrow_mut().gathers.as_mut()
+        {
+            g.post_forward(t);
+        }
+    }
+
+    /// A linear layer's forward inside its module's ZeRO-3 hooks.
+    fn hooked_linear(&self, t: &mut Tracer, linear: Linear, x: T) -> T {
+        self.z3_linear_pre(t, linear);
+        let out = linear.forward(t, x);
+        self.z3_post(t);
+        out
+    }
+
+    fn z3_linear_pre(&self, t: &mut Tracer, linear: Linear) {
+        let params: Vec<ParamId> = std::iter::once(linear.weight).chain(linear.bias).collect();
+        self.z3_pre(t, ZModule::Params(linear.weight), &params, true);
+    }
+
+    /// A norm inside its module's ZeRO-3 hooks.
+    fn hooked_norm(&self, t: &mut Tracer, x: T, norm: Norm) -> T {
+        let params: Vec<ParamId> = std::iter::once(norm.weight).chain(norm.bias).collect();
+        self.z3_pre(t, ZModule::Params(norm.weight), &params, true);
+        let out = self.norm(t, x, norm);
+        self.z3_post(t);
         out
     }
 
@@ -611,6 +670,7 @@ impl Model {
             let root = sharded.borrow().root();
             sharded.borrow_mut().post_forward(t, root);
         }
+        self.z3_post(t);
     }
 
     /// The dtype of the residual stream: the parameters' (fp32 under autocast with fp32 weights).
@@ -634,6 +694,11 @@ impl Model {
         let out = self.layer_forward(t, region as usize, inputs[0], &ctx, batch);
         t.exit_autocast(outer);
         t.drop(out);
+        if let Some(zero3) = &self.zero3
+            && let Some(g) = zero3.borrow_mut().gathers.as_mut()
+        {
+            g.recompute_ends(t);
+        }
         t.end_recompute();
     }
 
@@ -647,15 +712,18 @@ impl Model {
         batch: Batch,
     ) -> T {
         let layer = &self.layers[index];
+        self.z3_pre(t, ZModule::Layer(index), &[], true);
         let residual = t.share(h);
-        let x = self.norm(t, h, layer.input_norm.expect("input norm"));
+        let x = self.hooked_norm(t, h, layer.input_norm.expect("input norm"));
+        self.z3_pre(t, ZModule::Attention(index), &[], true);
         let mut attn = self.attention_block(t, layer, x, ctx, batch);
+        self.z3_post(t);
         t.drop(x);
         if let Some(norm) = layer
             .post_attn_norm
             .filter(|_| self.arch.family == Family::Gemma2)
         {
-            let normed = self.norm(t, attn, norm);
+            let normed = self.hooked_norm(t, attn, norm);
             t.drop(attn);
             attn = normed;
         }
@@ -670,11 +738,13 @@ impl Model {
         } else {
             layer.post_attn_norm
         };
-        let x = self.norm(t, h2, ffn_norm.expect("pre-MLP norm"));
-        let mut m = self.mlp(t, layer, x);
+        let x = self.hooked_norm(t, h2, ffn_norm.expect("pre-MLP norm"));
+        self.z3_pre(t, ZModule::Mlp(index), &[], true);
+        let mut m = self.mlp(t, index, x);
+        self.z3_post(t);
         t.drop(x);
         if let Some(norm) = layer.post_ffn_norm {
-            let normed = self.norm(t, m, norm);
+            let normed = self.hooked_norm(t, m, norm);
             t.drop(m);
             m = normed;
         }
@@ -683,6 +753,7 @@ impl Model {
         }
         let out = t.add(residual, m);
         t.drop_all(&[m, residual, h2]);
+        self.z3_post(t);
         out
     }
 
@@ -713,7 +784,7 @@ impl Model {
         let (q, k, v) = match (layer.qkv, a.family) {
             (Some(qkv), Family::Phi3) => {
                 // qkv = qkv_proj(x); q, k, v = slices of it (views).
-                let fused = qkv.forward(t, x);
+                let fused = self.hooked_linear(t, qkv, x);
                 let q = t.slice(fused, batch.n() * a.q_dim());
                 let k = t.slice(fused, batch.n() * a.kv_dim());
                 let v = t.slice(fused, batch.n() * a.kv_dim());
@@ -722,7 +793,7 @@ impl Model {
             }
             (Some(c_attn), _) => {
                 // GPT-2: query, key, value = c_attn(x).split(embed_dim, dim=2).
-                let fused = c_attn.forward(t, x);
+                let fused = self.hooked_linear(t, c_attn, x);
                 let [q, k, v] = t.split3(fused);
                 t.drop(fused);
                 (q, k, v)
@@ -737,19 +808,25 @@ impl Model {
                     layer.k.expect("k_proj"),
                     layer.v.expect("v_proj"),
                 );
+                self.z3_linear_pre(t, ql);
                 let q = projection_heads(t, x, ql, rotary_copy);
+                self.z3_post(t);
+                self.z3_linear_pre(t, kl);
                 let k = projection_heads(t, x, kl, rotary_copy);
+                self.z3_post(t);
+                self.z3_linear_pre(t, vl);
                 let v = projection_heads(t, x, vl, value_copy);
+                self.z3_post(t);
                 (q, k, v)
             }
         };
         let (mut q, mut k) = (q, k);
         if let (Some(qn), Some(kn)) = (layer.q_norm, layer.k_norm) {
             // Qwen3: q_norm / k_norm over head_dim, before the transpose.
-            let qq = self.norm(t, q, qn);
+            let qq = self.hooked_norm(t, q, qn);
             t.drop(q);
             q = qq;
-            let kk = self.norm(t, k, kn);
+            let kk = self.hooked_norm(t, k, kn);
             t.drop(k);
             k = kk;
         }
@@ -777,7 +854,7 @@ impl Model {
         );
         t.drop_all(&[q, k, v]);
         let o = layer.o.expect("o_proj");
-        let proj = o.forward(t, out);
+        let proj = self.hooked_linear(t, o, out);
         t.drop(out);
         proj
     }
@@ -787,44 +864,51 @@ impl Model {
     }
 
     /// `Qwen2MLP`, `Phi3MLP` (fused gate_up, chunked), `GPT2MLP` (c_fc, gelu, c_proj).
-    fn mlp(&self, t: &mut Tracer, layer: &Layer, x: T) -> T {
+    fn mlp(&self, t: &mut Tracer, index: usize, x: T) -> T {
         let a = &self.arch;
+        let layer = &self.layers[index];
         let down = layer.down.expect("down_proj");
         let hidden = match a.family {
             Family::Phi3 => {
                 let gu = layer.gate_up.expect("gate_up_proj");
-                let fused = gu.forward(t, x);
+                let fused = self.hooked_linear(t, gu, x);
                 let half = t.numel(fused) / 2;
                 let gate = t.slice(fused, half);
                 let up = t.slice(fused, half);
                 t.drop(fused);
+                self.z3_pre(t, ZModule::Activation(index), &[], true);
                 let act = t.silu(gate);
+                self.z3_post(t);
                 let prod = t.mul(up, act);
                 t.drop_all(&[gate, up, act]);
                 prod
             }
             Family::Gpt2 => {
                 let fc = layer.up.expect("c_fc");
-                let h = fc.forward(t, x);
+                let h = self.hooked_linear(t, fc, x);
+                self.z3_pre(t, ZModule::Activation(index), &[], true);
                 let act = gelu_new(t, h);
+                self.z3_post(t);
                 t.drop(h);
                 act
             }
             _ => {
                 let (g, u) = (layer.gate.expect("gate_proj"), layer.up.expect("up_proj"));
-                let gate = g.forward(t, x);
+                let gate = self.hooked_linear(t, g, x);
+                self.z3_pre(t, ZModule::Activation(index), &[], true);
                 let act = match a.family {
                     Family::Gemma2 => t.gelu_tanh(gate),
                     _ => t.silu(gate),
                 };
+                self.z3_post(t);
                 t.drop(gate);
-                let up = u.forward(t, x);
+                let up = self.hooked_linear(t, u, x);
                 let prod = t.mul(act, up);
                 t.drop_all(&[act, up]);
                 prod
             }
         };
-        let out = down.forward(t, hidden);
+        let out = self.hooked_linear(t, down, hidden);
         t.drop(hidden);
         out
     }

@@ -1,12 +1,14 @@
 //! DeepSpeed ZeRO stage 3 (`deepspeed/runtime/zero/stage3.py`, `partition_parameters.py`,
 //! DeepSpeed 0.18.2, `bf16` enabled, `torch_adam` AdamW or DeepSpeedCPUAdam under
 //! `offload_optimizer`, the stage defaults: `reduce_bucket_size` 5e8, `contiguous_gradients`,
-//! `reduce_scatter`, `sub_group_size` 1e9) as one rank of a one-rank world sees it: the
-//! partition of every parameter is the whole parameter, and `all_gather_coalesced` of a
-//! one-partition world hands each parameter its partition's storage (`_no_gather_coalesced`):
-//! the per-module gathers of forward and backward allocate nothing, so forward and backward
-//! are those of the plain bf16 model. What is allocated, in order (checked against
-//! bench/distributed/zero3-q15-4l-nogc-w1-rank0.pickle.gz, which has stack frames):
+//! `reduce_scatter`, `sub_group_size` 1e9) as one rank sees it. Each parameter's partition is
+//! `ceil(numel / world)` elements, equal on every rank. On a one-rank world the partition is
+//! the whole parameter and `all_gather_coalesced` hands each parameter its partition's storage
+//! (`_no_gather_coalesced`): the per-module gathers of forward and backward allocate nothing,
+//! and forward and backward are those of the plain bf16 model. Over several ranks the
+//! gathers are `zero3_gather.rs`'s (below). What is allocated, in order (checked against
+//! bench/distributed/zero3-q15-4l-nogc-w1-rank0.pickle.gz, which has stack frames, and the
+//! two ranks' `zero3-q15-4l-rank{0,1}.pickle.gz`):
 //! - `from_config` under `zero.Init`: as each module is made, each of its parameters is
 //!   allocated whole, its partition (`ceil(numel / world)` elements) allocated and the whole
 //!   freed (`_partition_param`); the tied `lm_head` gets its own parameter and partition.
@@ -41,17 +43,55 @@
 //!   chunks of at most 2.5e8 elements and its `.float()` copied into the host fp32 gradient;
 //!   `step()` runs on the host.
 //!
-//! Not modelled: more than one rank (the gathers, their prefetching and the reuse-distance
-//! release policy of `PartitionedParameterCoordinator`) and `offload_param`; both are refused
-//! by `estimate`. The few tiny allocations of the barriers and norm reductions.
+//! - several ranks (`zero3_gather.rs`, after `parameter_offload.py` and
+//!   `partitioned_param_coordinator.py`): every module (the model class, the decoder stack,
+//!   the embedding, rotary embedding, each layer, norm, attention, projection, MLP and
+//!   activation, the head) fetches its own parameters in its forward pre-hook and its
+//!   backward pre-hook, and releases them in its forward and backward post-hooks (none for
+//!   the embedding, whose input needs no grad: it stays gathered until `step()`). A fetch of
+//!   one parameter allocates `partition * world` elements on the all-gather stream, which the
+//!   parameter views; of several, one flat buffer of their partitions times the world, then
+//!   at the first wait each parameter's `torch.cat` (whole size, same stream), the flat buffer
+//!   freed once every parameter of it has been waited for. A release frees the gathered
+//!   storage. Step 1 records the module order and releases everything after use; from step 2
+//!   the trace is complete: each fetch (parameterless modules' too) prefetches the next
+//!   parameters of the trace up to `stage3_prefetch_bucket_size` (5e7 elements) of missing
+//!   ones, capped by `stage3_max_live_parameters` (1e9) less what is gathered, and a release
+//!   keeps what the trace uses again within `stage3_max_reuse_distance` (1e9 elements) or
+//!   what was prefetched for a later use, and the persistent parameters (at most 1e5
+//!   elements: norms, biases). Checkpoint recomputation runs the layer's hooks again until
+//!   PyTorch stops it early. `step()` releases everything first and gathers the persistent
+//!   parameters again at its end (a flat buffer each, default stream). The gradients are
+//!   whole-size; the IPG bucket and `reduce_scatter_coalesced` are as above.
+//!
+//! - `offload_param` (checked against `zero3-offload-params-q15-4l-nogc-w1-rank0.pickle.gz`,
+//!   with frames): `zero.Init` makes each partition on the host (the whole parameter is still
+//!   made and freed on the GPU), engine construction keeps them there (no flat buffer, no
+//!   `empty_cache`), and every gather copies host partitions over: on one rank each fetched
+//!   parameter becomes `ds_tensor.to(device)`, a whole-size copy on the all-gather stream
+//!   (`_no_gather_coalesced`), freed at its release, and `_post_step` copies the persistent
+//!   parameters over on the default stream; over several ranks each partition is copied in
+//!   before its all-gather and freed after it.
+//!
+//! - an inference engine (`mode: forward`: `deepspeed.initialize(model=...)` without an
+//!   optimizer, as OpenRLHF and TRL build a reference model): `zero.Init` and the init's
+//!   gathers as above, then `DeepSpeedZeRoOffload` alone: the untied head's partition
+//!   collected, the partitions left as made (no flat buffer, bucket or gradient hooks), and
+//!   the module hooks and their gathers (or host copies) in every forward; the engine runs
+//!   without the outer autocast.
+//!
+//! Not modelled: training with `offload_param` but not `offload_optimizer` (refused by
+//! `estimate`). The few
+//! tiny allocations of the barriers and norm reductions.
 
 use std::ops::Range;
 
 use super::component::Component;
 use super::optim::OptimizerState;
 use super::tracer::{ParamId, T, Tracer};
+use super::zero3_gather::Gathers;
 use crate::dtype::DType;
-use crate::spec::Optimizer;
+use crate::spec::{Optimizer, Parallel};
 
 /// `reduce_bucket_size` (elements).
 const REDUCE_BUCKET_ELEMENTS: u64 = 500_000_000;
@@ -80,6 +120,9 @@ pub(crate) struct Zero3 {
     /// The parameters whose gradients the IPG bucket holds, and their elements.
     bucket: Vec<usize>,
     bucket_elements: u64,
+    /// The per-module gathers of several ranks (or of `offload_param`); `None` on one rank,
+    /// where a gather only hands each parameter its partition.
+    pub(crate) gathers: Option<Gathers>,
 }
 
 impl Zero3 {
@@ -90,23 +133,27 @@ impl Zero3 {
     pub(crate) fn init(
         t: &mut Tracer,
         params: &[ParamId],
-        world: u64,
+        parallel: &Parallel,
         tied_lm_head: Option<ParamId>,
     ) -> (Vec<T>, Option<T>) {
+        let world = parallel.world_size;
         let outer = std::mem::replace(&mut t.component, Component::Weights);
+        // Under `offload_param` the partition is made on the host.
         let partition = |t: &mut Tracer, p: ParamId| {
             let (numel, dtype) = (t.numel(t.param(p)), t.dtype(t.param(p)));
             let whole = t.empty(numel, dtype, "zero.Init: parameter made whole");
-            let part = t.empty(
-                numel.div_ceil(world),
-                dtype,
-                "zero.Init: partition (ds_tensor)",
-            );
+            let part = (!parallel.offload_params).then(|| {
+                t.empty(
+                    numel.div_ceil(world),
+                    dtype,
+                    "zero.Init: partition (ds_tensor)",
+                )
+            });
             t.drop(whole);
             part
         };
-        let partitions: Vec<T> = params.iter().map(|&p| partition(t, p)).collect();
-        let head = tied_lm_head.map(|p| partition(t, p));
+        let partitions: Vec<T> = params.iter().filter_map(|&p| partition(t, p)).collect();
+        let head = tied_lm_head.and_then(|p| partition(t, p));
         // `_init_weights` under `GatheredParameters`, in module order (the head last).
         for &p in params.iter().chain(&tied_lm_head) {
             let (numel, dtype) = (t.numel(t.param(p)), t.dtype(t.param(p)));
@@ -123,10 +170,11 @@ impl Zero3 {
         trainable: &[ParamId],
         partitions: Vec<T>,
         untied_head: Option<T>,
-        world: u64,
+        parallel: &Parallel,
         optimizer: Optimizer,
-        offload_optimizer: bool,
     ) -> Zero3 {
+        let (world, offload_optimizer) = (parallel.world_size, parallel.offload_optimizer);
+        let offload_params = parallel.offload_params;
         let dtype = t.dtype(t.param(trainable[0]));
         let numels: Vec<u64> = trainable.iter().map(|&p| t.numel(t.param(p))).collect();
         let parts: Vec<u64> = numels.iter().map(|n| n.div_ceil(world)).collect();
@@ -146,14 +194,17 @@ impl Zero3 {
         if let Some(head) = untied_head {
             t.drop(head);
         }
-        // `defragment`: every partition to the host, the cache emptied, one flat buffer back.
-        t.drop_all(&partitions);
-        t.mem.allocator.empty_cache();
-        let flat = t.empty(parts.iter().sum(), dtype, "DeepSpeed flat bf16 partitions");
-        for &p in trainable {
-            t.param_into_view(p, flat, "parameter (its partition in the flat buffer)");
+        // `defragment`: every partition to the host, the cache emptied, one flat buffer back
+        // (under `offload_param` the partitions stay on the host, flattened there).
+        if !offload_params {
+            t.drop_all(&partitions);
+            t.mem.allocator.empty_cache();
+            let flat = t.empty(parts.iter().sum(), dtype, "DeepSpeed flat bf16 partitions");
+            for &p in trainable {
+                t.param_into_view(p, flat, "parameter (its partition in the flat buffer)");
+            }
+            t.drop(flat);
         }
-        t.drop(flat);
         // `_create_fp32_partitions`, then `initialize_optimizer_states`.
         let mut masters = Vec::new();
         if !offload_optimizer {
@@ -205,16 +256,61 @@ impl Zero3 {
             masters,
             bucket: Vec::new(),
             bucket_elements: 0,
+            gathers: (world > 1 || offload_params)
+                .then(|| Gathers::new(t, trainable, world, offload_params)),
+        }
+    }
+
+    /// `deepspeed.initialize(model=...)` without an optimizer (an inference engine, as
+    /// OpenRLHF and TRL build a reference model): `DeepSpeedZeRoOffload` alone. Its first
+    /// `see_memory_usage` collects the untied head's partition; the partitions stay as
+    /// `zero.Init` made them (no defragmentation), and only the parameter hooks run.
+    pub(crate) fn inference(
+        t: &mut Tracer,
+        params: &[ParamId],
+        partitions: Vec<T>,
+        untied_head: Option<T>,
+        parallel: &Parallel,
+    ) -> Zero3 {
+        if let Some(head) = untied_head {
+            t.drop(head);
+        }
+        for part in partitions {
+            t.mark_persistent(part);
+        }
+        let world = parallel.world_size;
+        let numels: Vec<u64> = params.iter().map(|&p| t.numel(t.param(p))).collect();
+        Zero3 {
+            world,
+            dtype: t.dtype(t.param(params[0])),
+            offload_optimizer: false,
+            params: Vec::new(),
+            partitions: numels.iter().map(|n| n.div_ceil(world)).collect(),
+            numels,
+            sub_groups: Vec::new(),
+            masters: Vec::new(),
+            optimizers: Vec::new(),
+            bucket: Vec::new(),
+            bucket_elements: 0,
+            gathers: (world > 1 || parallel.offload_params)
+                .then(|| Gathers::new(t, params, world, parallel.offload_params)),
         }
     }
 
     /// Host bytes under `offload_optimizer`: per partition element the fp32 master, its fp32
-    /// gradient, the two Adam states and the bf16 gradient partition.
+    /// gradient, the two Adam states and the bf16 gradient partition; under `offload_param`
+    /// the bf16 partitions too.
     pub(crate) fn host_bytes(&self) -> u64 {
+        let partitions = self.partitions.iter().sum::<u64>();
+        let params = if self.gathers.as_ref().is_some_and(|g| g.offload) {
+            self.dtype.bytes() * partitions
+        } else {
+            0
+        };
         if !self.offload_optimizer {
-            return 0;
+            return params;
         }
-        (4 * 4 + self.dtype.bytes()) * self.partitions.iter().sum::<u64>()
+        params + (4 * 4 + self.dtype.bytes()) * partitions
     }
 
     /// The gradient hook (`reduce_partition_and_remove_grads` →
@@ -300,6 +396,16 @@ impl Zero3 {
 
     /// `engine.step()`: the gradient norm, then per sub-group the fp32 gradient and AdamW.
     pub(crate) fn step(&mut self, t: &mut Tracer) {
+        if let Some(g) = self.gathers.as_mut() {
+            g.release_all(t);
+        }
+        self.step_sub_groups(t);
+        if let Some(g) = self.gathers.as_mut() {
+            g.gather_persistent(t);
+        }
+    }
+
+    fn step_sub_groups(&mut self, t: &mut Tracer) {
         if self.offload_optimizer {
             // The norms were taken in backward; the step is the host's.
             return;

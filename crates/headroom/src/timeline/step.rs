@@ -7,7 +7,7 @@ use headroom_alloc::{AllocatorConfig, CachingAllocator, Checkpoint, Decision};
 
 use super::component::Component;
 use super::instance::{Home, Instance};
-use super::memory::{Memory, PeakRecord, Request, SimulatedOom, TraceEvent};
+use super::memory::{Memory, OnOom, PeakRecord, Request, SimulatedOom, TraceEvent};
 use super::tracer::{BackwardHooks, T, Tracer, TracerState};
 use super::transformer::{Batch, Model};
 use crate::arch::Architecture;
@@ -42,6 +42,10 @@ pub struct Simulation {
     /// Steps whose requests were taken from the previous one and served by the allocator
     /// again, the tracer not run (see `simulate_steps`).
     pub replayed_steps: u32,
+    /// Whether the numbers are those of the same run without a device limit: none was set,
+    /// or it never changed what the allocator did (an out-of-memory error after which the
+    /// run went on included; see `Memory::unlimited`).
+    pub unlimited: bool,
 }
 
 pub(super) struct Checkpointing<'a> {
@@ -143,9 +147,10 @@ pub fn simulate(
     simulate_steps(spec, arch, allocator, capacity, record_trace, true, false)
 }
 
-/// [`simulate`] that stops at the first out-of-memory error: then only
-/// [`Simulation::oom`] means anything (for a caller that simulates again without a limit).
-/// Without an error it is [`simulate`].
+/// [`simulate`] for a caller that, after an out-of-memory error, wants the run without a
+/// limit. The run stops at its first error (then only [`Simulation::oom`] means anything),
+/// unless the limit had changed nothing by then: it then goes on as the run without a limit,
+/// and says so in [`Simulation::unlimited`]. Without an error it is [`simulate`].
 pub fn simulate_to_first_oom(
     spec: &RunSpec,
     arch: &Architecture,
@@ -189,22 +194,27 @@ pub(crate) fn simulate_steps(
     repeat_steps: bool,
     stop_at_oom: bool,
 ) -> Simulation {
+    // DeepSpeed ZeRO's ranks hold different partitions (see `zero.rs`): the first and the
+    // last rank are simulated, and the one that needs more reported (an out-of-memory error
+    // first, then the larger reserved and allocated peaks). Without a limit another rank may
+    // need more, so a ZeRO run that runs out stops there.
+    let zero = spec.parallel.as_ref().is_some_and(|p| {
+        matches!(p.strategy, Strategy::Zero1 | Strategy::Zero2) && p.world_size > 1
+    });
     let run = |rank| {
         let mut t = Tracer::new(Memory::new(
             CachingAllocator::new(allocator.clone(), capacity),
             record_trace,
         ));
         if stop_at_oom {
-            t.mem.stop_at_oom();
+            t.mem.on_oom(if zero {
+                OnOom::Stop
+            } else {
+                OnOom::StopUnlessUnlimited
+            });
         }
         simulate_rank(spec, arch, t, repeat_steps, rank)
     };
-    // DeepSpeed ZeRO's ranks hold different partitions (see `zero.rs`): the first and the
-    // last rank are simulated, and the one that needs more reported (an out-of-memory error
-    // first, then the larger reserved and allocated peaks).
-    let zero = spec.parallel.as_ref().is_some_and(|p| {
-        matches!(p.strategy, Strategy::Zero1 | Strategy::Zero2) && p.world_size > 1
-    });
     let last = run(None);
     if !zero {
         return last;
@@ -374,6 +384,7 @@ fn simulate_rank(
         trace: t.mem.take_trace(),
         repeated_steps,
         replayed_steps,
+        unlimited: !t.mem.stopped() && t.mem.unlimited(),
     }
 }
 
@@ -566,6 +577,58 @@ pub(super) fn logprob_forward(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// A limited run that goes on past its out-of-memory error (the limit had changed nothing)
+    /// is the run without a limit, to the byte; one that stops is not used for it.
+    #[test]
+    fn limited_runs_that_go_on_equal_unlimited_ones() {
+        let specs = [
+            json!({"model": "qwen2.5-0.5b", "precision": "amp-bf16", "optimizer": "adamw",
+                   "batch_size": 1, "seq_len": 512, "gradient_checkpointing": true}),
+            json!({"model": "qwen2.5-0.5b", "precision": "bf16", "batch_size": 2, "seq_len": 256,
+                   "lora": {"r": 8, "alpha": 16, "targets": "all-linear", "dropout": 0.05}}),
+            json!({"model": "qwen2.5-0.5b", "precision": "fp32", "optimizer": "sgd",
+                   "batch_size": 1, "seq_len": 128}),
+        ];
+        let (mut went_on, mut stopped) = (0, 0);
+        for value in specs {
+            let spec = RunSpec::from_value(&value).expect("valid spec");
+            let model = spec.resolve_model(None).expect("known model");
+            let arch = Architecture::from_hf_config(&model.config).expect("valid config");
+            let run = |capacity, stop| {
+                let allocator = AllocatorConfig::default();
+                simulate_steps(&spec, &arch, allocator, capacity, true, true, stop)
+            };
+            let unlimited = run(None, false);
+            assert!(unlimited.unlimited);
+            // From less than the weights to just short of the reserved peak.
+            for eighth in 1..8 {
+                let capacity = unlimited.peak_reserved * eighth / 8;
+                let limited = run(Some(capacity), true);
+                if limited.oom.is_none() {
+                    continue;
+                }
+                if !limited.unlimited {
+                    stopped += 1;
+                    continue;
+                }
+                went_on += 1;
+                assert_eq!(limited.phases, unlimited.phases, "{value} {capacity}");
+                assert_eq!(limited.peak_reserved, unlimited.peak_reserved, "{value}");
+                assert_eq!(limited.peak.allocated, unlimited.peak.allocated, "{value}");
+                assert_eq!(limited.peak.breakdown, unlimited.peak.breakdown, "{value}");
+                assert_eq!(
+                    (limited.peak.phase, limited.peak.step),
+                    (unlimited.peak.phase, unlimited.peak.step)
+                );
+                assert_eq!(limited.trace, unlimited.trace, "{value} {capacity}");
+                // The error is the one a run that goes on after it records.
+                assert_eq!(limited.oom, run(Some(capacity), false).oom, "{value}");
+            }
+        }
+        assert!(went_on >= 3, "{went_on} limited runs went on as unlimited ones");
+        assert!(stopped >= 3, "{stopped} limited runs stopped at their error");
+    }
 
     /// Taking a step from the previous one, or its requests, gives what simulating it gives,
     /// to the byte.

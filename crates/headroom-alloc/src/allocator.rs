@@ -242,7 +242,8 @@ impl CachingAllocator {
             .filter(|(_, b)| b.prev == NONE)
             .map(|(id, b)| (b.ptr, id))
             .collect();
-        heads.sort_unstable();
+        // Segments do not overlap: their first addresses alone order them.
+        heads.sort_unstable_by_key(|&(ptr, _)| ptr);
         for (_, head) in heads {
             let mut id = head;
             while id != NONE {

@@ -578,6 +578,24 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn spec_and_arch(value: &serde_json::Value) -> (RunSpec, Architecture) {
+        let spec = RunSpec::from_value(value).expect("valid spec");
+        let model = spec.resolve_model(None).expect("known model");
+        let arch = Architecture::from_hf_config(&model.config).expect("valid config");
+        (spec, arch)
+    }
+
+    /// Two simulations report the same: phases, peaks and what they were made of, trace.
+    fn assert_same_numbers(a: &Simulation, b: &Simulation, context: &str) {
+        assert_eq!(a.phases, b.phases, "{context}");
+        assert_eq!(a.peak_reserved, b.peak_reserved, "{context}");
+        assert_eq!(a.peak.allocated, b.peak.allocated, "{context}");
+        assert_eq!(a.peak.breakdown, b.peak.breakdown, "{context}");
+        let place = |s: &Simulation| (s.peak.phase, s.peak.step);
+        assert_eq!(place(a), place(b), "{context}");
+        assert_eq!(a.trace, b.trace, "{context}");
+    }
+
     /// A limited run that goes on past its out-of-memory error (the limit had changed nothing)
     /// is the run without a limit, to the byte; one that stops is not used for it.
     #[test]
@@ -592,9 +610,7 @@ mod tests {
         ];
         let (mut went_on, mut stopped) = (0, 0);
         for value in specs {
-            let spec = RunSpec::from_value(&value).expect("valid spec");
-            let model = spec.resolve_model(None).expect("known model");
-            let arch = Architecture::from_hf_config(&model.config).expect("valid config");
+            let (spec, arch) = spec_and_arch(&value);
             let run = |capacity, stop| {
                 let allocator = AllocatorConfig::default();
                 simulate_steps(&spec, &arch, allocator, capacity, true, true, stop)
@@ -613,21 +629,19 @@ mod tests {
                     continue;
                 }
                 went_on += 1;
-                assert_eq!(limited.phases, unlimited.phases, "{value} {capacity}");
-                assert_eq!(limited.peak_reserved, unlimited.peak_reserved, "{value}");
-                assert_eq!(limited.peak.allocated, unlimited.peak.allocated, "{value}");
-                assert_eq!(limited.peak.breakdown, unlimited.peak.breakdown, "{value}");
-                assert_eq!(
-                    (limited.peak.phase, limited.peak.step),
-                    (unlimited.peak.phase, unlimited.peak.step)
-                );
-                assert_eq!(limited.trace, unlimited.trace, "{value} {capacity}");
+                assert_same_numbers(&limited, &unlimited, &format!("{value} {capacity}"));
                 // The error is the one a run that goes on after it records.
                 assert_eq!(limited.oom, run(Some(capacity), false).oom, "{value}");
             }
         }
-        assert!(went_on >= 3, "{went_on} limited runs went on as unlimited ones");
-        assert!(stopped >= 3, "{stopped} limited runs stopped at their error");
+        assert!(
+            went_on >= 3,
+            "{went_on} limited runs went on as unlimited ones"
+        );
+        assert!(
+            stopped >= 3,
+            "{stopped} limited runs stopped at their error"
+        );
     }
 
     /// Taking a step from the previous one, or its requests, gives what simulating it gives,
@@ -653,9 +667,7 @@ mod tests {
         let (mut repeated, mut ooms, mut limited_repeats) = (0, 0, 0);
         let (mut replayed, mut replayed_ooms) = (0, 0);
         for value in specs {
-            let spec = RunSpec::from_value(&value).expect("valid spec");
-            let model = spec.resolve_model(None).expect("known model");
-            let arch = Architecture::from_hf_config(&model.config).expect("valid config");
+            let (spec, arch) = spec_and_arch(&value);
             let run = |capacity, repeat| {
                 simulate_steps(
                     &spec,
@@ -683,15 +695,7 @@ mod tests {
             ];
             for capacity in capacities {
                 let (fast, slow) = (run(capacity, true), run(capacity, false));
-                assert_eq!(fast.phases, slow.phases, "{value}");
-                assert_eq!(fast.peak.allocated, slow.peak.allocated, "{value}");
-                assert_eq!(fast.peak.breakdown, slow.peak.breakdown, "{value}");
-                assert_eq!(
-                    (fast.peak.phase, fast.peak.step),
-                    (slow.peak.phase, slow.peak.step)
-                );
-                assert_eq!(fast.peak_reserved, slow.peak_reserved, "{value}");
-                assert_eq!(fast.trace, slow.trace, "{value}");
+                assert_same_numbers(&fast, &slow, &value.to_string());
                 assert_eq!(fast.oom, slow.oom, "{value}");
                 assert_eq!(
                     (fast.params, fast.trainable_params, fast.weights_loaded),

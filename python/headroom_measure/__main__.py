@@ -248,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     pipe.add_argument("spec", help="a pipeline, YAML or JSON")
     pipe.add_argument("--catalog")
     pipe.add_argument("--snapshot", help="rank 0 writes a memory snapshot here; with {rank} in it, every rank")
-    pipe.add_argument("--stacks", default="python", choices=["python", "all"], help="frames kept in the snapshot")
+    pipe.add_argument(
+        "--stacks", default="python", choices=["python", "all", "none"], help="frames kept in the snapshot"
+    )
     pipe.add_argument("--out", help="(rank 0) append the record here too")
     pipe.add_argument("--id")
     dst = sub.add_parser("dist", help="measure a parallel spec, one process per GPU (under torchrun)")

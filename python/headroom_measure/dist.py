@@ -73,6 +73,9 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
   `offload_optimizer` adds `"offload_optimizer": {"device": "cpu", "pin_memory": true}` to
   zero_optimization and sets `torch_adam` false (DeepSpeedCPUAdam, a JIT-built op);
   `offload_params` (zero3) adds `"offload_param": {"device": "cpu", "pin_memory": true}`.
+  A `mode: forward` instance of a pipeline (zero3 only) is an inference engine, as OpenRLHF and
+  TRL make for a reference or reward model: the same config without `optimizer`, and
+  `deepspeed.initialize(model=model, config=config)` without parameters.
   Stages 1 and 2 build the model as ddp does (`with torch.device("cuda")`, bf16 params for bf16);
   stage 3 first creates `transformers.integrations.HfDeepSpeedConfig(config)` (kept alive), so
   that `cls.from_config` builds the model under `deepspeed.zero.Init` (each parameter partitioned
@@ -128,6 +131,8 @@ def ds_config(spec: Spec) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": not offload_opt}},
         "zero_optimization": zero,
     }
+    if spec.mode != "train":  # an inference engine (OpenRLHF's and TRL's eval config): no optimizer
+        del cfg["optimizer"]
     if spec.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -186,6 +191,20 @@ def _build_ddp(spec: Spec, cfg, cls, dtype, device, local_rank):
 
 
 def _build_zero(spec: Spec, cfg, cls, dtype, device):
+    """A DeepSpeed engine. DeepSpeed's `see_memory_usage(..., force=True)` resets the peak
+    counters on rank 0 in the middle of construction, which cut the load phase's peak there
+    (rank 1's was the true one); while building, that reset does nothing."""
+    import torch
+
+    reset = torch.cuda.reset_peak_memory_stats
+    torch.cuda.reset_peak_memory_stats = lambda device=None: None
+    try:
+        return _initialize_zero(spec, cfg, cls, dtype, device)
+    finally:
+        torch.cuda.reset_peak_memory_stats = reset
+
+
+def _initialize_zero(spec: Spec, cfg, cls, dtype, device):
     import deepspeed
     import torch
 
@@ -200,8 +219,11 @@ def _build_zero(spec: Spec, cfg, cls, dtype, device):
         with torch.device(device):
             model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
     _enable_gc(spec, model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    if spec.mode == "train":
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config)
     engine._headroom_keep = keep
     return engine
 

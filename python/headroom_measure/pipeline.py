@@ -27,7 +27,7 @@ reference is built on the GPU. `manual-offload`: it is built on the host (`home:
 
 Exactly what the harness does, in this order (the estimator's simulator copies it):
 
-* Process: with a sharded instance (`parallel`, ddp or fsdp) the pipeline runs under `torchrun
+* Process: with a sharded instance (`parallel`: ddp, fsdp or zero1-3) the pipeline runs under `torchrun
   --nproc-per-node world_size`, every rank running all of it: `torch.cuda.set_device(LOCAL_RANK)`,
   `dist.init_process_group("nccl", device_id=...)` as dist.py does. Then `torch.zeros(1)` on the
   device; `cuda_context_bytes` is total - free after it. With --snapshot,
@@ -43,6 +43,9 @@ Exactly what the harness does, in this order (the estimator's simulator copies i
   - `parallel` fsdp / ddp: `dist._build_fsdp` / `dist._build_ddp`, exactly as dist.py builds them
     (meta device, `fully_shard` per layer then the root, `to_empty`, `normal_(std=0.02)`, rotary
     rebuilt; or `from_config` on the GPU and `DistributedDataParallel`), checkpointing included.
+  - `parallel` zero1 / zero2 / zero3: `dist._build_zero` (a DeepSpeed engine with its own
+    optimizer; a `mode: forward` instance, zero3 only, an inference engine without one). A train
+    pass is `loss = engine(...)`, `engine.backward(loss)`, `engine.step()`.
   - `home: cpu` with `parallel: {strategy: fsdp, world_size: 1, offload_params: true}` (the old
     `fsdp2-offload`): `from_config` on the host, then `fully_shard(layer, offload_policy=
     CPUOffloadPolicy(), mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))` per
@@ -112,7 +115,7 @@ TOP_KEYS = ("instances", "phases", "iterations")
 LEGACY_KEYS = ("policy", "reference", "placement", "iterations")
 PHASE_KEYS = ("name", "run", "offload")
 RUN_KEYS = ("instance", "pass", "repeat", "new_tokens")
-PIPELINE_STRATEGIES = ("ddp", "fsdp")
+PIPELINE_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 SNAPSHOT_ENTRIES = 10_000_000
 
 
@@ -529,7 +532,9 @@ def measure_pipeline(
     free, total = torch.cuda.mem_get_info()
     context = total - free
     snap = _snapshot_path(snapshot, rank)
-    if snap:
+    if snap and stacks == "none":  # events without stack traces (ZeRO-3's recomputation crashes with them)
+        torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, context=None)
+    elif snap:
         torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks=stacks)
 
     def sync() -> None:
@@ -557,6 +562,7 @@ def measure_pipeline(
     scalers: list = []
     inputs: dict = {}
     params: dict = {}
+    engines: set[int] = set()  # DeepSpeed engines: they step and zero their gradients themselves
 
     def load(peaks: _Peaks) -> dict:
         for inst, f in zip(pipe.instances, fields):
@@ -570,6 +576,10 @@ def measure_pipeline(
             elif spec.parallel is not None and spec.parallel.strategy == "fsdp":
                 model = distmod._build_fsdp(spec, cfg, cls, dtype, device)
                 module = model
+            elif spec.parallel is not None and spec.parallel.strategy.startswith("zero"):
+                model = distmod._build_zero(spec, cfg, cls, dtype, device)
+                module = model.module
+                engines.add(len(models))
             elif spec.parallel is not None:
                 model = distmod._build_ddp(spec, cfg, cls, dtype, device, local_rank)
                 module = model.module
@@ -581,7 +591,7 @@ def measure_pipeline(
                 module = model
             train = spec.mode == "train"
             trainable = [p for p in model.parameters() if p.requires_grad]
-            opts.append(_optimizer(spec, trainable) if train else None)
+            opts.append(_optimizer(spec, trainable) if train and len(models) not in engines else None)
             scalers.append(torch.amp.GradScaler("cuda") if train and spec.precision == "amp-fp16" else None)
             model.train() if train else model.eval()
             models.append(model)
@@ -612,12 +622,19 @@ def measure_pipeline(
             loss = _train_forward(spec, model, ids, autocast)
             torch.cuda.synchronize()
             rec["fwd_peak"] = peaks.take()[0]
-            (scaler.scale(loss) if scaler else loss).backward()
+            if k in engines:
+                model.backward(loss)
+            else:
+                (scaler.scale(loss) if scaler else loss).backward()
             del loss
             torch.cuda.synchronize()
             rec["bwd_peak"] = peaks.take()[0]
             _KEPT.clear()
-            if opt is not None:
+            if k in engines:
+                model.step()
+                torch.cuda.synchronize()
+                rec["opt_peak"] = peaks.take()[0]
+            elif opt is not None:
                 if scaler:
                     scaler.step(opt)
                     scaler.update()

@@ -244,7 +244,13 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
             f"`precision`: {spec.precision!r} is not allowed with strategy {strategy}; use bf16 or fp32 "
             "(DeepSpeed keeps fp32 master weights itself)"
         )
-    if strategy.startswith("zero") and spec.optimizer != "adamw":
+    if strategy in ("zero1", "zero2") and spec.mode != "train":
+        raise SpecError(
+            f"`parallel.strategy`: {strategy!r} is not allowed with mode {spec.mode!r}; a forward-only model "
+            "under ZeRO-1/2 is a plain copy on every GPU: leave parallel out, or use zero3 (an inference "
+            "engine that partitions the parameters)"
+        )
+    if strategy.startswith("zero") and spec.mode == "train" and spec.optimizer != "adamw":
         raise SpecError(f"`optimizer`: {spec.optimizer!r} is not allowed with strategy {strategy}; use adamw")
     return out
 

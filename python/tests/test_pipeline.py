@@ -38,6 +38,17 @@ def general(**over):
     return raw
 
 
+class DeepSpeedInstancesTest(unittest.TestCase):
+    def test_zero_engines_train_and_a_zero3_reference_infers(self):
+        raw = general()
+        raw["instances"][0].update(precision="bf16", parallel={"strategy": "zero2", "world_size": 2})
+        raw["instances"][1].update(home="gpu", parallel={"strategy": "zero3", "world_size": 2, "offload_params": True})
+        pipe = parse_pipeline(raw)
+        self.assertEqual(pipe.world_size, 2)
+        self.assertEqual([i.spec.parallel.strategy for i in pipe.instances], ["zero2", "zero3"])
+        self.assertTrue(pipe.instances[1].spec.parallel.offload_params)
+
+
 class LegacyFormTest(unittest.TestCase):
     def test_committed_specs_parse(self):
         files = sorted((REPO / "bench" / "pipelines").glob("*.json"))
@@ -122,8 +133,8 @@ class GeneralFormTest(unittest.TestCase):
         runs = lambda *r: [{"name": "p", "run": list(r)}]  # noqa: E731
         ref_cpu_sharded = general()
         ref_cpu_sharded["instances"][1]["parallel"] = {"strategy": "fsdp", "world_size": 2}
-        zero = general()
-        zero["instances"][0].update(precision="bf16", parallel={"strategy": "zero3", "world_size": 2})
+        zero2_ref = general()
+        zero2_ref["instances"][1].update(home="gpu", parallel={"strategy": "zero2", "world_size": 2})
         nf4_cpu = general()
         nf4_cpu["instances"][1].update(quantization="nf4")
         cases = [
@@ -139,7 +150,7 @@ class GeneralFormTest(unittest.TestCase):
             (g(instances=[{"name": "a", **dict(POLICY, batch_size=0)}]), ["instances[0].batch_size", "0"]),
             (g(instances=[{"name": "a", **POLICY, "colour": 1}]), ["instances[0].colour"]),
             (ref_cpu_sharded, ["instances[1].home", "'cpu'", "home: gpu"]),
-            (zero, ["instances[0].parallel.strategy", "'zero3'", "ddp, fsdp"]),
+            (zero2_ref, ["instances[1].parallel.strategy", "'zero2'", "leave parallel out", "zero3"]),
             (nf4_cpu, ["instances[1].home", "4-bit"]),
             (g(phases=runs("nobody")), ["phases[0].run[0]", "'nobody'", "actor, scorer, ref"]),
             (g(phases=runs({"instance": "nobody"})), ["phases[0].run[0].instance", "'nobody'"]),

@@ -98,6 +98,13 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
         Cell::new(gib(est.device_bytes())).set_alignment(CellAlignment::Right),
         Cell::new(""),
     ]);
+    if est.host_bytes > 0 {
+        t.add_row(vec![
+            Cell::new("host memory (offloaded optimizer states, parameters)"),
+            Cell::new(gib(est.host_bytes)).set_alignment(CellAlignment::Right),
+            Cell::new("not on the GPU"),
+        ]);
+    }
     out += &t.to_string();
     out += "\n\n";
     let mut p = table();

@@ -148,6 +148,10 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
             vec!["parallel.shard_size", "3", "divide world_size (8)"],
         ),
         (
+            "parallel-forward-zero2",
+            vec!["parallel.strategy", "zero2", "leave `parallel` out"],
+        ),
+        (
             "pipeline-unknown-instance",
             vec!["phases[0].run[0]", "critic", "actor"],
         ),
@@ -308,4 +312,51 @@ fn a_reader_that_goes_away_ends_the_output_quietly() {
     let out = child.wait_with_output().expect("ends");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Every built-in example estimates, as a run or a pipeline, with the JSON contract's peaks.
+#[test]
+fn every_example_estimates() {
+    let mut names: Vec<String> = std::fs::read_dir(repo().join("examples"))
+        .expect("examples/")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".yaml"))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 15, "{names:?}");
+    for name in names {
+        let v = json(&["estimate", &format!("examples/{name}"), "--json"]);
+        let allocated = v["peak_allocated_bytes"].as_u64().unwrap_or(0);
+        let reserved = v["peak_reserved_bytes"].as_u64().unwrap_or(0);
+        assert!(allocated > 0 && reserved >= allocated, "{name}: {v}");
+    }
+}
+
+/// Seed 004's reward model: replicated by DDP it does not fit 64 GB; partitioned by ZeRO-2 it
+/// does, and with the optimizer on the host it holds less on the GPU and reports the host bytes.
+#[test]
+fn seed004_zero2_fits_where_ddp_does_not() {
+    let device = |name: &str| {
+        let v = json(&[
+            "estimate",
+            &format!("examples/{name}"),
+            "--json",
+            "--gpu",
+            "64GB",
+        ]);
+        (
+            v["gpu"]["fits"].as_bool(),
+            v["gpu"]["headroom_bytes"].as_i64().expect("headroom"),
+            v["host_bytes"].as_u64().expect("host bytes"),
+        )
+    };
+    let (ddp_fits, ddp, _) = device("seed004-rm-8x64gb.yaml");
+    let (zero2_fits, zero2, _) = device("seed004-rm-zero2-8x64gb.yaml");
+    let (offload_fits, offload, host) = device("seed004-rm-zero2-offload-8x64gb.yaml");
+    assert_eq!(
+        (ddp_fits, zero2_fits, offload_fits),
+        (Some(false), Some(true), Some(true))
+    );
+    assert!(offload > zero2 && zero2 > ddp, "{offload} {zero2} {ddp}");
+    assert!(host > 10 << 30, "{host}");
 }

@@ -33,7 +33,8 @@ use crate::gpu::Gpu;
 use crate::spec::{Mode, Optimizer, Parallel, RunSpec, Strategy};
 use crate::timeline::instance::Home;
 use crate::timeline::pipeline::{
-    EngineDef, InstanceDef, Pass, PassDef, PhaseDef, PipelinePhase, simulate_pipeline,
+    EngineDef, InstanceDef, Pass, PassDef, PhaseDef, PipelinePhase, PipelineSimulation,
+    simulate_pipeline,
 };
 use crate::timeline::{Component, SimulatedOom};
 
@@ -544,11 +545,11 @@ fn check_instance(spec: &RunSpec, home: Home, at: &str) -> Result<()> {
         });
     }
     if let Some(p) = &spec.parallel
-        && !matches!(p.strategy, Strategy::Ddp | Strategy::Fsdp)
+        && p.strategy == Strategy::Zero3
     {
         return Err(Error::Unsupported {
-            what: format!("{at}: parallel.strategy {}", p.strategy.name()),
-            supported: "ddp and fsdp in pipelines (zero1 and zero2 in single runs)".into(),
+            what: format!("{at}: parallel.strategy zero3"),
+            supported: "ddp, fsdp, zero1 and zero2 in pipelines".into(),
         });
     }
     Ok(())
@@ -677,14 +678,36 @@ pub fn estimate_pipeline(
         .max()
         .unwrap_or(0);
     let capacity = (limit == Limit::Gpu).then(|| gpu.allocator_capacity().saturating_sub(nccl));
+    // Where ranks differ (ZeRO partitions), the first and the last rank are simulated and the
+    // one that needs more reported, as for a single run (`timeline::step::simulate_steps`).
+    let ranks: &[Option<u64>] = if spec
+        .instances
+        .iter()
+        .any(|i| i.spec.parallel.as_ref().is_some_and(Parallel::ranks_differ))
+    {
+        &[Some(0), None]
+    } else {
+        &[None]
+    };
+    let need = |s: &PipelineSimulation| {
+        let reserved = s.phases.iter().map(|p| p.peak_reserved).max();
+        (s.oom.is_some(), reserved, s.peak.allocated)
+    };
     let run = |capacity| {
-        simulate_pipeline(
-            &defs,
-            &spec.phases,
-            spec.iterations,
-            allocator.clone(),
-            capacity,
-        )
+        ranks
+            .iter()
+            .map(|&rank| {
+                simulate_pipeline(
+                    &defs,
+                    &spec.phases,
+                    spec.iterations,
+                    allocator.clone(),
+                    capacity,
+                    rank,
+                )
+            })
+            .max_by_key(need)
+            .expect("at least one rank")
     };
     let mut sim = run(capacity);
     let mut oom = sim.oom.take();

@@ -3,8 +3,9 @@
 //! fit, as a Pareto front of device memory against estimated slowdown.
 //!
 //! Knobs the run spec can express (optimizer, checkpointing, LoRA/QLoRA, micro-batch,
-//! `expandable_segments`, and over several GPUs DDP, FSDP2 full sharding and DeepSpeed ZeRO-1/2
-//! of a full fine-tune) are simulated by the estimator. Knobs it cannot express yet (CPU
+//! `expandable_segments`, over several GPUs DDP, FSDP2 full sharding and DeepSpeed ZeRO-1/2 of
+//! a full fine-tune, and DeepSpeed's `offload_optimizer` of a bf16 full fine-tune, ZeRO-Offload
+//! on one GPU included) are simulated by the estimator. Knobs it cannot express yet (other CPU
 //! offload, a fused loss, moving a resident model off the GPU, sharding with adapters, ZeRO-1/2
 //! of fp32 parameters) are
 //! *computed* from the estimate's breakdown at the peak and its per-phase peaks: each removes
@@ -154,49 +155,56 @@ impl Knobs {
 
     /// Whether any knob is computed rather than simulated.
     pub fn has_computed(&self) -> bool {
-        (self.sharding != Sharding::None && !self.sharding_simulated())
-            || self.cpu_offload
+        ((self.sharding != Sharding::None || self.cpu_offload) && !self.sharding_simulated())
             || self.fused_loss
             || self.residents_off_gpu
     }
 
-    /// The sharding of a full fine-tune with the optimizer on the GPU is simulated: ZeRO-3 as
-    /// FSDP2 full sharding, ZeRO-1/2 as DeepSpeed runs them (bf16 parameters, torch AdamW).
-    /// The others are computed.
+    /// Whether DeepSpeed runs this as the estimator models it: a full fine-tune of bf16
+    /// parameters with torch's AdamW (DeepSpeedCPUAdam under `offload_optimizer`).
+    fn deepspeed_modelled(&self) -> bool {
+        self.adapter == Adapter::Full && self.bf16_params && self.optimizer == Optimizer::AdamW
+    }
+
+    /// The sharding and offload of a full fine-tune are simulated where the estimator models
+    /// them: ZeRO-3 as FSDP2 full sharding (optimizer on the GPU), ZeRO-1/2 and the optimizer
+    /// on the CPU as DeepSpeed runs them (`offload_optimizer`; on one GPU, ZeRO-Offload: ZeRO-2
+    /// over a world of one). The others are computed.
     fn sharding_simulated(&self) -> bool {
-        if self.adapter != Adapter::Full || self.cpu_offload {
-            return false;
-        }
         match self.sharding {
-            Sharding::None => false,
-            Sharding::Zero1 | Sharding::Zero2 => {
-                self.bf16_params && self.optimizer == Optimizer::AdamW
-            }
-            Sharding::Zero3 => true,
+            Sharding::None => self.cpu_offload && self.deepspeed_modelled(),
+            Sharding::Zero1 | Sharding::Zero2 => self.deepspeed_modelled(),
+            Sharding::Zero3 => self.adapter == Adapter::Full && !self.cpu_offload,
         }
     }
 }
 
-/// The data parallelism the simulated run has over `gpus` ranks: DDP when nothing is sharded,
-/// DeepSpeed ZeRO-1/2, FSDP2 full shard for ZeRO-3 (see `Knobs::sharding_simulated`).
+/// The data parallelism (or ZeRO-Offload) the simulated run has over `gpus` ranks: DDP when
+/// nothing is sharded or offloaded, DeepSpeed ZeRO-1/2 (with `offload_optimizer` for the
+/// optimizer on the CPU; ZeRO-2 of one rank when nothing is sharded), FSDP2 full shard for
+/// ZeRO-3 (see `Knobs::sharding_simulated`).
 fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
-    if gpus <= 1 || spec.mode != Mode::Train {
+    if spec.mode != Mode::Train {
         return None;
     }
     let strategy = match k.sharding {
-        Sharding::None => Strategy::Ddp,
+        _ if k.sharding != Sharding::None && gpus <= 1 => return None,
+        Sharding::None if !k.cpu_offload && gpus > 1 => Strategy::Ddp,
         _ if !k.sharding_simulated() => return None,
+        // ZeRO-Offload: what DeepSpeed offers to move AdamW off the GPU without sharding.
+        Sharding::None if gpus <= 1 => Strategy::Zero2,
+        Sharding::None => return None,
         Sharding::Zero1 => Strategy::Zero1,
         Sharding::Zero2 => Strategy::Zero2,
         Sharding::Zero3 => Strategy::Fsdp,
     };
     Some(Parallel {
         strategy,
-        world_size: u64::from(gpus),
+        world_size: u64::from(gpus.max(1)),
         reshard_after_forward: true,
-        shard_size: u64::from(gpus),
+        shard_size: u64::from(gpus.max(1)),
         offload_params: false,
-        offload_optimizer: false,
+        offload_optimizer: k.cpu_offload,
     })
 }
 
@@ -272,12 +280,9 @@ impl Evaluation {
     }
 }
 
-/// What NCCL holds on each rank of `k` over the setup's GPUs (measured per strategy; a computed
-/// sharding is charged DDP's single communicator).
+/// What NCCL (DeepSpeed's groups, on one rank too) holds on each rank of `k` over the setup's
+/// GPUs (measured per strategy; a computed sharding is charged DDP's single communicator).
 pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
-    if setup.gpus <= 1 {
-        return 0;
-    }
     let spec = spec_for(&setup.spec, k);
     let ddp = Parallel {
         strategy: Strategy::Ddp,
@@ -287,7 +292,11 @@ pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
         offload_params: false,
         offload_optimizer: false,
     };
-    estimate::nccl_bytes(Some(&parallel_for(&spec, k, setup.gpus).unwrap_or(ddp)))
+    match parallel_for(&spec, k, setup.gpus) {
+        Some(p) => estimate::nccl_bytes(Some(&p)),
+        None if setup.gpus > 1 => estimate::nccl_bytes(Some(&ddp)),
+        None => 0,
+    }
 }
 
 /// Estimate the simulated part of `k` on the setup's GPU. Resident models and NCCL hold part
@@ -374,11 +383,12 @@ fn computed_peaks(setup: &Setup, k: &Knobs, est: &Estimate) -> (u64, u64, bool) 
     let ranks = f64::from(setup.gpus.max(1));
     let simulated = parallel_for(&setup.spec, k, setup.gpus).is_some();
     let shard = if simulated { 0.0 } else { 1.0 - 1.0 / ranks };
+    let offloaded = k.cpu_offload && !simulated;
     let mut removed = [0.0f64; Component::COUNT];
     let frac = |c: Component| -> f64 {
         match c {
             Component::OptimizerStates | Component::OptimizerTemporaries => {
-                if k.cpu_offload {
+                if offloaded {
                     1.0
                 } else if k.sharding >= Sharding::Zero1 {
                     shard
@@ -387,7 +397,7 @@ fn computed_peaks(setup: &Setup, k: &Knobs, est: &Estimate) -> (u64, u64, bool) 
                 }
             }
             Component::Gradients => {
-                if k.cpu_offload && k.sharding >= Sharding::Zero2 {
+                if offloaded && k.sharding >= Sharding::Zero2 {
                     1.0
                 } else if k.sharding >= Sharding::Zero2 {
                     shard
@@ -611,7 +621,11 @@ pub fn describe(setup: &Setup, k: &Knobs) -> Vec<String> {
         Sharding::Zero3 => out.push(format!("ZeRO-3/FSDP over {} GPUs", setup.gpus)),
     }
     if k.cpu_offload {
-        out.push("optimizer on CPU".to_string());
+        out.push(match parallel_for(&setup.spec, k, setup.gpus) {
+            Some(p) if p.world_size == 1 => "optimizer on CPU (DeepSpeed ZeRO-Offload)".to_string(),
+            Some(_) => "optimizer on CPU (DeepSpeed offload_optimizer)".to_string(),
+            None => "optimizer on CPU".to_string(),
+        });
     }
     if k.fused_loss {
         out.push("fused linear cross-entropy".to_string());
@@ -755,20 +769,31 @@ pub fn search(setup: &Setup) -> Result<Vec<Evaluation>> {
                             accumulation: base.micro_batch.div_ceil(micro_batch),
                             ..base.clone()
                         };
-                        let est = simulate(setup, &sim)?;
+                        let plain = simulate(setup, &sim)?;
+                        let plain_parallel = parallel_for(&setup.spec, &sim, setup.gpus);
                         for &sharding in shardings {
                             for &cpu_offload in offloads {
+                                let sharded = Knobs {
+                                    sharding,
+                                    cpu_offload,
+                                    ..sim.clone()
+                                };
+                                // A sharding or offload the estimator models is a run of its
+                                // own; the computed ones start from the plain run.
+                                let own = parallel_for(&setup.spec, &sharded, setup.gpus)
+                                    .filter(|p| Some(p) != plain_parallel.as_ref())
+                                    .map(|_| simulate(setup, &sharded))
+                                    .transpose()?;
+                                let est = own.as_ref().unwrap_or(&plain);
                                 for fused_loss in [false, true] {
                                     for &residents_off_gpu in residents_off {
                                         let k = Knobs {
-                                            sharding,
-                                            cpu_offload,
                                             fused_loss,
                                             residents_off_gpu,
-                                            ..sim.clone()
+                                            ..sharded.clone()
                                         };
                                         if k != base {
-                                            out.push(evaluate_with(setup, &k, &est));
+                                            out.push(evaluate_with(setup, &k, est));
                                         }
                                     }
                                 }

@@ -107,6 +107,15 @@ pub struct Parallel {
     pub offload_optimizer: bool,
 }
 
+impl Parallel {
+    /// Whether ranks hold different amounts: DeepSpeed ZeRO cuts its flat buffer into
+    /// partitions at different parameters, so estimates simulate the first and the last rank
+    /// and report the one that needs more. FSDP2 and DDP ranks are alike (measured to the byte).
+    pub fn ranks_differ(&self) -> bool {
+        matches!(self.strategy, Strategy::Zero1 | Strategy::Zero2) && self.world_size > 1
+    }
+}
+
 impl Strategy {
     pub fn name(self) -> &'static str {
         match self {
@@ -415,11 +424,16 @@ impl RunSpec {
                     supported: "4-bit QLoRA on one GPU".into(),
                 });
             }
-            if parallel.strategy == Strategy::Ddp && self.mode == Mode::Forward {
+            if matches!(
+                parallel.strategy,
+                Strategy::Ddp | Strategy::Zero1 | Strategy::Zero2
+            ) && self.mode == Mode::Forward
+            {
                 return Err(Error::field(
                     "parallel.strategy",
-                    "ddp",
-                    "DDP only changes training; for a forward pass leave `parallel` out",
+                    parallel.strategy.name(),
+                    "it only changes training: a forward-only model is a plain copy on every GPU; \
+                     leave `parallel` out (zero3 and fsdp shard a forward-only model)",
                 ));
             }
             if parallel.strategy != Strategy::Ddp && self.lora.is_some() {

@@ -1,5 +1,6 @@
 //! Data-parallel estimates against the per-rank measurements of bench/distributed (FSDP2, DDP
-//! and DeepSpeed ZeRO 1/2 on 2 x H200; HSDP, FSDP2 and DDP on 4 x H200): the peak of every measured phase of every step, and the
+//! and DeepSpeed ZeRO 1/2 on 2 x H200; HSDP, FSDP2 and DDP on 4 x H200; DeepSpeed ZeRO 1/2/3
+//! with and without `offload_optimizer` on one H200): the peak of every measured phase of every step, and the
 //! run's reserved peak; for rank 0 under FSDP2 and DDP (ranks measured equal to the byte), the
 //! larger rank under ZeRO.
 
@@ -14,6 +15,7 @@ fn rows() -> Vec<Value> {
     common::jsonl(&[
         include_str!("../../../bench/distributed/h200x2-torch2.11.jsonl"),
         include_str!("../../../bench/distributed/h200x4-torch2.11.jsonl"),
+        include_str!("../../../bench/distributed/h200x1-torch2.11.jsonl"),
     ])
 }
 
@@ -48,6 +50,20 @@ fn check_steps(
     checked
 }
 
+/// [`check_steps`] against rank 0's phases; returns how many were checked and the reserved
+/// peak's error.
+fn check_rank0(id: &str, est: &headroom::estimate::Estimate, row: &Value) -> (usize, f64) {
+    let rank = &row["measured"]["ranks"][0];
+    let checked = check_steps(id, est, |i, key| rank["steps"][i][key].as_u64().expect(key));
+    let reserved = rel(
+        est.peak_reserved_bytes,
+        row["measured"]["peak_reserved_bytes"]
+            .as_u64()
+            .expect("reserved"),
+    );
+    (checked, reserved)
+}
+
 #[test]
 fn every_phase_of_every_fsdp_and_ddp_row() {
     let mut checked = 0;
@@ -60,16 +76,8 @@ fn every_phase_of_every_fsdp_and_ddp_row() {
         }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
         let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
-        let rank = &row["measured"]["ranks"][0];
-        checked += check_steps(id, &est, |i, key| {
-            rank["steps"][i][key].as_u64().expect(key)
-        });
-        let reserved = rel(
-            est.peak_reserved_bytes,
-            row["measured"]["peak_reserved_bytes"]
-                .as_u64()
-                .expect("reserved"),
-        );
+        let (phases, reserved) = check_rank0(id, &est, &row);
+        checked += phases;
         let limit = if strategy == Strategy::Fsdp {
             0.005
         } else {
@@ -116,8 +124,10 @@ fn every_phase_of_every_zero1_and_zero2_row() {
     for row in rows() {
         let id = row["id"].as_str().expect("id");
         let spec = RunSpec::from_value(&row["spec"]).expect(id);
-        let strategy = spec.parallel.as_ref().expect("parallel").strategy;
-        if !matches!(strategy, Strategy::Zero1 | Strategy::Zero2) {
+        let parallel = spec.parallel.as_ref().expect("parallel");
+        if !matches!(parallel.strategy, Strategy::Zero1 | Strategy::Zero2)
+            || parallel.world_size < 2
+        {
             continue;
         }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
@@ -151,11 +161,58 @@ fn every_phase_of_every_zero1_and_zero2_row() {
     assert_eq!(checked, 27, "{checked} phases checked");
 }
 
+/// DeepSpeed on one rank (bench/distributed/h200x1-torch2.11.jsonl): ZeRO-3 with and without
+/// checkpointing and `offload_optimizer`, and ZeRO 1/2 with `offload_optimizer`, every phase of
+/// every step, the load phase and the reserved peak. (The rows were measured with DeepSpeed's
+/// own `reset_peak_memory_stats()` calls silenced while the engine is built: rank 0's load
+/// peak is whole.) Measured errors: allocated within 0.02%, reserved within 0.01%, the load
+/// exact; the gate is the (allocated 5%, reserved 10%) tightened to 0.5% and 1%.
 #[test]
-fn zero3_and_zero_with_optimizer_offload_stay_unsupported() {
+fn every_phase_of_every_one_rank_deepspeed_row() {
+    let mut checked = 0;
+    for row in rows() {
+        let id = row["id"].as_str().expect("id");
+        let spec = RunSpec::from_value(&row["spec"]).expect(id);
+        let parallel = spec.parallel.as_ref().expect("parallel");
+        let deepspeed = matches!(
+            parallel.strategy,
+            Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
+        );
+        if !deepspeed || parallel.world_size != 1 || parallel.offload_params {
+            continue;
+        }
+        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
+        let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
+        let (phases, reserved) = check_rank0(id, &est, &row);
+        checked += phases;
+        assert!(reserved.abs() < 0.01, "{id}: reserved {reserved:+.4}");
+        let load = &row["measured"]["ranks"][0]["load"];
+        let e = est.phases.iter().find(|p| p.phase == "load").expect("load");
+        for (estimated, key) in [
+            (e.peak_allocated, "peak_allocated"),
+            (e.peak_reserved, "peak_reserved"),
+        ] {
+            let err = rel(estimated, load[key].as_u64().expect(key));
+            assert!(err.abs() < 0.005, "{id} load: {key} {err:+.4}");
+        }
+        checked += 1;
+        if parallel.offload_optimizer {
+            assert!(
+                est.host_bytes >= est.trainable_params * 16,
+                "{id}: host bytes"
+            );
+        }
+    }
+    assert_eq!(checked, 100, "{checked} phases checked");
+}
+
+/// ZeRO-3 over several ranks and `offload_param` need the per-module gathers of
+/// `PartitionedParameterCoordinator`, not modelled yet: refused rather than guessed.
+#[test]
+fn zero3_gathers_stay_unsupported() {
     for parallel in [
         serde_json::json!({"strategy": "zero3", "world_size": 2}),
-        serde_json::json!({"strategy": "zero2", "world_size": 2, "offload_optimizer": true}),
+        serde_json::json!({"strategy": "zero3", "world_size": 1, "offload_params": true}),
     ] {
         let spec = RunSpec::from_value(&serde_json::json!({"model": "qwen2.5-0.5b",
             "precision": "bf16", "optimizer": "adamw", "batch_size": 1, "seq_len": 128,
@@ -175,7 +232,10 @@ fn device_totals_include_the_communicators() {
     for row in rows() {
         let id = row["id"].as_str().expect("id");
         let spec = RunSpec::from_value(&row["spec"]).expect(id);
-        if spec.parallel.as_ref().expect("parallel").strategy == Strategy::Zero3 {
+        let parallel = spec.parallel.as_ref().expect("parallel");
+        if parallel.strategy == Strategy::Zero3
+            && (parallel.world_size > 1 || parallel.offload_params)
+        {
             continue;
         }
         let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");

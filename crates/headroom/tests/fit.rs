@@ -10,6 +10,8 @@ use headroom::plan::{self, Setup};
 use headroom::spec::RunSpec;
 use serde_json::Value;
 
+mod common;
+
 fn spec(yaml: &str) -> RunSpec {
     RunSpec::from_str_at(yaml, Path::new("test.yaml")).expect("valid spec")
 }
@@ -280,4 +282,71 @@ fn zero_stages_of_a_bf16_full_fine_tune_are_simulated_not_computed() {
         ..plan::Knobs::of(&amp.spec)
     };
     assert!(plan::evaluate(&amp, &k).expect("evaluates").computed);
+}
+
+/// The search evaluates every configuration as `plan::evaluate` does on its own: a sharding or
+/// offload the estimator models is simulated as that run, not read off the unsharded one.
+#[test]
+fn search_evaluates_each_configuration_as_its_own_simulation() {
+    let base = spec(
+        "model: qwen2.5-0.5b\nprecision: bf16\noptimizer: adamw\nbatch_size: 2\nseq_len: 512\ngradient_checkpointing: true\n",
+    );
+    for gpus in [1, 2] {
+        let s = Setup {
+            gpus,
+            ..setup(base.clone(), gpu::find("h100-80gb").expect("gpu"))
+        };
+        let all = plan::search(&s).expect("search");
+        let mut simulated_shardings = 0;
+        let sharded = |k: &plan::Knobs| k.sharding != plan::Sharding::None || k.cpu_offload;
+        for e in all.iter().filter(|e| !e.computed && sharded(&e.knobs)) {
+            let alone = plan::evaluate(&s, &e.knobs).expect("evaluates");
+            assert_eq!(
+                (alone.peak_allocated_bytes, alone.device_bytes),
+                (e.peak_allocated_bytes, e.device_bytes),
+                "{gpus} GPUs: {:?}",
+                e.knobs
+            );
+            simulated_shardings += 1;
+        }
+        assert!(
+            simulated_shardings > 0,
+            "{gpus} GPUs: no simulated sharding or offload"
+        );
+    }
+}
+
+/// ZeRO-Offload on one GPU (DeepSpeed ZeRO-2 of one rank with `offload_optimizer`) is simulated,
+/// and the simulation is the measured one (bench/distributed/h200x1-torch2.11.jsonl).
+#[test]
+fn zero_offload_on_one_gpu_is_the_measured_run() {
+    let rows = common::jsonl(&[include_str!(
+        "../../../bench/distributed/h200x1-torch2.11.jsonl"
+    )]);
+    let row = rows
+        .iter()
+        .find(|r| r["id"] == "zero2-offload-optimizer/qwen2.5-1.5b/bf16/bs4/s1024/gc/w1")
+        .expect("row");
+    let mut plain = RunSpec::from_value(&row["spec"]).expect("spec");
+    plain.parallel = None;
+    let h200 = gpu::find("h200").expect("gpu");
+    let s = setup(plain, h200.clone());
+    let k = plan::Knobs {
+        cpu_offload: true,
+        ..plan::Knobs::of(&s.spec)
+    };
+    let e = plan::evaluate(&s, &k).expect("evaluates");
+    assert!(!e.computed);
+    let measured = row["measured"]["peak_allocated_bytes"]
+        .as_u64()
+        .expect("peak");
+    let err = common::rel(e.peak_allocated_bytes, measured);
+    assert!(err.abs() < 0.005, "allocated {err:+.4}");
+    assert!(
+        plan::describe(&s, &k)
+            .iter()
+            .any(|d| d.contains("ZeRO-Offload")),
+        "{:?}",
+        plan::describe(&s, &k)
+    );
 }

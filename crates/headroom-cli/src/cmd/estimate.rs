@@ -89,6 +89,7 @@ pub fn to_json(est: &Estimate, with_verdict: bool) -> serde_json::Value {
         "peak_reserved_bytes": est.peak_reserved_bytes,
         "cuda_context_bytes": est.cuda_context_bytes,
         "nccl_bytes": est.nccl_bytes,
+        "host_bytes": est.host_bytes,
         "peak_phase": est.peak_phase,
         "peak_step": est.peak_step,
         "phases": est.phases.iter().map(|p| json!({

@@ -147,8 +147,9 @@ fn render(setup: &Setup, r: &FitReport) -> String {
     out += &t.to_string();
     out += "\n";
     if r.front.iter().any(|e| e.computed) {
-        out += "* computed from the estimate's breakdown (sharding with adapters or fp32 parameters, offload, fused loss, \
-                residents), not simulated\n";
+        out += "* computed from the estimate's breakdown (ZeRO-1/2 and offload other than DeepSpeed's \
+                of a bf16 AdamW full fine-tune, sharding with adapters, fused loss, residents), \
+                not simulated\n";
     }
     out += "Step time: relative to the spec, same tokens per optimizer step; rough factors \
             (checkpointing ×1.33, LoRA ×0.8, QLoRA ×1.05, ZeRO-3 ×1.15, CPU offload ×1.5, \

@@ -15,6 +15,7 @@ use super::step::{autocast_dtype, backward, lm_head, logprob_forward, param_dtyp
 use super::tracer::{ParamId, T, Tracer};
 use super::transformer::{AttentionImpl, Batch, FsdpOffload, LoraAdapter, Model};
 use super::zero::Zero;
+use super::zero3::Zero3;
 use crate::arch::{Architecture, Param};
 use crate::dtype::DType;
 use crate::spec::{
@@ -55,14 +56,9 @@ pub(crate) struct Instance {
 impl Instance {
     /// Build the model of `spec` as the harness does: the weights (loaded 4-bit, or created
     /// from the config on the GPU, on the host, or on the meta device and sharded), then
-    /// `prepare_model_for_kbit_training`, peft, checkpointing and DDP.
-    pub(crate) fn build(t: &mut Tracer, spec: &RunSpec, arch: &Architecture, home: Home) -> Self {
-        Self::build_on_rank(t, spec, arch, home, None)
-    }
-
-    /// [`Instance::build`] as rank `rank` sees it (where ranks differ: DeepSpeed ZeRO's
-    /// partitions); `None`: the last rank.
-    pub(crate) fn build_on_rank(
+    /// `prepare_model_for_kbit_training`, peft, checkpointing and DDP, as rank `rank` sees
+    /// it (where ranks differ: DeepSpeed ZeRO's partitions); `None`: the last rank.
+    pub(crate) fn build(
         t: &mut Tracer,
         spec: &RunSpec,
         arch: &Architecture,
@@ -90,7 +86,7 @@ impl Instance {
             None if home == Home::Cpu || offloaded_unsharded => {
                 Model::build_on_meta(t, arch, head, dtype, &trainable, attention)
             }
-            None if strategy == Some(Strategy::Fsdp) => {
+            None if matches!(strategy, Some(Strategy::Fsdp | Strategy::Zero3)) => {
                 Model::build_on_meta(t, arch, head, dtype, &trainable, attention)
             }
             None => Model::build(t, arch, head, dtype, &trainable, attention),
@@ -103,6 +99,19 @@ impl Instance {
             model.sharded = Some(RefCell::new(fsdp));
         }
         let model_params = first..first + arch.parameters(head).len();
+        // ZeRO-3: `from_config` under `deepspeed.zero.Init` (each parameter partitioned as
+        // it is made, then gathered for transformers' init); the buffers are made on the GPU.
+        let zero3_partitions = parallel.filter(|p| p.strategy == Strategy::Zero3).map(|p| {
+            let params: Vec<ParamId> = model_params.clone().collect();
+            let tied_head =
+                (arch.tie_word_embeddings && head == crate::arch::Head::CausalLm).then(|| {
+                    let numel = t.numel(t.param(model.embed));
+                    t.parameter_deferred(numel, dtype, false, "untied lm_head (zero.Init)")
+                });
+            let made = Zero3::init(t, &params, p.world_size, tied_head);
+            Model::rotary_buffers(t, arch);
+            made
+        });
         let weights_loaded = t.mem.allocated();
         if spec.kbit_prepare {
             quant::prepare_kbit(t, model_params.clone());
@@ -141,13 +150,38 @@ impl Instance {
             Some(parallel) => {
                 let world = parallel.world_size;
                 let rank = rank.unwrap_or(world - 1).min(world - 1);
-                let zero = Zero::wrap(t, &trainable_ids, parallel.strategy, world, rank);
+                let zero = Zero::wrap(
+                    t,
+                    &trainable_ids,
+                    parallel.strategy,
+                    world,
+                    rank,
+                    parallel.offload_optimizer,
+                );
                 let master = zero.master;
                 model.zero = Some(RefCell::new(zero));
                 autocast = None;
-                vec![master]
+                master.into_iter().collect()
             }
             None => trainable_ids,
+        };
+        // DeepSpeed ZeRO-3: its own optimizer wrapper steps fp32 masters of its own.
+        let trainable_ids = match (parallel, zero3_partitions) {
+            (Some(parallel), Some((partitions, untied_head))) if !trainable_ids.is_empty() => {
+                let zero3 = Zero3::wrap(
+                    t,
+                    &trainable_ids,
+                    partitions,
+                    untied_head,
+                    parallel.world_size,
+                    spec.optimizer,
+                    parallel.offload_optimizer,
+                );
+                model.zero3 = Some(RefCell::new(zero3));
+                autocast = None;
+                Vec::new()
+            }
+            _ => trainable_ids,
         };
         Instance {
             spec: spec.clone(),
@@ -194,6 +228,8 @@ impl Instance {
     pub(crate) fn optimizer_step(&mut self, t: &mut Tracer) {
         if let Some(zero) = &self.model.zero {
             zero.borrow_mut().step(t, &mut self.optimizer);
+        } else if let Some(zero3) = &self.model.zero3 {
+            zero3.borrow_mut().step(t);
         } else if self.spec.optimizer != Optimizer::None {
             self.optimizer.step(t, &self.trainable);
         }
@@ -314,6 +350,13 @@ impl Instance {
         }
         if let Some(sharded) = &self.model.sharded {
             return sharded.borrow().host_bytes(t);
+        }
+        // DeepSpeed's `offload_optimizer`: the fp32 masters, gradients and states.
+        if let Some(zero) = &self.model.zero {
+            return zero.borrow().host_bytes();
+        }
+        if let Some(zero3) = &self.model.zero3 {
+            return zero3.borrow().host_bytes();
         }
         self.params
             .clone()

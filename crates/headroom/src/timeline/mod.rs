@@ -17,6 +17,7 @@ pub mod step;
 mod tracer;
 mod transformer;
 mod zero;
+mod zero3;
 
 pub use component::Component;
 pub use memory::{PeakRecord, SimulatedOom, TraceEvent};

@@ -93,13 +93,15 @@ pub struct PipelineSimulation {
     pub oom: Option<SimulatedOom>,
 }
 
-/// Simulate `iterations` of `phases` over `instances` (the specs were validated by the caller).
+/// Simulate `iterations` of `phases` over `instances` (the specs were validated by the caller)
+/// as rank `rank` sees them (`None`: the last; see [`crate::spec::Parallel::ranks_differ`]).
 pub fn simulate_pipeline(
     instances: &[InstanceDef],
     phases: &[PhaseDef],
     iterations: u32,
     allocator: AllocatorConfig,
     capacity: Option<u64>,
+    rank: Option<u64>,
 ) -> PipelineSimulation {
     let mut t = Tracer::new(Memory::new(
         CachingAllocator::new(allocator, capacity),
@@ -147,7 +149,7 @@ pub fn simulate_pipeline(
             }
             models.push(None);
         } else {
-            models.push(Some(Instance::build(&mut t, d.spec, d.arch, d.home)));
+            models.push(Some(Instance::build(&mut t, d.spec, d.arch, d.home, rank)));
         }
     }
     let mut inputs: Vec<((u64, u64), T)> = Vec::new();

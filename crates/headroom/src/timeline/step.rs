@@ -12,7 +12,7 @@ use super::tracer::{BackwardHooks, T, Tracer, TracerState};
 use super::transformer::{Batch, Model};
 use crate::arch::Architecture;
 use crate::dtype::DType;
-use crate::spec::{Mode, Precision, RunSpec, Strategy, Task};
+use crate::spec::{Mode, Parallel, Precision, RunSpec, Task};
 
 /// Steps the harness runs; the first differs (optimizer states appear during its step).
 pub const STEPS: u32 = 3;
@@ -34,6 +34,8 @@ pub struct Simulation {
     pub phases: Vec<PhasePeak>,
     pub peak: PeakRecord,
     pub peak_reserved: u64,
+    /// Host bytes the rank keeps (see `Instance::host_bytes`).
+    pub host_bytes: u64,
     pub trace: Vec<TraceEvent>,
     /// The first allocation that failed on a device of the given capacity.
     pub oom: Option<SimulatedOom>,
@@ -76,6 +78,9 @@ impl BackwardHooks for Checkpointing<'_> {
         if let Some(zero) = &self.model.zero {
             zero.borrow_mut().grad_hook(tracer, param);
         }
+        if let Some(zero3) = &self.model.zero3 {
+            zero3.borrow_mut().grad_hook(tracer, param);
+        }
     }
 }
 
@@ -99,6 +104,9 @@ pub(super) fn backward(
     }
     if let Some(zero) = &model.zero {
         zero.borrow_mut().finish_backward(t);
+    }
+    if let Some(zero3) = &model.zero3 {
+        zero3.borrow_mut().finish_backward(t);
     }
 }
 
@@ -197,17 +205,15 @@ pub(crate) fn simulate_steps(
     // DeepSpeed ZeRO's ranks hold different partitions (see `zero.rs`): the first and the
     // last rank are simulated, and the one that needs more reported (an out-of-memory error
     // first, then the larger reserved and allocated peaks). Without a limit another rank may
-    // need more, so a ZeRO run that runs out stops there.
-    let zero = spec.parallel.as_ref().is_some_and(|p| {
-        matches!(p.strategy, Strategy::Zero1 | Strategy::Zero2) && p.world_size > 1
-    });
+    // need more, so such a run that runs out stops there.
+    let ranks_differ = spec.parallel.as_ref().is_some_and(Parallel::ranks_differ);
     let run = |rank| {
         let mut t = Tracer::new(Memory::new(
             CachingAllocator::new(allocator.clone(), capacity),
             record_trace,
         ));
         if stop_at_oom {
-            t.mem.on_oom(if zero {
+            t.mem.on_oom(if ranks_differ {
                 OnOom::Stop
             } else {
                 OnOom::StopUnlessUnlimited
@@ -216,7 +222,7 @@ pub(crate) fn simulate_steps(
         simulate_rank(spec, arch, t, repeat_steps, rank)
     };
     let last = run(None);
-    if !zero {
+    if !ranks_differ {
         return last;
     }
     let first = run(Some(0));
@@ -241,7 +247,7 @@ fn simulate_rank(
     t.drop(zero);
 
     let train = spec.mode == Mode::Train;
-    let mut instance = Instance::build_on_rank(&mut t, spec, arch, Home::Gpu, rank);
+    let mut instance = Instance::build(&mut t, spec, arch, Home::Gpu, rank);
     let batch = instance.batch;
     let ids = t.empty_as(batch.n(), DType::I64, Component::Inputs, "input_ids");
     // Building (or loading) the model is reported as step 0's "load" phase.
@@ -379,6 +385,7 @@ fn simulate_rank(
             .max()
             .unwrap_or(0),
         peak: t.mem.peak().clone(),
+        host_bytes: instance.host_bytes(&t),
         phases,
         oom: t.mem.oom().cloned(),
         trace: t.mem.take_trace(),

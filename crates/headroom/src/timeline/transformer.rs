@@ -172,6 +172,8 @@ pub(crate) struct Model {
     pub sharded: Option<RefCell<Fsdp>>,
     /// Wrapped by DeepSpeed ZeRO stage 1 or 2: its gradient hooks run in backward.
     pub zero: Option<RefCell<super::zero::Zero>>,
+    /// Wrapped by DeepSpeed ZeRO stage 3: its gradient hooks run in backward.
+    pub zero3: Option<RefCell<super::zero3::Zero3>>,
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
@@ -440,6 +442,7 @@ impl Model {
             fsdp: None,
             sharded: None,
             zero: None,
+            zero3: None,
             kv_cache: None,
         }
     }

@@ -44,6 +44,15 @@
 //!   temporary); the fp32 gradient is dropped; the updated partition is copied into the flat
 //!   bf16 buffer and all-gathered in place (nothing allocated).
 //!
+//! - `offload_optimizer` (`cpu_offload`): the fp32 master, its gradient and AdamW
+//!   (DeepSpeedCPUAdam) live on the host, so construction allocates only the flat buffer and
+//!   then `temp_grad_buffer_for_gpu_offload` (the largest parameter's elements, bf16, for the
+//!   life of the engine; line 537); there is no `grads_in_partition`. Instead each gradient in
+//!   the partition leaves the bucket through `copy_grads_in_partition`: its norm from
+//!   `g.double()` (8 bytes an element, freed at once), then `g.float()` copied to the host
+//!   buffer (freed at once). `step()` runs on the host and copies the updated partition into
+//!   the flat buffer: nothing on the GPU.
+//!
 //! Not modelled: a parameter larger than the bucket is reduced from its own gradient without
 //! being copied into the bucket (its flatten is simulated at its full size); a few tiny
 //! allocations (the 128-byte broadcasts of engine construction, the norms' reduction
@@ -75,8 +84,9 @@ pub(crate) struct Zero {
     /// Elements of the parameters that touch the partition, whole.
     in_partition_numel: u64,
     partition_numel: u64,
-    /// The fp32 master partition (a parameter of its own, what AdamW steps).
-    pub(crate) master: ParamId,
+    /// The fp32 master partition (a parameter of its own, what AdamW steps); `None` under
+    /// `offload_optimizer` (on the host).
+    pub(crate) master: Option<ParamId>,
     /// The IPG bucket while backward runs, the parameters whose gradients it holds and their
     /// elements.
     ipg: Option<T>,
@@ -86,6 +96,9 @@ pub(crate) struct Zero {
     extra_large: Option<(usize, T)>,
     /// `grads_in_partition` (from backward to `step()`, held by `averaged_gradients`).
     grads_in_partition: Option<T>,
+    /// Per parameter in the partition, the elements of its slice (for the host copy under
+    /// `offload_optimizer`); empty without offload.
+    offload_slices: Vec<Option<u64>>,
 }
 
 impl Zero {
@@ -97,6 +110,7 @@ impl Zero {
         strategy: Strategy,
         world: u64,
         rank: u64,
+        offload_optimizer: bool,
     ) -> Zero {
         let dtype = t.dtype(t.param(trainable[0]));
         let numels: Vec<u64> = trainable.iter().map(|&p| t.numel(t.param(p))).collect();
@@ -107,6 +121,7 @@ impl Zero {
         // `get_partition_info` and `get_flat_partition`.
         let mut in_partition = Vec::with_capacity(numels.len());
         let mut slices = Vec::new();
+        let mut slice_of = Vec::with_capacity(numels.len());
         let mut offset = 0;
         let mut taken = 0;
         for &n in &numels {
@@ -117,7 +132,10 @@ impl Zero {
                 let skip = start.saturating_sub(offset);
                 let slice = (n - skip).min(partition_numel - taken);
                 slices.push(slice);
+                slice_of.push(Some(slice));
                 taken += slice;
+            } else {
+                slice_of.push(None);
             }
             offset += n;
         }
@@ -146,22 +164,33 @@ impl Zero {
         }
         // The views keep the flat buffer alive.
         t.drop(flat);
-        // The fp32 master of the partition: `partition.detach().clone().to(fp32)`.
-        let clone =
-            (dtype != DType::F32).then(|| t.empty(partition_numel, dtype, "partition clone"));
-        let master = t.parameter(partition_numel, DType::F32, true, "fp32 master partition");
-        t.recategorize(t.param(master), Component::OptimizerStates);
-        if let Some(clone) = clone {
-            t.drop(clone);
-        }
-        // `initialize_optimizer_states`: a zero gradient, set and dropped.
-        t.component = Component::Gradients;
-        let zeros = t.empty(
-            partition_numel,
-            DType::F32,
-            "initialize_optimizer_states zero grad",
-        );
-        t.drop(zeros);
+        let master = if offload_optimizer {
+            // The master, its gradient and the states are the host's; the GPU keeps a
+            // staging buffer of the largest parameter for the engine's life.
+            let largest = numels.iter().copied().max().unwrap_or(0);
+            t.component = Component::Gradients;
+            let staging = t.empty(largest, dtype, "temp_grad_buffer_for_gpu_offload");
+            t.mark_persistent(staging);
+            None
+        } else {
+            // The fp32 master of the partition: `partition.detach().clone().to(fp32)`.
+            let clone =
+                (dtype != DType::F32).then(|| t.empty(partition_numel, dtype, "partition clone"));
+            let master = t.parameter(partition_numel, DType::F32, true, "fp32 master partition");
+            t.recategorize(t.param(master), Component::OptimizerStates);
+            if let Some(clone) = clone {
+                t.drop(clone);
+            }
+            // `initialize_optimizer_states`: a zero gradient, set and dropped.
+            t.component = Component::Gradients;
+            let zeros = t.empty(
+                partition_numel,
+                DType::F32,
+                "initialize_optimizer_states zero grad",
+            );
+            t.drop(zeros);
+            Some(master)
+        };
         t.component = outer;
         Zero {
             partition_gradients: strategy == Strategy::Zero2,
@@ -177,7 +206,21 @@ impl Zero {
             bucket_elements: 0,
             extra_large: None,
             grads_in_partition: None,
+            offload_slices: if offload_optimizer {
+                slice_of
+            } else {
+                Vec::new()
+            },
         }
+    }
+
+    /// Host bytes of the optimizer under `offload_optimizer`: the fp32 master, its gradient
+    /// and AdamW's two states (4 bytes an element each).
+    pub(crate) fn host_bytes(&self) -> u64 {
+        if self.master.is_some() {
+            return 0;
+        }
+        4 * 4 * self.partition_numel
     }
 
     /// The gradient hook (`grad_handling_hook` → `process_gradients`).
@@ -229,7 +272,28 @@ impl Zero {
         }
         t.component = Component::Gradients;
         let extra = self.extra_large.take();
+        if self.master.is_none() {
+            // `copy_grads_in_partition` under `cpu_offload`: the norm, then the fp32 copy out.
+            t.component = Component::OptimizerTemporaries;
+            for &index in &self.bucket {
+                if let Some(slice) = self.offload_slices[index] {
+                    let double = t.empty(
+                        slice,
+                        DType::I64,
+                        "g.double() (set_norm_for_param_grad_in_gpu)",
+                    );
+                    let norm = t.empty(1, DType::I64, "norm (fp64)");
+                    t.drop(double);
+                    let float = t.empty(slice, DType::F32, "g.float() (copy to the host)");
+                    t.drop(float);
+                    t.drop(norm);
+                }
+            }
+        }
         for &index in &self.bucket {
+            if self.master.is_none() {
+                break;
+            }
             if self.in_partition[index] && self.grads_in_partition.is_none() {
                 self.grads_in_partition =
                     Some(t.empty(self.in_partition_numel, self.dtype, "grads_in_partition"));
@@ -270,15 +334,12 @@ impl Zero {
 
     /// `engine.step()`: the gradient norm, the fp32 gradient, AdamW on the master partition.
     pub(crate) fn step(&mut self, t: &mut Tracer, optimizer: &mut OptimizerState) {
+        // Under `offload_optimizer` the step is the host's.
+        let Some(master) = self.master else {
+            return;
+        };
         let outer = std::mem::replace(&mut t.component, Component::OptimizerTemporaries);
-        // `get_grad_norm_direct`: fp64 copies (8-byte elements; I64 has their size).
-        let mut norms = Vec::with_capacity(self.slices.len());
-        for &slice in &self.slices {
-            let double = t.empty(slice, DType::I64, "g.double() (get_grad_norm_direct)");
-            norms.push(t.empty(1, DType::I64, "vector_norm (fp64)"));
-            t.drop(double);
-        }
-        t.drop_all(&norms);
+        grad_norm_direct(t, &self.slices);
         // `_flatten_dense_tensors` of a single tensor is a view of it; of several, a copy.
         // The last rank's list ends with zeros when the flat buffer's padding falls in it.
         let padded = self.slices.iter().sum::<u64>() < self.partition_numel;
@@ -299,7 +360,19 @@ impl Zero {
             t.drop(g);
         }
         t.component = outer;
-        optimizer.step(t, &[self.master]);
+        optimizer.step(t, &[master]);
         t.drop(grad32);
     }
+}
+
+/// `get_grad_norm_direct` (stages 1-3 alike): per gradient of `sizes` elements an fp64 copy
+/// (8-byte elements; I64 has their size), freed once its norm (kept for the sum) exists.
+pub(super) fn grad_norm_direct(t: &mut Tracer, sizes: &[u64]) {
+    let mut norms = Vec::with_capacity(sizes.len());
+    for &n in sizes {
+        let double = t.empty(n, DType::I64, "g.double() (get_grad_norm_direct)");
+        norms.push(t.empty(1, DType::I64, "vector_norm (fp64)"));
+        t.drop(double);
+    }
+    t.drop_all(&norms);
 }

@@ -4,8 +4,6 @@
 //! address the real allocator got (replay of a recorded trace) passes it as a hint so that
 //! ties break the same way.
 
-use std::collections::BTreeMap;
-
 /// Default placement starts at 2^48, above the 47-bit user addresses CUDA returns on Linux,
 /// so default ranges never collide with hinted (recorded) ones.
 const DEFAULT_BASE: u64 = 1 << 48;
@@ -14,8 +12,10 @@ const ALIGNMENT: u64 = 2 << 20;
 
 #[derive(Default)]
 pub(crate) struct AddressSpace {
-    /// Occupied ranges: start -> end (exclusive).
-    occupied: BTreeMap<u64, u64>,
+    /// Occupied ranges (start, end exclusive), by start. A sorted vector rather than an
+    /// ordered map: default placement only ever goes above every range (a push), and a
+    /// simulation reserves thousands of segments but releases few.
+    occupied: Vec<(u64, u64)>,
     next_default: u64,
     hint: Option<u64>,
 }
@@ -23,7 +23,7 @@ pub(crate) struct AddressSpace {
 impl AddressSpace {
     pub(crate) fn new() -> Self {
         AddressSpace {
-            occupied: BTreeMap::new(),
+            occupied: Vec::new(),
             next_default: DEFAULT_BASE,
             hint: None,
         }
@@ -43,13 +43,13 @@ impl AddressSpace {
         if let Some(hint) = self.hint.take()
             && self.is_free(hint, size)
         {
-            self.occupied.insert(hint, hint + size);
+            self.occupy(hint, hint + size);
             return hint;
         }
         let start = self.next_default;
         let end = start.saturating_add(size);
         self.next_default = end.div_ceil(ALIGNMENT).saturating_mul(ALIGNMENT);
-        self.occupied.insert(start, end);
+        self.occupy(start, end);
         start
     }
 
@@ -58,41 +58,43 @@ impl AddressSpace {
         if !self.is_free(start, size) {
             return false;
         }
-        self.occupied.insert(start, start + size);
+        self.occupy(start, start + size);
         true
     }
 
     /// How many bytes from `start` on are free, at most `max` (0 when `start` is in use).
     pub(crate) fn free_extent(&self, start: u64, max: u64) -> u64 {
-        if self
-            .occupied
-            .range(..=start)
-            .next_back()
-            .is_some_and(|(_, end)| *end > start)
-        {
+        // The range that starts last at or before `start` must end by it.
+        let upto = self.occupied.partition_point(|&(s, _)| s <= start);
+        if upto > 0 && self.occupied[upto - 1].1 > start {
             return 0;
         }
-        let next = self
-            .occupied
-            .range(start..)
-            .next()
-            .map_or(u64::MAX, |(s, _)| *s);
+        let from = self.occupied.partition_point(|&(s, _)| s < start);
+        let next = self.occupied.get(from).map_or(u64::MAX, |&(s, _)| s);
         max.min(next - start)
     }
 
     pub(crate) fn release(&mut self, start: u64) {
-        self.occupied.remove(&start);
+        if let Ok(i) = self.occupied.binary_search_by_key(&start, |&(s, _)| s) {
+            self.occupied.remove(i);
+        }
+    }
+
+    /// Marks the free range `start..end` occupied, in order (at the end, mostly).
+    fn occupy(&mut self, start: u64, end: u64) {
+        let at = match self.occupied.last() {
+            Some(&(last, _)) if last > start => self.occupied.partition_point(|&(s, _)| s < start),
+            _ => self.occupied.len(),
+        };
+        self.occupied.insert(at, (start, end));
     }
 
     fn is_free(&self, start: u64, size: u64) -> bool {
         let Some(end) = start.checked_add(size) else {
             return false;
         };
-        let before_ends = self
-            .occupied
-            .range(..end)
-            .next_back()
-            .map_or(0, |(_, e)| *e);
-        before_ends <= start
+        // The range that starts last before `end` must end by `start`.
+        let before = self.occupied.partition_point(|&(s, _)| s < end);
+        before == 0 || self.occupied[before - 1].1 <= start
     }
 }

@@ -41,6 +41,10 @@ pub struct CachingAllocator {
     event_log: Option<Vec<SegmentEvent>>,
     /// Where each `malloc` found its block, while recording (see [`Decision`]).
     decisions: Option<Vec<Decision>>,
+    /// The device limit changed the layout: a request it refused was served after freeing
+    /// cached blocks, or freeing them changed something (see
+    /// [`CachingAllocator::limit_has_acted`]).
+    limit_acted: bool,
 }
 
 /// How one `malloc` was served: the block best fit chose (before splitting), a new segment,
@@ -142,7 +146,7 @@ impl CachingAllocator {
     /// processes hold); `None` never runs out.
     pub fn new(config: AllocatorConfig, capacity: Option<u64>) -> Self {
         let stats = Stats::new(config.max_split_size);
-        CachingAllocator {
+        let mut allocator = CachingAllocator {
             config,
             capacity,
             blocks: BlockArena::default(),
@@ -155,13 +159,35 @@ impl CachingAllocator {
             address_space: AddressSpace::new(),
             event_log: None,
             decisions: None,
-        }
+            limit_acted: false,
+        };
+        allocator.note_expandable_limit();
+        allocator
     }
 
     /// Change the device capacity from now on (`None`: no limit). The estimator lifts the
     /// limit after the first out-of-memory error to measure how much the run would need.
     pub fn set_capacity(&mut self, capacity: Option<u64>) {
         self.capacity = capacity;
+        self.note_expandable_limit();
+    }
+
+    /// Expandable segments reserve address space in proportion to the capacity: with a limit,
+    /// every segment is laid out differently from the first.
+    fn note_expandable_limit(&mut self) {
+        self.limit_acted |= self.capacity.is_some() && self.config.expandable_segments;
+    }
+
+    /// Whether the device limit has made the layout differ from what the same calls would
+    /// have left without a limit. Until the device first refuses a segment, a limited
+    /// allocator is an unlimited one. A refused request then frees the cache and retries: if
+    /// that freed nothing (no pending frees, no whole free segment) and the request failed,
+    /// only counters (`num_ooms`, retries, syncs) differ, and once the limit is lifted the
+    /// request gets the segment an unlimited allocator would have made. Anything else (a
+    /// retry that succeeded, a block released, a configuration other than the plain one,
+    /// whose releases this does not follow) counts as acting.
+    pub fn limit_has_acted(&self) -> bool {
+        self.limit_acted
     }
 
     /// Starts (or stops) recording how each `malloc` is served; starting clears the record.
@@ -216,7 +242,8 @@ impl CachingAllocator {
             .filter(|(_, b)| b.prev == NONE)
             .map(|(id, b)| (b.ptr, id))
             .collect();
-        heads.sort_unstable();
+        // Segments do not overlap: their first addresses alone order them.
+        heads.sort_unstable_by_key(|&(ptr, _)| ptr);
         for (_, head) in heads {
             let mut id = head;
             while id != NONE {
@@ -388,9 +415,7 @@ impl CachingAllocator {
             }
             || {
                 kind = DecisionKind::Other;
-                (self.release_available_cached_blocks(&params)
-                    && self.alloc_block(&mut params, false))
-                    || (self.release_cached_blocks() && self.alloc_block(&mut params, true))
+                self.retry_after_release(&mut params)
             };
         if let Some(log) = &mut self.decisions {
             let (ptr, block_size) = if block_found {
@@ -424,6 +449,18 @@ impl CachingAllocator {
             orig_size,
             split_remainder,
         )))
+    }
+
+    /// The last resort of `malloc`, once the device refused a segment: free cached blocks and
+    /// try again. Notes whether that made the layout differ from an unlimited allocator's.
+    fn retry_after_release(&mut self, params: &mut AllocParams) -> bool {
+        let untouched = (self.stats.num_device_free, self.pending_frees.is_empty());
+        let found = (self.release_available_cached_blocks(params)
+            && self.alloc_block(params, false))
+            || (self.release_cached_blocks() && self.alloc_block(params, true));
+        let changed = (self.stats.num_device_free, true) != untouched;
+        self.limit_acted |= found || changed || !self.plain_config();
+        found
     }
 
     fn out_of_memory(&self, requested: u64, alloc_size: u64) -> DeviceOutOfMemory {

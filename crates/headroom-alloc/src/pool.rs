@@ -75,20 +75,24 @@ impl SizeClass {
 /// The index of the first of `sizes` (ascending) that is at least `size`. A count rather than
 /// a binary search: there are only tens of sizes, and a count has no dependent loads.
 #[inline]
-fn first_size_at_least(sizes: &[u64], size: u64) -> usize {
-    sizes.iter().map(|&s| usize::from(s < size)).sum()
+fn first_size_at_least(sizes: &[(u64, u32)], size: u64) -> usize {
+    sizes.iter().map(|&(s, _)| usize::from(s < size)).sum()
 }
 
 /// The free blocks of one stream, in (size, address) order: the distinct sizes ascending,
 /// each with its blocks. Free blocks come in few sizes (tens) with many blocks each, so a
 /// best-fit query is a search among the sizes, and taking the block the smallest address.
+///
+/// Most blocks are alone in their size, so sizes come and go with nearly every change: the
+/// sizes are one array of (size, class), shifted once per new or emptied size, and the
+/// classes stay where they are in a table of their own.
 #[derive(Default, Clone)]
 pub(crate) struct SizeOrdered {
-    /// Sizes that have blocks, ascending.
-    sizes: Vec<u64>,
+    /// Sizes that have blocks, ascending, with the index of their class in `classes`.
+    sizes: Vec<(u64, u32)>,
+    /// The blocks of each size; those not in `sizes` are empty and listed in `vacant`.
     classes: Vec<SizeClass>,
-    /// Emptied classes, kept for their memory.
-    spare: Vec<SizeClass>,
+    vacant: Vec<u32>,
     len: usize,
 }
 
@@ -105,21 +109,32 @@ impl SizeOrdered {
         self.len
     }
 
+    /// The blocks of the `at`th size.
+    #[inline]
+    fn class(&self, at: usize) -> &SizeClass {
+        &self.classes[self.sizes[at].1 as usize]
+    }
+
+    #[inline]
+    fn class_mut(&mut self, at: usize) -> &mut SizeClass {
+        &mut self.classes[self.sizes[at].1 as usize]
+    }
+
     /// The smallest block with at least `size` bytes (its lowest address).
     #[inline]
     fn first_at_least(&self, size: u64) -> Option<Cursor> {
         let class = first_size_at_least(&self.sizes, size);
-        let c = self.classes.get(class)?;
+        let &(_, c) = self.sizes.get(class)?;
         Some(Cursor {
             class,
-            index: c.entries.len() - 1,
+            index: self.classes[c as usize].entries.len() - 1,
         })
     }
 
     #[inline]
     fn at(&self, c: Cursor) -> (u64, u64, u32) {
-        let (ptr, id) = self.classes[c.class].entries[c.index];
-        (self.sizes[c.class], ptr, id)
+        let (ptr, id) = self.class(c.class).entries[c.index];
+        (self.sizes[c.class].0, ptr, id)
     }
 
     /// The next block in (size, address) order.
@@ -132,10 +147,10 @@ impl SizeOrdered {
             })
         } else {
             let class = c.class + 1;
-            let next = self.classes.get(class)?;
+            let &(_, next) = self.sizes.get(class)?;
             Some(Cursor {
                 class,
-                index: next.entries.len() - 1,
+                index: self.classes[next as usize].entries.len() - 1,
             })
         }
     }
@@ -143,7 +158,7 @@ impl SizeOrdered {
     /// The previous block in (size, address) order.
     #[inline]
     fn prev(&self, c: Cursor) -> Option<Cursor> {
-        if c.index + 1 < self.classes[c.class].entries.len() {
+        if c.index + 1 < self.class(c.class).entries.len() {
             Some(Cursor {
                 class: c.class,
                 index: c.index + 1,
@@ -168,10 +183,10 @@ impl SizeOrdered {
     #[inline]
     fn find(&self, size: u64, ptr: u64) -> Option<Cursor> {
         let class = first_size_at_least(&self.sizes, size);
-        if self.sizes.get(class) != Some(&size) {
+        if self.sizes.get(class).map(|e| e.0) != Some(size) {
             return None;
         }
-        let c = &self.classes[class];
+        let c = self.class(class);
         let index = c.position(ptr);
         (c.entries.get(index).map(|e| e.0) == Some(ptr)).then_some(Cursor { class, index })
     }
@@ -179,12 +194,14 @@ impl SizeOrdered {
     /// Adds (size, ptr); returns false if it was there already.
     fn insert(&mut self, size: u64, ptr: u64, id: u32) -> bool {
         let class = first_size_at_least(&self.sizes, size);
-        if self.sizes.get(class) != Some(&size) {
-            self.sizes.insert(class, size);
-            self.classes
-                .insert(class, self.spare.pop().unwrap_or_default());
+        if self.sizes.get(class).map(|e| e.0) != Some(size) {
+            let slot = self.vacant.pop().unwrap_or_else(|| {
+                self.classes.push(SizeClass::default());
+                self.classes.len() as u32 - 1
+            });
+            self.sizes.insert(class, (size, slot));
         }
-        let c = &mut self.classes[class];
+        let c = self.class_mut(class);
         let index = c.position(ptr);
         if c.entries.get(index).map(|e| e.0) == Some(ptr) {
             return false;
@@ -197,13 +214,13 @@ impl SizeOrdered {
     /// Removes the entry at `c`.
     #[inline]
     fn remove_at(&mut self, c: Cursor) {
-        let class = &mut self.classes[c.class];
+        let class = self.class_mut(c.class);
         class.remove(c.index);
+        let emptied = class.entries.is_empty();
         self.len -= 1;
-        if class.entries.is_empty() {
-            self.sizes.remove(c.class);
-            let empty = self.classes.remove(c.class);
-            self.spare.push(empty);
+        if emptied {
+            let (_, slot) = self.sizes.remove(c.class);
+            self.vacant.push(slot);
         }
     }
 
@@ -228,8 +245,9 @@ impl SizeOrdered {
 
     /// Every entry in (size, address) order.
     fn iter(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.sizes.iter().zip(&self.classes).flat_map(|(&size, c)| {
-            c.entries
+        self.sizes.iter().flat_map(|&(size, c)| {
+            self.classes[c as usize]
+                .entries
                 .iter()
                 .rev()
                 .map(move |&(ptr, id)| (size, ptr, id))

@@ -315,6 +315,33 @@ fn a_failed_cuda_malloc_flushes_the_cache_and_retries() {
     );
 }
 
+/// The limit acts once a refused request frees something or gets served: until then a
+/// limited allocator is an unlimited one, even after an error.
+#[test]
+fn the_limit_acts_when_a_refusal_changes_the_layout() {
+    // Refused with nothing cached: an error, and the layout is an unlimited allocator's.
+    let mut a = allocator("", Some(100 * MIB));
+    let _x = a.malloc(60 * MIB, 0).unwrap();
+    assert!(a.malloc(60 * MIB, 0).is_err());
+    assert!(!a.limit_has_acted());
+    // Refused with a whole free segment cached: it is released.
+    let mut b = allocator("", Some(100 * MIB));
+    let small = b.malloc(KIB, 0).unwrap();
+    b.free(small);
+    let _x = b.malloc(60 * MIB, 0).unwrap();
+    assert!(b.malloc(60 * MIB, 0).is_err());
+    assert!(b.limit_has_acted());
+    // Served after the flush.
+    let mut c = allocator("", Some(100 * MIB));
+    let x = c.malloc(60 * MIB, 0).unwrap();
+    c.free(x);
+    c.malloc(80 * MIB, 0).unwrap();
+    assert!(c.limit_has_acted());
+    // Expandable segments are laid out by the capacity from the start.
+    assert!(allocator("expandable_segments:True", Some(100 * MIB)).limit_has_acted());
+    assert!(!allocator("expandable_segments:True", None).limit_has_acted());
+}
+
 #[test]
 fn release_available_cached_blocks_frees_one_oversize_block_without_a_retry() {
     let mut a = allocator("max_split_size_mb:64", Some(170 * MIB));

@@ -169,14 +169,15 @@ pub fn estimate_with_trace(
     };
     let nccl = nccl_bytes(spec.parallel.as_ref());
     let capacity = (limit == Limit::Gpu).then(|| gpu.allocator_capacity().saturating_sub(nccl));
-    // With an error, everything of the limited run but the error is thrown away: it stops there.
+    // With an error, the limited run stops there and only the error is kept, unless the limit
+    // had changed nothing by then: the run went on as the one without a limit.
     let mut sim = timeline::simulate_to_first_oom(spec, &arch, allocator.clone(), capacity, trace);
     let mut oom = sim.oom.take();
     if let Some(OutOfMemory::Device(error)) = oom.as_mut().map(|o| &mut o.error) {
         // The simulator knows its capacity; PyTorch prints the device's total.
         error.device_total = gpu.total_bytes;
     }
-    if oom.is_some() {
+    if oom.is_some() && !sim.unlimited {
         // The limited run stopped being physical at the failure; report the demand.
         sim = timeline::simulate(spec, &arch, allocator, None, trace);
     }

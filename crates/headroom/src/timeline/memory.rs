@@ -117,11 +117,24 @@ impl Recording {
     }
 }
 
+/// What a run does after its first out-of-memory error (which is recorded in any case).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OnOom {
+    /// Lift the device limit and go on: the timeline stays complete, if no longer physical.
+    GoOn,
+    /// Stop: nothing more reaches the allocator (the caller only wants to know where).
+    Stop,
+    /// Stop unless the run is still what it would be without a device limit
+    /// ([`Memory::unlimited`]): then it goes on as that run, whose numbers the caller wants
+    /// next, so that it need not be simulated again.
+    StopUnlessUnlimited,
+}
+
 pub(crate) struct Memory {
     pub(crate) allocator: CachingAllocator,
     oom: Option<SimulatedOom>,
-    /// Stop at the first out-of-memory error (the caller only wants to know where it is).
-    stop_at_oom: bool,
+    /// What the first out-of-memory error does to the run.
+    on_oom: OnOom,
     /// Stopped: from here on nothing reaches the allocator; allocations carry this block
     /// (the last one made) and are never freed.
     stopped: Option<BlockId>,
@@ -142,7 +155,7 @@ impl Memory {
         Memory {
             allocator,
             oom: None,
-            stop_at_oom: false,
+            on_oom: OnOom::GoOn,
             stopped: None,
             live: [0; Component::COUNT],
             peak: PeakRecord::default(),
@@ -206,7 +219,12 @@ impl Memory {
                     .allocator
                     .malloc(bytes, self.stream)
                     .expect("an allocator without a capacity limit does not run out");
-                if self.stop_at_oom {
+                let stop = match self.on_oom {
+                    OnOom::GoOn => false,
+                    OnOom::Stop => true,
+                    OnOom::StopUnlessUnlimited => !self.unlimited(),
+                };
+                if stop {
                     self.stopped = Some(block);
                 }
                 block
@@ -358,9 +376,16 @@ impl Memory {
         &self.peak
     }
 
-    /// Stop at the first out-of-memory error from now on.
-    pub(crate) fn stop_at_oom(&mut self) {
-        self.stop_at_oom = true;
+    /// What the first out-of-memory error does from now on.
+    pub(crate) fn on_oom(&mut self, policy: OnOom) {
+        self.on_oom = policy;
+    }
+
+    /// Whether the allocator is where the same requests would have left it without a device
+    /// limit, and so allocated and reserved bytes, peaks, breakdown and trace too (a limit
+    /// lifted at an out-of-memory error that changed nothing included).
+    pub(crate) fn unlimited(&self) -> bool {
+        !self.allocator.limit_has_acted()
     }
 
     /// Memory taken outside the caching allocator (a rollout engine's pool) on a device of

@@ -13,7 +13,7 @@ use headroom_alloc::{AllocatorConfig, CachingAllocator};
 
 use super::component::Component;
 use super::instance::{Home, Instance};
-use super::memory::{Memory, PeakRecord, SimulatedOom};
+use super::memory::{Memory, OnOom, PeakRecord, SimulatedOom};
 use super::tracer::{T, Tracer};
 use crate::arch::Architecture;
 use crate::dtype::DType;
@@ -107,7 +107,7 @@ pub fn simulate_pipeline(
         CachingAllocator::new(allocator, capacity),
         false,
     ));
-    t.mem.stop_at_oom();
+    t.mem.on_oom(OnOom::Stop);
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);
 

@@ -7,7 +7,7 @@ use headroom_alloc::{AllocatorConfig, CachingAllocator, Checkpoint, Decision};
 
 use super::component::Component;
 use super::instance::{Home, Instance};
-use super::memory::{Memory, PeakRecord, Request, SimulatedOom, TraceEvent};
+use super::memory::{Memory, OnOom, PeakRecord, Request, SimulatedOom, TraceEvent};
 use super::tracer::{BackwardHooks, T, Tracer, TracerState};
 use super::transformer::{Batch, Model};
 use crate::arch::Architecture;
@@ -44,6 +44,10 @@ pub struct Simulation {
     /// Steps whose requests were taken from the previous one and served by the allocator
     /// again, the tracer not run (see `simulate_steps`).
     pub replayed_steps: u32,
+    /// Whether the numbers are those of the same run without a device limit: none was set,
+    /// or it never changed what the allocator did (an out-of-memory error after which the
+    /// run went on included; see `Memory::unlimited`).
+    pub unlimited: bool,
 }
 
 pub(super) struct Checkpointing<'a> {
@@ -166,9 +170,10 @@ pub fn simulate(
     simulate_steps(spec, arch, allocator, capacity, record_trace, true, false)
 }
 
-/// [`simulate`] that stops at the first out-of-memory error: then only
-/// [`Simulation::oom`] means anything (for a caller that simulates again without a limit).
-/// Without an error it is [`simulate`].
+/// [`simulate`] for a caller that, after an out-of-memory error, wants the run without a
+/// limit. The run stops at its first error (then only [`Simulation::oom`] means anything),
+/// unless the limit had changed nothing by then: it then goes on as the run without a limit,
+/// and says so in [`Simulation::unlimited`]. Without an error it is [`simulate`].
 pub fn simulate_to_first_oom(
     spec: &RunSpec,
     arch: &Architecture,
@@ -212,21 +217,27 @@ pub(crate) fn simulate_steps(
     repeat_steps: bool,
     stop_at_oom: bool,
 ) -> Simulation {
+    // DeepSpeed ZeRO's ranks hold different partitions (see `zero.rs`): the first and the
+    // last rank are simulated, and the one that needs more reported (an out-of-memory error
+    // first, then the larger reserved and allocated peaks). Without a limit another rank may
+    // need more, so such a run that runs out stops there.
+    let ranks_differ = spec.parallel.as_ref().is_some_and(Parallel::ranks_differ);
     let run = |rank| {
         let mut t = Tracer::new(Memory::new(
             CachingAllocator::new(allocator.clone(), capacity),
             record_trace,
         ));
         if stop_at_oom {
-            t.mem.stop_at_oom();
+            t.mem.on_oom(if ranks_differ {
+                OnOom::Stop
+            } else {
+                OnOom::StopUnlessUnlimited
+            });
         }
         simulate_rank(spec, arch, t, repeat_steps, rank)
     };
-    // DeepSpeed ZeRO's ranks hold different partitions (see `zero.rs`): the first and the
-    // last rank are simulated, and the one that needs more reported (an out-of-memory error
-    // first, then the larger reserved and allocated peaks).
     let last = run(None);
-    if !spec.parallel.as_ref().is_some_and(Parallel::ranks_differ) {
+    if !ranks_differ {
         return last;
     }
     let first = run(Some(0));
@@ -395,6 +406,7 @@ fn simulate_rank(
         trace: t.mem.take_trace(),
         repeated_steps,
         replayed_steps,
+        unlimited: !t.mem.stopped() && t.mem.unlimited(),
     }
 }
 
@@ -591,6 +603,72 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn spec_and_arch(value: &serde_json::Value) -> (RunSpec, Architecture) {
+        let spec = RunSpec::from_value(value).expect("valid spec");
+        let model = spec.resolve_model(None).expect("known model");
+        let arch = Architecture::from_hf_config(&model.config).expect("valid config");
+        (spec, arch)
+    }
+
+    /// Two simulations report the same: phases, peaks and what they were made of, trace.
+    fn assert_same_numbers(a: &Simulation, b: &Simulation, context: &str) {
+        assert_eq!(a.phases, b.phases, "{context}");
+        assert_eq!(a.peak_reserved, b.peak_reserved, "{context}");
+        assert_eq!(a.peak.allocated, b.peak.allocated, "{context}");
+        assert_eq!(a.peak.breakdown, b.peak.breakdown, "{context}");
+        let place = |s: &Simulation| (s.peak.phase, s.peak.step);
+        assert_eq!(place(a), place(b), "{context}");
+        assert_eq!(a.trace, b.trace, "{context}");
+    }
+
+    /// A limited run that goes on past its out-of-memory error (the limit had changed nothing)
+    /// is the run without a limit, to the byte; one that stops is not used for it.
+    #[test]
+    fn limited_runs_that_go_on_equal_unlimited_ones() {
+        let specs = [
+            json!({"model": "qwen2.5-0.5b", "precision": "amp-bf16", "optimizer": "adamw",
+                   "batch_size": 1, "seq_len": 512, "gradient_checkpointing": true}),
+            json!({"model": "qwen2.5-0.5b", "precision": "bf16", "batch_size": 2, "seq_len": 256,
+                   "lora": {"r": 8, "alpha": 16, "targets": "all-linear", "dropout": 0.05}}),
+            json!({"model": "qwen2.5-0.5b", "precision": "fp32", "optimizer": "sgd",
+                   "batch_size": 1, "seq_len": 128}),
+        ];
+        let (mut went_on, mut stopped) = (0, 0);
+        for value in specs {
+            let (spec, arch) = spec_and_arch(&value);
+            let run = |capacity, stop| {
+                let allocator = AllocatorConfig::default();
+                simulate_steps(&spec, &arch, allocator, capacity, true, true, stop)
+            };
+            let unlimited = run(None, false);
+            assert!(unlimited.unlimited);
+            // From less than the weights to just short of the reserved peak.
+            for eighth in 1..8 {
+                let capacity = unlimited.peak_reserved * eighth / 8;
+                let limited = run(Some(capacity), true);
+                if limited.oom.is_none() {
+                    continue;
+                }
+                if !limited.unlimited {
+                    stopped += 1;
+                    continue;
+                }
+                went_on += 1;
+                assert_same_numbers(&limited, &unlimited, &format!("{value} {capacity}"));
+                // The error is the one a run that goes on after it records.
+                assert_eq!(limited.oom, run(Some(capacity), false).oom, "{value}");
+            }
+        }
+        assert!(
+            went_on >= 3,
+            "{went_on} limited runs went on as unlimited ones"
+        );
+        assert!(
+            stopped >= 3,
+            "{stopped} limited runs stopped at their error"
+        );
+    }
+
     /// Taking a step from the previous one, or its requests, gives what simulating it gives,
     /// to the byte.
     #[test]
@@ -614,9 +692,7 @@ mod tests {
         let (mut repeated, mut ooms, mut limited_repeats) = (0, 0, 0);
         let (mut replayed, mut replayed_ooms) = (0, 0);
         for value in specs {
-            let spec = RunSpec::from_value(&value).expect("valid spec");
-            let model = spec.resolve_model(None).expect("known model");
-            let arch = Architecture::from_hf_config(&model.config).expect("valid config");
+            let (spec, arch) = spec_and_arch(&value);
             let run = |capacity, repeat| {
                 simulate_steps(
                     &spec,
@@ -644,15 +720,7 @@ mod tests {
             ];
             for capacity in capacities {
                 let (fast, slow) = (run(capacity, true), run(capacity, false));
-                assert_eq!(fast.phases, slow.phases, "{value}");
-                assert_eq!(fast.peak.allocated, slow.peak.allocated, "{value}");
-                assert_eq!(fast.peak.breakdown, slow.peak.breakdown, "{value}");
-                assert_eq!(
-                    (fast.peak.phase, fast.peak.step),
-                    (slow.peak.phase, slow.peak.step)
-                );
-                assert_eq!(fast.peak_reserved, slow.peak_reserved, "{value}");
-                assert_eq!(fast.trace, slow.trace, "{value}");
+                assert_same_numbers(&fast, &slow, &value.to_string());
                 assert_eq!(fast.oom, slow.oom, "{value}");
                 assert_eq!(
                     (fast.params, fast.trainable_params, fast.weights_loaded),

@@ -934,9 +934,11 @@ impl Tracer {
     pub(crate) fn begin_region(&mut self, inputs: &[T]) -> u32 {
         let id = self.regions.len() as u32;
         let inputs = inputs.iter().map(|&t| self.share(t)).collect();
+        // Regions are layers, which record alike: room for as many nodes as the last one.
+        let room = self.regions.last().map_or(0, |r| r.nodes.len());
         self.regions.push(Region {
             inputs,
-            nodes: Vec::new(),
+            nodes: Vec::with_capacity(room),
             recomputed: false,
             pending: 0,
         });

@@ -127,38 +127,20 @@ pub fn estimate_with_trace(
     let arch = Architecture::from_hf_config(&model.config)?;
     spec.check_against(&arch)?;
     if let Some(parallel) = &spec.parallel {
-        let zero3 = parallel.strategy == Strategy::Zero3;
-        let train = spec.mode == crate::spec::Mode::Train;
-        if zero3 && train && parallel.offload_params && !parallel.offload_optimizer {
-            return Err(crate::error::Error::Unsupported {
-                what: "parallel.offload_params true with offload_optimizer false (zero3)".into(),
-                supported: "offload_params with offload_optimizer true (as measured; fp32 \
-                            masters made from host partitions are not modelled)"
-                    .into(),
-            });
-        }
         let zero = matches!(
             parallel.strategy,
             Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
         );
-        if zero && spec.optimizer != crate::spec::Optimizer::AdamW {
+        // A forward-only zero1/zero2 model is refused by the spec (a plain copy); zero3 builds
+        // an inference engine without an optimizer.
+        if zero
+            && spec.mode == crate::spec::Mode::Train
+            && spec.optimizer != crate::spec::Optimizer::AdamW
+        {
             return Err(crate::error::Error::Unsupported {
                 what: format!("optimizer {} with DeepSpeed ZeRO", spec.optimizer.name()),
                 supported: "adamw (DeepSpeed's torch_adam: torch.optim.AdamW, foreach; \
                             DeepSpeedCPUAdam under offload_optimizer)"
-                    .into(),
-            });
-        }
-        if zero && !zero3 && !train {
-            return Err(crate::error::Error::Unsupported {
-                what: format!(
-                    "mode {:?} with parallel.strategy {}",
-                    spec.mode,
-                    parallel.strategy.name()
-                )
-                .to_lowercase(),
-                supported: "mode train for zero1 and zero2; zero3 also builds a forward-only \
-                            inference engine"
                     .into(),
             });
         }

@@ -80,9 +80,12 @@
 //!   the module hooks and their gathers (or host copies) in every forward; the engine runs
 //!   without the outer autocast.
 //!
-//! Not modelled: training with `offload_param` but not `offload_optimizer` (refused by
-//! `estimate`). The few
-//! tiny allocations of the barriers and norm reductions.
+//! - `offload_param` without `offload_optimizer` (checked against
+//!   `zero3-offload-params-only-q15-4l-nogc-w1-rank0.pickle.gz`, with frames): the fp32 master
+//!   of each sub-group is `partition.to(device).clone().float()`, so the host partitions are
+//!   first copied over (freed once cloned).
+//!
+//! Not modelled: the few tiny allocations of the barriers and norm reductions.
 
 use std::ops::Range;
 
@@ -210,7 +213,13 @@ impl Zero3 {
         if !offload_optimizer {
             for g in &sub_groups {
                 let n = group_numel(g);
+                // `.to(self.device)` copies a host partition over first (under `offload_param`).
+                let copy =
+                    offload_params.then(|| t.empty(n, dtype, "sub-group partition .to(device)"));
                 let clone = t.empty(n, dtype, "sub-group partition .clone()");
+                if let Some(copy) = copy {
+                    t.drop(copy);
+                }
                 let master = t.parameter(n, DType::F32, true, "fp32 master (sub-group)");
                 t.recategorize(t.param(master), Component::OptimizerStates);
                 t.drop(clone);

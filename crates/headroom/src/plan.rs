@@ -167,14 +167,15 @@ impl Knobs {
     }
 
     /// The sharding and offload of a full fine-tune are simulated where the estimator models
-    /// them: ZeRO-3 as FSDP2 full sharding (optimizer on the GPU), ZeRO-1/2 and the optimizer
-    /// on the CPU as DeepSpeed runs them (`offload_optimizer`; on one GPU, ZeRO-Offload: ZeRO-2
-    /// over a world of one). The others are computed.
+    /// them: ZeRO-3 as FSDP2 full sharding with the optimizer on the GPU, ZeRO-1/2/3 with the
+    /// optimizer on the CPU and ZeRO-1/2 as DeepSpeed runs them (`offload_optimizer`; on one
+    /// GPU, ZeRO-Offload: ZeRO-2 over a world of one). The others are computed.
     fn sharding_simulated(&self) -> bool {
         match self.sharding {
             Sharding::None => self.cpu_offload && self.deepspeed_modelled(),
             Sharding::Zero1 | Sharding::Zero2 => self.deepspeed_modelled(),
-            Sharding::Zero3 => self.adapter == Adapter::Full && !self.cpu_offload,
+            Sharding::Zero3 if self.cpu_offload => self.deepspeed_modelled(),
+            Sharding::Zero3 => self.adapter == Adapter::Full,
         }
     }
 }
@@ -182,7 +183,8 @@ impl Knobs {
 /// The data parallelism (or ZeRO-Offload) the simulated run has over `gpus` ranks: DDP when
 /// nothing is sharded or offloaded, DeepSpeed ZeRO-1/2 (with `offload_optimizer` for the
 /// optimizer on the CPU; ZeRO-2 of one rank when nothing is sharded), FSDP2 full shard for
-/// ZeRO-3 (see `Knobs::sharding_simulated`).
+/// ZeRO-3 with the optimizer on the GPU and DeepSpeed ZeRO-3 with it on the CPU (see
+/// `Knobs::sharding_simulated`).
 fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
     if spec.mode != Mode::Train {
         return None;
@@ -196,6 +198,7 @@ fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
         Sharding::None => return None,
         Sharding::Zero1 => Strategy::Zero1,
         Sharding::Zero2 => Strategy::Zero2,
+        Sharding::Zero3 if k.cpu_offload => Strategy::Zero3,
         Sharding::Zero3 => Strategy::Fsdp,
     };
     Some(Parallel {

@@ -213,6 +213,7 @@ pub fn pipeline(
     est: &headroom::pipeline::PipelineEstimate,
     verdict: bool,
 ) -> String {
+    use headroom::spec::Strategy;
     use headroom::timeline::instance::Home;
     use headroom::timeline::pipeline::Pass;
     let mut out = String::new();
@@ -250,7 +251,11 @@ pub fn pipeline(
                 )
             }
             (Some(p), _) if p.offload_params => format!(
-                "host (FSDP2 CPU offload, {} rank{})",
+                "host ({}, {} rank{})",
+                match p.strategy {
+                    Strategy::Zero3 => "ZeRO-3 offload_param",
+                    _ => "FSDP2 CPU offload",
+                },
                 p.world_size,
                 if p.world_size == 1 { "" } else { "s" }
             ),

@@ -51,6 +51,30 @@ fn check_steps(
     checked
 }
 
+/// The DeepSpeed rows whose world size `keep` accepts, each with its spec and estimate.
+fn deepspeed_estimates(
+    keep: impl Fn(u64) -> bool,
+) -> Vec<(Value, RunSpec, headroom::estimate::Estimate)> {
+    rows()
+        .into_iter()
+        .filter_map(|row| {
+            let id = row["id"].as_str().expect("id").to_string();
+            let spec = RunSpec::from_value(&row["spec"]).expect(&id);
+            let parallel = spec.parallel.as_ref().expect("parallel");
+            let deepspeed = matches!(
+                parallel.strategy,
+                Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
+            );
+            if !deepspeed || !keep(parallel.world_size) {
+                return None;
+            }
+            let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
+            let est = headroom::estimate::estimate(&spec, None, &gpu).expect(&id);
+            Some((row, spec, est))
+        })
+        .collect()
+}
+
 /// [`check_steps`] against rank 0's phases; returns how many were checked and the reserved
 /// peak's error.
 fn check_rank0(id: &str, est: &headroom::estimate::Estimate, row: &Value) -> (usize, f64) {
@@ -126,19 +150,8 @@ fn sharding_moves_memory_where_the_measurements_say() {
 #[test]
 fn every_phase_of_every_multi_rank_deepspeed_row() {
     let mut checked = 0;
-    for row in rows() {
+    for (row, _, est) in deepspeed_estimates(|world| world > 1) {
         let id = row["id"].as_str().expect("id");
-        let spec = RunSpec::from_value(&row["spec"]).expect(id);
-        let parallel = spec.parallel.as_ref().expect("parallel");
-        let deepspeed = matches!(
-            parallel.strategy,
-            Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
-        );
-        if !deepspeed || parallel.world_size < 2 {
-            continue;
-        }
-        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
-        let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
         let ranks = row["measured"]["ranks"].as_array().expect("ranks");
         let phase = |step: u32, name: &str| {
             est.phases
@@ -180,19 +193,9 @@ fn every_phase_of_every_multi_rank_deepspeed_row() {
 #[test]
 fn every_phase_of_every_one_rank_deepspeed_row() {
     let mut checked = 0;
-    for row in rows() {
+    for (row, spec, est) in deepspeed_estimates(|world| world == 1) {
         let id = row["id"].as_str().expect("id");
-        let spec = RunSpec::from_value(&row["spec"]).expect(id);
         let parallel = spec.parallel.as_ref().expect("parallel");
-        let deepspeed = matches!(
-            parallel.strategy,
-            Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
-        );
-        if !deepspeed || parallel.world_size != 1 {
-            continue;
-        }
-        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
-        let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
         let (phases, reserved) = check_rank0(id, &est, &row);
         checked += phases;
         // The full-size Qwen `offload_param` rows' step 3 reserves one more 446 MiB segment

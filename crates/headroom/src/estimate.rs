@@ -79,15 +79,9 @@ impl Estimate {
 /// one-rank FSDP2 or DDP group is not measured and counts nothing.
 pub fn nccl_bytes(parallel: Option<&crate::spec::Parallel>) -> u64 {
     const MIB: u64 = 1 << 20;
-    let deepspeed = |p: &crate::spec::Parallel| {
-        matches!(
-            p.strategy,
-            Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
-        )
-    };
     match parallel {
         None => 0,
-        Some(p) if p.world_size <= 1 && deepspeed(p) => 1094 * MIB,
+        Some(p) if p.world_size <= 1 && p.strategy.is_deepspeed() => 1094 * MIB,
         Some(p) if p.world_size <= 1 => 0,
         Some(p) => match p.strategy {
             Strategy::Ddp => 992 * MIB,
@@ -127,13 +121,9 @@ pub fn estimate_with_trace(
     let arch = Architecture::from_hf_config(&model.config)?;
     spec.check_against(&arch)?;
     if let Some(parallel) = &spec.parallel {
-        let zero = matches!(
-            parallel.strategy,
-            Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
-        );
         // A forward-only zero1/zero2 model is refused by the spec (a plain copy); zero3 builds
         // an inference engine without an optimizer.
-        if zero
+        if parallel.strategy.is_deepspeed()
             && spec.mode == crate::spec::Mode::Train
             && spec.optimizer != crate::spec::Optimizer::AdamW
         {

@@ -117,6 +117,11 @@ impl Parallel {
 }
 
 impl Strategy {
+    /// DeepSpeed's ZeRO stages (its engine, optimizer wrapper and process groups).
+    pub fn is_deepspeed(self) -> bool {
+        matches!(self, Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Ddp => "ddp",
@@ -599,10 +604,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
     )?;
     only_for(
         "offload_optimizer",
-        matches!(
-            strategy,
-            Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
-        ),
+        strategy.is_deepspeed(),
         "it applies to zero1, zero2 and zero3",
     )?;
     let reshard_after_forward = match obj.get("reshard_after_forward") {

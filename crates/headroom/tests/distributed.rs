@@ -61,11 +61,7 @@ fn deepspeed_estimates(
             let id = row["id"].as_str().expect("id").to_string();
             let spec = RunSpec::from_value(&row["spec"]).expect(&id);
             let parallel = spec.parallel.as_ref().expect("parallel");
-            let deepspeed = matches!(
-                parallel.strategy,
-                Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3
-            );
-            if !deepspeed || !keep(parallel.world_size) {
+            if !parallel.strategy.is_deepspeed() || !keep(parallel.world_size) {
                 return None;
             }
             let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");

@@ -103,13 +103,12 @@ impl Instance {
         // ZeRO-3: `from_config` under `deepspeed.zero.Init` (each parameter partitioned as
         // it is made, then gathered for transformers' init); the buffers are made on the GPU.
         let zero3_partitions = parallel.filter(|p| p.strategy == Strategy::Zero3).map(|p| {
-            let params: Vec<ParamId> = model_params.clone().collect();
             let tied_head =
                 (arch.tie_word_embeddings && head == crate::arch::Head::CausalLm).then(|| {
                     let numel = t.numel(t.param(model.embed));
                     t.parameter_deferred(numel, dtype, false, "untied lm_head (zero.Init)")
                 });
-            let made = Zero3::init(t, &params, p, tied_head);
+            let made = Zero3::init(t, &all_model_params, p, tied_head);
             Model::rotary_buffers(t, arch);
             made
         });

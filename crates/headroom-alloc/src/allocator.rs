@@ -195,9 +195,12 @@ impl CachingAllocator {
         self.decisions = on.then(Vec::new);
     }
 
-    /// Starts recording into `buffer` (cleared first), reusing its memory.
+    /// Starts recording into `buffer` (cleared first), reusing its memory. Room is made for
+    /// as many decisions as there were allocations so far (a step allocates about as often
+    /// as everything before it): growing the log by copying costs more than writing it.
     pub fn record_decisions_into(&mut self, mut buffer: Vec<Decision>) {
         buffer.clear();
+        buffer.reserve(self.stats.allocation.all.allocated as usize);
         self.decisions = Some(buffer);
     }
 

@@ -324,6 +324,31 @@ impl Memory {
         });
     }
 
+    /// `a`, the allocation just made, is one the process makes once (a cuBLAS workspace at its
+    /// first GEMM): the record leaves it out. Requests are made again only from a state
+    /// where it was made already, so a replay must not make it; a request that frees it
+    /// refers to an allocation from before the record.
+    pub(crate) fn made_once(&mut self, a: &Allocation) {
+        if let Some(r) = &mut self.recording
+            && let Some(slot) = r.by_block.get_mut(a.block.index())
+            && r.mallocs.checked_sub(1) == Some(*slot)
+            && let Some(Request::Malloc { .. }) = r.requests.last()
+        {
+            r.requests.pop();
+            r.mallocs -= 1;
+            *slot = BEFORE;
+        }
+    }
+
+    /// The recorded `Malloc` whose allocation `a` is, if it was recorded.
+    pub(crate) fn recorded_malloc(&self, a: &Allocation) -> Option<u32> {
+        let r = self.recording.as_ref()?;
+        r.by_block
+            .get(a.block.index())
+            .copied()
+            .filter(|&i| i != BEFORE)
+    }
+
     /// Requests recorded so far (0 when not recording).
     pub(crate) fn requests_recorded(&self) -> usize {
         self.recording.as_ref().map_or(0, |r| r.requests.len())

@@ -8,7 +8,7 @@ use headroom_alloc::{AllocatorConfig, CachingAllocator, Checkpoint, Decision};
 use super::component::Component;
 use super::instance::{Home, Instance};
 use super::memory::{Memory, OnOom, PeakRecord, Request, SimulatedOom, TraceEvent};
-use super::tracer::{BackwardHooks, T, Tracer, TracerState};
+use super::tracer::{BackwardHooks, Scope, StoredGrad, T, Tracer, TracerState};
 use super::transformer::{Batch, Model};
 use crate::arch::Architecture;
 use crate::dtype::DType;
@@ -44,6 +44,9 @@ pub struct Simulation {
     /// Steps whose requests were taken from the previous one and served by the allocator
     /// again, the tracer not run (see `simulate_steps`).
     pub replayed_steps: u32,
+    /// Training passes (forward and backward) whose requests were taken from step 1's and
+    /// served by the allocator again, the tracer not run (see `simulate_steps`).
+    pub replayed_passes: u32,
     /// Whether the numbers are those of the same run without a device limit: none was set,
     /// or it never changed what the allocator did (an out-of-memory error after which the
     /// run went on included; see `Memory::unlimited`).
@@ -156,6 +159,21 @@ struct StepRecord {
     script: Vec<(&'static str, std::ops::Range<usize>)>,
 }
 
+/// Step 1's training pass (forward and backward), recorded so that step 2's can be made from
+/// its requests (see `simulate_steps`).
+struct PassRecord {
+    /// The state it started from, as a pass reads it, and the persistent tensors then.
+    start: TracerState,
+    persistent: usize,
+    /// The cuBLAS and cuBLASLt workspace flags it left.
+    workspaces: ([bool; 2], [bool; 2]),
+    /// What it asked of the device (workspaces left out), and where the backward's begin.
+    requests: Vec<Request>,
+    backward: usize,
+    /// The gradients it stored.
+    grads: Vec<StoredGrad>,
+}
+
 /// Simulate the run of `spec` on `arch`; `record_trace` keeps every allocation and free.
 /// `capacity` is what the caching allocator may obtain from the device (`None`: no limit);
 /// when it runs out, as PyTorch frees its cache and retries first, the failure is recorded in
@@ -208,6 +226,16 @@ pub fn simulate_to_first_oom(
 /// seen. The tracer is left where the step started; nothing reads it after the last step.
 /// A record that frees or recharges an allocation made before it (or a run that stopped
 /// while recording) is not used.
+///
+/// Step 2 of training never starts in step 1's state (the optimizer's states and the cuBLAS
+/// workspaces appeared since), but its training pass reads neither: it reads the parameters,
+/// the buffers, the autocast cache, the inputs and the workspace flags, and stores gradients
+/// that `zero_grad` removed. So when the part of the state a pass reads is step 1's, and the
+/// workspace flags are those step 1's pass left, step 2's pass makes step 1's requests less
+/// the workspaces' (which only a flag not yet set makes), and ends as step 1's did: the
+/// requests are made again and the gradients stored on what they allocate. Step 1's pass
+/// must end in the state it started from apart from its gradients and workspaces, each
+/// gradient a plain tensor allocated by a recorded request.
 pub(crate) fn simulate_steps(
     spec: &RunSpec,
     arch: &Architecture,
@@ -275,9 +303,15 @@ fn simulate_rank(
     let mut previous: Option<StepRecord> = None;
     let mut repeated_steps = 0;
     let mut replayed_steps = 0;
+    let passes_repeat = repeat_steps
+        && train
+        && spec.parallel.is_none()
+        && spec.optimizer != crate::spec::Optimizer::None;
+    let mut first_pass: Option<PassRecord> = None;
+    let mut replayed_passes = 0;
     // A step found to repeat the previous one: its phases and trace events.
     let mut repeating: Option<(usize, std::ops::Range<usize>)> = None;
-    for step in 1..=STEPS {
+    'steps: for step in 1..=STEPS {
         if t.mem.stopped() {
             break;
         }
@@ -291,7 +325,7 @@ fn simulate_rank(
             let roots: Vec<T> = instance.optimizer.tensors().chain([ids]).collect();
             let mut buffer = Vec::new();
             if let Some(prev) = previous.take() {
-                let same_tracer = t.state_is(&roots, &prev.tracer);
+                let same_tracer = t.state_is(Scope::Step, &roots, &prev.tracer);
                 if same_tracer
                     && t.mem
                         .allocator
@@ -332,7 +366,7 @@ fn simulate_rank(
                     t.mem.record_requests();
                 }
                 previous = Some(StepRecord {
-                    tracer: t.state(&roots),
+                    tracer: t.state(Scope::Step, &roots),
                     allocator: t.mem.allocator.checkpoint(),
                     decisions: Vec::new(),
                     phases: phases.len(),
@@ -371,17 +405,74 @@ fn simulate_rank(
             end_step(&mut t, &mut previous, phases.len(), script);
             continue;
         }
-        let mut loss: Option<T> = None;
-        phase(&mut t, "forward", &mut |t| {
-            loss = Some(instance.forward_for_loss(t, ids));
+        let no_grads = |t: &Tracer| t.params.iter().all(|p| p.grad.is_none());
+        let replay = first_pass.take().filter(|pass| {
+            let aside: Vec<T> = instance.optimizer.tensors().collect();
+            let scope = Scope::Pass {
+                persistent: pass.persistent,
+                aside: &aside,
+            };
+            no_grads(&t)
+                && (t.cublas_workspace, t.cublaslt_workspace) == pass.workspaces
+                && t.state_is(scope, &[ids], &pass.start)
         });
-        if t.mem.stopped() {
-            break;
-        }
-        let loss = loss.expect("the forward phase produced a loss");
-        phase(&mut t, "backward", &mut |t| instance.backward(t, loss));
-        if t.mem.stopped() {
-            break;
+        if let Some(pass) = replay {
+            // Room for every `Malloc` (fewer than the requests).
+            let mut allocations = Vec::with_capacity(pass.requests.len());
+            let (forward, backward) = pass.requests.split_at(pass.backward);
+            for (name, requests) in [("forward", forward), ("backward", backward)] {
+                phase(&mut t, name, &mut |t| {
+                    t.mem.replay(requests, &mut allocations)
+                });
+                if t.mem.stopped() {
+                    break 'steps;
+                }
+            }
+            t.restore_grads(&pass.grads, &allocations);
+            replayed_passes += 1;
+        } else {
+            // Step 1 records its pass for step 2 (see above).
+            let record = (passes_repeat && step == 1 && no_grads(&t)).then(|| {
+                let persistent = t.persistent_count();
+                t.mem.record_requests();
+                let scope = Scope::Pass {
+                    persistent,
+                    aside: &[],
+                };
+                (t.state(scope, &[ids]), persistent)
+            });
+            let mut loss: Option<T> = None;
+            phase(&mut t, "forward", &mut |t| {
+                loss = Some(instance.forward_for_loss(t, ids));
+            });
+            if t.mem.stopped() {
+                break;
+            }
+            let backward = t.mem.requests_recorded();
+            let loss = loss.expect("the forward phase produced a loss");
+            phase(&mut t, "backward", &mut |t| instance.backward(t, loss));
+            if t.mem.stopped() {
+                break;
+            }
+            if let Some((start, persistent)) = record {
+                let grads = t.stored_grads();
+                let scope = Scope::Pass {
+                    persistent,
+                    aside: &[],
+                };
+                let ends_as_started = t.state_is(scope, &[ids], &start);
+                let requests = t.mem.take_requests();
+                if let (Some(grads), Some(requests), true) = (grads, requests, ends_as_started) {
+                    first_pass = Some(PassRecord {
+                        start,
+                        persistent,
+                        workspaces: (t.cublas_workspace, t.cublaslt_workspace),
+                        requests,
+                        backward,
+                        grads,
+                    });
+                }
+            }
         }
         if spec.optimizer != crate::spec::Optimizer::None {
             phase(&mut t, "optimizer", &mut |t| instance.optimizer_step(t));
@@ -406,6 +497,7 @@ fn simulate_rank(
         trace: t.mem.take_trace(),
         repeated_steps,
         replayed_steps,
+        replayed_passes,
         unlimited: !t.mem.stopped() && t.mem.unlimited(),
     }
 }
@@ -420,7 +512,7 @@ fn replay_step(
     script: &[(&'static str, std::ops::Range<usize>)],
     phases: &mut Vec<PhasePeak>,
 ) {
-    let mut allocations = Vec::new();
+    let mut allocations = Vec::with_capacity(requests.len());
     let mut done = 0;
     for (name, range) in script {
         t.mem.replay(&requests[done..range.start], &mut allocations);
@@ -691,6 +783,7 @@ mod tests {
         ];
         let (mut repeated, mut ooms, mut limited_repeats) = (0, 0, 0);
         let (mut replayed, mut replayed_ooms) = (0, 0);
+        let (mut passes, mut passes_in_ooms) = (0, 0);
         for value in specs {
             let (spec, arch) = spec_and_arch(&value);
             let run = |capacity, repeat| {
@@ -726,7 +819,14 @@ mod tests {
                     (fast.params, fast.trainable_params, fast.weights_loaded),
                     (slow.params, slow.trainable_params, slow.weights_loaded)
                 );
-                assert_eq!((slow.repeated_steps, slow.replayed_steps), (0, 0));
+                assert_eq!(
+                    (
+                        slow.repeated_steps,
+                        slow.replayed_steps,
+                        slow.replayed_passes
+                    ),
+                    (0, 0, 0)
+                );
                 // Stopping at the first error finds the same error, and without one the run.
                 let stopped = simulate_steps(
                     &spec,
@@ -748,6 +848,8 @@ mod tests {
                 }
                 replayed += fast.replayed_steps;
                 replayed_ooms += fast.replayed_steps * u32::from(slow.oom.is_some());
+                passes += fast.replayed_passes;
+                passes_in_ooms += fast.replayed_passes * u32::from(slow.oom.is_some());
                 ooms += usize::from(slow.oom.is_some());
                 limited_repeats += fast.repeated_steps * u32::from(capacity.is_some());
             }
@@ -766,6 +868,13 @@ mod tests {
         assert!(
             replayed_ooms >= 3,
             "{replayed_ooms} replayed steps in runs out of memory"
+        );
+        // Step 2's training pass is made from step 1's requests in every training run with
+        // an optimizer (five specs, five devices each), also where the run runs out.
+        assert!(passes >= 20, "{passes} training passes replayed");
+        assert!(
+            passes_in_ooms >= 3,
+            "{passes_in_ooms} replayed training passes in runs out of memory"
         );
     }
 }

@@ -27,6 +27,7 @@ pub(crate) struct NodeId(u32);
 /// Index of a parameter in the model's parameter table.
 pub(crate) type ParamId = usize;
 
+#[derive(Clone)]
 struct TensorRec {
     numel: u64,
     dtype: DType,
@@ -216,7 +217,37 @@ impl StateSink for Compare<'_> {
     }
 }
 
+/// Names tensors without writing them: those a state counts as live but leaves out.
+struct Discard;
+
+impl StateSink for Discard {
+    #[inline]
+    fn word(&mut self, _: u64) {}
+}
+
 const NO_WORD: u64 = u64::MAX;
+
+/// What part of the process a [`TracerState`] covers.
+#[derive(Clone, Copy)]
+pub(crate) enum Scope<'a> {
+    /// All of it: what a whole step reads, and what it must leave as it found.
+    Step,
+    /// What a training pass (forward and backward) reads. Left out, only counted among the
+    /// live tensors: the gradients (a pass stores them and reads none, as every pass starts
+    /// after `zero_grad(set_to_none=True)`), the persistent tensors from the `persistent`th
+    /// on, `aside` (the optimizer's states: model code never reads them), the live bytes per
+    /// component (the device's books, not the tracer's) and the cuBLAS workspace flags (the
+    /// caller compares those).
+    Pass { persistent: usize, aside: &'a [T] },
+}
+
+/// A gradient a training pass stored, to be stored again by a pass made from its requests
+/// (see `step.rs`): its record, and the `Malloc` of the recorded requests that allocated it.
+pub(crate) struct StoredGrad {
+    param: ParamId,
+    rec: TensorRec,
+    malloc: u32,
+}
 
 /// Calls back into model code during backward.
 pub(crate) trait BackwardHooks {
@@ -320,34 +351,39 @@ impl Tracer {
 
     /// The state between steps (see [`TracerState`]); `roots` are the tensors the caller
     /// holds (optimizer states, inputs), in a fixed order.
-    pub(crate) fn state(&mut self, roots: &[T]) -> TracerState {
+    pub(crate) fn state(&mut self, scope: Scope, roots: &[T]) -> TracerState {
         let mut words = Vec::with_capacity(8 * (self.tensors.len() - self.free_tensors.len()));
-        self.write_state(roots, &mut words);
+        self.write_state(scope, roots, &mut words);
         TracerState { words }
     }
 
     /// Whether the state now is `earlier` (compared as it is written, nothing kept).
-    pub(crate) fn state_is(&mut self, roots: &[T], earlier: &TracerState) -> bool {
+    pub(crate) fn state_is(&mut self, scope: Scope, roots: &[T], earlier: &TracerState) -> bool {
         let mut compare = Compare {
             earlier: &earlier.words,
             at: 0,
             equal: true,
         };
-        self.write_state(roots, &mut compare);
+        self.write_state(scope, roots, &mut compare);
         compare.equal && compare.at == earlier.words.len()
     }
 
-    fn write_state(&mut self, roots: &[T], out: &mut impl StateSink) {
+    fn write_state(&mut self, scope: Scope, roots: &[T], out: &mut impl StateSink) {
         const UNSEEN: u32 = u32::MAX;
         let mut canonical = std::mem::take(&mut self.canonical);
         canonical.clear();
         canonical.resize(self.tensors.len(), UNSEEN);
         let mut next_id = 0u32;
         let mut chain: SmallVec<[T; 4]> = SmallVec::new();
+        let pass = match scope {
+            Scope::Step => None,
+            Scope::Pass { persistent, aside } => Some((persistent, aside)),
+        };
+        // Returns how many tensors it named.
         let mut visit = |t: Option<T>, out: &mut dyn StateSink| {
             let Some(t) = t else {
                 out.word(NO_WORD);
-                return;
+                return 0;
             };
             // A tensor's base is named before it.
             chain.clear();
@@ -389,17 +425,24 @@ impl Tracer {
                 out.word(rec.label.len() as u64);
             }
             out.word(u64::from(canonical[t.0 as usize]));
+            chain.len() as u64
         };
         for p in &self.params {
             visit(Some(p.tensor), out);
-            visit(p.grad, out);
+            if pass.is_none() {
+                visit(p.grad, out);
+            }
             let (rows, cols) = p.matrix.unwrap_or((NO_WORD, NO_WORD));
             out.word(rows);
             out.word(cols);
             out.word(u64::from(p.node.is_none()));
         }
         out.word(NO_WORD);
-        for &t in &self.persistent {
+        let (persistent, aside) = pass.unwrap_or((self.persistent.len(), &[]));
+        // Fewer than when the state was taken (a model was deleted): not that state.
+        out.word(u64::from(persistent > self.persistent.len()));
+        let persistent = persistent.min(self.persistent.len());
+        for &t in &self.persistent[..persistent] {
             visit(Some(t), out);
         }
         out.word(NO_WORD);
@@ -412,20 +455,35 @@ impl Tracer {
             visit(Some(t), out);
         }
         out.word(NO_WORD);
-        out.word((self.tensors.len() - self.free_tensors.len()) as u64);
-        for bytes in self.mem.live() {
-            out.word(bytes);
+        let mut live = (self.tensors.len() - self.free_tensors.len()) as u64;
+        if pass.is_some() {
+            let left_out = self.params.iter().map(|p| p.grad);
+            let left_out = left_out.chain(self.persistent[persistent..].iter().map(|&t| Some(t)));
+            for t in left_out.chain(aside.iter().map(|&t| Some(t))) {
+                live -= visit(t, &mut Discard);
+            }
         }
+        out.word(live);
+        if pass.is_none() {
+            for bytes in self.mem.live() {
+                out.word(bytes);
+            }
+        }
+        let workspaces = if pass.is_some() {
+            0
+        } else {
+            (u64::from(self.cublas_workspace[0]) << 24)
+                | (u64::from(self.cublas_workspace[1]) << 25)
+                | (u64::from(self.cublaslt_workspace[0]) << 26)
+                | (u64::from(self.cublaslt_workspace[1]) << 27)
+        };
         out.word(
             u64::from(self.grad_enabled)
                 | (u64::from(self.region.is_none()) << 1)
                 | (u64::from(self.recompute.is_none()) << 2)
                 | ((self.component as u64) << 8)
                 | (self.autocast.map_or(0xff, |d| d as u64) << 16)
-                | (u64::from(self.cublas_workspace[0]) << 24)
-                | (u64::from(self.cublas_workspace[1]) << 25)
-                | (u64::from(self.cublaslt_workspace[0]) << 26)
-                | (u64::from(self.cublaslt_workspace[1]) << 27)
+                | workspaces
                 | ((self.thread as u64) << 32),
         );
         out.word(u64::from(
@@ -679,6 +737,13 @@ impl Tracer {
             if rec.refs > 0 {
                 rec.param = None;
             }
+        }
+    }
+
+    /// `t`, just allocated, is made once in the life of the process (see `Memory::made_once`).
+    pub(crate) fn made_once(&mut self, t: T) {
+        if let Some(a) = self.rec(t).allocation {
+            self.mem.made_once(&a);
         }
     }
 
@@ -1209,6 +1274,40 @@ impl Tracer {
         match p.grad {
             None => p.grad = Some(grad),
             Some(_) => unreachable!("zero_grad(set_to_none=True) runs before every backward"),
+        }
+    }
+
+    /// The gradients stored so far, each with the `Malloc` of the requests being recorded
+    /// that allocated it; `None` unless every one is a plain tensor of its own (one
+    /// reference, no base, no `grad_fn`) allocated by a recorded request.
+    pub(crate) fn stored_grads(&self) -> Option<Vec<StoredGrad>> {
+        let mut grads = Vec::new();
+        for (param, p) in self.params.iter().enumerate() {
+            let Some(g) = p.grad else { continue };
+            let rec = self.rec(g);
+            if rec.refs != 1 || rec.base.is_some() || rec.grad_fn.is_some() || rec.param.is_some() {
+                return None;
+            }
+            let malloc = self.mem.recorded_malloc(rec.allocation.as_ref()?)?;
+            grads.push(StoredGrad {
+                param,
+                rec: rec.clone(),
+                malloc,
+            });
+        }
+        Some(grads)
+    }
+
+    /// Stores `grads` again, on `allocations` (by the index of the `Malloc` that made each, as
+    /// a replay of the recorded requests returns them).
+    pub(crate) fn restore_grads(&mut self, grads: &[StoredGrad], allocations: &[Allocation]) {
+        for g in grads {
+            let rec = TensorRec {
+                allocation: Some(allocations[g.malloc as usize]),
+                ..g.rec.clone()
+            };
+            let t = self.new_tensor(rec);
+            self.store_param_grad(g.param, t);
         }
     }
 

@@ -1156,6 +1156,7 @@ impl Tracer {
                 Component::Workspaces,
                 "cuBLAS workspace",
             );
+            self.made_once(ws);
             self.mark_persistent(ws);
         }
     }
@@ -1172,6 +1173,7 @@ impl Tracer {
                 Component::Workspaces,
                 "cuBLASLt workspace",
             );
+            self.made_once(ws);
             self.mark_persistent(ws);
         }
     }

@@ -1315,3 +1315,151 @@ impl Tracer {
         self.rec(t).refs
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::memory::Request;
+    use super::*;
+    use headroom_alloc::{AllocatorConfig, CachingAllocator};
+
+    fn tracer() -> Tracer {
+        Tracer::new(Memory::new(
+            CachingAllocator::new(AllocatorConfig::default(), None),
+            false,
+        ))
+    }
+
+    /// Two parameters and an input, as a training pass would find them.
+    fn model(t: &mut Tracer) -> T {
+        t.parameter(1 << 20, DType::F32, true, "w1");
+        t.parameter(1 << 10, DType::F32, true, "w2");
+        t.empty_as(4096, DType::I64, Component::Inputs, "input_ids")
+    }
+
+    /// A pass's state leaves out what a pass does not read (gradients, the optimizer's states,
+    /// persistent tensors made since, the workspace flags), and still sees everything else.
+    #[test]
+    fn a_pass_state_leaves_out_what_a_pass_does_not_read() {
+        let mut t = tracer();
+        let ids = model(&mut t);
+        let persistent = t.persistent_count();
+        let pass = |aside| Scope::Pass { persistent, aside };
+        let start = t.state(pass(&[]), &[ids]);
+        let whole = t.state(Scope::Step, &[ids]);
+
+        // What a first step leaves: a gradient, a workspace, optimizer states.
+        let g = t.empty_as(1 << 20, DType::F32, Component::Gradients, "grad");
+        t.store_param_grad(0, g);
+        let ws = t.empty_as(
+            1 << 20,
+            DType::U8,
+            Component::Workspaces,
+            "cuBLAS workspace",
+        );
+        t.mark_persistent(ws);
+        t.cublas_workspace[0] = true;
+        let states = [
+            t.empty_as(1 << 20, DType::F32, Component::OptimizerStates, "exp_avg"),
+            t.empty_as(
+                1 << 20,
+                DType::F32,
+                Component::OptimizerStates,
+                "exp_avg_sq",
+            ),
+        ];
+        assert!(t.state_is(pass(&states), &[ids], &start));
+        // The whole state sees it.
+        assert!(!t.state_is(Scope::Step, &[ids], &whole));
+
+        // A live tensor nothing reaches, another reference to a parameter, or a parameter
+        // cast to another dtype is a different state.
+        let stray = t.empty(8, DType::F32, "stray");
+        assert!(!t.state_is(pass(&states), &[ids], &start));
+        t.drop(stray);
+        assert!(t.state_is(pass(&states), &[ids], &start));
+        let w = t.param(1);
+        t.share(w);
+        assert!(!t.state_is(pass(&states), &[ids], &start));
+        t.drop(w);
+        assert!(t.state_is(pass(&states), &[ids], &start));
+        t.cast_parameter(1, DType::BF16);
+        assert!(!t.state_is(pass(&states), &[ids], &start));
+    }
+
+    /// Stored gradients come back on the allocations a replay makes, as the same tensors.
+    #[test]
+    fn stored_gradients_are_restored_on_replayed_allocations() {
+        let mut t = tracer();
+        model(&mut t);
+        t.mem.record_requests();
+        let scratch = t.empty(16, DType::F32, "scratch");
+        let g = t.empty_as(1 << 20, DType::F32, Component::Activations, "grad of mm");
+        t.recategorize(g, Component::Gradients);
+        t.store_param_grad(0, g);
+        t.drop(scratch);
+        let grads = t.stored_grads().expect("a plain, recorded gradient");
+        let requests = t.mem.take_requests().expect("a complete record");
+        let stored = t.params[0].grad.take().expect("stored");
+        t.drop(stored);
+        let live = t.mem.live();
+
+        let mut allocations = Vec::new();
+        t.mem.replay(&requests, &mut allocations);
+        t.restore_grads(&grads, &allocations);
+        let g = t.params[0].grad.expect("restored");
+        assert_eq!(
+            (t.numel(g), t.dtype(g), t.tensor_refs(g)),
+            (1 << 20, DType::F32, 1)
+        );
+        assert_eq!(
+            t.mem.live()[Component::Gradients.index()],
+            live[Component::Gradients.index()] + (4 << 20)
+        );
+        assert!(t.params[1].grad.is_none());
+
+        // A gradient with a second holder is not a plain tensor of its own.
+        let held = t.share(g);
+        assert!(t.stored_grads().is_none());
+        t.drop(held);
+    }
+
+    /// What the process makes once is left out of a record; a free of it is then a request
+    /// about an allocation from outside the record, which makes the record unusable.
+    #[test]
+    fn what_is_made_once_is_left_out_of_a_record() {
+        let mut t = tracer();
+        t.mem.record_requests();
+        let a = t.empty(16, DType::F32, "a");
+        let ws = t.empty_as(
+            1 << 20,
+            DType::U8,
+            Component::Workspaces,
+            "cuBLAS workspace",
+        );
+        t.made_once(ws);
+        let b = t.empty(16, DType::F32, "b");
+        t.drop(a);
+        t.drop(b);
+        assert_eq!(t.mem.requests_recorded(), 4);
+        let requests = t.mem.take_requests().expect("a complete record");
+        let labels: Vec<_> = requests
+            .iter()
+            .map(|r| match r {
+                Request::Malloc { label, .. } | Request::Free { label, .. } => *label,
+                Request::Recategorize { .. } => "recategorize",
+            })
+            .collect();
+        assert_eq!(labels, ["a", "b", "a", "b"]);
+
+        t.mem.record_requests();
+        let ws = t.empty_as(
+            1 << 20,
+            DType::U8,
+            Component::Workspaces,
+            "cuBLASLt workspace",
+        );
+        t.made_once(ws);
+        t.drop(ws);
+        assert!(t.mem.take_requests().is_none());
+    }
+}

@@ -65,6 +65,9 @@ pub(crate) enum Request {
 /// Requests being recorded.
 struct Recording {
     requests: Vec<Request>,
+    /// How many requests of the record come before `requests`, kept by the caller (see
+    /// `Memory::replay_as_recorded`).
+    before: usize,
     mallocs: u32,
     /// By block index: the `Malloc` whose allocation the block holds, `BEFORE` for a block
     /// allocated before the recording started (or free).
@@ -318,6 +321,7 @@ impl Memory {
         let so_far = (counts.allocated + counts.freed) as usize;
         self.recording = Some(Recording {
             requests: Vec::with_capacity(so_far),
+            before: 0,
             mallocs: 0,
             by_block: Vec::new(),
             complete: true,
@@ -351,10 +355,54 @@ impl Memory {
 
     /// Requests recorded so far (0 when not recording).
     pub(crate) fn requests_recorded(&self) -> usize {
-        self.recording.as_ref().map_or(0, |r| r.requests.len())
+        self.recording
+            .as_ref()
+            .map_or(0, |r| r.before + r.requests.len())
     }
 
-    /// Stops recording: the requests, if they refer to allocations of the record only.
+    /// Whether a record is being made that has nothing of its own yet: requests replayed
+    /// now with `replay_as_recorded` are its first.
+    pub(crate) fn record_is_empty(&self) -> bool {
+        self.recording
+            .as_ref()
+            .is_some_and(|r| r.requests.is_empty() && r.mallocs == 0 && r.complete)
+    }
+
+    /// `replay` of requests the caller keeps as the start of the record being made (it must
+    /// be empty or hold only such requests): they count as recorded, indices and all, but are
+    /// not copied into it. What they leave allocated that later requests free or recharge
+    /// must be `adopt`ed.
+    pub(crate) fn replay_as_recorded(
+        &mut self,
+        requests: &[Request],
+        allocations: &mut Vec<Allocation>,
+    ) {
+        let recording = self.recording.take();
+        debug_assert!(recording.as_ref().is_none_or(|r| r.requests.is_empty()));
+        let first = allocations.len();
+        self.replay(requests, allocations);
+        self.recording = recording.map(|mut r| {
+            r.before += requests.len();
+            r.mallocs += (allocations.len() - first) as u32;
+            // A run that stopped replays nothing more than the records had.
+            r.complete &= self.stopped.is_none();
+            r
+        });
+    }
+
+    /// `a`, made by the record's `index`th `Malloc` in a `replay_as_recorded`, is still live:
+    /// later requests may refer to it.
+    pub(crate) fn adopt(&mut self, index: u32, a: &Allocation) {
+        if let Some(r) = &mut self.recording {
+            if r.by_block.len() <= a.block.index() {
+                r.by_block.resize(a.block.index() + 1, BEFORE);
+            }
+            r.by_block[a.block.index()] = index;
+        }
+    }
+
+    /// Stops recording: the requests, if they refer to allocations of the record only (those
+    /// the caller kept from `replay_as_recorded` are not among them).
     pub(crate) fn take_requests(&mut self) -> Option<Vec<Request>> {
         self.recording
             .take()

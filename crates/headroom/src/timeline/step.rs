@@ -153,7 +153,10 @@ struct StepRecord {
     /// Its phases (the last entries of `phases` when it ended).
     phases: usize,
     trace: std::ops::Range<usize>,
-    /// What it asked of the device, when recorded (the step before the last) and complete.
+    /// What it asked of the device, when recorded (the step before the last) and complete:
+    /// `prefix`, the training pass it made from step 1's requests (kept, not recorded again),
+    /// then `requests`.
+    prefix: Vec<Request>,
     requests: Option<Vec<Request>>,
     /// Its phases' names and their requests (ranges of `requests`).
     script: Vec<(&'static str, std::ops::Range<usize>)>,
@@ -235,7 +238,8 @@ pub fn simulate_to_first_oom(
 /// the workspaces' (which only a flag not yet set makes), and ends as step 1's did: the
 /// requests are made again and the gradients stored on what they allocate. Step 1's pass
 /// must end in the state it started from apart from its gradients and workspaces, each
-/// gradient a plain tensor allocated by a recorded request.
+/// gradient a plain tensor allocated by a recorded request. Step 2's own record (for step 3)
+/// then starts with those requests, kept rather than recorded again.
 pub(crate) fn simulate_steps(
     spec: &RunSpec,
     arch: &Architecture,
@@ -352,7 +356,8 @@ fn simulate_rank(
                     && step == STEPS
                     && let Some(requests) = &prev.requests
                 {
-                    replay_step(&mut t, step, requests, &prev.script, &mut phases);
+                    let record = [&prev.prefix[..], requests];
+                    replay_step(&mut t, step, record, &prev.script, &mut phases);
                     replayed_steps += 1;
                     continue;
                 }
@@ -371,6 +376,7 @@ fn simulate_rank(
                     decisions: Vec::new(),
                     phases: phases.len(),
                     trace: t.mem.trace_len()..0,
+                    prefix: Vec::new(),
                     requests: None,
                     script: Vec::new(),
                 });
@@ -419,16 +425,28 @@ fn simulate_rank(
         if let Some(pass) = replay {
             // Room for every `Malloc` (fewer than the requests).
             let mut allocations = Vec::with_capacity(pass.requests.len());
+            // Step 1's requests are this step's: a record of this step starts with them.
+            let kept = t.mem.record_is_empty();
             let (forward, backward) = pass.requests.split_at(pass.backward);
             for (name, requests) in [("forward", forward), ("backward", backward)] {
                 phase(&mut t, name, &mut |t| {
-                    t.mem.replay(requests, &mut allocations)
+                    if kept {
+                        t.mem.replay_as_recorded(requests, &mut allocations)
+                    } else {
+                        t.mem.replay(requests, &mut allocations)
+                    }
                 });
                 if t.mem.stopped() {
                     break 'steps;
                 }
             }
             t.restore_grads(&pass.grads, &allocations);
+            if kept && let Some(record) = previous.as_mut() {
+                for g in &pass.grads {
+                    t.mem.adopt(g.malloc(), &allocations[g.malloc() as usize]);
+                }
+                record.prefix = pass.requests;
+            }
             replayed_passes += 1;
         } else {
             // Step 1 records its pass for step 2 (see above).
@@ -502,23 +520,34 @@ fn simulate_rank(
     }
 }
 
-/// Makes the recorded `requests` of a step again, phase by phase as `script` lays them out
-/// (see `simulate_steps`), as step `step`: what the step loop does around each phase, with
-/// the requests in place of the tracer.
+/// Makes the recorded requests of a step again, `record[0]` then `record[1]`, phase by phase
+/// as `script` lays them out (see `simulate_steps`), as step `step`: what the step loop does
+/// around each phase, with the requests in place of the tracer.
 fn replay_step(
     t: &mut Tracer,
     step: u32,
-    requests: &[Request],
+    record: [&[Request]; 2],
     script: &[(&'static str, std::ops::Range<usize>)],
     phases: &mut Vec<PhasePeak>,
 ) {
-    let mut allocations = Vec::with_capacity(requests.len());
+    let split = record[0].len();
+    let mut allocations = Vec::with_capacity(split + record[1].len());
+    let mut replay = |t: &mut Tracer, r: std::ops::Range<usize>| {
+        t.mem.replay(
+            &record[0][r.start.min(split)..r.end.min(split)],
+            &mut allocations,
+        );
+        t.mem.replay(
+            &record[1][r.start.max(split) - split..r.end.max(split) - split],
+            &mut allocations,
+        );
+    };
     let mut done = 0;
     for (name, range) in script {
-        t.mem.replay(&requests[done..range.start], &mut allocations);
+        replay(t, done..range.start);
         t.mem.start_phase(name, step);
         t.mem.allocator.reset_peak_stats();
-        t.mem.replay(&requests[range.clone()], &mut allocations);
+        replay(t, range.clone());
         phases.push(PhasePeak {
             step,
             phase: name,
@@ -531,7 +560,7 @@ fn replay_step(
             return;
         }
     }
-    t.mem.replay(&requests[done..], &mut allocations);
+    replay(t, done..split + record[1].len());
 }
 
 /// Close the record of the step just simulated: its decisions, phases, trace events and
@@ -783,7 +812,7 @@ mod tests {
         ];
         let (mut repeated, mut ooms, mut limited_repeats) = (0, 0, 0);
         let (mut replayed, mut replayed_ooms) = (0, 0);
-        let (mut passes, mut passes_in_ooms) = (0, 0);
+        let (mut passes, mut passes_in_ooms, mut both) = (0, 0, 0);
         for value in specs {
             let (spec, arch) = spec_and_arch(&value);
             let run = |capacity, repeat| {
@@ -850,6 +879,7 @@ mod tests {
                 replayed_ooms += fast.replayed_steps * u32::from(slow.oom.is_some());
                 passes += fast.replayed_passes;
                 passes_in_ooms += fast.replayed_passes * u32::from(slow.oom.is_some());
+                both += u32::from(fast.replayed_passes > 0 && fast.replayed_steps > 0);
                 ooms += usize::from(slow.oom.is_some());
                 limited_repeats += fast.repeated_steps * u32::from(capacity.is_some());
             }
@@ -876,5 +906,7 @@ mod tests {
             passes_in_ooms >= 3,
             "{passes_in_ooms} replayed training passes in runs out of memory"
         );
+        // Step 3 made from a record that starts with the replayed pass of step 2.
+        assert!(both >= 3, "{both} runs replay both a pass and a step");
     }
 }

@@ -249,6 +249,13 @@ pub(crate) struct StoredGrad {
     malloc: u32,
 }
 
+impl StoredGrad {
+    /// The index of the `Malloc` that allocated it.
+    pub(crate) fn malloc(&self) -> u32 {
+        self.malloc
+    }
+}
+
 /// Calls back into model code during backward.
 pub(crate) trait BackwardHooks {
     /// Recompute a checkpointed region.

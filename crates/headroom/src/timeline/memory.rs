@@ -365,7 +365,7 @@ impl Memory {
     pub(crate) fn record_is_empty(&self) -> bool {
         self.recording
             .as_ref()
-            .is_some_and(|r| r.requests.is_empty() && r.mallocs == 0 && r.complete)
+            .is_some_and(|r| r.before == 0 && r.requests.is_empty())
     }
 
     /// `replay` of requests the caller keeps as the start of the record being made (it must

@@ -450,14 +450,14 @@ fn simulate_rank(
             replayed_passes += 1;
         } else {
             // Step 1 records its pass for step 2 (see above).
-            let record = (passes_repeat && step == 1 && no_grads(&t)).then(|| {
-                let persistent = t.persistent_count();
+            let persistent = t.persistent_count();
+            let scope = Scope::Pass {
+                persistent,
+                aside: &[],
+            };
+            let start = (passes_repeat && step == 1 && no_grads(&t)).then(|| {
                 t.mem.record_requests();
-                let scope = Scope::Pass {
-                    persistent,
-                    aside: &[],
-                };
-                (t.state(scope, &[ids]), persistent)
+                t.state(scope, &[ids])
             });
             let mut loss: Option<T> = None;
             phase(&mut t, "forward", &mut |t| {
@@ -472,12 +472,8 @@ fn simulate_rank(
             if t.mem.stopped() {
                 break;
             }
-            if let Some((start, persistent)) = record {
+            if let Some(start) = start {
                 let grads = t.stored_grads();
-                let scope = Scope::Pass {
-                    persistent,
-                    aside: &[],
-                };
                 let ends_as_started = t.state_is(scope, &[ids], &start);
                 let requests = t.mem.take_requests();
                 if let (Some(grads), Some(requests), true) = (grads, requests, ends_as_started) {

@@ -137,7 +137,7 @@ fn verdict_text(
     gpu: &headroom::gpu::Gpu,
     fits: bool,
     headroom: i128,
-    oom: Option<&headroom::timeline::SimulatedOom>,
+    oom: Option<&headroom::sim::SimulatedOom>,
     when: &str,
 ) -> String {
     let mut out = format!(
@@ -213,9 +213,9 @@ pub fn pipeline(
     est: &headroom::pipeline::PipelineEstimate,
     verdict: bool,
 ) -> String {
+    use headroom::sim::harness::instance::Home;
+    use headroom::sim::harness::pipeline::Pass;
     use headroom::spec::Strategy;
-    use headroom::timeline::instance::Home;
-    use headroom::timeline::pipeline::Pass;
     let mut out = String::new();
     let sharded = spec.instances.iter().any(|i| i.spec.parallel.is_some());
     let mut it = table();

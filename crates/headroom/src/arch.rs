@@ -4,6 +4,7 @@
 
 use serde_json::Value;
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// The HF model families headroom models tensor by tensor.
@@ -217,6 +218,15 @@ fn flag(config: &Value, key: &str, default: bool) -> bool {
 }
 
 impl Architecture {
+    /// The model's buffers as (numel, dtype): rotary `inv_freq` and `original_inv_freq`
+    /// (fp32, head_dim / 2); GPT-2 has none.
+    pub fn buffers(&self) -> Vec<(u64, DType)> {
+        if self.family == Family::Gpt2 {
+            return Vec::new();
+        }
+        vec![(self.head_dim / 2, DType::F32); 2]
+    }
+
     /// Read the architecture from the fields of an HF `config.json`.
     pub fn from_hf_config(config: &Value) -> Result<Self> {
         let model_type = get(config, &["model_type"])

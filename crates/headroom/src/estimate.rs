@@ -8,8 +8,8 @@ use headroom_alloc::{AllocatorConfig, OutOfMemory};
 use crate::arch::Architecture;
 use crate::error::Result;
 use crate::gpu::Gpu;
+use crate::sim::{self, Component, PhasePeak, SimulatedOom, TraceEvent};
 use crate::spec::{RunSpec, Strategy};
-use crate::timeline::{self, Component, PhasePeak, SimulatedOom, TraceEvent};
 
 /// The estimate of one run spec.
 #[derive(Clone, Debug)]
@@ -143,7 +143,13 @@ pub fn estimate_with_trace(
     let capacity = (limit == Limit::Gpu).then(|| gpu.allocator_capacity().saturating_sub(nccl));
     // With an error, the limited run stops there and only the error is kept, unless the limit
     // had changed nothing by then: the run went on as the one without a limit.
-    let mut sim = timeline::simulate_to_first_oom(spec, &arch, allocator.clone(), capacity, trace);
+    let mut options = sim::Options {
+        capacity,
+        after_oom: sim::AfterOom::StopUnlessUnlimited,
+        record_trace: trace,
+        ..sim::Options::new(allocator)
+    };
+    let mut sim = sim::simulate(spec, &arch, &options);
     let mut oom = sim.oom.take();
     if let Some(OutOfMemory::Device(error)) = oom.as_mut().map(|o| &mut o.error) {
         // The simulator knows its capacity; PyTorch prints the device's total.
@@ -151,7 +157,9 @@ pub fn estimate_with_trace(
     }
     if oom.is_some() && !sim.unlimited {
         // The limited run stopped being physical at the failure; report the demand.
-        sim = timeline::simulate(spec, &arch, allocator, None, trace);
+        options.capacity = None;
+        options.after_oom = sim::AfterOom::GoOn;
+        sim = sim::simulate(spec, &arch, &options);
     }
     let breakdown = Component::ALL
         .iter()

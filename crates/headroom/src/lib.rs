@@ -4,8 +4,8 @@
 //! - [`arch`]: architectures and the parameter inventory;
 //! - [`catalog`]: built-in models and how `model:` resolves;
 //! - [`spec`]: the run spec (the contract the CLI reads);
-//! - [`timeline`]: every tensor a step allocates and frees, through the caching-allocator
-//!   simulator (`headroom-alloc`), swept for the peak;
+//! - [`sim`]: the simulator: every tensor a step allocates and frees, through the
+//!   caching-allocator simulator (`headroom-alloc`), swept for the peak;
 //! - [`estimate`]: a run spec on a GPU (at its capacity, or unlimited);
 //! - [`pipeline`]: several models in one process (a policy and its reference);
 //! - [`validate`]: estimates against measured rows;
@@ -21,8 +21,8 @@ pub mod estimate;
 pub mod gpu;
 pub mod pipeline;
 pub mod plan;
+pub mod sim;
 pub mod spec;
-pub mod timeline;
 pub mod validate;
 
 pub use error::{Error, Result};

@@ -30,13 +30,13 @@ use crate::arch::Architecture;
 use crate::error::{Error, Result};
 use crate::estimate::Limit;
 use crate::gpu::Gpu;
-use crate::spec::{Mode, Optimizer, Parallel, RunSpec, Strategy};
-use crate::timeline::instance::Home;
-use crate::timeline::pipeline::{
+use crate::sim::harness::instance::Home;
+use crate::sim::harness::pipeline::{
     EngineDef, InstanceDef, Pass, PassDef, PhaseDef, PipelinePhase, PipelineSimulation,
     simulate_pipeline,
 };
-use crate::timeline::{Component, SimulatedOom};
+use crate::sim::{Component, SimulatedOom};
+use crate::spec::{Mode, Optimizer, Parallel, RunSpec, Strategy};
 
 /// Host-to-device (and back) bandwidth of `model.cpu()` / `model.cuda()` through pageable
 /// memory: 18.6 GB moved per iteration took 4.8-7.1 s in the shared fixture's run on an H200
@@ -671,7 +671,7 @@ pub fn estimate_pipeline(
         .unwrap_or(0);
     let capacity = (limit == Limit::Gpu).then(|| gpu.allocator_capacity().saturating_sub(nccl));
     // Where ranks differ (ZeRO partitions), the first and the last rank are simulated and the
-    // one that needs more reported, as for a single run (`timeline::step::simulate_steps`).
+    // one that needs more reported, as for a single run (`sim::simulate`).
     let ranks: &[Option<u64>] = if spec
         .instances
         .iter()

@@ -19,10 +19,10 @@ use crate::arch::Architecture;
 use crate::error::{Error, Result};
 use crate::estimate::{self, Estimate};
 use crate::gpu::Gpu;
+use crate::sim::{Component, PhasePeak};
 use crate::spec::{
     Lora, LoraTargets, Mode, Optimizer, Parallel, Precision, Quantization, RunSpec, Strategy,
 };
-use crate::timeline::{Component, PhasePeak};
 
 /// Tokens per micro-batch at which a GPU is half as efficient as when saturated, in the
 /// throughput model `time per token ∝ 1 + T0 / tokens` used to cost smaller micro-batches

@@ -9,8 +9,8 @@ use headroom::diagnose::oom::{self, Cause};
 use headroom::diagnose::{self, remedies};
 use headroom::estimate;
 use headroom::plan::{self, Resident, Setup, Sharding};
+use headroom::sim::Component;
 use headroom::spec::{Optimizer, RunSpec};
-use headroom::timeline::Component;
 
 const SEED003_OOM: &str = include_str!("../../headroom-cli/tests/fixtures/seed003/oom.log");
 const SEED003_TRAIN: &str = include_str!("../../headroom-cli/tests/fixtures/seed003/train.yaml");

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use headroom::estimate::{self, Estimate};
 use headroom::gpu::{self, Gpu};
 use headroom::pipeline::{self, PipelineEstimate, PipelineSpec};
+use headroom::sim::SimulatedOom;
 use headroom::spec::{RunSpec, parse_document};
-use headroom::timeline::SimulatedOom;
 use serde_json::json;
 
 use crate::error::{CliError, CliResult};

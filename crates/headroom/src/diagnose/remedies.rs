@@ -5,8 +5,8 @@
 
 use crate::error::Result;
 use crate::plan::{self, Adapter, Evaluation, Knobs, Setup, Sharding};
+use crate::sim::Component;
 use crate::spec::{Mode, Optimizer};
-use crate::timeline::Component;
 
 /// Where a remedy's number comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -6,10 +6,10 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::component::Component;
-use super::fsdp::ALL_GATHER_COPY_IN_STREAM;
-use super::tracer::{ParamId, T, Tracer};
+use super::{ALL_GATHER_COPY_IN_STREAM, ModuleKey};
 use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{ParamId, T, Tracer};
 
 /// `stage3_prefetch_bucket_size` (elements).
 const PREFETCH_BUCKET_ELEMENTS: i64 = 50_000_000;
@@ -20,23 +20,6 @@ const MAX_LIVE_PARAMETERS: i64 = 1_000_000_000;
 /// `stage3_param_persistence_threshold` (elements): smaller parameters stay gathered
 /// (`ds_persist`) once the trace is complete.
 const PERSISTENCE_THRESHOLD: u64 = 100_000;
-
-/// A module as DeepSpeed's hooks see it. Modules with parameters of their own are named by
-/// their first parameter (the tied `lm_head` apart: it shares the embedding's).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum ZModule {
-    Params(ParamId),
-    LmHead,
-    /// The model class (`Qwen2ForCausalLM`): its pre-hook also starts the step's trace.
-    Root,
-    /// The decoder stack (`Qwen2Model`).
-    Model,
-    Rotary,
-    Layer(usize),
-    Attention(usize),
-    Mlp(usize),
-    Activation(usize),
-}
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Status {
@@ -90,7 +73,7 @@ pub(crate) struct Gathers {
     active: Vec<Vec<u32>>,
     handles: Vec<Handle>,
     modules: Vec<ModuleRec>,
-    keys: HashMap<ZModule, u32>,
+    keys: HashMap<ModuleKey, u32>,
     stack: Vec<u32>,
     entered: Vec<bool>,
     mode: TraceMode,
@@ -135,7 +118,7 @@ impl Gathers {
     }
 
     /// The module's id, made at its first forward (its parent is the module running then).
-    fn module(&mut self, key: ZModule, params: &[ParamId], input_grad: bool) -> u32 {
+    fn module(&mut self, key: ModuleKey, params: &[ParamId], input_grad: bool) -> u32 {
         if let Some(&m) = self.keys.get(&key) {
             return m;
         }
@@ -161,14 +144,14 @@ impl Gathers {
     pub(crate) fn pre_forward(
         &mut self,
         t: &mut Tracer,
-        key: ZModule,
+        key: ModuleKey,
         params: &[ParamId],
         input_grad: bool,
     ) {
         if t.recompute_done() {
             return;
         }
-        if key == ZModule::Root {
+        if key == ModuleKey::Root {
             self.reset_step(t);
         }
         let m = self.module(key, params, input_grad);

@@ -1,11 +1,12 @@
 //! QLoRA's base model: `from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit,
 //! nf4, double quantization, bf16 compute))` and peft's `prepare_model_for_kbit_training`.
 
-use super::component::Component;
-use super::tracer::{ParamId, Tracer};
-use super::transformer::{AttentionImpl, CheckpointTensor, Model};
+use super::AttentionImpl;
+use super::transformer::{CheckpointTensor, Model};
 use crate::arch::{Architecture, Head, Param};
 use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{ParamId, Tracer};
 
 /// Load a 4-bit model the way the measuring harness does: a random bf16 model is built from the
 /// config on the GPU, saved, deleted (`empty_cache`), then loaded back quantised.

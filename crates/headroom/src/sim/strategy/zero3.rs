@@ -89,11 +89,11 @@
 
 use std::ops::Range;
 
-use super::component::Component;
-use super::optim::OptimizerState;
-use super::tracer::{ParamId, T, Tracer};
 use super::zero3_gather::Gathers;
 use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{ParamId, T, Tracer};
+use crate::sim::optim::OptimizerState;
 use crate::spec::{Optimizer, Parallel};
 
 /// `reduce_bucket_size` (elements).

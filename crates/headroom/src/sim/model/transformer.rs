@@ -5,12 +5,12 @@
 use std::cell::RefCell;
 
 use super::attention::{self, Masks};
-use super::component::Component;
-use super::fsdp::Fsdp;
-use super::tracer::{Bwd, ParamId, T, Tracer};
-use super::zero3_gather::ZModule;
+use super::{AttentionImpl, Batch};
 use crate::arch::{Architecture, Family, Head, Module, NormKind, Param};
 use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{Bwd, ParamId, T, Tracer};
+use crate::sim::strategy::{ModuleKey, Strategy, Unit};
 
 /// A linear layer's parameters, with its LoRA adapter when peft wrapped it.
 #[derive(Clone, Copy, Debug)]
@@ -130,26 +130,6 @@ pub(crate) struct Layer {
     pub k_norm: Option<Norm>,
 }
 
-/// What the training step needs to know about the shapes of one forward.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Batch {
-    pub b: u64,
-    pub s: u64,
-}
-
-impl Batch {
-    pub fn n(&self) -> u64 {
-        self.b * self.s
-    }
-}
-
-/// Which attention kernel runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum AttentionImpl {
-    Sdpa,
-    Eager,
-}
-
 /// The model as built on the GPU: its architecture and parameter handles.
 pub(crate) struct Model {
     pub arch: Architecture,
@@ -167,102 +147,12 @@ pub(crate) struct Model {
     /// `enable_input_require_grads()`: the embedding output requires grad even when the
     /// embedding is frozen.
     pub inputs_require_grads: bool,
-    /// Wrapped by FSDP2 with CPU offload: parameters come to the GPU unit by unit.
-    pub fsdp: Option<FsdpOffload>,
-    /// Sharded by FSDP2 over several ranks; its hooks run in forward and backward.
-    pub sharded: Option<RefCell<Fsdp>>,
-    /// Wrapped by DeepSpeed ZeRO stage 1 or 2: its gradient hooks run in backward.
-    pub zero: Option<RefCell<super::zero::Zero>>,
-    /// Wrapped by DeepSpeed ZeRO stage 3: its gradient hooks run in backward.
-    pub zero3: Option<RefCell<super::zero3::Zero3>>,
+    /// The parallel strategy wrapping it, whose hooks run in forward and backward.
+    pub strategy: RefCell<Strategy>,
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
 }
-
-/// `fully_shard(layer, offload_policy=CPUOffloadPolicy())` for each decoder layer, then for the
-/// root, on one GPU (torch 2.11 `_fully_shard`). A unit's parameters live on the CPU; its
-/// pre-forward hook unshards them: each shard is copied to the GPU (`.to(device)`), copied into
-/// one `all_gather_output` buffer, the copies freed, then each parameter gets its unsharded
-/// storage (`alloc_all_gather_outputs`) and the buffer is freed. Its post-forward hook frees
-/// the storages again, except the root's: the root does not reshard after forward, so the
-/// embedding stays on the GPU from the first pass.
-///
-/// FSDP2 runs the copy-in on its own stream during forward, which would pool those blocks
-/// apart; the measured run (bench/pipelines, seed001-fsdp2-offload) reserves what one shared
-/// pool gives (within 0.1% on every phase; a separate pool gives +0.87 GiB), so they are
-/// simulated on the default stream. Why is not established.
-#[derive(Clone, Debug)]
-pub(crate) struct FsdpOffload {
-    pub(crate) root: Vec<ParamId>,
-    pub(crate) layers: Vec<Vec<ParamId>>,
-}
-
-impl FsdpOffload {
-    /// The units of a model whose parameters were registered from `first` on, in
-    /// `arch.parameters(head)` order.
-    pub(crate) fn units(arch: &Architecture, head: Head, first: ParamId) -> Self {
-        let mut units = FsdpOffload {
-            root: Vec::new(),
-            layers: vec![Vec::new(); arch.layers as usize],
-        };
-        for (i, p) in arch.parameters(head).iter().enumerate() {
-            match p.layer {
-                Some(layer) => units.layers[layer as usize].push(first + i),
-                None => units.root.push(first + i),
-            }
-        }
-        units
-    }
-
-    /// Parameter bytes of the units that are not on the GPU now (what a pass copies in).
-    pub(crate) fn sharded_bytes(&self, t: &Tracer) -> u64 {
-        self.layers
-            .iter()
-            .chain([&self.root])
-            .flatten()
-            .filter(|&&p| !t.is_materialized(p))
-            .map(|&p| t.bytes(t.param(p)))
-            .sum()
-    }
-
-    fn unshard(t: &mut Tracer, params: &[ParamId]) {
-        if params.iter().all(|&p| t.is_materialized(p)) {
-            return;
-        }
-        let outer = std::mem::replace(&mut t.component, Component::Weights);
-        let copies: Vec<T> = params
-            .iter()
-            .map(|&p| {
-                let w = t.param(p);
-                let (numel, dtype) = (t.numel(w), t.dtype(w));
-                t.empty(numel, dtype, "FSDP2 shard copied to the GPU")
-            })
-            .collect();
-        let numel = params.iter().map(|&p| t.numel(t.param(p))).sum();
-        let dtype = t.dtype(t.param(params[0]));
-        let output = t.empty(numel, dtype, "FSDP2 all_gather_output");
-        t.drop_all(&copies);
-        for &p in params {
-            t.materialize(p);
-        }
-        t.drop(output);
-        t.component = outer;
-    }
-
-    fn reshard(t: &mut Tracer, params: &[ParamId]) {
-        for &p in params {
-            t.offload(p);
-        }
-    }
-}
-
-/// cuBLAS keeps one workspace per (thread, stream) and allocates it at the first GEMM there;
-/// on Hopper it is 32 MiB (`CublasHandlePool.cpp`).
-pub(crate) const CUBLAS_WORKSPACE_SM90: u64 = 32 << 20;
-
-/// cuBLASLt's workspace for `addmm` with a bias epilogue (`CUBLASLT_WORKSPACE_SIZE`, 1 MiB).
-pub(crate) const CUBLASLT_WORKSPACE: u64 = 1 << 20;
 
 impl Model {
     /// Create the parameters in transformers' order, as `from_config` does on the GPU.
@@ -275,23 +165,6 @@ impl Model {
         attention: AttentionImpl,
     ) -> Model {
         Self::register(t, arch, head, dtype, trainable, attention, None, false)
-    }
-
-    /// The model's buffers as (numel, dtype): rotary `inv_freq` and `original_inv_freq`
-    /// (fp32, head_dim / 2); GPT-2 has none.
-    pub(crate) fn rotary_buffer_shapes(arch: &Architecture) -> Vec<(u64, DType)> {
-        if arch.family == Family::Gpt2 {
-            return Vec::new();
-        }
-        vec![(arch.head_dim / 2, DType::F32); 2]
-    }
-
-    /// Allocate the rotary buffers for the life of the process.
-    pub(crate) fn rotary_buffers(t: &mut Tracer, arch: &Architecture) {
-        for (numel, dtype) in Self::rotary_buffer_shapes(arch) {
-            let buffer = t.empty_as(numel, dtype, Component::Weights, "rotary inv_freq");
-            t.mark_persistent(buffer);
-        }
     }
 
     /// Register the parameters in transformers' order without allocating them: built on the
@@ -412,7 +285,7 @@ impl Model {
             }
         }
         if loading.is_none() && !on_cpu {
-            Self::rotary_buffers(t, arch);
+            t.persistent_buffers(&arch.buffers(), "rotary inv_freq");
         }
         if arch.tie_word_embeddings
             && matches!(head, Head::CausalLm)
@@ -440,10 +313,7 @@ impl Model {
             attention,
             checkpointing: false,
             inputs_require_grads: false,
-            fsdp: None,
-            sharded: None,
-            zero: None,
-            zero3: None,
+            strategy: RefCell::new(Strategy::Local),
             kv_cache: None,
         }
     }
@@ -511,18 +381,12 @@ impl Model {
     pub(crate) fn decoder(&self, t: &mut Tracer, ids: T, batch: Batch) -> T {
         let a = &self.arch;
         let n = batch.n();
-        if let Some(fsdp) = &self.fsdp {
-            FsdpOffload::unshard(t, &fsdp.root);
-        }
-        if let Some(sharded) = &self.sharded {
-            let root = sharded.borrow().root();
-            sharded.borrow_mut().pre_forward(t, root);
-        }
-        self.z3_pre(t, ZModule::Root, &[], false);
-        self.z3_pre(t, ZModule::Model, &[], false);
-        self.z3_pre(t, ZModule::Params(self.embed), &[self.embed], false);
+        self.unit_pre_forward(t, Unit::Root);
+        self.module_pre_forward(t, ModuleKey::Root, &[], false);
+        self.module_pre_forward(t, ModuleKey::Model, &[], false);
+        self.module_pre_forward(t, ModuleKey::Params(self.embed), &[self.embed], false);
         let mut inputs_embeds = t.embedding(self.embed, ids, n, a.hidden);
-        self.z3_post(t);
+        self.module_post_forward(t);
         if a.family == Family::Gemma2 {
             // `Gemma2TextScaledWordEmbedding`: `* embed_scale.to(weight.dtype)`.
             let scaled = t.mul_scalar(inputs_embeds);
@@ -540,9 +404,9 @@ impl Model {
         // `hidden_states = inputs_embeds` (the name `inputs_embeds` keeps the embedding output
         // alive until the forward returns).
         let position_embeds = self.pos_embed.map(|pos| {
-            self.z3_pre(t, ZModule::Params(pos), &[pos], false);
+            self.module_pre_forward(t, ModuleKey::Params(pos), &[pos], false);
             let out = t.embedding(pos, position_ids, batch.s, a.hidden);
-            self.z3_post(t);
+            self.module_post_forward(t);
             out
         });
         let mut h = match position_embeds {
@@ -553,9 +417,9 @@ impl Model {
         let rope = if a.family == Family::Gpt2 {
             Rope::none()
         } else {
-            self.z3_pre(t, ZModule::Rotary, &[], false);
+            self.module_pre_forward(t, ModuleKey::Rotary, &[], false);
             let rope = Rope::compute(t, a, batch, self.activation_dtype());
-            self.z3_post(t);
+            self.module_post_forward(t);
             rope
         };
         if a.embedding_dropout > 0.0 {
@@ -569,26 +433,18 @@ impl Model {
                 sin: rope.sin,
                 mask: masks.for_layer(a, layer),
             };
-            let next = if self.checkpointing && t.grad_enabled() {
-                // The checkpoint keeps the layer's arguments to recompute it; FSDP's hooks
-                // run inside it (and not when it recomputes).
+            // The checkpoint keeps the layer's arguments to recompute it; FSDP's hooks run
+            // inside it (and not when it recomputes).
+            let checkpointed = self.checkpointing && t.grad_enabled();
+            if checkpointed {
                 t.begin_region(&ctx.region_inputs(h));
-                self.pre_forward_hook(t, layer);
-                let out = self.layer_forward(t, layer, h, &ctx, batch);
-                self.post_forward_hook(t, layer);
+            }
+            self.unit_pre_forward(t, Unit::Layer(layer));
+            let next = self.layer_forward(t, layer, h, &ctx, batch);
+            self.unit_post_forward(t, Unit::Layer(layer));
+            if checkpointed {
                 t.end_region();
-                out
-            } else if let Some(fsdp) = &self.fsdp {
-                FsdpOffload::unshard(t, &fsdp.layers[layer]);
-                let out = self.layer_forward(t, layer, h, &ctx, batch);
-                FsdpOffload::reshard(t, &fsdp.layers[layer]);
-                out
-            } else {
-                self.pre_forward_hook(t, layer);
-                let out = self.layer_forward(t, layer, h, &ctx, batch);
-                self.post_forward_hook(t, layer);
-                out
-            };
+            }
             t.drop(h);
             h = next;
         }
@@ -601,76 +457,63 @@ impl Model {
         }
         masks.release(t);
         rope.release(t);
-        self.z3_post(t);
+        self.module_post_forward(t);
         out
     }
 
-    /// DeepSpeed ZeRO-3's forward pre-hook of a module (its parameters fetched); `input_grad`:
+    /// The strategy's forward pre-hook of a module (its parameters fetched); `input_grad`:
     /// whether its input requires grad (its post-backward hook runs).
-    pub(crate) fn z3_pre(
+    pub(crate) fn module_pre_forward(
         &self,
         t: &mut Tracer,
-        key: ZModule,
+        module: ModuleKey,
         params: &[ParamId],
         input_grad: bool,
     ) {
-        if let Some(zero3) = &self.zero3
-            && let Some(g) = zero3.borrow_mut().gathers.as_mut()
-        {
-            g.pre_forward(t, key, params, input_grad);
-        }
+        self.strategy
+            .borrow_mut()
+            .module_pre_forward(t, module, params, input_grad);
     }
 
-    /// DeepSpeed ZeRO-3's forward post-hook of the innermost running module.
-    pub(crate) fn z3_post(&self, t: &mut Tracer) {
-        if let Some(zero3) = &self.zero3
-            && let Some(g) = zero3.borrow_mut().gathers.as_mut()
-        {
-            g.post_forward(t);
-        }
+    /// The strategy's forward post-hook of the innermost running module.
+    pub(crate) fn module_post_forward(&self, t: &mut Tracer) {
+        self.strategy.borrow_mut().module_post_forward(t);
+    }
+
+    fn unit_pre_forward(&self, t: &mut Tracer, unit: Unit) {
+        self.strategy.borrow_mut().unit_pre_forward(t, unit);
+    }
+
+    fn unit_post_forward(&self, t: &mut Tracer, unit: Unit) {
+        self.strategy.borrow_mut().unit_post_forward(t, unit);
     }
 
     /// A linear layer's forward inside its module's ZeRO-3 hooks.
     fn hooked_linear(&self, t: &mut Tracer, linear: Linear, x: T) -> T {
-        self.z3_linear_pre(t, linear);
+        self.linear_pre_forward(t, linear);
         let out = linear.forward(t, x);
-        self.z3_post(t);
+        self.module_post_forward(t);
         out
     }
 
-    fn z3_linear_pre(&self, t: &mut Tracer, linear: Linear) {
+    fn linear_pre_forward(&self, t: &mut Tracer, linear: Linear) {
         let params: Vec<ParamId> = std::iter::once(linear.weight).chain(linear.bias).collect();
-        self.z3_pre(t, ZModule::Params(linear.weight), &params, true);
+        self.module_pre_forward(t, ModuleKey::Params(linear.weight), &params, true);
     }
 
     /// A norm inside its module's ZeRO-3 hooks.
     fn hooked_norm(&self, t: &mut Tracer, x: T, norm: Norm) -> T {
         let params: Vec<ParamId> = std::iter::once(norm.weight).chain(norm.bias).collect();
-        self.z3_pre(t, ZModule::Params(norm.weight), &params, true);
+        self.module_pre_forward(t, ModuleKey::Params(norm.weight), &params, true);
         let out = self.norm(t, x, norm);
-        self.z3_post(t);
+        self.module_post_forward(t);
         out
-    }
-
-    fn pre_forward_hook(&self, t: &mut Tracer, layer: usize) {
-        if let Some(sharded) = &self.sharded {
-            sharded.borrow_mut().pre_forward(t, layer as u32);
-        }
-    }
-
-    fn post_forward_hook(&self, t: &mut Tracer, layer: usize) {
-        if let Some(sharded) = &self.sharded {
-            sharded.borrow_mut().post_forward(t, layer as u32);
-        }
     }
 
     /// The end of the model's forward (the loss included): the root's post-forward hook.
     pub(crate) fn forward_done(&self, t: &mut Tracer) {
-        if let Some(sharded) = &self.sharded {
-            let root = sharded.borrow().root();
-            sharded.borrow_mut().post_forward(t, root);
-        }
-        self.z3_post(t);
+        self.unit_post_forward(t, Unit::Root);
+        self.module_post_forward(t);
     }
 
     /// The dtype of the residual stream: the parameters' (fp32 under autocast with fp32 weights).
@@ -694,11 +537,7 @@ impl Model {
         let out = self.layer_forward(t, region as usize, inputs[0], &ctx, batch);
         t.exit_autocast(outer);
         t.drop(out);
-        if let Some(zero3) = &self.zero3
-            && let Some(g) = zero3.borrow_mut().gathers.as_mut()
-        {
-            g.recompute_ends(t);
-        }
+        self.strategy.borrow_mut().recompute_ends(t);
         t.end_recompute();
     }
 
@@ -712,12 +551,12 @@ impl Model {
         batch: Batch,
     ) -> T {
         let layer = &self.layers[index];
-        self.z3_pre(t, ZModule::Layer(index), &[], true);
+        self.module_pre_forward(t, ModuleKey::Layer(index), &[], true);
         let residual = t.share(h);
         let x = self.hooked_norm(t, h, layer.input_norm.expect("input norm"));
-        self.z3_pre(t, ZModule::Attention(index), &[], true);
+        self.module_pre_forward(t, ModuleKey::Attention(index), &[], true);
         let mut attn = self.attention_block(t, layer, x, ctx, batch);
-        self.z3_post(t);
+        self.module_post_forward(t);
         t.drop(x);
         if let Some(norm) = layer
             .post_attn_norm
@@ -739,9 +578,9 @@ impl Model {
             layer.post_attn_norm
         };
         let x = self.hooked_norm(t, h2, ffn_norm.expect("pre-MLP norm"));
-        self.z3_pre(t, ZModule::Mlp(index), &[], true);
+        self.module_pre_forward(t, ModuleKey::Mlp(index), &[], true);
         let mut m = self.mlp(t, index, x);
-        self.z3_post(t);
+        self.module_post_forward(t);
         t.drop(x);
         if let Some(norm) = layer.post_ffn_norm {
             let normed = self.hooked_norm(t, m, norm);
@@ -753,7 +592,7 @@ impl Model {
         }
         let out = t.add(residual, m);
         t.drop_all(&[m, residual, h2]);
-        self.z3_post(t);
+        self.module_post_forward(t);
         out
     }
 
@@ -808,15 +647,15 @@ impl Model {
                     layer.k.expect("k_proj"),
                     layer.v.expect("v_proj"),
                 );
-                self.z3_linear_pre(t, ql);
+                self.linear_pre_forward(t, ql);
                 let q = projection_heads(t, x, ql, rotary_copy);
-                self.z3_post(t);
-                self.z3_linear_pre(t, kl);
+                self.module_post_forward(t);
+                self.linear_pre_forward(t, kl);
                 let k = projection_heads(t, x, kl, rotary_copy);
-                self.z3_post(t);
-                self.z3_linear_pre(t, vl);
+                self.module_post_forward(t);
+                self.linear_pre_forward(t, vl);
                 let v = projection_heads(t, x, vl, value_copy);
-                self.z3_post(t);
+                self.module_post_forward(t);
                 (q, k, v)
             }
         };
@@ -876,9 +715,9 @@ impl Model {
                 let gate = t.slice(fused, half);
                 let up = t.slice(fused, half);
                 t.drop(fused);
-                self.z3_pre(t, ZModule::Activation(index), &[], true);
+                self.module_pre_forward(t, ModuleKey::Activation(index), &[], true);
                 let act = t.silu(gate);
-                self.z3_post(t);
+                self.module_post_forward(t);
                 let prod = t.mul(up, act);
                 t.drop_all(&[gate, up, act]);
                 prod
@@ -886,21 +725,21 @@ impl Model {
             Family::Gpt2 => {
                 let fc = layer.up.expect("c_fc");
                 let h = self.hooked_linear(t, fc, x);
-                self.z3_pre(t, ZModule::Activation(index), &[], true);
+                self.module_pre_forward(t, ModuleKey::Activation(index), &[], true);
                 let act = gelu_new(t, h);
-                self.z3_post(t);
+                self.module_post_forward(t);
                 t.drop(h);
                 act
             }
             _ => {
                 let (g, u) = (layer.gate.expect("gate_proj"), layer.up.expect("up_proj"));
                 let gate = self.hooked_linear(t, g, x);
-                self.z3_pre(t, ZModule::Activation(index), &[], true);
+                self.module_pre_forward(t, ModuleKey::Activation(index), &[], true);
                 let act = match a.family {
                     Family::Gemma2 => t.gelu_tanh(gate),
                     _ => t.silu(gate),
                 };
-                self.z3_post(t);
+                self.module_post_forward(t);
                 t.drop(gate);
                 let up = self.hooked_linear(t, u, x);
                 let prod = t.mul(act, up);
@@ -1141,40 +980,4 @@ fn rotate(t: &mut Tracer, x: T, cos: T, sin: T) -> T {
     let out = t.add(xc, rs);
     t.drop_all(&[rs, xc]);
     out
-}
-
-impl Tracer {
-    /// The current thread's cuBLAS workspace, allocated at its first GEMM and kept for the
-    /// life of the process.
-    pub(crate) fn ensure_cublas_workspace(&mut self) {
-        let thread = self.thread;
-        if !self.cublas_workspace[thread] {
-            self.cublas_workspace[thread] = true;
-            let ws = self.empty_as(
-                CUBLAS_WORKSPACE_SM90,
-                DType::U8,
-                Component::Workspaces,
-                "cuBLAS workspace",
-            );
-            self.made_once(ws);
-            self.mark_persistent(ws);
-        }
-    }
-
-    /// The current thread's cuBLASLt workspace (1 MiB), allocated at its first `addmm` with a
-    /// bias epilogue.
-    pub(crate) fn ensure_cublaslt_workspace(&mut self) {
-        let thread = self.thread;
-        if !self.cublaslt_workspace[thread] {
-            self.cublaslt_workspace[thread] = true;
-            let ws = self.empty_as(
-                CUBLASLT_WORKSPACE,
-                DType::U8,
-                Component::Workspaces,
-                "cuBLASLt workspace",
-            );
-            self.made_once(ws);
-            self.mark_persistent(ws);
-        }
-    }
 }

@@ -1,11 +1,11 @@
 //! Attention: the masks transformers builds (`masking_utils`), the SDPA backend PyTorch picks
 //! for the inputs (`sdp_utils.cpp`), and what each backend allocates and saves.
 
-use super::component::Component;
-use super::tracer::{Bwd, T, Tracer};
-use super::transformer::{AttentionImpl, Batch};
+use super::{AttentionImpl, Batch};
 use crate::arch::{Architecture, Family};
 use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{Bwd, T, Tracer};
 
 /// The kernel behind `F.scaled_dot_product_attention`, in PyTorch 2.11's order of preference
 /// on Hopper: flash (half precision, no mask), cuDNN (half precision with a mask), memory

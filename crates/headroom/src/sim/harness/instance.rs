@@ -6,20 +6,24 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use super::component::Component;
-use super::ddp::Ddp;
-use super::fsdp::Fsdp;
-use super::optim::OptimizerState;
-use super::quant;
-use super::step::{autocast_dtype, backward, lm_head, logprob_forward, param_dtype, train_forward};
-use super::tracer::{ParamId, T, Tracer};
-use super::transformer::{AttentionImpl, Batch, FsdpOffload, LoraAdapter, Model};
-use super::zero::Zero;
-use super::zero3::Zero3;
 use crate::arch::{Architecture, Param};
 use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{BackwardHooks, ParamId, T, Tracer};
+use crate::sim::model::heads::{lm_head, logprob_forward, train_forward};
+use crate::sim::model::quant;
+use crate::sim::model::transformer::{LoraAdapter, Model};
+use crate::sim::model::{AttentionImpl, Batch};
+use crate::sim::optim::OptimizerState;
+use crate::sim::strategy::Strategy;
+use crate::sim::strategy::ddp::Ddp;
+use crate::sim::strategy::fsdp::Fsdp;
+use crate::sim::strategy::fsdp_offload::FsdpOffload;
+use crate::sim::strategy::zero::Zero;
+use crate::sim::strategy::zero3::Zero3;
 use crate::spec::{
-    Attention, Lora, Mode, Optimizer, Quantization, RunSpec, Strategy, Task, lora_targets_module,
+    self, Attention, Lora, Mode, Optimizer, Precision, Quantization, RunSpec, Task,
+    lora_targets_module,
 };
 
 /// Where an instance's parameters are built.
@@ -42,9 +46,6 @@ pub(crate) struct Instance {
     /// DeepSpeed's fp32 master partition.
     pub(crate) trainable: Vec<ParamId>,
     pub(crate) optimizer: OptimizerState,
-    ddp: Option<Ddp>,
-    /// The order the first backward readied the gradients (DDP rebuilds its buckets by it).
-    grads_ready: Option<Vec<ParamId>>,
     /// `sum(p.numel() for p in model.parameters())` as transformers built it (4-bit weights
     /// count packed bytes), and of the trainable ones after adapters.
     pub(crate) param_count: u64,
@@ -78,7 +79,7 @@ impl Instance {
         // FSDP2 with CPU offload on a one-rank group for a no-grad pass (slime's reference):
         // the units come to the GPU one at a time, from host memory.
         let offloaded_unsharded = parallel.is_some_and(|p| {
-            p.strategy == Strategy::Fsdp && p.world_size == 1 && p.offload_params && !train
+            p.strategy == spec::Strategy::Fsdp && p.world_size == 1 && p.offload_params && !train
         });
         let first = t.params.len();
         let mut model = match spec.quantization {
@@ -86,32 +87,34 @@ impl Instance {
             None if home == Home::Cpu || offloaded_unsharded => {
                 Model::build_on_meta(t, arch, head, dtype, &trainable, attention)
             }
-            None if matches!(strategy, Some(Strategy::Fsdp | Strategy::Zero3)) => {
+            None if matches!(strategy, Some(spec::Strategy::Fsdp | spec::Strategy::Zero3)) => {
                 Model::build_on_meta(t, arch, head, dtype, &trainable, attention)
             }
             None => Model::build(t, arch, head, dtype, &trainable, attention),
         };
         let param_count = (first..t.params.len()).map(|p| t.numel(t.param(p))).sum();
+        let mut wrapper = Strategy::Local;
         if offloaded_unsharded {
-            model.fsdp = Some(FsdpOffload::units(arch, head, first));
-        } else if let Some(parallel) = parallel.filter(|p| p.strategy == Strategy::Fsdp) {
-            let fsdp = Fsdp::shard(t, arch, head, first, dtype, parallel);
-            model.sharded = Some(RefCell::new(fsdp));
+            wrapper = Strategy::FsdpOffload(FsdpOffload::units(arch, head, first));
+        } else if let Some(parallel) = parallel.filter(|p| p.strategy == spec::Strategy::Fsdp) {
+            wrapper = Strategy::Fsdp(Fsdp::shard(t, arch, head, first, dtype, parallel));
         }
         let model_params = first..first + arch.parameters(head).len();
         let all_model_params: Vec<ParamId> = model_params.clone().collect();
         // ZeRO-3: `from_config` under `deepspeed.zero.Init` (each parameter partitioned as
         // it is made, then gathered for transformers' init); the buffers are made on the GPU.
-        let zero3_partitions = parallel.filter(|p| p.strategy == Strategy::Zero3).map(|p| {
-            let tied_head =
-                (arch.tie_word_embeddings && head == crate::arch::Head::CausalLm).then(|| {
-                    let numel = t.numel(t.param(model.embed));
-                    t.parameter_deferred(numel, dtype, false, "untied lm_head (zero.Init)")
-                });
-            let made = Zero3::init(t, &all_model_params, p, tied_head);
-            Model::rotary_buffers(t, arch);
-            made
-        });
+        let zero3_partitions = parallel
+            .filter(|p| p.strategy == spec::Strategy::Zero3)
+            .map(|p| {
+                let tied_head = (arch.tie_word_embeddings && head == crate::arch::Head::CausalLm)
+                    .then(|| {
+                        let numel = t.numel(t.param(model.embed));
+                        t.parameter_deferred(numel, dtype, false, "untied lm_head (zero.Init)")
+                    });
+                let made = Zero3::init(t, &all_model_params, p, tied_head);
+                t.persistent_buffers(&arch.buffers(), "rotary inv_freq");
+                made
+            });
         let weights_loaded = t.mem.allocated();
         if spec.kbit_prepare {
             quant::prepare_kbit(t, model_params.clone());
@@ -120,7 +123,7 @@ impl Instance {
             install_lora(t, &mut model, model_params.clone(), lora, spec.task);
         }
         // Adapters follow the model's parameters; FSDP2's shards are not the model's.
-        let params = if model.sharded.is_some() {
+        let params = if matches!(wrapper, Strategy::Fsdp(_)) {
             model_params
         } else {
             first..t.params.len()
@@ -132,20 +135,21 @@ impl Instance {
             .filter(|&p| t.requires_grad(t.param(p)))
             .collect();
         let trainable_count = trainable_ids.iter().map(|&p| t.numel(t.param(p))).sum();
-        let trainable_ids = match &model.sharded {
-            Some(sharded) => sharded.borrow().device_shards(),
-            None => trainable_ids,
+        let trainable_ids = match &wrapper {
+            Strategy::Fsdp(fsdp) => fsdp.device_shards(),
+            _ => trainable_ids,
         };
-        let ddp = (strategy == Some(Strategy::Ddp)).then(|| {
+        if strategy == Some(spec::Strategy::Ddp) {
             let all: Vec<ParamId> = params.clone().collect();
-            Ddp::wrap(t, &all, &trainable_ids, Model::rotary_buffer_shapes(arch))
-        });
+            wrapper = Strategy::Ddp(Ddp::wrap(t, &all, &trainable_ids, arch.buffers()));
+        }
         // DeepSpeed ZeRO 1/2: the optimizer steps the rank's fp32 master partition, and the
         // engine turns the harness's `torch.autocast` off (its forward runs in the
         // parameters' dtype).
         let mut autocast = autocast_dtype(spec);
         let trainable_ids = match parallel.filter(|p| {
-            matches!(p.strategy, Strategy::Zero1 | Strategy::Zero2) && !trainable_ids.is_empty()
+            matches!(p.strategy, spec::Strategy::Zero1 | spec::Strategy::Zero2)
+                && !trainable_ids.is_empty()
         }) {
             Some(parallel) => {
                 let world = parallel.world_size;
@@ -159,7 +163,7 @@ impl Instance {
                     parallel.offload_optimizer,
                 );
                 let master = zero.master;
-                model.zero = Some(RefCell::new(zero));
+                wrapper = Strategy::Zero(zero);
                 autocast = None;
                 master.into_iter().collect()
             }
@@ -176,7 +180,7 @@ impl Instance {
                     parallel,
                     spec.optimizer,
                 );
-                model.zero3 = Some(RefCell::new(zero3));
+                wrapper = Strategy::Zero3(zero3);
                 autocast = None;
                 Vec::new()
             }
@@ -184,12 +188,13 @@ impl Instance {
                 // Nothing to train: an inference engine over the model's parameters.
                 let zero3 =
                     Zero3::inference(t, &all_model_params, partitions, untied_head, parallel);
-                model.zero3 = Some(RefCell::new(zero3));
+                wrapper = Strategy::Zero3(zero3);
                 autocast = None;
                 trainable_ids
             }
             _ => trainable_ids,
         };
+        model.strategy = RefCell::new(wrapper);
         Instance {
             spec: spec.clone(),
             model,
@@ -201,8 +206,6 @@ impl Instance {
             params,
             trainable: trainable_ids,
             optimizer: OptimizerState::new(spec.optimizer),
-            ddp,
-            grads_ready: None,
             param_count,
             trainable_count,
             weights_loaded,
@@ -211,12 +214,7 @@ impl Instance {
 
     /// The training forward up to the loss (DDP's pre-forward first).
     pub(crate) fn forward_for_loss(&mut self, t: &mut Tracer, ids: T) -> T {
-        if let Some(ddp) = self.ddp.as_mut() {
-            ddp.pre_forward(t, self.grads_ready.as_deref());
-            if self.grads_ready.is_none() {
-                t.grad_ready = Some(Vec::new());
-            }
-        }
+        self.model.strategy.borrow_mut().before_forward(t);
         let outer = t.enter_autocast(self.autocast);
         let loss = train_forward(t, &self.model, &self.spec, ids, self.batch);
         t.exit_autocast(outer);
@@ -225,19 +223,26 @@ impl Instance {
 
     /// `loss.backward()`; the loss is dropped.
     pub(crate) fn backward(&mut self, t: &mut Tracer, loss: T) {
-        backward(t, &self.model, loss, self.batch, self.autocast);
+        let mut hooks = ModelHooks {
+            model: &self.model,
+            batch: self.batch,
+            autocast: self.autocast,
+        };
+        self.model.strategy.borrow_mut().backward_begins();
+        t.backward(loss, &mut hooks);
+        self.model.strategy.borrow_mut().finish_backward(t);
         t.drop(loss);
-        if self.ddp.is_some() && self.grads_ready.is_none() {
-            self.grads_ready = t.grad_ready.take();
-        }
     }
 
+    /// `optimizer.step()`: the strategy's own (DeepSpeed's engines), else the optimizer's
+    /// over the trainable parameters.
     pub(crate) fn optimizer_step(&mut self, t: &mut Tracer) {
-        if let Some(zero) = &self.model.zero {
-            zero.borrow_mut().step(t, &mut self.optimizer);
-        } else if let Some(zero3) = &self.model.zero3 {
-            zero3.borrow_mut().step(t);
-        } else if self.spec.optimizer != Optimizer::None {
+        let stepped = self
+            .model
+            .strategy
+            .borrow_mut()
+            .step(t, &mut self.optimizer);
+        if !stepped && self.spec.optimizer != Optimizer::None {
             self.optimizer.step(t, &self.trainable);
         }
     }
@@ -352,18 +357,12 @@ impl Instance {
     /// Parameter bytes on the host: a model moved or built there, FSDP2 CPU offload's shards
     /// (its host copy stays while units visit the GPU).
     pub(crate) fn host_bytes(&self, t: &Tracer) -> u64 {
-        if self.model.fsdp.is_some() {
+        let strategy = self.model.strategy.borrow();
+        if strategy.streams_from_host() {
             return self.param_bytes(t);
         }
-        if let Some(sharded) = &self.model.sharded {
-            return sharded.borrow().host_bytes(t);
-        }
-        // DeepSpeed's `offload_optimizer`: the fp32 masters, gradients and states.
-        if let Some(zero) = &self.model.zero {
-            return zero.borrow().host_bytes();
-        }
-        if let Some(zero3) = &self.model.zero3 {
-            return zero3.borrow().host_bytes();
+        if let Some(bytes) = strategy.host_bytes(t) {
+            return bytes;
         }
         self.params
             .clone()
@@ -391,7 +390,60 @@ impl Instance {
 
     /// What a pass copies in from host memory: the FSDP2-offloaded units not on the GPU.
     pub(crate) fn streamed_bytes(&self, t: &Tracer) -> u64 {
-        self.model.fsdp.as_ref().map_or(0, |f| f.sharded_bytes(t))
+        self.model.strategy.borrow().streamed_bytes(t)
+    }
+}
+
+/// What the backward engine calls into the model: the recomputation of checkpointed layers,
+/// and the strategy's backward hooks.
+struct ModelHooks<'a> {
+    model: &'a Model,
+    batch: Batch,
+    autocast: Option<DType>,
+}
+
+impl BackwardHooks for ModelHooks<'_> {
+    fn recompute(&mut self, tracer: &mut Tracer, region: u32) {
+        self.model
+            .recompute_layer(tracer, region, self.batch, self.autocast);
+    }
+
+    fn unit_backward_begins(&mut self, tracer: &mut Tracer, unit: u32) {
+        self.model
+            .strategy
+            .borrow_mut()
+            .unit_backward_begins(tracer, unit);
+    }
+
+    fn unit_backward_done(&mut self, tracer: &mut Tracer, unit: u32) {
+        self.model
+            .strategy
+            .borrow_mut()
+            .unit_backward_done(tracer, unit);
+    }
+
+    fn grad_accumulated(&mut self, tracer: &mut Tracer, param: ParamId) {
+        self.model
+            .strategy
+            .borrow_mut()
+            .grad_accumulated(tracer, param);
+    }
+}
+
+/// The dtype the parameters are stored in.
+fn param_dtype(spec: &RunSpec) -> DType {
+    match spec.precision {
+        Precision::Bf16 => DType::BF16,
+        Precision::Fp32 | Precision::AmpBf16 | Precision::AmpFp16 => DType::F32,
+    }
+}
+
+/// The dtype `torch.autocast` runs the forward in, if any.
+fn autocast_dtype(spec: &RunSpec) -> Option<DType> {
+    match spec.precision {
+        Precision::Fp32 => None,
+        Precision::AmpBf16 | Precision::Bf16 => Some(DType::BF16),
+        Precision::AmpFp16 => Some(DType::F16),
     }
 }
 

@@ -30,18 +30,14 @@
 //! Shards are padded to a multiple of the shard group in dim 0; unsharded storages are
 //! simulated at the parameter's own size (equal for the even shapes of the catalog models).
 
-use super::component::Component;
-use super::tracer::{ParamId, T, Tracer};
-use super::transformer::Model;
+use super::{ALL_GATHER_COPY_IN_STREAM, REDUCE_SCATTER_STREAM, Unit};
 use crate::arch::{Architecture, Head};
 use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{ParamId, T, Tracer};
 use crate::spec::Parallel;
 
-/// Streams of the simulated process (ids for the caching allocator's per-stream pools).
-pub(crate) const ALL_GATHER_COPY_IN_STREAM: u32 = 1;
-pub(crate) const REDUCE_SCATTER_STREAM: u32 = 2;
-
-struct Unit {
+struct ShardedUnit {
     /// The unsharded parameters the model computes with (registered without storage).
     params: Vec<ParamId>,
     /// Their local shards, in the same order: what the optimizer steps.
@@ -65,7 +61,7 @@ pub(crate) struct Fsdp {
     offload: bool,
     dtype: DType,
     /// Decoder layers in order, then the root.
-    units: Vec<Unit>,
+    units: Vec<ShardedUnit>,
     /// The last forward all-gather output, kept until the next copy-out.
     all_gather_state: Option<T>,
     /// A backward prefetch: the unit and its all-gather output, waiting for its copy-out.
@@ -91,8 +87,8 @@ impl Fsdp {
     ) -> Fsdp {
         let ranks = parallel.shard_size;
         let layers = arch.layers as usize;
-        let mut units: Vec<Unit> = (0..=layers)
-            .map(|_| Unit {
+        let mut units: Vec<ShardedUnit> = (0..=layers)
+            .map(|_| ShardedUnit {
                 params: Vec::new(),
                 shards: Vec::new(),
                 unsharded: false,
@@ -116,7 +112,8 @@ impl Fsdp {
         }
         // `to_empty` reaches the meta buffers after the parameters, and the tied `lm_head`
         // last: its shard is made again and dropped (the tie holds the embedding's).
-        let meta_buffers: Vec<T> = Model::rotary_buffer_shapes(arch)
+        let meta_buffers: Vec<T> = arch
+            .buffers()
             .into_iter()
             .map(|(n, d)| t.empty_as(n, d, Component::Weights, "rotary inv_freq (meta, to_empty)"))
             .collect();
@@ -132,7 +129,7 @@ impl Fsdp {
             t.drop(copy);
         }
         // The harness then builds the rotary module again on the GPU.
-        Model::rotary_buffers(t, arch);
+        t.persistent_buffers(&arch.buffers(), "rotary inv_freq");
         t.drop_all(&meta_buffers);
         Fsdp {
             ranks,
@@ -150,6 +147,14 @@ impl Fsdp {
     /// The root's unit id (the units before it are the decoder layers).
     pub(crate) fn root(&self) -> u32 {
         (self.units.len() - 1) as u32
+    }
+
+    /// The id of a unit, as nodes recorded in its forward carry it.
+    pub(crate) fn unit_index(&self, unit: Unit) -> u32 {
+        match unit {
+            Unit::Layer(layer) => layer as u32,
+            Unit::Root => self.root(),
+        }
     }
 
     /// The shards the optimizer steps (none on the device under CPU offload), in parameter

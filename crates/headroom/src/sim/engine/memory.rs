@@ -25,6 +25,15 @@ pub struct TraceEvent {
     pub label: &'static str,
 }
 
+/// The peak of one measured phase.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PhasePeak {
+    pub step: u32,
+    pub phase: &'static str,
+    pub peak_allocated: u64,
+    pub peak_reserved: u64,
+}
+
 /// The largest allocated total seen so far and what it was made of.
 #[derive(Clone, Debug, Default)]
 pub struct PeakRecord {
@@ -176,15 +185,28 @@ impl Memory {
     }
 
     /// `torch.cuda.reset_peak_memory_stats()` at the start of a measured phase.
+    /// Name what is allocated from here on (and an out-of-memory error) after a phase.
     pub(crate) fn start_phase(&mut self, phase: &'static str, step: u32) {
         self.phase = phase;
         self.step = step;
         self.phase_peak = self.allocated();
     }
 
-    /// `torch.cuda.max_memory_allocated()` since the phase started.
-    pub(crate) fn phase_peak(&self) -> u64 {
-        self.phase_peak
+    /// A measured phase starts: [`Memory::start_phase`], then `reset_peak_memory_stats()`.
+    pub(crate) fn begin_measured_phase(&mut self, phase: &'static str, step: u32) {
+        self.start_phase(phase, step);
+        self.allocator.reset_peak_stats();
+    }
+
+    /// The running phase's peaks, as `max_memory_allocated()` and `max_memory_reserved()`
+    /// read them.
+    pub(crate) fn phase_peak(&self) -> PhasePeak {
+        PhasePeak {
+            step: self.step,
+            phase: self.phase,
+            peak_allocated: self.phase_peak,
+            peak_reserved: self.allocator.stats().reserved_bytes.all.peak as u64,
+        }
     }
 
     pub(crate) fn malloc(

@@ -58,10 +58,10 @@
 //! allocations (the 128-byte broadcasts of engine construction, the norms' reduction
 //! workspaces, the zero padding of the last partition's gradient list).
 
-use super::component::Component;
-use super::optim::OptimizerState;
-use super::tracer::{ParamId, T, Tracer};
 use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{ParamId, T, Tracer};
+use crate::sim::optim::OptimizerState;
 use crate::spec::Strategy;
 
 /// `reduce_bucket_size` (elements).

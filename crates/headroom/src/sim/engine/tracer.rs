@@ -356,6 +356,14 @@ impl Tracer {
         self.persistent.push(t);
     }
 
+    /// Allocate buffers (numel, dtype) for the life of the process.
+    pub(crate) fn persistent_buffers(&mut self, shapes: &[(u64, DType)], label: &'static str) {
+        for &(numel, dtype) in shapes {
+            let buffer = self.empty_as(numel, dtype, Component::Weights, label);
+            self.mark_persistent(buffer);
+        }
+    }
+
     /// The state between steps (see [`TracerState`]); `roots` are the tensors the caller
     /// holds (optimizer states, inputs), in a fixed order.
     pub(crate) fn state(&mut self, scope: Scope, roots: &[T]) -> TracerState {

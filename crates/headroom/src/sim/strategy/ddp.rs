@@ -17,9 +17,9 @@
 //!   result is copied back into `.grad`: nothing is allocated. So DDP holds a second copy of
 //!   the gradients for good.
 
-use super::component::Component;
-use super::tracer::{ParamId, T, Tracer};
 use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{ParamId, T, Tracer};
 
 const BROADCAST_BUCKET_BYTES: u64 = 250 << 20;
 const FIRST_BUCKET_BYTES: u64 = 1 << 20;
@@ -33,6 +33,8 @@ pub(crate) struct Ddp {
     /// Buffers broadcast before every forward (rotary frequencies).
     buffers: Vec<(u64, DType)>,
     rebuilt: bool,
+    /// The order the first backward readied the gradients in (the buckets are rebuilt by it).
+    ready_order: Option<Vec<ParamId>>,
 }
 
 /// `compute_bucket_assignment_by_size`: tensors of one dtype in order, a bucket closed once
@@ -115,6 +117,7 @@ impl Ddp {
             buckets: Vec::new(),
             buffers,
             rebuilt: false,
+            ready_order: None,
         };
         let order = ddp.params.clone();
         let buckets = ddp.assign(t, &order, &[u64::MAX]);
@@ -144,11 +147,12 @@ impl Ddp {
     }
 
     /// `_pre_forward`: rebuild the buckets once, in the order the first backward readied the
-    /// gradients (`ready`), then broadcast the buffers.
-    pub(crate) fn pre_forward(&mut self, t: &mut Tracer, ready: Option<&[ParamId]>) {
+    /// gradients, then broadcast the buffers. Until that order is known, the tracer notes
+    /// the gradients as they become ready.
+    pub(crate) fn pre_forward(&mut self, t: &mut Tracer) {
         if t.grad_enabled()
             && !self.rebuilt
-            && let Some(order) = ready.filter(|o| !o.is_empty())
+            && let Some(order) = self.ready_order.as_deref().filter(|o| !o.is_empty())
         {
             self.rebuilt = true;
             let order: Vec<ParamId> = order
@@ -164,6 +168,16 @@ impl Ddp {
         }
         let buffers = self.buffers.clone();
         broadcast_coalesced(t, &buffers);
+        if self.ready_order.is_none() {
+            t.grad_ready = Some(Vec::new());
+        }
+    }
+
+    /// After a backward: the first one's readiness order is kept.
+    pub(crate) fn learn_ready_order(&mut self, t: &mut Tracer) {
+        if self.ready_order.is_none() {
+            self.ready_order = t.grad_ready.take();
+        }
     }
 }
 

@@ -11,12 +11,12 @@
 
 use headroom_alloc::{AllocatorConfig, CachingAllocator};
 
-use super::component::Component;
 use super::instance::{Home, Instance};
-use super::memory::{Memory, OnOom, PeakRecord, SimulatedOom};
-use super::tracer::{T, Tracer};
 use crate::arch::Architecture;
 use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::memory::{Memory, OnOom, PeakRecord, SimulatedOom};
+use crate::sim::engine::tracer::{T, Tracer};
 use crate::spec::RunSpec;
 
 /// A model the pipeline builds.
@@ -113,15 +113,14 @@ pub fn simulate_pipeline(
 
     let mut out = Vec::new();
     let begin = |t: &mut Tracer, name: &str, iteration: u32| {
-        t.mem.start_phase(phase_name(name), iteration);
-        t.mem.allocator.reset_peak_stats();
+        t.mem.begin_measured_phase(phase_name(name), iteration);
     };
     let end = |t: &Tracer, name: &str, iteration, transfer: (u64, u64), host_bytes| {
         let stats = t.mem.allocator.stats();
         PipelinePhase {
             iteration,
             name: name.to_string(),
-            peak_allocated: t.mem.phase_peak(),
+            peak_allocated: t.mem.phase_peak().peak_allocated,
             peak_reserved: stats.reserved_bytes.all.peak as u64,
             end_allocated: t.mem.allocated(),
             end_reserved: stats.reserved_bytes.all.current as u64,
@@ -212,7 +211,9 @@ pub fn simulate_pipeline(
             for pass in &phase.passes {
                 let i = pass.instance;
                 let Some(m) = &models[i] else { continue };
-                if instances[i].home == Home::Cpu && m.model.fsdp.is_none() && !brought.contains(&i)
+                if instances[i].home == Home::Cpu
+                    && !m.model.strategy.borrow().streams_from_host()
+                    && !brought.contains(&i)
                 {
                     pageable += m.to_gpu(&mut t);
                     brought.push(i);

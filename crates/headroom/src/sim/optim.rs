@@ -2,8 +2,8 @@
 //! and the temporaries of each implementation (`torch/optim/adam.py`, `sgd.py`,
 //! `_adafactor.py`, `bitsandbytes/optim`).
 
-use super::component::Component;
-use super::tracer::{ParamId, T, Tracer};
+use super::engine::component::Component;
+use super::engine::tracer::{ParamId, T, Tracer};
 use crate::dtype::DType;
 use crate::spec::Optimizer;
 

@@ -1,0 +1,8 @@
+//! What a process does with its models: [`instance`] builds one model as the harness does
+//! (weights, adapters, checkpointing, the parallel strategy, the optimizer) and runs its
+//! passes; [`run`] runs the measured steps of a single run; [`pipeline`] runs several
+//! instances in one process, phase by phase.
+
+pub mod instance;
+pub mod pipeline;
+pub mod run;

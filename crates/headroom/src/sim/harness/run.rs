@@ -1,0 +1,419 @@
+//! A whole run as the measuring harness performs it (bench/shared/calibration/README.md):
+//! build the model on the GPU, wrap it (LoRA, checkpointing), then three steps of forward,
+//! backward, `optimizer.step()` and `zero_grad(set_to_none=True)`, each phase's peak read
+//! like `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`.
+
+use headroom_alloc::{AllocatorConfig, CachingAllocator};
+
+use super::instance::{Home, Instance};
+use crate::arch::Architecture;
+use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::memory::{Memory, OnOom, PeakRecord, PhasePeak, SimulatedOom, TraceEvent};
+use crate::sim::engine::tracer::{T, Tracer};
+use crate::sim::memo::{Memo, Script};
+use crate::spec::{Mode, Optimizer, Parallel, RunSpec};
+
+/// Steps the harness runs; the first differs (optimizer states appear during its step).
+pub const STEPS: u32 = 3;
+
+/// How to simulate a run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The caching allocator's settings (`PYTORCH_CUDA_ALLOC_CONF`).
+    pub allocator: AllocatorConfig,
+    /// What the caching allocator may obtain from the device; `None`: no limit.
+    pub capacity: Option<u64>,
+    /// What the run does after its first out-of-memory error.
+    pub after_oom: AfterOom,
+    /// Keep every allocation and free ([`Simulation::trace`]).
+    pub record_trace: bool,
+    /// Take a step that provably repeats the previous one from it instead of simulating it
+    /// again (see `sim::memo`); tests turn it off to check that.
+    pub repeat_steps: bool,
+}
+
+/// What a run does after its first out-of-memory error, which is recorded in
+/// [`Simulation::oom`] in any case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterOom {
+    /// PyTorch has freed its cache and retried; the limit is lifted and the run goes on, so
+    /// every phase is reported (those after the error no longer physical).
+    GoOn,
+    /// The run stops there (then only [`Simulation::oom`] means anything), unless the limit
+    /// had changed nothing by then: it then goes on as the run without a limit, and says so
+    /// in [`Simulation::unlimited`], for a caller that wants that run next.
+    StopUnlessUnlimited,
+}
+
+impl Options {
+    /// A run with this allocator and no device limit, every step taken from the previous one
+    /// where it repeats it, no trace kept.
+    pub fn new(allocator: AllocatorConfig) -> Self {
+        Options {
+            allocator,
+            capacity: None,
+            after_oom: AfterOom::GoOn,
+            record_trace: false,
+            repeat_steps: true,
+        }
+    }
+}
+
+/// What simulating a run produced.
+pub struct Simulation {
+    pub params: u64,
+    pub trainable_params: u64,
+    pub weights_loaded: u64,
+    pub phases: Vec<PhasePeak>,
+    pub peak: PeakRecord,
+    pub peak_reserved: u64,
+    /// Host bytes the rank keeps (see `Instance::host_bytes`).
+    pub host_bytes: u64,
+    pub trace: Vec<TraceEvent>,
+    /// The first allocation that failed on a device of the given capacity.
+    pub oom: Option<SimulatedOom>,
+    /// Steps taken from the previous one rather than simulated (see `sim::memo`).
+    pub repeated_steps: u32,
+    /// Steps whose requests were taken from the previous one and served by the allocator
+    /// again, the tracer not run.
+    pub replayed_steps: u32,
+    /// Training passes (forward and backward) whose requests were taken from step 1's and
+    /// served by the allocator again, the tracer not run.
+    pub replayed_passes: u32,
+    /// Whether the numbers are those of the same run without a device limit: none was set,
+    /// or it never changed what the allocator did (an out-of-memory error after which the
+    /// run went on included; see `Memory::unlimited`).
+    pub unlimited: bool,
+}
+
+/// Simulate the run of `spec` on `arch` as `options` say.
+///
+/// DeepSpeed ZeRO's ranks hold different partitions (see `strategy::zero`): the first and
+/// the last rank are simulated, and the one that needs more reported (an out-of-memory error
+/// first, then the larger reserved and allocated peaks). Without a limit another rank may
+/// need more, so such a run that runs out stops there.
+pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
+    let ranks_differ = spec.parallel.as_ref().is_some_and(Parallel::ranks_differ);
+    let run = |rank| {
+        let mut t = Tracer::new(Memory::new(
+            CachingAllocator::new(options.allocator.clone(), options.capacity),
+            options.record_trace,
+        ));
+        match options.after_oom {
+            AfterOom::GoOn => {}
+            AfterOom::StopUnlessUnlimited if ranks_differ => t.mem.on_oom(OnOom::Stop),
+            AfterOom::StopUnlessUnlimited => t.mem.on_oom(OnOom::StopUnlessUnlimited),
+        }
+        simulate_rank(spec, arch, t, options.repeat_steps, rank)
+    };
+    let last = run(None);
+    if !ranks_differ {
+        return last;
+    }
+    let first = run(Some(0));
+    let need = |s: &Simulation| (s.oom.is_some(), s.peak_reserved, s.peak.allocated);
+    if need(&first) > need(&last) {
+        first
+    } else {
+        last
+    }
+}
+
+/// One rank's run (`None`: the last), in a fresh process `t`.
+fn simulate_rank(
+    spec: &RunSpec,
+    arch: &Architecture,
+    mut t: Tracer,
+    repeat_steps: bool,
+    rank: Option<u64>,
+) -> Simulation {
+    // torch.zeros(1, device="cuda"): the context and a first small segment; the tensor dies.
+    let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
+    t.drop(zero);
+
+    let train = spec.mode == Mode::Train;
+    let has_optimizer = spec.optimizer != Optimizer::None;
+    let mut instance = Instance::build(&mut t, spec, arch, Home::Gpu, rank);
+    let batch = instance.batch;
+    let ids = t.empty_as(batch.n(), DType::I64, Component::Inputs, "input_ids");
+    // Building (or loading) the model is reported as step 0's "load" phase.
+    let mut phases = vec![t.mem.phase_peak()];
+    // Collectives' buffers are not part of the compared state: sharded runs simulate every
+    // step. Step 1 of training creates the optimizer's states, so step 2 never starts where
+    // step 1 did: not worth comparing (not comparing only means simulating).
+    let local = spec.parallel.is_none();
+    let mut memo = Memo::new(
+        repeat_steps && local,
+        repeat_steps && local && train && has_optimizer,
+        !train || !has_optimizer,
+    );
+    for step in 1..=STEPS {
+        if t.mem.stopped() {
+            break;
+        }
+        let roots: Vec<T> = instance.optimizer.tensors().chain([ids]).collect();
+        if memo.take_step(&mut t, step, STEPS, &roots, &mut phases) {
+            continue;
+        }
+        let mut script: Script = Vec::new();
+        let mut phase = |t: &mut Tracer, name: &'static str, f: &mut dyn FnMut(&mut Tracer)| {
+            let first = t.mem.requests_recorded();
+            t.mem.begin_measured_phase(name, step);
+            f(t);
+            script.push((name, first..t.mem.requests_recorded()));
+            phases.push(t.mem.phase_peak());
+        };
+        if !train {
+            phase(&mut t, "forward", &mut |t| instance.logprob_pass(t, ids));
+            memo.end_step(&mut t, phases.len(), script);
+            continue;
+        }
+        let aside: Vec<T> = instance.optimizer.tensors().collect();
+        if let Some(pass) = memo.pass_to_replay(&mut t, ids, &aside) {
+            if memo.replay_pass(&mut t, pass, &mut phase) {
+                break;
+            }
+        } else {
+            let start = memo.begin_pass(&mut t, step, ids);
+            let mut loss: Option<T> = None;
+            phase(&mut t, "forward", &mut |t| {
+                loss = Some(instance.forward_for_loss(t, ids));
+            });
+            if t.mem.stopped() {
+                break;
+            }
+            let backward = t.mem.requests_recorded();
+            let loss = loss.expect("the forward phase produced a loss");
+            phase(&mut t, "backward", &mut |t| instance.backward(t, loss));
+            if t.mem.stopped() {
+                break;
+            }
+            if let Some(start) = start {
+                memo.end_pass(&mut t, start, backward, ids);
+            }
+        }
+        if has_optimizer {
+            phase(&mut t, "optimizer", &mut |t| instance.optimizer_step(t));
+        }
+        instance.zero_grad(&mut t);
+        memo.end_step(&mut t, phases.len(), script);
+    }
+    Simulation {
+        params: instance.param_count,
+        trainable_params: instance.trainable_count,
+        weights_loaded: instance.weights_loaded,
+        peak_reserved: phases
+            .iter()
+            .filter(|p| p.step > 0)
+            .map(|p| p.peak_reserved)
+            .max()
+            .unwrap_or(0),
+        peak: t.mem.peak().clone(),
+        host_bytes: instance.host_bytes(&t),
+        phases,
+        oom: t.mem.oom().cloned(),
+        trace: t.mem.take_trace(),
+        repeated_steps: memo.repeated_steps,
+        replayed_steps: memo.replayed_steps,
+        replayed_passes: memo.replayed_passes,
+        unlimited: !t.mem.stopped() && t.mem.unlimited(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn spec_and_arch(value: &serde_json::Value) -> (RunSpec, Architecture) {
+        let spec = RunSpec::from_value(value).expect("valid spec");
+        let model = spec.resolve_model(None).expect("known model");
+        let arch = Architecture::from_hf_config(&model.config).expect("valid config");
+        (spec, arch)
+    }
+
+    /// Two simulations report the same: phases, peaks and what they were made of, trace.
+    fn assert_same_numbers(a: &Simulation, b: &Simulation, context: &str) {
+        assert_eq!(a.phases, b.phases, "{context}");
+        assert_eq!(a.peak_reserved, b.peak_reserved, "{context}");
+        assert_eq!(a.peak.allocated, b.peak.allocated, "{context}");
+        assert_eq!(a.peak.breakdown, b.peak.breakdown, "{context}");
+        let place = |s: &Simulation| (s.peak.phase, s.peak.step);
+        assert_eq!(place(a), place(b), "{context}");
+        assert_eq!(a.trace, b.trace, "{context}");
+    }
+
+    /// A limited run that goes on past its out-of-memory error (the limit had changed nothing)
+    /// is the run without a limit, to the byte; one that stops is not used for it.
+    #[test]
+    fn limited_runs_that_go_on_equal_unlimited_ones() {
+        let specs = [
+            json!({"model": "qwen2.5-0.5b", "precision": "amp-bf16", "optimizer": "adamw",
+                   "batch_size": 1, "seq_len": 512, "gradient_checkpointing": true}),
+            json!({"model": "qwen2.5-0.5b", "precision": "bf16", "batch_size": 2, "seq_len": 256,
+                   "lora": {"r": 8, "alpha": 16, "targets": "all-linear", "dropout": 0.05}}),
+            json!({"model": "qwen2.5-0.5b", "precision": "fp32", "optimizer": "sgd",
+                   "batch_size": 1, "seq_len": 128}),
+        ];
+        let (mut went_on, mut stopped) = (0, 0);
+        for value in specs {
+            let (spec, arch) = spec_and_arch(&value);
+            let run = |capacity, after_oom| {
+                let options = Options {
+                    capacity,
+                    after_oom,
+                    record_trace: true,
+                    ..Options::new(AllocatorConfig::default())
+                };
+                simulate(&spec, &arch, &options)
+            };
+            let unlimited = run(None, AfterOom::GoOn);
+            assert!(unlimited.unlimited);
+            // From less than the weights to just short of the reserved peak.
+            for eighth in 1..8 {
+                let capacity = unlimited.peak_reserved * eighth / 8;
+                let limited = run(Some(capacity), AfterOom::StopUnlessUnlimited);
+                if limited.oom.is_none() {
+                    continue;
+                }
+                if !limited.unlimited {
+                    stopped += 1;
+                    continue;
+                }
+                went_on += 1;
+                assert_same_numbers(&limited, &unlimited, &format!("{value} {capacity}"));
+                // The error is the one a run that goes on after it records.
+                assert_eq!(
+                    limited.oom,
+                    run(Some(capacity), AfterOom::GoOn).oom,
+                    "{value}"
+                );
+            }
+        }
+        assert!(
+            went_on >= 3,
+            "{went_on} limited runs went on as unlimited ones"
+        );
+        assert!(
+            stopped >= 3,
+            "{stopped} limited runs stopped at their error"
+        );
+    }
+
+    /// Taking a step from the previous one, or its requests, gives what simulating it gives,
+    /// to the byte.
+    #[test]
+    fn repeated_steps_equal_simulated_ones() {
+        let specs = [
+            json!({"model": "qwen2.5-0.5b", "precision": "bf16", "optimizer": "adamw",
+                   "batch_size": 2, "seq_len": 256}),
+            json!({"model": "qwen2.5-0.5b", "precision": "amp-bf16", "optimizer": "adamw",
+                   "batch_size": 1, "seq_len": 512, "gradient_checkpointing": true}),
+            json!({"model": "qwen2.5-0.5b", "precision": "bf16", "batch_size": 2, "seq_len": 256,
+                   "lora": {"r": 8, "alpha": 16, "targets": "all-linear", "dropout": 0.05}}),
+            json!({"model": "qwen2.5-0.5b", "precision": "bf16", "quantization": "nf4",
+                   "kbit_prepare": true, "batch_size": 1, "seq_len": 256,
+                   "gradient_checkpointing": true,
+                   "lora": {"r": 8, "alpha": 16, "targets": "all-linear", "dropout": 0.05}}),
+            json!({"model": "qwen2.5-0.5b", "precision": "bf16", "mode": "forward",
+                   "batch_size": 2, "seq_len": 256}),
+            json!({"model": "qwen2.5-0.5b", "precision": "fp32", "optimizer": "sgd",
+                   "batch_size": 1, "seq_len": 128}),
+        ];
+        let (mut repeated, mut ooms, mut limited_repeats) = (0, 0, 0);
+        let (mut replayed, mut replayed_ooms) = (0, 0);
+        let (mut passes, mut passes_in_ooms, mut both) = (0, 0, 0);
+        for value in specs {
+            let (spec, arch) = spec_and_arch(&value);
+            let run = |capacity, repeat_steps| {
+                let options = Options {
+                    capacity,
+                    record_trace: true,
+                    repeat_steps,
+                    ..Options::new(AllocatorConfig::default())
+                };
+                simulate(&spec, &arch, &options)
+            };
+            let unlimited = run(None, false);
+            // Also on a device just large enough, one between that and the allocated peak
+            // (cache flushes), and one short of the allocated peak (an OOM).
+            let reserved = unlimited.peak_reserved;
+            let allocated = unlimited.peak.allocated;
+            let capacities = [
+                None,
+                Some(reserved),
+                // Short by a byte of the unlimited run's reserved peak: the step that reaches
+                // it (often the last) flushes the cache, or runs out.
+                Some(reserved - 1),
+                Some(allocated + (reserved - allocated) / 2),
+                Some(allocated - 1),
+            ];
+            for capacity in capacities {
+                let (fast, slow) = (run(capacity, true), run(capacity, false));
+                assert_same_numbers(&fast, &slow, &value.to_string());
+                assert_eq!(fast.oom, slow.oom, "{value}");
+                assert_eq!(
+                    (fast.params, fast.trainable_params, fast.weights_loaded),
+                    (slow.params, slow.trainable_params, slow.weights_loaded)
+                );
+                assert_eq!(
+                    (
+                        slow.repeated_steps,
+                        slow.replayed_steps,
+                        slow.replayed_passes
+                    ),
+                    (0, 0, 0)
+                );
+                // Stopping at the first error finds the same error, and without one the run.
+                let options = Options {
+                    capacity,
+                    after_oom: AfterOom::StopUnlessUnlimited,
+                    record_trace: true,
+                    ..Options::new(AllocatorConfig::default())
+                };
+                let stopped = simulate(&spec, &arch, &options);
+                assert_eq!(stopped.oom, slow.oom, "{value}");
+                if slow.oom.is_none() {
+                    assert_eq!(stopped.phases, slow.phases, "{value}");
+                    assert_eq!(stopped.trace, slow.trace, "{value}");
+                    assert_eq!(stopped.peak_reserved, slow.peak_reserved, "{value}");
+                }
+                if capacity.is_none() {
+                    repeated += fast.repeated_steps;
+                }
+                replayed += fast.replayed_steps;
+                replayed_ooms += fast.replayed_steps * u32::from(slow.oom.is_some());
+                passes += fast.replayed_passes;
+                passes_in_ooms += fast.replayed_passes * u32::from(slow.oom.is_some());
+                both += u32::from(fast.replayed_passes > 0 && fast.replayed_steps > 0);
+                ooms += usize::from(slow.oom.is_some());
+                limited_repeats += fast.repeated_steps * u32::from(capacity.is_some());
+            }
+        }
+        // Half of these runs repeat their last step; the short devices run out, and a device
+        // limit does not keep steps from repeating.
+        assert!(repeated >= 3, "{repeated} steps repeated");
+        assert!(ooms >= 3, "{ooms} runs out of memory");
+        assert!(
+            limited_repeats >= 3,
+            "{limited_repeats} steps repeated on limited devices"
+        );
+        // Others make the last step's requests again (the allocator decides differently),
+        // also in runs that flush the cache or run out of memory.
+        assert!(replayed >= 6, "{replayed} steps replayed");
+        assert!(
+            replayed_ooms >= 3,
+            "{replayed_ooms} replayed steps in runs out of memory"
+        );
+        // Step 2's training pass is made from step 1's requests in every training run with
+        // an optimizer (five specs, five devices each), also where the run runs out.
+        assert!(passes >= 20, "{passes} training passes replayed");
+        assert!(
+            passes_in_ooms >= 3,
+            "{passes_in_ooms} replayed training passes in runs out of memory"
+        );
+        // Step 3 made from a record that starts with the replayed pass of step 2.
+        assert!(both >= 3, "{both} runs replay both a pass and a step");
+    }
+}

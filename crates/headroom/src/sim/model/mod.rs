@@ -1,0 +1,31 @@
+//! The HF models as engine ops: each function names the transformers function it mirrors.
+//! [`transformer`] builds the parameters and runs the decoder stack, [`attention`] its
+//! attention kernels and masks, [`heads`] the output heads and losses, [`quant`] the
+//! bitsandbytes 4-bit load and peft's k-bit preparation.
+
+pub(crate) mod attention;
+pub(crate) mod heads;
+pub(crate) mod quant;
+pub(crate) mod transformer;
+
+/// What the training step needs to know about the shapes of one forward: `b` sequences of
+/// `s` tokens.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Batch {
+    pub b: u64,
+    pub s: u64,
+}
+
+impl Batch {
+    /// Rows of the flattened activations.
+    pub fn n(&self) -> u64 {
+        self.b * self.s
+    }
+}
+
+/// Which attention kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AttentionImpl {
+    Sdpa,
+    Eager,
+}

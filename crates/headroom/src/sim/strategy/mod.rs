@@ -1,0 +1,222 @@
+//! How a model's parameters, gradients and optimizer states are spread over ranks: one
+//! [`Strategy`] per model, whose hooks the model code and the backward engine call at the
+//! points where PyTorch and DeepSpeed run theirs. Each strategy is a translation of one
+//! library's wrapper as rank 0 (or the rank that needs most) sees it:
+//! - [`ddp`]: `DistributedDataParallel` (gradient buckets, buffer broadcasts);
+//! - [`fsdp`]: FSDP2's `fully_shard` over several ranks, CPU offload included;
+//! - [`fsdp_offload`]: FSDP2 with `CPUOffloadPolicy` on one rank, for a no-grad pass;
+//! - [`zero`]: DeepSpeed ZeRO stages 1 and 2;
+//! - [`zero3`] and [`zero3_gather`]: DeepSpeed ZeRO stage 3 and its per-module gathers.
+//!
+//! Tensor, pipeline, context and expert parallelism take their places here as further
+//! variants with the same hooks.
+
+pub(crate) mod ddp;
+pub(crate) mod fsdp;
+pub(crate) mod fsdp_offload;
+pub(crate) mod zero;
+pub(crate) mod zero3;
+pub(crate) mod zero3_gather;
+
+use super::engine::tracer::{ParamId, Tracer};
+use crate::sim::optim::OptimizerState;
+use ddp::Ddp;
+use fsdp::Fsdp;
+use fsdp_offload::FsdpOffload;
+use zero::Zero;
+use zero3::Zero3;
+
+/// The CUDA stream FSDP2 copies parameters into its all-gather buffer on (and DeepSpeed's
+/// gathers run on).
+pub(crate) const ALL_GATHER_COPY_IN_STREAM: u32 = 1;
+/// The CUDA stream FSDP2 reduce-scatters gradients on.
+pub(crate) const REDUCE_SCATTER_STREAM: u32 = 2;
+
+/// The parallel strategy wrapping one model.
+pub(crate) enum Strategy {
+    /// The process holds the whole model and steps it alone.
+    Local,
+    Ddp(Ddp),
+    FsdpOffload(FsdpOffload),
+    Fsdp(Fsdp),
+    Zero(Zero),
+    Zero3(Zero3),
+}
+
+/// A unit of FSDP2's wrapping: a decoder layer, or the root (the rest of the model).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unit {
+    Layer(usize),
+    Root,
+}
+
+/// A module as per-module hooks (DeepSpeed ZeRO-3's) see it. Modules with parameters of
+/// their own are named by their first parameter (the tied `lm_head` apart: it shares the
+/// embedding's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum ModuleKey {
+    Params(ParamId),
+    LmHead,
+    /// The model class (`Qwen2ForCausalLM`): its pre-hook also starts the step's trace.
+    Root,
+    /// The decoder stack (`Qwen2Model`).
+    Model,
+    Rotary,
+    Layer(usize),
+    Attention(usize),
+    Mlp(usize),
+    Activation(usize),
+}
+
+impl Strategy {
+    /// Before the model is called: DDP rebuilds its buckets once and broadcasts buffers.
+    pub(crate) fn before_forward(&mut self, t: &mut Tracer) {
+        if let Strategy::Ddp(ddp) = self {
+            ddp.pre_forward(t);
+        }
+    }
+
+    /// An FSDP2 unit's forward pre-hook: its parameters are brought to the GPU.
+    pub(crate) fn unit_pre_forward(&mut self, t: &mut Tracer, unit: Unit) {
+        match self {
+            Strategy::FsdpOffload(offload) => offload.unshard(t, unit),
+            Strategy::Fsdp(fsdp) => fsdp.pre_forward(t, fsdp.unit_index(unit)),
+            _ => {}
+        }
+    }
+
+    /// An FSDP2 unit's forward post-hook.
+    pub(crate) fn unit_post_forward(&mut self, t: &mut Tracer, unit: Unit) {
+        match self {
+            Strategy::FsdpOffload(offload) => offload.reshard(t, unit),
+            Strategy::Fsdp(fsdp) => fsdp.post_forward(t, fsdp.unit_index(unit)),
+            _ => {}
+        }
+    }
+
+    /// A module's forward pre-hook; `input_grad`: whether its input requires grad (then its
+    /// post-backward hook runs).
+    pub(crate) fn module_pre_forward(
+        &mut self,
+        t: &mut Tracer,
+        module: ModuleKey,
+        params: &[ParamId],
+        input_grad: bool,
+    ) {
+        if let Strategy::Zero3(zero3) = self
+            && let Some(g) = zero3.gathers.as_mut()
+        {
+            g.pre_forward(t, module, params, input_grad);
+        }
+    }
+
+    /// The forward post-hook of the innermost running module.
+    pub(crate) fn module_post_forward(&mut self, t: &mut Tracer) {
+        if let Strategy::Zero3(zero3) = self
+            && let Some(g) = zero3.gathers.as_mut()
+        {
+            g.post_forward(t);
+        }
+    }
+
+    /// A checkpointed region's recomputation has run.
+    pub(crate) fn recompute_ends(&mut self, t: &mut Tracer) {
+        if let Strategy::Zero3(zero3) = self
+            && let Some(g) = zero3.gathers.as_mut()
+        {
+            g.recompute_ends(t);
+        }
+    }
+
+    /// `loss.backward()` starts.
+    pub(crate) fn backward_begins(&mut self) {
+        if let Strategy::Zero3(zero3) = self
+            && let Some(g) = zero3.gathers.as_mut()
+        {
+            g.backward_begins();
+        }
+    }
+
+    /// A gradient reached unit `unit` (see [`BackwardHooks`](super::engine::tracer::BackwardHooks)).
+    pub(crate) fn unit_backward_begins(&mut self, t: &mut Tracer, unit: u32) {
+        match self {
+            Strategy::Fsdp(fsdp) => fsdp.pre_backward(t, unit),
+            Strategy::Zero3(zero3) => {
+                if let Some(g) = zero3.gathers.as_mut() {
+                    g.unit_backward_begins(t, unit);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Every node of unit `unit` that this backward runs has run.
+    pub(crate) fn unit_backward_done(&mut self, t: &mut Tracer, unit: u32) {
+        match self {
+            Strategy::Fsdp(fsdp) => fsdp.post_backward(t, unit),
+            Strategy::Zero3(zero3) => {
+                if let Some(g) = zero3.gathers.as_mut() {
+                    g.unit_backward_done(t, unit);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// `AccumulateGrad` stored `param`'s gradient.
+    pub(crate) fn grad_accumulated(&mut self, t: &mut Tracer, param: ParamId) {
+        match self {
+            Strategy::Zero(zero) => zero.grad_hook(t, param),
+            Strategy::Zero3(zero3) => zero3.grad_hook(t, param),
+            _ => {}
+        }
+    }
+
+    /// The backward engine has finished: FSDP2's final callback, DeepSpeed's backward
+    /// epilogue, DDP learning the order the gradients became ready in.
+    pub(crate) fn finish_backward(&mut self, t: &mut Tracer) {
+        match self {
+            Strategy::Ddp(ddp) => ddp.learn_ready_order(t),
+            Strategy::Fsdp(fsdp) => fsdp.finish_backward(t),
+            Strategy::Zero(zero) => zero.finish_backward(t),
+            Strategy::Zero3(zero3) => zero3.finish_backward(t),
+            _ => {}
+        }
+    }
+
+    /// `optimizer.step()` where the strategy wraps the optimizer (DeepSpeed's engines);
+    /// false where the plain optimizer steps the trainable parameters.
+    pub(crate) fn step(&mut self, t: &mut Tracer, optimizer: &mut OptimizerState) -> bool {
+        match self {
+            Strategy::Zero(zero) => zero.step(t, optimizer),
+            Strategy::Zero3(zero3) => zero3.step(t),
+            _ => return false,
+        }
+        true
+    }
+
+    /// Bytes the strategy keeps on the host, where it decides them (CPU offload of shards,
+    /// DeepSpeed's `offload_optimizer`); `None` where the model's own placement does.
+    pub(crate) fn host_bytes(&self, t: &Tracer) -> Option<u64> {
+        match self {
+            Strategy::Fsdp(fsdp) => Some(fsdp.host_bytes(t)),
+            Strategy::Zero(zero) => Some(zero.host_bytes()),
+            Strategy::Zero3(zero3) => Some(zero3.host_bytes()),
+            _ => None,
+        }
+    }
+
+    /// Whether the parameters come to the GPU unit by unit from host memory during a pass
+    /// (then the model is never moved in whole).
+    pub(crate) fn streams_from_host(&self) -> bool {
+        matches!(self, Strategy::FsdpOffload(_))
+    }
+
+    /// Parameter bytes a pass copies in from host memory.
+    pub(crate) fn streamed_bytes(&self, t: &Tracer) -> u64 {
+        match self {
+            Strategy::FsdpOffload(offload) => offload.streamed_bytes(t),
+            _ => 0,
+        }
+    }
+}

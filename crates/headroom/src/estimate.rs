@@ -8,7 +8,7 @@ use headroom_alloc::{AllocatorConfig, OutOfMemory};
 use crate::arch::Architecture;
 use crate::error::Result;
 use crate::gpu::Gpu;
-use crate::sim::{self, Component, PhasePeak, SimulatedOom, TraceEvent};
+use crate::sim::{self, Component, PhasePeak, SimulatedEvent, SimulatedOom};
 use crate::spec::{RunSpec, Strategy};
 
 /// The estimate of one run spec.
@@ -116,7 +116,7 @@ pub fn estimate_with_trace(
     gpu: &Gpu,
     limit: Limit,
     trace: bool,
-) -> Result<(Estimate, Vec<TraceEvent>)> {
+) -> Result<(Estimate, Vec<SimulatedEvent>)> {
     let model = spec.resolve_model(spec_dir)?;
     let arch = Architecture::from_hf_config(&model.config)?;
     spec.check_against(&arch)?;

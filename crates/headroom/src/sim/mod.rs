@@ -21,5 +21,5 @@ pub(crate) mod optim;
 pub(crate) mod strategy;
 
 pub use engine::component::Component;
-pub use engine::memory::{PeakRecord, PhasePeak, SimulatedOom, TraceEvent};
+pub use engine::memory::{PeakRecord, PhasePeak, SimulatedEvent, SimulatedOom};
 pub use harness::run::{AfterOom, Options, STEPS, Simulation, simulate};

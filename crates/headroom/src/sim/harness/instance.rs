@@ -180,7 +180,7 @@ impl Instance {
                     parallel,
                     spec.optimizer,
                 );
-                wrapper = Strategy::Zero3(zero3);
+                wrapper = Strategy::Zero3(Box::new(zero3));
                 autocast = None;
                 Vec::new()
             }
@@ -188,7 +188,7 @@ impl Instance {
                 // Nothing to train: an inference engine over the model's parameters.
                 let zero3 =
                     Zero3::inference(t, &all_model_params, partitions, untied_head, parallel);
-                wrapper = Strategy::Zero3(zero3);
+                wrapper = Strategy::Zero3(Box::new(zero3));
                 autocast = None;
                 trainable_ids
             }

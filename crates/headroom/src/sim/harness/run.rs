@@ -9,7 +9,9 @@ use super::instance::{Home, Instance};
 use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
-use crate::sim::engine::memory::{Memory, OnOom, PeakRecord, PhasePeak, SimulatedOom, TraceEvent};
+use crate::sim::engine::memory::{
+    Memory, OnOom, PeakRecord, PhasePeak, SimulatedEvent, SimulatedOom,
+};
 use crate::sim::engine::tracer::{T, Tracer};
 use crate::sim::memo::{Memo, Script};
 use crate::spec::{Mode, Optimizer, Parallel, RunSpec};
@@ -70,7 +72,7 @@ pub struct Simulation {
     pub peak_reserved: u64,
     /// Host bytes the rank keeps (see `Instance::host_bytes`).
     pub host_bytes: u64,
-    pub trace: Vec<TraceEvent>,
+    pub trace: Vec<SimulatedEvent>,
     /// The first allocation that failed on a device of the given capacity.
     pub oom: Option<SimulatedOom>,
     /// Steps taken from the previous one rather than simulated (see `sim::memo`).

@@ -40,7 +40,7 @@ pub(crate) enum Strategy {
     FsdpOffload(FsdpOffload),
     Fsdp(Fsdp),
     Zero(Zero),
-    Zero3(Zero3),
+    Zero3(Box<Zero3>),
 }
 
 /// A unit of FSDP2's wrapping: a decoder layer, or the root (the rest of the model).

@@ -8,15 +8,14 @@ use headroom::gpu;
 use headroom::spec::{RunSpec, Strategy};
 use serde_json::Value;
 
-mod common;
-use common::rel;
+use crate::common::{self, rel};
 
 fn rows() -> Vec<Value> {
     common::jsonl(&[
-        include_str!("../../../bench/distributed/h200x2-torch2.11.jsonl"),
-        include_str!("../../../bench/distributed/h200x4-torch2.11.jsonl"),
-        include_str!("../../../bench/distributed/h200x1-torch2.11.jsonl"),
-        include_str!("../../../bench/distributed/h200x1-param-offload.jsonl"),
+        include_str!("../../../../bench/distributed/h200x2-torch2.11.jsonl"),
+        include_str!("../../../../bench/distributed/h200x4-torch2.11.jsonl"),
+        include_str!("../../../../bench/distributed/h200x1-torch2.11.jsonl"),
+        include_str!("../../../../bench/distributed/h200x1-param-offload.jsonl"),
     ])
 }
 

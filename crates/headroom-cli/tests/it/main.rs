@@ -1,0 +1,6 @@
+//! The integration tests of the `headroom` binary, one test binary with a module per area; each
+//! runs the built binary (`common` has the helpers).
+
+mod common;
+mod diagnose_fit;
+mod estimate;

@@ -317,11 +317,11 @@ fn search_evaluates_each_configuration_as_its_own_simulation() {
 }
 
 /// ZeRO-Offload on one GPU (DeepSpeed ZeRO-2 of one rank with `offload_optimizer`) is simulated,
-/// and the simulation is the measured one (bench/distributed/h200x1-torch2.11.jsonl).
+/// and the simulation is the measured one (bench/distributed/h200x1/h200x1-torch2.11.jsonl).
 #[test]
 fn zero_offload_on_one_gpu_is_the_measured_run() {
     let rows = common::jsonl(&[include_str!(
-        "../../../../bench/distributed/h200x1-torch2.11.jsonl"
+        "../../../../bench/distributed/h200x1/h200x1-torch2.11.jsonl"
     )]);
     let row = rows
         .iter()

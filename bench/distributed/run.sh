@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Reproduce bench/distributed/h200x2-torch2.11.jsonl on a host with 2 GPUs (the device call of
-# README.md): every line of specs.jsonl in a fresh `torchrun --nproc-per-node 2`, one after another.
+# Runs spec lines of a measurement run of bench/distributed, each in a fresh
+# `torchrun --nproc-per-node $NPROC`, one after another: by default every line of
+# h200x2/specs.jsonl on a host with 2 GPUs (h200x2/README.md); the one-GPU runs (h200x1*/) use it
+# with NPROC=1 and their own SPECS (each run's README.md has its command).
 #
 #   bash bench/distributed/run.sh [OUT_DIR]        (from the repository root; OUT_DIR defaults to $OUT)
 #
@@ -8,16 +10,16 @@
 # OUT_DIR/snap/NAME.pickle.gz (rank 0's memory snapshot where a spec line names one; with
 # "snapshot_ranks": "all" every rank's, as NAME-rank0.pickle.gz, NAME-rank1.pickle.gz).
 # "stacks" (python, all or none) picks the frames a snapshot keeps (default python).
-# SPECS (default bench/distributed/specs.jsonl) names the spec lines to run, e.g.
-# SPECS=bench/distributed/specs-zero.jsonl for the ZeRO snapshot runs.
-# ZeRO lines need DeepSpeed: if .whl-ds/ holds its wheels (README.md says which), they are
+# SPECS (default bench/distributed/h200x2/specs.jsonl) names the spec lines to run, e.g.
+# SPECS=bench/distributed/h200x2/specs-zero.jsonl for the ZeRO snapshot runs.
+# ZeRO lines need DeepSpeed: if .whl-ds/ holds its wheels (h200x2/README.md says which), they are
 # installed into /tmp/site-ds and put on PYTHONPATH for those lines only.
 # DEADLINE (seconds, default 560) skips the lines that would start after it.
 # NPROC (default 2) is the number of processes (GPUs); it must equal each line's world_size.
 set -u -o pipefail
 out=${1:-${OUT:?give OUT_DIR or set OUT}}
 deadline=${DEADLINE:-560}
-specs=${SPECS:-bench/distributed/specs.jsonl}
+specs=${SPECS:-bench/distributed/h200x2/specs.jsonl}
 mkdir -p "$out/snap"
 log="$out/log.txt"
 # NVLink multicast stays off (the lender's rule for these hosts; see the device notes).

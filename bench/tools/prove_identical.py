@@ -9,9 +9,10 @@ the simulator (bench/PERFORMANCE.md) may change no byte of what it reports. Writ
 `estimate --json` without a limit, on an H200 and on an H100-80GB, the plain table, and the
 sha256 of `--timeline` (every simulated allocation and free) unlimited and on an H100-80GB.
 The specs: every row with a `spec` of the JSON-lines files under bench/, the YAML examples
-(pipelines included) and the three specs of the criterion bench. Also `validate --json` of
-the measured corpus, `replay --json` of every snapshot under its recorded allocator config and
-three others, and `fit --json` of the examples on one H100 and on four A100-40GB.
+(pipelines included), the spec of each `*.spec.json` beside the distributed runs' snapshots and
+the three specs of the criterion bench. Also `validate --json` of the measured corpus,
+`replay --json` of every snapshot under its recorded allocator config and three others, and
+`fit --json` of the examples on one H100 and on four A100-40GB.
 """
 
 import argparse
@@ -72,8 +73,13 @@ def spec_files(tmp):
             specs.append((name, path))
     for example in sorted(ROOT.glob("examples/*.yaml")):
         specs.append((f"examples_{example.stem}", example))
-    for spec in sorted(ROOT.glob("bench/distributed/*.spec.json")):
-        specs.append((f"distributed_{spec.stem}", spec))
+    # A snapshot's spec line (`{"id", "spec", ...}`): its spec is what was run.
+    for line in sorted(ROOT.glob("bench/distributed/*/*.spec.json")):
+        rel = line.relative_to(ROOT / "bench")
+        name = str(rel.with_suffix("")).replace("/", "_")
+        path = tmp / f"{name}.json"
+        path.write_text(json.dumps(json.loads(line.read_text())["spec"]))
+        specs.append((name, path))
     for name, spec in BENCH_SPECS.items():
         path = tmp / f"{name}.json"
         path.write_text(json.dumps(spec))

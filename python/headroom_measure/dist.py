@@ -8,7 +8,7 @@ N must equal the spec's `parallel.world_size`. Rank 0 appends one JSON line to F
 `{"id", "spec" (with `parallel`), "measured": {"peak_allocated_bytes", "peak_reserved_bytes",
 "ranks": [...], "params", "trainable_params"}, "env"}`.
 
-The protocol is the single-GPU one (measure.py, shared/calibration/README.md) run on every rank at
+The protocol is the single-GPU one (measure.py, bench/shared/calibration/README.md) run on every rank at
 once: a fresh process per rank, random weights, three steps of forward (HF loss with
 `labels=input_ids`, under `torch.autocast` for amp-* and bf16 exactly as measure.py),
 `backward()`, `optimizer.step()`, `zero_grad(set_to_none=True)`. Every phase ends with

@@ -1,6 +1,6 @@
 """Run real training (or forward) steps of a run spec on a GPU and record their peak memory.
 
-The protocol is the one of the calibration rows (shared/calibration/README.md): a fresh process,
+The protocol is the one of the calibration rows (bench/shared/calibration/README.md): a fresh process,
 the model built from its config with random weights directly on the GPU, three steps, and the
 peak of each phase read from the caching allocator's counters.
 """

@@ -124,13 +124,13 @@ class DeepSpeedConfigTest(unittest.TestCase):
 
 
 class CommittedRunsTest(unittest.TestCase):
-    """bench/distributed: every spec parses, and every row carries each rank's phases."""
+    """bench/distributed/h200x2: every spec parses, and every row carries each rank's phases."""
 
     def test_specs_and_rows(self):
         import json
         from pathlib import Path
 
-        here = Path(__file__).resolve().parents[2] / "bench" / "distributed"
+        here = Path(__file__).resolve().parents[2] / "bench" / "distributed" / "h200x2"
         specs = [json.loads(l) for l in (here / "specs.jsonl").read_text().splitlines() if l.strip()]
         for line in specs:
             self.assertIsNotNone(specmod.parse(line["spec"]).parallel, line["id"])

@@ -5,7 +5,7 @@ use headroom::diagnose::oom::{self, Backend};
 use serde_json::{Value, json};
 
 fn corpus() -> Vec<Value> {
-    let text = include_str!("data/oom_messages.json");
+    let text = include_str!("../data/oom_messages.json");
     let doc: Value = serde_json::from_str(text).expect("oom_messages.json is JSON");
     doc["messages"]
         .as_array()

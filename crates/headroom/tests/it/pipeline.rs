@@ -8,8 +8,7 @@ use headroom::pipeline::{PipelineSpec, estimate_pipeline};
 use headroom_alloc::OutOfMemory;
 use serde_json::Value;
 
-mod common;
-use common::rel;
+use crate::common::{self, rel};
 
 /// The allocated and reserved errors of the estimate's phase `name` of `iteration` against
 /// its measurement `m`.
@@ -33,8 +32,8 @@ fn phase_errors(
 
 fn rows() -> Vec<Value> {
     common::jsonl(&[
-        include_str!("../../../bench/pipelines/h100-torch2.11.jsonl"),
-        include_str!("../../../bench/pipelines/h200-torch2.11.jsonl"),
+        include_str!("../../../../bench/pipelines/h100-torch2.11.jsonl"),
+        include_str!("../../../../bench/pipelines/h200-torch2.11.jsonl"),
     ])
 }
 
@@ -209,7 +208,7 @@ iterations: 2"
 #[test]
 fn every_phase_of_the_deepspeed_pipelines() {
     let rows = common::jsonl(&[include_str!(
-        "../../../bench/pipelines/zero/h200-torch2.11.jsonl"
+        "../../../../bench/pipelines/zero/h200-torch2.11.jsonl"
     )]);
     let mut checked = 0;
     for row in rows {

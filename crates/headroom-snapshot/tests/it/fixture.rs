@@ -4,11 +4,9 @@
 //! run on the same file; `allocated_bytes` is also the measured `end_allocated` of the run's
 //! last phase (`snapshot-actor-ref-manual-offload.json`).
 
-mod common;
-
 use headroom_snapshot::{SummaryOptions, load, summarize};
 
-use common::shared_fixture as fixture;
+use crate::common::shared_fixture as fixture;
 
 #[test]
 fn reads_the_fixture() {

@@ -3,12 +3,10 @@
 //! (`snapshot-actor-ref-manual-offload.json`: train1 peak_reserved 32470204416,
 //! peak_allocated 30981537792), and the recorded event counts come from the trace itself.
 
-mod common;
-
 use headroom_alloc::AllocatorConfig;
 use headroom_snapshot::{Action, ReplayOptions, load, replay};
 
-use common::shared_fixture as fixture;
+use crate::common::shared_fixture as fixture;
 
 #[test]
 fn fixture_replays_every_segment_event_and_the_measured_peaks() {

@@ -12,18 +12,19 @@ use headroom::plan::{self, Resident, Setup, Sharding};
 use headroom::sim::Component;
 use headroom::spec::{Optimizer, RunSpec};
 
-const SEED003_OOM: &str = include_str!("../../headroom-cli/tests/fixtures/seed003/oom.log");
-const SEED003_TRAIN: &str = include_str!("../../headroom-cli/tests/fixtures/seed003/train.yaml");
-const SEED003_REF: &str = include_str!("../../headroom-cli/tests/fixtures/seed003/reference.yaml");
-const SEED002_OOM: &str = include_str!("../../headroom-cli/tests/fixtures/seed002/oom.log");
-const SEED002_AGENT: &str = include_str!("../../headroom-cli/tests/fixtures/seed002/agent.yaml");
-const SEED002_USER: &str = include_str!("../../headroom-cli/tests/fixtures/seed002/user.yaml");
+const SEED003_OOM: &str = include_str!("../../../headroom-cli/tests/fixtures/seed003/oom.log");
+const SEED003_TRAIN: &str = include_str!("../../../headroom-cli/tests/fixtures/seed003/train.yaml");
+const SEED003_REF: &str =
+    include_str!("../../../headroom-cli/tests/fixtures/seed003/reference.yaml");
+const SEED002_OOM: &str = include_str!("../../../headroom-cli/tests/fixtures/seed002/oom.log");
+const SEED002_AGENT: &str = include_str!("../../../headroom-cli/tests/fixtures/seed002/agent.yaml");
+const SEED002_USER: &str = include_str!("../../../headroom-cli/tests/fixtures/seed002/user.yaml");
 const SEED002_ACCEL: &str =
-    include_str!("../../headroom-cli/tests/fixtures/seed002/accelerate_config.original.yaml");
+    include_str!("../../../headroom-cli/tests/fixtures/seed002/accelerate_config.original.yaml");
 const SEED002_ACCEL_FIXED: &str =
-    include_str!("../../headroom-cli/tests/fixtures/seed002/accelerate_config.fixed.yaml");
+    include_str!("../../../headroom-cli/tests/fixtures/seed002/accelerate_config.fixed.yaml");
 const SEED002_SCRIPT: &str =
-    include_str!("../../headroom-cli/tests/fixtures/seed002/hf_model_cache.original.py");
+    include_str!("../../../headroom-cli/tests/fixtures/seed002/hf_model_cache.original.py");
 
 const GIB: u64 = 1 << 30;
 
@@ -94,7 +95,7 @@ fn seed003_measured_run_confirms_the_oom() {
     // The calibration corpus measured this exact training step (without the reference
     // model) on an H200: add the reference's weights and the context, and it overflows an
     // 80 GB H100 as the seed's job did.
-    let corpus = include_str!("../../../bench/calibration/h200-torch2.11.jsonl");
+    let corpus = include_str!("../../../../bench/calibration/h200-torch2.11.jsonl");
     let row: serde_json::Value = corpus
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json"))
@@ -289,7 +290,7 @@ fn seed002_configs_lint_as_accelerate_would_read_them() {
 fn seed003_reproduced_on_an_h100_is_the_shortage_the_estimate_predicts() {
     // Not a reconstruction: bench/pipelines/seed003-resident.json ran on an H100 80GB HBM3 and
     // PyTorch raised this in the first policy step, as the seed's run did (same 192 MiB request).
-    let text = include_str!("../../headroom-cli/tests/fixtures/seed003/oom-h100-reproduced.log");
+    let text = include_str!("../../../headroom-cli/tests/fixtures/seed003/oom-h100-reproduced.log");
     let m = oom::parse(text).expect("message");
     let gib = |x: f64| (x * GIB as f64).round() as u64;
     assert_eq!(m.tried_to_allocate_bytes, Some(192 << 20));

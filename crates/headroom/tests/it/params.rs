@@ -29,7 +29,7 @@ fn calibration_rows() {
 #[test]
 fn every_catalog_model() {
     let truth: serde_json::Value =
-        serde_json::from_str(include_str!("data/param_counts.json")).unwrap();
+        serde_json::from_str(include_str!("../data/param_counts.json")).unwrap();
     let models = truth["models"].as_object().unwrap();
     assert_eq!(
         models.len(),

@@ -25,7 +25,7 @@
 
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 
 use headroom_snapshot::{Summary, SummaryOptions, load, summarize};
 

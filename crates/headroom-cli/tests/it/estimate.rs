@@ -2,47 +2,11 @@
 //! (insta snapshots), the JSON contract, and what bad input gets (exit code 2, the field, the
 //! value, what is allowed; never a panic).
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Command;
 
 use serde_json::Value;
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// Runs in the repository root, so paths in messages are the relative ones given.
-fn headroom(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_headroom"))
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .expect("the binary runs")
-}
-
-fn stdout(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "exit {:?}: {}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout.clone()).expect("utf-8")
-}
-
-fn json(args: &[&str]) -> Value {
-    serde_json::from_str(&stdout(&headroom(args))).expect("one JSON object")
-}
-
-/// The error message of a run that must fail as bad input.
-fn bad_input(args: &[&str]) -> String {
-    let out = headroom(args);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-    assert!(out.stdout.is_empty(), "nothing on stdout for bad input");
-    assert!(!err.contains("panicked"), "{err}");
-    err
-}
+use crate::common::{bad_input, headroom, json, repo, stdout};
 
 #[test]
 fn estimate_table_on_an_h100() {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The 4-GPU runs of specs-x4.jsonl (HSDP 2 x 2, FSDP2 and DDP over 4 ranks) on nvidia-h200-x4:
-#   bash bench/distributed/run-x4.sh OUT_DIR     (from the repository root)
+#   bash bench/distributed/h200x4/run-x4.sh OUT_DIR     (from the repository root)
 # Writes OUT_DIR/results-x4.jsonl (rank 0's record, every rank's in "ranks") and OUT_DIR/log-x4.txt.
 set -u -o pipefail
 out=${1:?give OUT_DIR}
@@ -17,4 +17,4 @@ while read -r line; do
   timeout -k 10 150 torchrun --nproc-per-node 4 --master-port $((29700 + i)) \
     -m headroom_measure dist --spec-json "$spec" --id "$id" --out "$out/results-x4.jsonl" 2>&1 \
     | grep -v '^{"id"' | tee -a "$log"
-done < bench/distributed/specs-x4.jsonl
+done < bench/distributed/h200x4/specs-x4.jsonl

@@ -10,7 +10,7 @@ use headroom::plan::{self, Setup};
 use headroom::spec::RunSpec;
 use serde_json::Value;
 
-mod common;
+use crate::common;
 
 fn spec(yaml: &str) -> RunSpec {
     RunSpec::from_str_at(yaml, Path::new("test.yaml")).expect("valid spec")
@@ -116,9 +116,9 @@ fn the_pareto_front_fits_and_is_not_dominated() {
 /// Calibration rows measured on the H200 (ours and the shared ones) and on the H100.
 fn measured_rows() -> Vec<Value> {
     [
-        include_str!("../../../bench/calibration/h200-torch2.11.jsonl"),
-        include_str!("../../../bench/shared/calibration/h200-torch2.11.jsonl"),
-        include_str!("../../../bench/calibration/h100-torch2.11.jsonl"),
+        include_str!("../../../../bench/calibration/h200-torch2.11.jsonl"),
+        include_str!("../../../../bench/shared/calibration/h200-torch2.11.jsonl"),
+        include_str!("../../../../bench/calibration/h100-torch2.11.jsonl"),
     ]
     .iter()
     .flat_map(|text| text.lines())
@@ -206,7 +206,7 @@ fn runs_measured_at_the_h100s_capacity_fit_and_reserve_what_they_reserved() {
     // They fit because the allocator frees its cache and retries before giving up, which the
     // simulation at the GPU's capacity reproduces, reserved bytes included.
     let h100 = gpu::find("h100-80gb").expect("catalog");
-    let capacity_runs = include_str!("../../../bench/calibration/h100-capacity-specs.jsonl");
+    let capacity_runs = include_str!("../../../../bench/calibration/h100-capacity-specs.jsonl");
     let ids: Vec<String> = capacity_runs
         .lines()
         .map(|l| {
@@ -216,7 +216,7 @@ fn runs_measured_at_the_h100s_capacity_fit_and_reserve_what_they_reserved() {
                 .to_string()
         })
         .collect();
-    let rows: Vec<Value> = include_str!("../../../bench/calibration/h100-torch2.11.jsonl")
+    let rows: Vec<Value> = include_str!("../../../../bench/calibration/h100-torch2.11.jsonl")
         .lines()
         .map(|l| serde_json::from_str(l).expect("json"))
         .filter(|r: &Value| ids.iter().any(|id| r["id"] == id.as_str()))
@@ -317,11 +317,11 @@ fn search_evaluates_each_configuration_as_its_own_simulation() {
 }
 
 /// ZeRO-Offload on one GPU (DeepSpeed ZeRO-2 of one rank with `offload_optimizer`) is simulated,
-/// and the simulation is the measured one (bench/distributed/h200x1-torch2.11.jsonl).
+/// and the simulation is the measured one (bench/distributed/h200x1/h200x1-torch2.11.jsonl).
 #[test]
 fn zero_offload_on_one_gpu_is_the_measured_run() {
     let rows = common::jsonl(&[include_str!(
-        "../../../bench/distributed/h200x1-torch2.11.jsonl"
+        "../../../../bench/distributed/h200x1/h200x1-torch2.11.jsonl"
     )]);
     let row = rows
         .iter()

@@ -8,7 +8,7 @@ use serde_json::Value;
 #[test]
 fn shared_calibration_models_are_in_the_catalog_field_for_field() {
     let shared: Value = serde_json::from_str(include_str!(
-        "../../../bench/shared/calibration/models.json"
+        "../../../../bench/shared/calibration/models.json"
     ))
     .expect("valid JSON");
     let shared = shared.as_object().expect("name -> config fields");

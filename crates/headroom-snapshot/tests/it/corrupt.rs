@@ -5,7 +5,7 @@
 
 use headroom_snapshot::{ReplayOptions, SummaryOptions, from_bytes, replay, summarize};
 
-const SMALL: &[u8] = include_bytes!("data/small.pickle");
+const SMALL: &[u8] = include_bytes!("../data/small.pickle");
 
 fn exercise(bytes: &[u8]) {
     if let Ok(snapshot) = from_bytes(bytes) {

@@ -8,15 +8,16 @@ use headroom::gpu;
 use headroom::spec::{RunSpec, Strategy};
 use serde_json::Value;
 
-mod common;
-use common::rel;
+use crate::common::{self, rel};
 
 fn rows() -> Vec<Value> {
     common::jsonl(&[
-        include_str!("../../../bench/distributed/h200x2-torch2.11.jsonl"),
-        include_str!("../../../bench/distributed/h200x4-torch2.11.jsonl"),
-        include_str!("../../../bench/distributed/h200x1-torch2.11.jsonl"),
-        include_str!("../../../bench/distributed/h200x1-param-offload.jsonl"),
+        include_str!("../../../../bench/distributed/h200x2/h200x2-torch2.11.jsonl"),
+        include_str!("../../../../bench/distributed/h200x4/h200x4-torch2.11.jsonl"),
+        include_str!("../../../../bench/distributed/h200x1/h200x1-torch2.11.jsonl"),
+        include_str!(
+            "../../../../bench/distributed/h200x1-param-offload/h200x1-param-offload.jsonl"
+        ),
     ])
 }
 
@@ -177,7 +178,8 @@ fn every_phase_of_every_multi_rank_deepspeed_row() {
     assert_eq!(checked, 63, "{checked} step phases checked");
 }
 
-/// DeepSpeed on one rank (bench/distributed/h200x1-torch2.11.jsonl, h200x1-param-offload.jsonl):
+/// DeepSpeed on one rank (bench/distributed/h200x1/h200x1-torch2.11.jsonl,
+/// bench/distributed/h200x1-param-offload/h200x1-param-offload.jsonl):
 /// ZeRO-3 with and without checkpointing, `offload_optimizer` and `offload_param` (with and
 /// without `offload_optimizer`), and ZeRO 1/2 with
 /// `offload_optimizer`, every phase of every step, the load phase and the reserved peak. (The

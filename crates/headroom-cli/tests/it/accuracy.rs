@@ -1,0 +1,94 @@
+//! The accuracy gates: `headroom validate` over the measured rows must stay within the error
+//! bounds below, and bench/ACCURACY.md must be what it writes now (`scripts/accuracy`
+//! regenerates it). The corpus is the list in bench/corpus.txt.
+
+use std::fs;
+
+use crate::common::{headroom, repo, stderr};
+
+/// The JSON-lines files of bench/corpus.txt, relative to the repository root, in order.
+fn corpus() -> Vec<String> {
+    let list = fs::read_to_string(repo().join("bench/corpus.txt")).expect("bench/corpus.txt");
+    let files: Vec<String> = list
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect();
+    for f in &files {
+        assert!(
+            repo().join(f).is_file(),
+            "bench/corpus.txt names {f}, which is not there"
+        );
+    }
+    files
+}
+
+/// The shared calibration rows (the company's own) under the tightest bounds.
+#[test]
+fn shared_calibration_rows_within_the_gates() {
+    let out = headroom(&[
+        "validate",
+        "bench/shared/calibration/h200-torch2.11.jsonl",
+        "--max-alloc-error",
+        "3",
+        "--median-alloc-error",
+        "1.5",
+        "--max-reserved-error",
+        "8",
+    ]);
+    assert!(
+        out.status.success(),
+        "exit {:?}: {}",
+        out.status.code(),
+        stderr(&out)
+    );
+}
+
+/// Every measured row within the corpus bounds, and bench/ACCURACY.md current.
+#[test]
+fn corpus_within_the_gates_and_accuracy_md_current() {
+    let report = std::env::temp_dir().join(format!("headroom-accuracy-{}.md", std::process::id()));
+    let mut args = vec!["validate".to_string()];
+    args.extend(corpus());
+    args.extend(
+        [
+            "--markdown",
+            &report.display().to_string(),
+            "--max-alloc-error",
+            "5",
+            "--median-alloc-error",
+            "2",
+            "--median-reserved-error",
+            "5",
+        ]
+        .map(String::from),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = headroom(&args);
+    let fresh = fs::read_to_string(&report);
+    fs::remove_file(&report).ok();
+    assert!(
+        out.status.success(),
+        "exit {:?}: {}",
+        out.status.code(),
+        stderr(&out)
+    );
+    let fresh = fresh.expect("validate wrote the report");
+    let committed =
+        fs::read_to_string(repo().join("bench/ACCURACY.md")).expect("bench/ACCURACY.md");
+    if fresh != committed {
+        let line = fresh
+            .lines()
+            .zip(committed.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or(fresh.lines().count().min(committed.lines().count()));
+        panic!(
+            "bench/ACCURACY.md is stale from line {}: run scripts/accuracy and commit the result\n\
+             committed: {:?}\nnow:       {:?}",
+            line + 1,
+            committed.lines().nth(line),
+            fresh.lines().nth(line)
+        );
+    }
+}

@@ -1,0 +1,7 @@
+//! The integration tests of the `headroom` binary, one test binary with a module per area; each
+//! runs the built binary (`common` has the helpers).
+
+mod accuracy;
+mod common;
+mod diagnose_fit;
+mod estimate;

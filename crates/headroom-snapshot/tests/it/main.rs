@@ -1,0 +1,9 @@
+//! The integration tests of the snapshot reader, one binary with a module per area; the path
+//! of the shared fixture is in `common`.
+
+mod common;
+mod corrupt;
+mod fixture;
+mod memory_viz;
+mod recorded;
+mod replay;

@@ -1,0 +1,13 @@
+//! The integration tests of the `headroom` library, one binary (one link, one run) with a
+//! module per area. Measured rows are read from bench/ (paths relative to each module's file);
+//! what several modules share is in `common`.
+
+mod catalog;
+mod common;
+mod diagnose_seeds;
+mod distributed;
+mod fit;
+mod lint;
+mod oom_messages;
+mod params;
+mod pipeline;

@@ -75,7 +75,7 @@ impl Estimate {
 /// used after step 3, less reserved, less the single-GPU context, identical within 14 MiB over
 /// every row of a strategy): one communicator for DDP and FSDP2, two for HSDP (shard and
 /// replicate groups), DeepSpeed's groups for ZeRO. DeepSpeed sets up its groups on one rank
-/// too (h200x1-torch2.11.jsonl: 1094 MiB without offload, up to 42 MiB more with it); a
+/// too (bench/distributed/h200x1/h200x1-torch2.11.jsonl: 1094 MiB without offload, up to 42 MiB more with it); a
 /// one-rank FSDP2 or DDP group is not measured and counts nothing.
 pub fn nccl_bytes(parallel: Option<&crate::spec::Parallel>) -> u64 {
     const MIB: u64 = 1 << 20;

@@ -7,6 +7,7 @@ mod common;
 mod diagnose_seeds;
 mod distributed;
 mod fit;
+mod layering;
 mod lint;
 mod oom_messages;
 mod params;

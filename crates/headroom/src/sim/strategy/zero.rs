@@ -11,7 +11,7 @@
 //! Every parameter keeps a bf16 copy on every rank (views of one flat buffer); the rank owns a
 //! contiguous `1 / world_size` slice of that flat buffer (its partition), for which it keeps
 //! the fp32 master weights and the Adam states. What is allocated, in order (checked against
-//! both ranks' snapshots of the 4-layer run, bench/distributed/zero2-q15-4l-rank*.pickle.gz):
+//! both ranks' snapshots of the 4-layer run, bench/distributed/h200x2/zero2-q15-4l-rank*.pickle.gz):
 //! - construction (`DeepSpeedZeroOptimizer.__init__`): each trainable parameter is moved to the
 //!   host (`param.data = torch.empty(1).to(device)`: a 4-byte placeholder, then the parameter's
 //!   storage freed), then `empty_cache()` (the freed segments go back to the driver); the flat

@@ -6,9 +6,9 @@
 //! the whole parameter and `all_gather_coalesced` hands each parameter its partition's storage
 //! (`_no_gather_coalesced`): the per-module gathers of forward and backward allocate nothing,
 //! and forward and backward are those of the plain bf16 model. Over several ranks the
-//! gathers are `zero3_gather.rs`'s (below). What is allocated, in order (checked against
-//! bench/distributed/zero3-q15-4l-nogc-w1-rank0.pickle.gz, which has stack frames, and the
-//! two ranks' `zero3-q15-4l-rank{0,1}.pickle.gz`):
+//! gathers are `zero3_gather`'s (below). What is allocated, in order (checked against
+//! bench/distributed/h200x1/zero3-q15-4l-nogc-w1-rank0.pickle.gz, which has stack frames, and
+//! the two ranks' `h200x2/zero3-q15-4l-rank{0,1}.pickle.gz`):
 //! - `from_config` under `zero.Init`: as each module is made, each of its parameters is
 //!   allocated whole, its partition (`ceil(numel / world)` elements) allocated and the whole
 //!   freed (`_partition_param`); the tied `lm_head` gets its own parameter and partition.
@@ -43,7 +43,7 @@
 //!   chunks of at most 2.5e8 elements and its `.float()` copied into the host fp32 gradient;
 //!   `step()` runs on the host.
 //!
-//! - several ranks (`zero3_gather.rs`, after `parameter_offload.py` and
+//! - several ranks (`zero3_gather`, after `parameter_offload.py` and
 //!   `partitioned_param_coordinator.py`): every module (the model class, the decoder stack,
 //!   the embedding, rotary embedding, each layer, norm, attention, projection, MLP and
 //!   activation, the head) fetches its own parameters in its forward pre-hook and its
@@ -64,7 +64,7 @@
 //!   parameters again at its end (a flat buffer each, default stream). The gradients are
 //!   whole-size; the IPG bucket and `reduce_scatter_coalesced` are as above.
 //!
-//! - `offload_param` (checked against `zero3-offload-params-q15-4l-nogc-w1-rank0.pickle.gz`,
+//! - `offload_param` (checked against `h200x1/zero3-offload-params-q15-4l-nogc-w1-rank0.pickle.gz`,
 //!   with frames): `zero.Init` makes each partition on the host (the whole parameter is still
 //!   made and freed on the GPU), engine construction keeps them there (no flat buffer, no
 //!   `empty_cache`), and every gather copies host partitions over: on one rank each fetched
@@ -81,7 +81,7 @@
 //!   without the outer autocast.
 //!
 //! - `offload_param` without `offload_optimizer` (checked against
-//!   `zero3-offload-params-only-q15-4l-nogc-w1-rank0.pickle.gz`, with frames): the fp32 master
+//!   `h200x1-param-offload/zero3-offload-params-only-q15-4l-nogc-w1-rank0.pickle.gz`, with frames): the fp32 master
 //!   of each sub-group is `partition.to(device).clone().float()`, so the host partitions are
 //!   first copied over (freed once cloned).
 //!

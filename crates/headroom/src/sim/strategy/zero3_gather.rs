@@ -2,7 +2,7 @@
 //! `partitioned_param_coordinator.py`, `partition_parameters.py`, DeepSpeed 0.18.2, the
 //! stage defaults): every module's forward pre-hook and backward pre-hook fetch its own
 //! parameters (`fetch_sub_module`), its forward post-hook and backward post-hook release
-//! them (`release_sub_module`). See `zero3.rs` for what each step allocates, in order.
+//! them (`release_sub_module`). See `zero3` for what each step allocates, in order.
 
 use std::collections::{HashMap, VecDeque};
 

@@ -1,7 +1,7 @@
 //! A tensor-level simulation of eager PyTorch: tensors with reference counts, the autograd graph
 //! with its saved tensors, and the backward engine that frees them.
 //!
-//! Model code (see `transformer.rs`) is written as a line-by-line translation of the HF Python:
+//! Model code (see `sim::model::transformer`) is written as a line-by-line translation of the HF Python:
 //! every op allocates its output, every Python name that goes out of scope is a `drop`, and every
 //! tensor autograd saves holds a reference until its node has run in backward. A tensor's memory
 //! is freed when its last reference goes, exactly when PyTorch's storage refcount would free it.

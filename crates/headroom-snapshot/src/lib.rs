@@ -10,12 +10,12 @@
 
 mod address_map;
 mod error;
-mod expandable;
 mod lcs;
+mod mapped_pages;
 mod model;
 mod pickle;
+mod plot;
 mod read;
-mod render;
 mod replay;
 mod sites;
 mod summary;
@@ -25,8 +25,8 @@ pub use model::{
     Action, AllocatorSettings, Block, BlockState, Frame, FrameTable, NO_STACK, Segment, Snapshot,
     StackId, TraceEvent,
 };
+pub use plot::{sparkline, timeline_svg};
 pub use read::{from_bytes, load};
-pub use render::{sparkline, timeline_svg};
 pub use replay::{
     Divergence, ReplayOptions, ReplayReport, SegmentStep, config_from_settings, replay,
 };

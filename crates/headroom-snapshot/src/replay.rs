@@ -20,7 +20,7 @@
 //!   and, in the large pool, a gap of at most 1 MiB to the next live block is added to the
 //!   block, because such a gap cannot be a block of its own (every large-pool block is over
 //!   1 MiB) and so was the unsplit remainder.
-//! - **Expandable segments** are rebuilt page by page (`expandable.rs`): the snapshot lists
+//! - **Expandable segments** are rebuilt page by page (`mapped_pages`): the snapshot lists
 //!   each contiguous mapped range, and undoing the trace's `segment_map`/`segment_unmap`
 //!   from the last to the first leaves the pages mapped at the first entry (pages mapped
 //!   before recording began, such as the small-pool page of a harness's `torch.zeros(1)`, are
@@ -46,8 +46,8 @@ use headroom_alloc::{
 };
 
 use crate::address_map::{AddressMap, AddressSet};
-use crate::expandable::initial_expandable;
 use crate::lcs::lcs_len;
+use crate::mapped_pages::initial_expandable;
 use crate::model::{Action, AllocatorSettings, BlockState, Snapshot, TraceEvent};
 
 /// What to replay.

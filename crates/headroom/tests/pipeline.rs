@@ -2,9 +2,9 @@
 //! (bench/pipelines): every phase's peak allocated and reserved bytes, and the phase where the
 //! run that ran out of memory ran out.
 
-use headroom::estimate::Limit;
+use headroom::estimate::{Limit, estimate_pipeline};
 use headroom::gpu;
-use headroom::pipeline::{PipelineSpec, estimate_pipeline};
+use headroom::spec::PipelineSpec;
 use headroom_alloc::OutOfMemory;
 use serde_json::Value;
 

@@ -4,7 +4,7 @@ and the phases of an iteration that run passes of them.
     python -m headroom_measure pipeline PIPELINE.yaml [--id ID] [--out FILE.jsonl] [--snapshot FILE]
     torchrun --nproc-per-node N -m headroom_measure pipeline PIPELINE.yaml ...   (sharded instances)
 
-The format is the one `headroom estimate` reads (crates/headroom/src/pipeline.rs):
+The format is the one `headroom estimate` reads (crates/headroom/src/spec/pipeline.rs):
 
 ```yaml
 instances:

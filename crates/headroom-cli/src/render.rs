@@ -213,8 +213,8 @@ pub fn pipeline(
     est: &headroom::pipeline::PipelineEstimate,
     verdict: bool,
 ) -> String {
-    use headroom::sim::harness::instance::Home;
-    use headroom::sim::harness::pipeline::Pass;
+    use headroom::spec::Home;
+    use headroom::spec::Pass;
     use headroom::spec::Strategy;
     let mut out = String::new();
     let sharded = spec.instances.iter().any(|i| i.spec.parallel.is_some());

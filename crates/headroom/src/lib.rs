@@ -3,11 +3,12 @@
 //! The pieces, each in one place:
 //! - [`arch`]: architectures and the parameter inventory;
 //! - [`catalog`]: built-in models and how `model:` resolves;
-//! - [`spec`]: the run spec (the contract the CLI reads);
+//! - [`spec`]: the run and pipeline specs (the contract the CLI reads);
 //! - [`sim`]: the simulator: every tensor a step allocates and frees, through the
 //!   caching-allocator simulator (`headroom-alloc`), swept for the peak;
-//! - [`estimate`]: a run spec on a GPU (at its capacity, or unlimited);
-//! - [`pipeline`]: several models in one process (a policy and its reference);
+//! - [`estimate`]: a run spec, or a pipeline of several models in one process, on a GPU (at
+//!   its capacity, or unlimited);
+//! - [`pipeline`]: the pipeline's spec and estimate under one path;
 //! - [`validate`]: estimates against measured rows;
 //! - [`gpu`]: the GPU catalog;
 //! - [`diagnose`] and [`plan`]: out-of-memory messages, config lints, remedies and `fit`.

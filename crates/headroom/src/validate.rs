@@ -221,7 +221,8 @@ pub struct PipelineChecks {
 /// Estimate every pipeline row of a calibration file (`{id, pipeline, measured: {phases}, env}`)
 /// on the GPU it was measured on.
 pub fn check_pipelines(path: &Path) -> Result<PipelineChecks> {
-    use crate::pipeline::{PipelineSpec, estimate_pipeline};
+    use crate::estimate::estimate_pipeline;
+    use crate::spec::PipelineSpec;
     let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
         path: path.to_path_buf(),
         message: e.to_string(),

@@ -2,9 +2,9 @@
 //! (bench/pipelines): every phase's peak allocated and reserved bytes, and the phase where the
 //! run that ran out of memory ran out.
 
-use headroom::estimate::Limit;
+use headroom::estimate::{Limit, estimate_pipeline};
 use headroom::gpu;
-use headroom::pipeline::{PipelineSpec, estimate_pipeline};
+use headroom::spec::PipelineSpec;
 use headroom_alloc::OutOfMemory;
 use serde_json::Value;
 
@@ -14,7 +14,7 @@ use crate::common::{self, rel};
 /// its measurement `m`.
 fn phase_errors(
     id: &str,
-    est: &headroom::pipeline::PipelineEstimate,
+    est: &headroom::estimate::PipelineEstimate,
     m: &Value,
     name: &str,
     iteration: u64,
@@ -125,7 +125,7 @@ fn reusing_the_fsdp_actor_saves_less_than_the_copy_it_avoids() {
             .expect("score 1")
             .2
     };
-    let estimated = |e: &headroom::pipeline::PipelineEstimate| {
+    let estimated = |e: &headroom::estimate::PipelineEstimate| {
         score(
             e.phases
                 .iter()

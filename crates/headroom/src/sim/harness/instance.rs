@@ -22,18 +22,9 @@ use crate::sim::strategy::fsdp_offload::FsdpOffload;
 use crate::sim::strategy::zero::Zero;
 use crate::sim::strategy::zero3::Zero3;
 use crate::spec::{
-    self, Attention, Lora, Mode, Optimizer, Precision, Quantization, RunSpec, Task,
+    self, Attention, Home, Lora, Mode, Optimizer, Precision, Quantization, RunSpec, Task,
     lora_targets_module,
 };
-
-/// Where an instance's parameters are built.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Home {
-    /// `from_config` on the GPU (or FSDP2's shards there).
-    Gpu,
-    /// On the host: nothing on the GPU until it is moved there.
-    Cpu,
-}
 
 pub(crate) struct Instance {
     pub(crate) spec: RunSpec,

@@ -11,13 +11,13 @@
 
 use headroom_alloc::{AllocatorConfig, CachingAllocator};
 
-use super::instance::{Home, Instance};
+use super::instance::Instance;
 use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{Memory, OnOom, PeakRecord, SimulatedOom};
 use crate::sim::engine::tracer::{T, Tracer};
-use crate::spec::RunSpec;
+use crate::spec::{Home, Pass, PhaseDef, RunSpec};
 
 /// A model the pipeline builds.
 pub struct InstanceDef<'a> {
@@ -28,7 +28,7 @@ pub struct InstanceDef<'a> {
     pub engine: Option<EngineDef>,
 }
 
-/// A rollout engine's device memory (see `crate::pipeline::EngineSpec`).
+/// A rollout engine's device memory (see `crate::spec::EngineSpec`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EngineDef {
     /// Held while awake: its `gpu_memory_utilization` share of the device.
@@ -37,32 +37,6 @@ pub struct EngineDef {
     pub sleep_level: Option<u8>,
     /// KV cache bytes per token (keys and values of every layer).
     pub kv_bytes_per_token: u64,
-}
-
-/// What a phase runs on an instance.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pass {
-    /// forward, backward, `optimizer.step()`, `zero_grad()`.
-    Train,
-    /// The no-grad log-prob pass (a reference, a reward model, a scoring pass).
-    Forward,
-    /// `model.generate` of `new_tokens` tokens after a prompt of the rest of `seq_len`.
-    Generate { new_tokens: u64 },
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PassDef {
-    pub instance: usize,
-    pub pass: Pass,
-    pub repeat: u32,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PhaseDef {
-    pub name: String,
-    pub passes: Vec<PassDef>,
-    /// Instances moved to the host for the phase (and back after it).
-    pub offload: Vec<usize>,
 }
 
 /// One phase of one iteration, as the harness reads it.

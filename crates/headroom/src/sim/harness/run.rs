@@ -5,7 +5,7 @@
 
 use headroom_alloc::{AllocatorConfig, CachingAllocator};
 
-use super::instance::{Home, Instance};
+use super::instance::Instance;
 use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
@@ -14,7 +14,7 @@ use crate::sim::engine::memory::{
 };
 use crate::sim::engine::tracer::{T, Tracer};
 use crate::sim::memo::{Memo, Script};
-use crate::spec::{Mode, Optimizer, Parallel, RunSpec};
+use crate::spec::{Home, Mode, Optimizer, Parallel, RunSpec};
 
 /// Steps the harness runs; the first differs (optimizer states appear during its step).
 pub const STEPS: u32 = 3;

@@ -1,5 +1,9 @@
 //! `headroom estimate`: resolve a spec, simulate its run, and summarise what PyTorch would
-//! report.
+//! report; [`estimate_pipeline`] does the same for several models in one process.
+
+mod pipeline;
+
+pub use pipeline::{EngineSummary, PAGEABLE_COPY_BYTES_PER_S, PipelineEstimate, estimate_pipeline};
 
 use std::path::Path;
 

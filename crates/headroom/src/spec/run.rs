@@ -3,10 +3,11 @@
 //! estimator only ever sees runs it can model; a bad one names the field, the value and what
 //! is allowed.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
+use super::parse::{boolean, choice, parse_document, positive, read_document, unknown_key};
 use crate::arch::{Architecture, Head, Module};
 use crate::catalog::{self, ResolvedModel};
 use crate::error::{Error, Result};
@@ -178,6 +179,9 @@ const KEYS: &[&str] = &[
     "model_config",
 ];
 
+/// What an unknown key in a run spec (or its sections) is not.
+const RUN_SPEC_KEY: &str = "a run-spec key";
+
 const PARALLEL_KEYS: &[&str] = &[
     "strategy",
     "world_size",
@@ -187,76 +191,10 @@ const PARALLEL_KEYS: &[&str] = &[
     "offload_optimizer",
 ];
 
-fn choice<T: Copy>(
-    obj: &Map<String, Value>,
-    key: &str,
-    options: &[(&str, T)],
-    default: T,
-) -> Result<T> {
-    let Some(value) = obj.get(key) else {
-        return Ok(default);
-    };
-    let allowed = || {
-        let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
-        format!("use one of {}", names.join(", "))
-    };
-    let name = value
-        .as_str()
-        .ok_or_else(|| Error::field(key, value, allowed()))?;
-    options
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, t)| *t)
-        .ok_or_else(|| Error::field(key, format!("{name:?}"), allowed()))
-}
-
-fn positive(obj: &Map<String, Value>, key: &str, default: u64) -> Result<u64> {
-    match obj.get(key) {
-        None => Ok(default),
-        Some(v) => match v.as_u64() {
-            Some(n) if n >= 1 => Ok(n),
-            _ => Err(Error::field(key, v, "use an integer >= 1")),
-        },
-    }
-}
-
-fn boolean(obj: &Map<String, Value>, key: &str) -> Result<bool> {
-    match obj.get(key) {
-        None => Ok(false),
-        Some(v) => v
-            .as_bool()
-            .ok_or_else(|| Error::field(key, v, "use true or false")),
-    }
-}
-
-fn unknown_key(obj: &Map<String, Value>, prefix: &str, known: &[&str]) -> Result<()> {
-    if let Some(key) = obj.keys().find(|k| !known.contains(&k.as_str())) {
-        let closest = known
-            .iter()
-            .map(|k| (strsim::jaro_winkler(key, k), k))
-            .filter(|(score, _)| *score > 0.85)
-            .max_by(|a, b| a.0.total_cmp(&b.0));
-        let hint = closest.map_or(String::new(), |(_, k)| format!("did you mean `{k}`? "));
-        return Err(Error::field(
-            format!("{prefix}{key}"),
-            "this key",
-            format!(
-                "it is not a run-spec key; {hint}known keys: {}",
-                known.join(", ")
-            ),
-        ));
-    }
-    Ok(())
-}
-
 impl RunSpec {
     /// Read and check a spec file (YAML or JSON: YAML parses both).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        Self::from_str_at(&text, path)
+        Self::from_value(&read_document(path)?)
     }
 
     /// Parse spec text; `path` names it in errors.
@@ -273,7 +211,7 @@ impl RunSpec {
                 "a run spec is a mapping of keys (model, precision, ...)",
             )
         })?;
-        unknown_key(obj, "", KEYS)?;
+        unknown_key(obj, "", KEYS, RUN_SPEC_KEY)?;
         let model = match obj.get("model") {
             Some(Value::String(s)) if !s.is_empty() => s.clone(),
             Some(v) => {
@@ -358,7 +296,7 @@ impl RunSpec {
             allocator: match obj.get("allocator") {
                 None | Some(Value::Null) => AllocatorSpec::default(),
                 Some(Value::Object(a)) => {
-                    unknown_key(a, "allocator.", &["expandable_segments"])?;
+                    unknown_key(a, "allocator.", &["expandable_segments"], RUN_SPEC_KEY)?;
                     AllocatorSpec {
                         expandable_segments: boolean(a, "expandable_segments").map_err(|_| {
                             Error::field(
@@ -419,9 +357,8 @@ impl RunSpec {
                 "with quantization: nf4 the non-quantized weights are bf16; use precision: bf16",
             ));
         }
-        if self.mode == Mode::Train && self.optimizer == Optimizer::None && self.lora.is_none() {
-            // Allowed: forward + backward without an optimizer step (gradient accumulation micro-step).
-        }
+        // Training without an optimizer is allowed: forward and backward without a step (a
+        // gradient-accumulation micro-step).
         if let Some(parallel) = &self.parallel {
             if self.quantization.is_some() {
                 return Err(Error::Unsupported {
@@ -544,7 +481,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             "use a mapping {strategy, world_size, ...}",
         )
     })?;
-    unknown_key(obj, "parallel.", PARALLEL_KEYS)?;
+    unknown_key(obj, "parallel.", PARALLEL_KEYS, RUN_SPEC_KEY)?;
     let field = |e: Error| e.prefixed("parallel");
     let strategy = match obj.get("strategy") {
         None => {
@@ -635,7 +572,12 @@ fn parse_lora(value: &Value) -> Result<Lora> {
     let obj = value
         .as_object()
         .ok_or_else(|| Error::field("lora", value, "use a mapping {r, alpha, targets, dropout}"))?;
-    unknown_key(obj, "lora.", &["r", "alpha", "targets", "dropout"])?;
+    unknown_key(
+        obj,
+        "lora.",
+        &["r", "alpha", "targets", "dropout"],
+        RUN_SPEC_KEY,
+    )?;
     let r = positive(obj, "r", 8)
         .map_err(|_| Error::field("lora.r", &obj["r"], "use an integer >= 1"))?;
     let number = |key: &str, default: f64, ok: fn(f64) -> bool, allowed: &str| -> Result<f64> {
@@ -678,19 +620,6 @@ fn parse_lora(value: &Value) -> Result<Lora> {
         alpha,
         targets,
         dropout,
-    })
-}
-
-/// Parse a YAML (or JSON) document into a JSON value, with line and column on syntax errors.
-pub fn parse_document(text: &str, path: &Path) -> Result<Value> {
-    yaml_serde::from_str::<Value>(text).map_err(|e| {
-        let location = e.location();
-        Error::Syntax {
-            path: PathBuf::from(path),
-            line: location.as_ref().map(|l| l.line()),
-            column: location.as_ref().map(|l| l.column()),
-            message: e.to_string(),
-        }
     })
 }
 

@@ -1,0 +1,77 @@
+//! The specs headroom reads, YAML or JSON, each checked in full before anything is estimated:
+//!
+//! - `run`: one training or inference run ([`RunSpec`]), the contract with users and the
+//!   measuring harness;
+//! - `pipeline`: several runs in one process and the phases of an iteration ([`PipelineSpec`]);
+//! - `parse`: text into a document, and the field readers both share, so a bad value is
+//!   reported alike wherever it sits.
+//!
+//! [`load`] reads a file and tells the two apart.
+
+mod parse;
+mod pipeline;
+mod run;
+
+use std::path::Path;
+
+pub use parse::parse_document;
+pub use pipeline::{
+    EngineSpec, Home, InstanceSpec, Pass, PassDef, PhaseDef, PipelineSpec, is_pipeline,
+};
+pub use run::{
+    AllocatorSpec, Attention, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision,
+    Quantization, RunSpec, Strategy, Task, lora_targets_module,
+};
+
+use crate::error::Result;
+
+/// A spec file's content: one run, or a pipeline of several.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Document {
+    Run(RunSpec),
+    Pipeline(PipelineSpec),
+}
+
+/// Read, parse and check the spec at `path`, a run or a pipeline (see [`is_pipeline`]).
+/// Relative model paths inside it resolve against `path.parent()`: pass that as `spec_dir`.
+pub fn load(path: &Path) -> Result<Document> {
+    let doc = parse::read_document(path)?;
+    if is_pipeline(&doc) {
+        PipelineSpec::from_value(&doc).map(Document::Pipeline)
+    } else {
+        RunSpec::from_value(&doc).map(Document::Run)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::error::Error;
+
+    fn example(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples")
+            .join(name)
+    }
+
+    #[test]
+    fn load_tells_runs_from_pipelines() {
+        let run = load(&example("llama-3.1-8b-full.yaml")).expect("run spec");
+        assert!(matches!(run, Document::Run(s) if s.model == "meta-llama/Llama-3.1-8B"));
+        let pipeline = load(&example("grpo-vllm-colocated.yaml")).expect("pipeline");
+        assert!(matches!(pipeline, Document::Pipeline(p) if p.instances.len() > 1));
+        let two_model = load(&example("seed001-ref-resident.yaml")).expect("policy form");
+        assert!(matches!(two_model, Document::Pipeline(p) if p.instances[0].name == "policy"));
+    }
+
+    #[test]
+    fn load_names_the_file_it_cannot_read() {
+        let missing = example("no-such-spec.yaml");
+        match load(&missing) {
+            Err(Error::Io { path, .. }) => assert_eq!(path, missing),
+            other => panic!("expected an I/O error, got {other:?}"),
+        }
+    }
+}

@@ -1,12 +1,32 @@
-//! The simulator's layers, checked from its sources: every module of `sim/` names only
-//! modules of its own layer or of the layers beneath it, and no two modules name each other
-//! through a chain of `use`s. A new strategy or model that reaches up (a strategy calling the
-//! model code, say) fails here rather than growing an import circle.
+//! The library's layers, checked from its sources: every module names only modules of its own
+//! layer or of the layers beneath it, and no two modules name each other through a chain of
+//! `use`s. A new strategy or model that reaches up (a strategy calling the model code, the
+//! spec naming the simulator) fails here rather than growing an import circle.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// Each layer and the layers it may name.
+/// The library's top-level modules, lowest first: each may name those of its own rank or
+/// below.
+const LIBRARY: [(&str, u32); 15] = [
+    ("dtype", 0),
+    ("error", 0),
+    ("units", 0),
+    ("arch", 1),
+    ("gpu", 1),
+    ("catalog", 2),
+    ("spec", 3),
+    ("sim", 4),
+    ("estimate", 5),
+    ("pipeline", 5),
+    ("validate", 6),
+    ("plan", 6),
+    ("diagnose", 7),
+    ("report", 8),
+    ("lib", 9),
+];
+
+/// Each layer of the simulator and the layers it may name.
 const LAYERS: [(&str, &[&str]); 6] = [
     ("engine", &[]),
     ("optim", &["engine"]),
@@ -119,12 +139,20 @@ fn resolve(
 }
 
 #[test]
-fn simulator_layers_name_only_what_lies_beneath_and_no_module_names_itself_back() {
+fn layers_name_only_what_lies_beneath_and_no_module_names_itself_back() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
-    rust_files(&src.join("sim"), &mut files);
+    rust_files(&src, &mut files);
     let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(&src, f)).collect();
     let allowed: BTreeMap<&str, &[&str]> = LAYERS.into_iter().collect();
+    let rank: BTreeMap<&str, u32> = LIBRARY.into_iter().collect();
+    for m in modules.iter().filter(|m| m.len() == 1) {
+        assert!(
+            rank.contains_key(m[0].as_str()),
+            "`{}` has no place in the library's layers (LIBRARY)",
+            m[0]
+        );
+    }
     let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
     let mut wrong = Vec::new();
     for file in &files {
@@ -138,8 +166,11 @@ fn simulator_layers_name_only_what_lies_beneath_and_no_module_names_itself_back(
             if to.len() <= from.len() && from[..to.len()] == to[..] {
                 continue;
             }
-            let (layer_from, layer_to) = (from.get(1), to.get(1));
-            if let (Some(a), Some(b)) = (layer_from, layer_to)
+            if rank[from[0].as_str()] < rank[to[0].as_str()] {
+                wrong.push(format!("{} names {}", from.join("::"), to.join("::")));
+            }
+            let within_sim = from[0] == "sim" && to[0] == "sim";
+            if let (true, Some(a), Some(b)) = (within_sim, from.get(1), to.get(1))
                 && a != b
                 && !allowed[a.as_str()].contains(&b.as_str())
             {
@@ -149,7 +180,11 @@ fn simulator_layers_name_only_what_lies_beneath_and_no_module_names_itself_back(
         }
     }
     assert!(
-        allowed.len() == modules.iter().filter(|m| m.len() == 2).count(),
+        allowed.len()
+            == modules
+                .iter()
+                .filter(|m| m.len() == 2 && m[0] == "sim")
+                .count(),
         "every module directly under sim/ is one of the layers {:?}",
         LAYERS.map(|l| l.0)
     );

@@ -2,15 +2,7 @@
 
 use comfy_table::{Cell, CellAlignment, Table, presets::UTF8_FULL_CONDENSED};
 use headroom::estimate::Estimate;
-
-/// Bytes as GiB with two decimals (the unit PyTorch's messages use for large sizes).
-pub fn gib(bytes: u64) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
-
-fn signed_gib(bytes: i128) -> String {
-    format!("{:+.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
+use headroom::units::{gib, signed_gib};
 
 fn count(n: u64) -> String {
     let s = n.to_string();

@@ -10,6 +10,7 @@
 //! - [`pipeline`]: several models in one process (a policy and its reference);
 //! - [`validate`]: estimates against measured rows;
 //! - [`gpu`]: the GPU catalog;
+//! - [`units`]: byte sizes as headroom and PyTorch print them;
 //! - [`diagnose`] and [`plan`]: out-of-memory messages, config lints, remedies and `fit`.
 
 pub mod arch;
@@ -23,6 +24,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod spec;
 pub mod timeline;
+pub mod units;
 pub mod validate;
 
 pub use error::{Error, Result};

@@ -11,10 +11,11 @@ use headroom::diagnose::{self, SpecCheck};
 use headroom::gpu::{self, Gpu};
 use headroom::plan::{Resident, Setup};
 use headroom::spec::RunSpec;
+use headroom::units::{gib, signed_gib};
 use serde_json::{Value, json};
 
 use crate::error::{CliError, CliResult};
-use crate::render::{gib, table};
+use crate::render::table;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -360,10 +361,7 @@ fn render(r: &Report) -> String {
                 Cell::new(i + 1),
                 Cell::new(&rem.title),
                 right(gib(e.device_bytes)),
-                right(format!(
-                    "{:+.2} GiB",
-                    rem.saving_bytes as f64 / (1u64 << 30) as f64
-                )),
+                right(signed_gib(rem.saving_bytes)),
                 Cell::new(if e.fits { "yes" } else { "no" }),
                 right(format!("×{:.2}", e.slowdown)),
                 Cell::new(rem.basis.key()),

@@ -7,10 +7,11 @@ use comfy_table::{Cell, CellAlignment};
 use headroom::gpu;
 use headroom::plan::{self, Evaluation, FitReport, Resident, Setup};
 use headroom::spec::RunSpec;
+use headroom::units::{gib, signed_gib};
 use serde_json::{Value, json};
 
 use crate::error::{CliError, CliResult};
-use crate::render::{gib, table};
+use crate::render::table;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -60,10 +61,6 @@ pub fn run(args: Args) -> CliResult {
     Ok(())
 }
 
-fn headroom_text(bytes: i128) -> String {
-    format!("{:+.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
-
 fn render(setup: &Setup, r: &FitReport) -> String {
     let g = &setup.gpu;
     let b = &r.baseline;
@@ -79,7 +76,7 @@ fn render(setup: &Setup, r: &FitReport) -> String {
         },
         gib(b.device_bytes),
         if b.fits { "fits" } else { "does NOT fit" },
-        headroom_text(b.headroom_bytes(g)),
+        signed_gib(b.headroom_bytes(g)),
     );
     out += &match r.max_micro_batch {
         Some(n) => format!(
@@ -139,7 +136,7 @@ fn render(setup: &Setup, r: &FitReport) -> String {
                 gib(e.device_bytes),
                 if e.computed { "*" } else { "" }
             )),
-            right(headroom_text(e.headroom_bytes(g))),
+            right(signed_gib(e.headroom_bytes(g))),
             right(format!("×{:.2}", e.slowdown)),
             Cell::new(e.fidelity.key()),
         ]);

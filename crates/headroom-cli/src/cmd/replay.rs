@@ -4,7 +4,8 @@
 
 use std::path::PathBuf;
 
-use headroom_alloc::{AllocatorConfig, Backend, format_size};
+use headroom::units::format_size;
+use headroom_alloc::{AllocatorConfig, Backend};
 use headroom_snapshot::{ReplayOptions, ReplayReport, SegmentStep, replay};
 use serde_json::json;
 

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use comfy_table::Table;
-use headroom_alloc::format_size;
+use headroom::units::format_size;
 use headroom_snapshot::{
     Snapshot, SnapshotError, Summary, SummaryOptions, TraceSummary, sparkline, summarize,
     timeline_svg,

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use comfy_table::{Cell, CellAlignment};
 use headroom::validate::{self, ErrorStats, PhaseResult, PipelineChecks, RowResult};
+use headroom::units::gib;
 use serde_json::json;
 
 use crate::error::{CliError, CliResult};
@@ -241,11 +242,11 @@ fn error_table(
     for (label, allocated, alloc_error, reserved, reserved_error) in rows {
         let mut row: Vec<Cell> = label.into_iter().map(Cell::new).collect();
         row.extend([
-            right(render::gib(allocated[0])),
-            right(render::gib(allocated[1])),
+            right(gib(allocated[0])),
+            right(gib(allocated[1])),
             right(pct(alloc_error)),
-            right(render::gib(reserved[0])),
-            right(render::gib(reserved[1])),
+            right(gib(reserved[0])),
+            right(gib(reserved[1])),
             right(pct(reserved_error)),
         ]);
         t.add_row(row);

@@ -14,6 +14,7 @@ use crate::error::Result;
 use crate::estimate::Estimate;
 use crate::gpu::{self, Gpu};
 use crate::plan::{self, Evaluation, Setup};
+use crate::units::gib;
 
 use oom::OomMessage;
 use remedies::Remedy;
@@ -53,10 +54,6 @@ pub struct SpecCheck {
     pub remedies: Vec<Remedy>,
     /// The cheapest configuration of the search that fits, and its changes in words.
     pub cheapest_fit: Option<(Evaluation, Vec<String>)>,
-}
-
-fn gib(bytes: u64) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 /// Estimate `setup`, compare it with `message`, and rank remedies.

@@ -102,8 +102,6 @@ pub fn run(args: Args) -> CliResult {
 }
 
 fn diagnose(args: &Args) -> CliResult<Report> {
-    let input = |e: headroom::Error| CliError::input(e.to_string());
-
     let mut oom_text = None;
     let mut messages = Vec::new();
     if let Some(arg) = &args.oom {
@@ -130,12 +128,11 @@ fn diagnose(args: &Args) -> CliResult<Report> {
         .spec
         .as_ref()
         .map(|p| RunSpec::from_file(p))
-        .transpose()
-        .map_err(input)?;
+        .transpose()?;
     let spec_dir = args.spec.as_deref().and_then(Path::parent);
 
     let gpu = match (&args.gpu, message.and_then(|m| m.total_capacity_bytes)) {
-        (Some(name), _) => Some(gpu::find(name).map_err(input)?),
+        (Some(name), _) => Some(gpu::find(name)?),
         (None, Some(total)) => Some(diagnose::gpu_from_message(total)),
         (None, None) => spec.as_ref().map(|_| Gpu::default()),
     };
@@ -150,7 +147,7 @@ fn diagnose(args: &Args) -> CliResult<Report> {
     };
     if let Some(path) = &args.accelerate_config {
         let text = read(path, "accelerate config")?;
-        let (l, found) = lint::accelerate(&text, path, lint_cx(None)).map_err(input)?;
+        let (l, found) = lint::accelerate(&text, path, lint_cx(None))?;
         lints.extend(found);
         launch = Some(l);
     }
@@ -167,8 +164,8 @@ fn diagnose(args: &Args) -> CliResult<Report> {
         (Some(spec), Some(gpu)) => {
             let mut residents = Vec::new();
             for path in &args.residents {
-                let r = RunSpec::from_file(path).map_err(input)?;
-                residents.push(Resident::from_spec(&r, path.parent(), gpu).map_err(input)?);
+                let r = RunSpec::from_file(path)?;
+                residents.push(Resident::from_spec(&r, path.parent(), gpu)?);
             }
             let setup = Setup {
                 spec: spec.clone(),
@@ -177,7 +174,7 @@ fn diagnose(args: &Args) -> CliResult<Report> {
                 gpus: ranks.max(1),
                 residents,
             };
-            Some(diagnose::check_spec(&setup, message).map_err(input)?)
+            Some(diagnose::check_spec(&setup, message)?)
         }
         _ => {
             if !args.residents.is_empty() {
@@ -201,7 +198,7 @@ fn diagnose(args: &Args) -> CliResult<Report> {
     if let Some(path) = &ds_path {
         let text = read(path, "DeepSpeed config")?;
         let arch = check.as_ref().map(|c| &c.estimate.arch);
-        lints.extend(lint::deepspeed(&text, path, lint_cx(arch)).map_err(input)?);
+        lints.extend(lint::deepspeed(&text, path, lint_cx(arch))?);
     }
     if let Some((source, text)) = &oom_text {
         lints.extend(lint::device_map(source, text, launch.as_ref()));

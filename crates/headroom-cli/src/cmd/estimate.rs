@@ -33,7 +33,7 @@ pub fn run(args: Args) -> CliResult {
         .map_err(|e| CliError::input(format!("{}: {e}", args.spec.display())))?;
     let doc = parse_document(&text, &args.spec).map_err(|e| CliError::input(e.to_string()))?;
     let gpu = match &args.gpu {
-        Some(name) => gpu::find(name).map_err(|e| CliError::input(e.to_string()))?,
+        Some(name) => gpu::find(name)?,
         None => gpu::Gpu::default(),
     };
     let dir = args.spec.parent();
@@ -45,8 +45,7 @@ pub fn run(args: Args) -> CliResult {
     };
     if pipeline::is_pipeline(&doc) {
         let spec = PipelineSpec::from_value(&doc).map_err(|e| CliError::input(e.to_string()))?;
-        let est = pipeline::estimate_pipeline(&spec, dir, &gpu, limit)
-            .map_err(|e| CliError::input(e.to_string()))?;
+        let est = pipeline::estimate_pipeline(&spec, dir, &gpu, limit)?;
         if args.json {
             println!("{}", pipeline_json(&est, args.gpu.is_some()));
         } else {
@@ -59,8 +58,7 @@ pub fn run(args: Args) -> CliResult {
     }
     let spec = RunSpec::from_value(&doc).map_err(|e| CliError::input(e.to_string()))?;
     let (est, trace) =
-        estimate::estimate_with_trace(&spec, dir, &gpu, limit, args.timeline.is_some())
-            .map_err(|e| CliError::input(e.to_string()))?;
+        estimate::estimate_with_trace(&spec, dir, &gpu, limit, args.timeline.is_some())?;
     if let Some(path) = &args.timeline {
         let mut out = std::io::BufWriter::new(
             std::fs::File::create(path)

@@ -39,11 +39,11 @@ pub fn run(args: Args) -> CliResult {
         return Err(CliError::input("--gpus: 0 is not allowed; use 1 or more"));
     }
     let spec = RunSpec::from_file(&args.spec).map_err(input)?;
-    let gpu = gpu::find(&args.gpu).map_err(input)?;
+    let gpu = gpu::find(&args.gpu)?;
     let mut residents = Vec::new();
     for path in &args.residents {
         let r = RunSpec::from_file(path).map_err(input)?;
-        residents.push(Resident::from_spec(&r, path.parent(), &gpu).map_err(input)?);
+        residents.push(Resident::from_spec(&r, path.parent(), &gpu)?);
     }
     let setup = Setup {
         spec,
@@ -52,7 +52,7 @@ pub fn run(args: Args) -> CliResult {
         gpus: args.gpus,
         residents,
     };
-    let report = plan::fit(&setup).map_err(input)?;
+    let report = plan::fit(&setup)?;
     if args.json {
         println!("{}", to_json(&setup, &report));
     } else {

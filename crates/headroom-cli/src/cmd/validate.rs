@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use comfy_table::{Cell, CellAlignment};
-use headroom::validate::{self, ErrorStats, PhaseResult, PipelineChecks, RowResult};
 use headroom::units::gib;
+use headroom::validate::{self, ErrorStats, PhaseResult, PipelineChecks, RowResult};
 use serde_json::json;
 
 use crate::error::{CliError, CliResult};
@@ -40,7 +40,7 @@ pub fn run(args: Args) -> CliResult {
     let mut results = Vec::new();
     let mut pipelines = PipelineChecks::default();
     for file in &args.files {
-        let rows = validate::load_rows(file).map_err(|e| CliError::input(e.to_string()))?;
+        let rows = validate::load_rows(file)?;
         for row in rows {
             let id = row.id.clone();
             match validate::check(row, file.parent()) {
@@ -52,7 +52,7 @@ pub fn run(args: Args) -> CliResult {
                 Err(e) => return Err(CliError::input(format!("row {id}: {e}"))),
             }
         }
-        let checks = validate::check_pipelines(file).map_err(|e| CliError::input(e.to_string()))?;
+        let checks = validate::check_pipelines(file)?;
         pipelines.phases.extend(checks.phases);
         pipelines.notes.extend(checks.notes);
     }

@@ -2,10 +2,13 @@
 //! process holds outside the caching allocator (CUDA context, kernels, the first small
 //! segment), as `total - free` right after `torch.zeros(1, device="cuda")`.
 
+use serde::Serialize;
+
 use crate::error::{Error, Result};
 use crate::units::{from_gib, parse_size};
 
-#[derive(Clone, Debug, PartialEq)]
+/// Its fields are the `gpu` object of `fit --json` and `diagnose --json`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Gpu {
     pub name: &'static str,
     /// Bytes `cudaMemGetInfo` reports as total.

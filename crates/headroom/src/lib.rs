@@ -10,7 +10,6 @@
 //! - [`pipeline`]: several models in one process (a policy and its reference);
 //! - [`validate`]: estimates against measured rows;
 //! - [`gpu`]: the GPU catalog;
-//! - [`units`]: byte sizes as headroom and PyTorch print them;
 //! - [`diagnose`] and [`plan`]: out-of-memory messages, config lints, remedies and `fit`.
 
 pub mod arch;
@@ -22,6 +21,7 @@ pub mod estimate;
 pub mod gpu;
 pub mod pipeline;
 pub mod plan;
+pub mod report;
 pub mod spec;
 pub mod timeline;
 pub mod units;

@@ -5,10 +5,10 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use comfy_table::{Cell, CellAlignment, ContentArrangement, Table};
-use headroom::diagnose::oom::OomMessage;
 use headroom::diagnose::{self, Diagnosis, Inputs, OomLog};
+use headroom::report::diagnose::DiagnoseJson;
+use headroom::report::to_json;
 use headroom::units::{gib, signed_gib};
-use serde_json::{Value, json};
 
 use crate::error::{CliError, CliResult};
 use crate::render::table;
@@ -96,7 +96,7 @@ pub fn run(args: Args) -> CliResult {
     };
     let diagnosis = diagnose::run(&inputs)?;
     if args.json {
-        println!("{}", to_json(&diagnosis));
+        println!("{}", to_json(&DiagnoseJson::new(&diagnosis)));
     } else {
         print!("{}", render(&diagnosis));
     }
@@ -284,111 +284,4 @@ fn render(r: &Diagnosis) -> String {
         }
     }
     out
-}
-
-fn message_json(m: &OomMessage) -> Value {
-    json!({
-        "backend": m.backend.to_string(),
-        "format": m.format.key(),
-        "torch_versions": m.torch_versions,
-        "device": m.device,
-        "tried_to_allocate_bytes": m.tried_to_allocate_bytes,
-        "total_capacity_bytes": m.total_capacity_bytes,
-        "free_bytes": m.free_bytes,
-        "allocated_by_pytorch_bytes": m.allocated_by_pytorch_bytes,
-        "reserved_unallocated_bytes": m.reserved_unallocated_bytes,
-        "reserved_by_pytorch_bytes": m.reserved_by_pytorch_bytes,
-        "allowed_bytes": m.allowed_bytes,
-        "private_pools_bytes": m.private_pools_bytes,
-        "processes": m.processes.iter().map(|p| json!({"pid": p.pid, "bytes": p.bytes})).collect::<Vec<_>>(),
-    })
-}
-
-fn to_json(r: &Diagnosis) -> Value {
-    let mut v = match r.messages.first() {
-        Some(m) => message_json(m),
-        None => json!({}),
-    };
-    if r.oom_source.is_some() {
-        v["oom_source"] = json!(r.oom_source);
-        v["messages_found"] = json!(r.messages.len());
-        v["other_messages"] = r.messages.iter().skip(1).map(message_json).collect();
-    }
-    if let Some(e) = &r.explanation {
-        v["diagnosis"] = json!({
-            "cause": e.cause.key(),
-            "summary": e.summary,
-            "findings": e.findings.iter().map(|f| json!({"cause": f.cause.key(), "text": f.text})).collect::<Vec<_>>(),
-            "accounting": e.accounting.as_ref().map(|a| json!({
-                "total_bytes": a.total,
-                "free_bytes": a.free,
-                "allocated_bytes": a.allocated,
-                "reserved_unallocated_bytes": a.reserved_unallocated,
-                "this_process_non_pytorch_bytes": a.this_process_non_pytorch,
-                "other_processes_bytes": a.other_processes,
-                "unattributed_bytes": a.unattributed,
-                "presumed_self_pid": a.presumed_self_pid,
-            })),
-        });
-    }
-    v["lints"] = r
-        .lints
-        .iter()
-        .map(|l| {
-            json!({"severity": l.severity.key(), "source": l.source, "key": l.key,
-                   "message": l.message, "fix": l.fix})
-        })
-        .collect();
-    if let Some(g) = &r.gpu {
-        v["gpu"] = json!({"name": g.name, "total_bytes": g.total_bytes,
-                          "cuda_context_bytes": g.cuda_context_bytes, "source": g.source});
-    }
-    if let Some(c) = &r.check {
-        let b = &c.baseline;
-        v["estimate"] = json!({
-            "model": c.estimate.model,
-            "peak_allocated_bytes": b.peak_allocated_bytes,
-            "peak_reserved_bytes": b.peak_reserved_bytes,
-            "device_bytes": b.device_bytes,
-            "fits": b.fits,
-            "computed": b.computed,
-            "peak_phase": c.estimate.peak_phase,
-            "peak_step": c.estimate.peak_step,
-            "breakdown": c.estimate.breakdown.iter().map(|(k, b)| json!({"component": k.key(), "bytes": b})).collect::<Vec<_>>(),
-            "verdict": c.verdict,
-            "agreement": c.agreement,
-        });
-        v["remedies"] = c
-            .remedies
-            .iter()
-            .map(|rem| {
-                let e = &rem.evaluation;
-                json!({
-                    "key": rem.key,
-                    "title": rem.title,
-                    "how": rem.how,
-                    "cost": rem.cost,
-                    "basis": rem.basis.key(),
-                    "device_bytes": e.device_bytes,
-                    "peak_allocated_bytes": e.peak_allocated_bytes,
-                    "peak_reserved_bytes": e.peak_reserved_bytes,
-                    "saving_bytes": rem.saving_bytes,
-                    "fits": e.fits,
-                    "slowdown": e.slowdown,
-                    "fidelity": e.fidelity.key(),
-                    "changes_data": rem.changes_data,
-                })
-            })
-            .collect();
-        v["cheapest_fit"] = c.cheapest_fit.as_ref().map_or(Value::Null, |(e, changes)| {
-            json!({
-                "changes": changes,
-                "device_bytes": e.device_bytes,
-                "slowdown": e.slowdown,
-                "fidelity": e.fidelity.key(),
-                "computed": e.computed,
-            })
-        });
-    }
-    v
 }

@@ -5,10 +5,11 @@ use std::path::PathBuf;
 
 use comfy_table::{Cell, CellAlignment};
 use headroom::gpu;
-use headroom::plan::{self, Evaluation, FitReport, Resident, Setup};
+use headroom::plan::{self, FitReport, Resident, Setup};
+use headroom::report::fit::FitJson;
+use headroom::report::to_json;
 use headroom::spec::RunSpec;
 use headroom::units::{gib, signed_gib};
-use serde_json::{Value, json};
 
 use crate::error::{CliError, CliResult};
 use crate::render::table;
@@ -54,7 +55,7 @@ pub fn run(args: Args) -> CliResult {
     };
     let report = plan::fit(&setup)?;
     if args.json {
-        println!("{}", to_json(&setup, &report));
+        println!("{}", to_json(&FitJson::new(&setup, &report)));
     } else {
         print!("{}", render(&setup, &report));
     }
@@ -152,48 +153,4 @@ fn render(setup: &Setup, r: &FitReport) -> String {
             (checkpointing ×1.33, LoRA ×0.8, QLoRA ×1.05, ZeRO-3 ×1.15, CPU offload ×1.5, \
             smaller micro-batches by GPU utilisation).\n";
     out
-}
-
-fn eval_json(setup: &Setup, e: &Evaluation) -> Value {
-    let k = &e.knobs;
-    json!({
-        "changes": plan::describe(setup, k),
-        "knobs": {
-            "optimizer": k.optimizer.name(),
-            "gradient_checkpointing": k.gradient_checkpointing,
-            "adapter": format!("{:?}", k.adapter).to_lowercase(),
-            "expandable_segments": k.expandable_segments,
-            "micro_batch": k.micro_batch,
-            "gradient_accumulation": k.accumulation,
-            "seq_len": k.seq_len,
-            "sharding": format!("{:?}", k.sharding).to_lowercase(),
-            "cpu_offload": k.cpu_offload,
-            "fused_loss": k.fused_loss,
-            "residents_off_gpu": k.residents_off_gpu,
-        },
-        "peak_allocated_bytes": e.peak_allocated_bytes,
-        "peak_reserved_bytes": e.peak_reserved_bytes,
-        "device_bytes": e.device_bytes,
-        "headroom_bytes": e.headroom_bytes(&setup.gpu),
-        "fits": e.fits,
-        "slowdown": e.slowdown,
-        "fidelity": e.fidelity.key(),
-        "computed": e.computed,
-    })
-}
-
-fn to_json(setup: &Setup, r: &FitReport) -> Value {
-    json!({
-        "model": r.estimate.model,
-        "gpu": {"name": setup.gpu.name, "total_bytes": setup.gpu.total_bytes,
-                "cuda_context_bytes": setup.gpu.cuda_context_bytes, "source": setup.gpu.source},
-        "gpus": setup.gpus,
-        "residents": setup.residents.iter().map(|x| json!({"name": x.name, "weights_bytes": x.weights_bytes})).collect::<Vec<_>>(),
-        "spec": eval_json(setup, &r.baseline),
-        "max_micro_batch": r.max_micro_batch,
-        "max_seq_len": r.max_seq_len,
-        "max_positions": r.max_positions,
-        "evaluated": r.evaluated,
-        "pareto": r.front.iter().map(|e| eval_json(setup, e)).collect::<Vec<_>>(),
-    })
 }

@@ -13,8 +13,10 @@ use std::time::Duration;
 
 use headroom::estimate::{self, Estimate};
 use headroom::gpu;
+use headroom::report::measure::MeasureJson;
+use headroom::report::to_json;
 use headroom::spec::{RunSpec, parse_document};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::error::{CliError, CliResult};
 use crate::render;
@@ -80,16 +82,13 @@ pub fn run(args: Args) -> CliResult {
         append_line(path, &record)?;
     }
     if args.json {
-        let err = |e: u64, m: u64| (e as f64 - m as f64) / m as f64;
-        println!(
-            "{}",
-            json!({
-                "measured": record,
-                "estimate": super::estimate::to_json(&est, false),
-                "alloc_error": err(est.peak_allocated_bytes, measured.peak_allocated),
-                "reserved_error": err(est.peak_reserved_bytes, measured.peak_reserved),
-            })
+        let report = MeasureJson::new(
+            &record,
+            &est,
+            measured.peak_allocated,
+            measured.peak_reserved,
         );
+        println!("{}", to_json(&report));
     } else {
         print!("{}", comparison(&device, &est, &measured));
         if let Some(path) = &args.snapshot {

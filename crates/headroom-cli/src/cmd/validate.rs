@@ -3,9 +3,10 @@
 use std::path::PathBuf;
 
 use comfy_table::{Cell, CellAlignment};
+use headroom::report::to_json;
+use headroom::report::validate::ValidateJson;
 use headroom::units::gib;
-use headroom::validate::{self, Accuracy, ErrorStats, Gates, PhaseResult, RowResult, Validation};
-use serde_json::json;
+use headroom::validate::{self, Accuracy, Gates, PhaseResult, RowResult, Validation};
 
 use crate::error::{CliError, CliResult};
 use crate::render;
@@ -42,7 +43,7 @@ pub fn run(args: Args) -> CliResult {
             .map_err(|e| CliError::failure(format!("{}: {e}", path.display())))?;
     }
     if args.json {
-        println!("{}", to_json(&validation));
+        println!("{}", to_json(&ValidateJson::new(&validation)));
     } else {
         print!("{}", text(&validation));
     }
@@ -61,56 +62,6 @@ pub fn run(args: Args) -> CliResult {
             failures.join("; ")
         )))
     }
-}
-
-fn to_json(v: &Validation) -> serde_json::Value {
-    let accuracy = v.row_accuracy();
-    let rows: Vec<_> = v
-        .rows
-        .iter()
-        .map(|x| {
-            json!({
-                "id": x.row.id,
-                "measured_peak_allocated_bytes": x.row.measured.peak_allocated_bytes,
-                "estimated_peak_allocated_bytes": x.estimate.peak_allocated_bytes,
-                "alloc_error": x.alloc_error,
-                "measured_peak_reserved_bytes": x.row.measured.peak_reserved_bytes,
-                "estimated_peak_reserved_bytes": x.estimate.peak_reserved_bytes,
-                "reserved_error": x.reserved_error,
-            })
-        })
-        .collect();
-    let phases: Vec<_> = v
-        .pipelines
-        .phases
-        .iter()
-        .map(|p| {
-            json!({
-                "id": p.id, "phase": p.phase, "iteration": p.iteration,
-                "measured_peak_allocated_bytes": p.measured_allocated,
-                "estimated_peak_allocated_bytes": p.estimated_allocated,
-                "alloc_error": p.alloc_error,
-                "measured_peak_reserved_bytes": p.measured_reserved,
-                "estimated_peak_reserved_bytes": p.estimated_reserved,
-                "reserved_error": p.reserved_error,
-            })
-        })
-        .collect();
-    let notes: Vec<_> = v
-        .pipelines
-        .notes
-        .iter()
-        .map(|(note, ok)| json!({"note": note, "agrees": ok}))
-        .collect();
-    json!({
-        "rows": rows, "allocated": stats_json(&accuracy.allocated),
-        "reserved": stats_json(&accuracy.reserved),
-        "pipeline_phases": phases, "pipeline_notes": notes,
-    })
-}
-
-fn stats_json(s: &ErrorStats) -> serde_json::Value {
-    json!({"median_abs_error": s.median_abs, "p90_abs_error": s.p90_abs, "max_abs_error": s.max_abs, "under_estimates": s.under_estimates})
 }
 
 /// The tables: pipeline phases and notes first, then rows, each with its |error| summary.

@@ -10,6 +10,8 @@
 
 use std::fmt;
 
+use serde::Serialize;
+
 use crate::units::parse_size_prefix;
 
 /// Which runtime raised it (`HIP out of memory` on ROCm builds).
@@ -37,8 +39,9 @@ pub enum Format {
 }
 
 /// One `Process N has X memory in use` clause; `pid` is `None` for the
-/// `Including non-PyTorch memory, this process has X memory in use` clause.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// `Including non-PyTorch memory, this process has X memory in use` clause. Its fields are an
+/// entry of `diagnose --json`'s `processes`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ProcessMemory {
     pub pid: Option<u64>,
     pub bytes: u64,

@@ -30,6 +30,13 @@ impl CliError {
     }
 }
 
+/// Every library error is the input's to fix (a spec, a file, a flag), so it exits 2.
+impl From<headroom::Error> for CliError {
+    fn from(err: headroom::Error) -> Self {
+        Self::input(err.to_string())
+    }
+}
+
 impl fmt::Display for CliError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.message)

@@ -2,15 +2,7 @@
 
 use comfy_table::{Cell, CellAlignment, Table, presets::UTF8_FULL_CONDENSED};
 use headroom::estimate::Estimate;
-
-/// Bytes as GiB with two decimals (the unit PyTorch's messages use for large sizes).
-pub fn gib(bytes: u64) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
-
-fn signed_gib(bytes: i128) -> String {
-    format!("{:+.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
+use headroom::units::{gib, signed_gib};
 
 fn count(n: u64) -> String {
     let s = n.to_string();
@@ -209,8 +201,8 @@ pub fn comparison_row(step: &str, what: &str, measured: u64, estimated: Option<u
 }
 
 pub fn pipeline(
-    spec: &headroom::pipeline::PipelineSpec,
-    est: &headroom::pipeline::PipelineEstimate,
+    spec: &headroom::spec::PipelineSpec,
+    est: &headroom::estimate::PipelineEstimate,
     verdict: bool,
 ) -> String {
     use headroom::spec::Home;
@@ -384,7 +376,7 @@ pub fn pipeline(
                 "copied per iteration: {:.1} GB between host and device, about {seconds:.1} s at the \
                  ~{:.0} GB/s of pageable copies measured on an H200\n",
                 est.transfer_bytes_per_iteration as f64 / 1e9,
-                headroom::pipeline::PAGEABLE_COPY_BYTES_PER_S / 1e9
+                headroom::estimate::PAGEABLE_COPY_BYTES_PER_S / 1e9
             );
         }
         None if est.transfer_bytes_per_iteration > 0 => {

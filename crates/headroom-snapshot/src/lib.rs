@@ -7,6 +7,7 @@
 //!   and who held it.
 //! - [`replay`] feeds the trace through the `headroom-alloc` simulator and measures how many
 //!   of the recorded segment events it reproduces.
+//! - [`report`]: the `--json` output of `headroom snapshot` and `headroom replay`.
 
 mod address_map;
 mod error;
@@ -17,6 +18,7 @@ mod pickle;
 mod plot;
 mod read;
 mod replay;
+pub mod report;
 mod sites;
 mod summary;
 

@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 
+use serde::Serialize;
+
 use crate::address_map::AddressMap;
 
 use crate::model::{Action, BlockState, NO_STACK, Snapshot, StackId};
@@ -54,7 +56,7 @@ pub struct SegmentCounts {
     pub expandable: usize,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Fragmentation {
     /// `reserved - allocated`: what PyTorch's OOM message calls "reserved but unallocated".
     pub reserved_unallocated_bytes: u64,
@@ -70,7 +72,7 @@ pub struct Fragmentation {
 }
 
 /// One allocation site live at the peak.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Site {
     /// `file.py:LINE (function)` of the first frame outside torch internals.
     pub location: String,
@@ -80,7 +82,7 @@ pub struct Site {
 }
 
 /// One point of the downsampled timeline: the maximum of each series over a run of events.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct TimelinePoint {
     /// Index of the last trace entry in the run.
     pub event_index: usize,
@@ -91,7 +93,7 @@ pub struct TimelinePoint {
     pub reserved_bytes: u64,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ActionCounts {
     pub alloc: usize,
     pub free_requested: usize,
@@ -103,7 +105,7 @@ pub struct ActionCounts {
     pub oom: usize,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TraceSummary {
     pub device: usize,
     pub events: usize,

@@ -28,6 +28,11 @@ pub enum Error {
     Io { path: PathBuf, message: String },
     /// A model type or setup headroom does not model (yet).
     Unsupported { what: String, supported: String },
+    /// A calibration row that cannot be estimated, and why.
+    Row { id: String, error: Box<Error> },
+    /// A log given as an out-of-memory log holds no PyTorch out-of-memory message;
+    /// `driver_error`: it holds the driver's `CUDA error: out of memory` instead.
+    NoOomMessage { source: String, driver_error: bool },
 }
 
 impl Error {
@@ -98,6 +103,26 @@ impl fmt::Display for Error {
             Error::Io { path, message } => write!(f, "{}: {message}", path.display()),
             Error::Unsupported { what, supported } => {
                 write!(f, "{what} is not modelled; supported: {supported}")
+            }
+            Error::Row { id, error } => write!(f, "row {id}: {error}"),
+            Error::NoOomMessage {
+                source,
+                driver_error,
+            } => {
+                write!(
+                    f,
+                    "{source}: no PyTorch out-of-memory message found (expected `CUDA out of \
+                     memory. Tried to allocate …` or its HIP form)"
+                )?;
+                if *driver_error {
+                    write!(
+                        f,
+                        "; it has `CUDA error: out of memory`, raised by the driver outside \
+                         PyTorch's allocator (context creation, NCCL, cuBLAS handles), which \
+                         carries no numbers"
+                    )?;
+                }
+                Ok(())
             }
         }
     }

@@ -2,9 +2,13 @@
 //! process holds outside the caching allocator (CUDA context, kernels, the first small
 //! segment), as `total - free` right after `torch.zeros(1, device="cuda")`.
 
-use crate::error::{Error, Result};
+use serde::Serialize;
 
-#[derive(Clone, Debug, PartialEq)]
+use crate::error::{Error, Result};
+use crate::units::{from_gib, parse_size};
+
+/// Its fields are the `gpu` object of `fit --json` and `diagnose --json`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Gpu {
     pub name: &'static str,
     /// Bytes `cudaMemGetInfo` reports as total.
@@ -13,12 +17,6 @@ pub struct Gpu {
     pub cuda_context_bytes: u64,
     /// Where the numbers come from.
     pub source: &'static str,
-}
-
-const GIB: f64 = (1u64 << 30) as f64;
-
-const fn gib(x: f64) -> u64 {
-    (x * GIB) as u64
 }
 
 /// The built-in catalog. Measured entries say so; the others come from the totals PyTorch
@@ -47,14 +45,14 @@ pub fn catalog() -> Vec<Gpu> {
         Gpu {
             name: "a100-80gb",
             // wbfwonderful/Vad-R1#11 (4 × A100 80GB): "total capacity of 79.25 GiB".
-            total_bytes: gib(79.25),
+            total_bytes: from_gib(79.25),
             cuda_context_bytes: context,
             source: "79.25 GiB in an OOM message on an A100 80GB (wbfwonderful/Vad-R1#11)",
         },
         Gpu {
             name: "a100-40gb",
             // philschmid/llm-sagemaker-sample#25 (ml.p4d.24xlarge, A100 40GB SXM): 39.39 GiB.
-            total_bytes: gib(39.39),
+            total_bytes: from_gib(39.39),
             cuda_context_bytes: context,
             source: "39.39 GiB in an OOM message on an A100 40GB \
                      (philschmid/llm-sagemaker-sample#25)",
@@ -62,42 +60,42 @@ pub fn catalog() -> Vec<Gpu> {
         Gpu {
             name: "l40s",
             // stepfun-ai/Step-Video-T2V#8 (8 × L40S): "total capacity of 44.42 GiB".
-            total_bytes: gib(44.42),
+            total_bytes: from_gib(44.42),
             cuda_context_bytes: context,
             source: "44.42 GiB in an OOM message on an L40S (stepfun-ai/Step-Video-T2V#8)",
         },
         Gpu {
             name: "a10g",
             // mistralai/mistral-finetune#69 (one A10G 24GB): "total capacity of 21.99 GiB".
-            total_bytes: gib(21.99),
+            total_bytes: from_gib(21.99),
             cuda_context_bytes: context,
             source: "21.99 GiB in an OOM message on an A10G (mistralai/mistral-finetune#69)",
         },
         Gpu {
             name: "rtx-4090",
             // ali-vilab/VGen#104 (RTX 4090 24GB): "total capacity of 23.64 GiB".
-            total_bytes: gib(23.64),
+            total_bytes: from_gib(23.64),
             cuda_context_bytes: context,
             source: "23.64 GiB in an OOM message on an RTX 4090 (ali-vilab/VGen#104)",
         },
         Gpu {
             name: "rtx-3090",
             // ucwxb/GraphAvatar#4 (RTX 3090 24GB): "23.69 GiB total capacity".
-            total_bytes: gib(23.69),
+            total_bytes: from_gib(23.69),
             cuda_context_bytes: context,
             source: "23.69 GiB in an OOM message on an RTX 3090 (ucwxb/GraphAvatar#4)",
         },
         Gpu {
             name: "v100-32gb",
             // haotian-liu/LLaVA#812 (8 × V100 32GB): "31.74 GiB total capacity".
-            total_bytes: gib(31.74),
+            total_bytes: from_gib(31.74),
             cuda_context_bytes: context,
             source: "31.74 GiB in an OOM message on a V100 32GB (haotian-liu/LLaVA#812)",
         },
         Gpu {
             name: "v100-16gb",
             // meta-llama/llama#918 (8 × Tesla V100 16GB): "total capacty of 15.77 GiB".
-            total_bytes: gib(15.77),
+            total_bytes: from_gib(15.77),
             cuda_context_bytes: context,
             source: "15.77 GiB in an OOM message on a V100 16GB (meta-llama/llama#918)",
         },
@@ -106,7 +104,7 @@ pub fn catalog() -> Vec<Gpu> {
             // ROCm/rocm-blogs, blogs/artificial-intelligence/gptq/README.md (MI300X):
             // "HIP out of memory. … total capacity of 191.98 GiB" (no issue-tracker report
             // found; KernelBench logs on MI300X VMs print 191.69 GiB).
-            total_bytes: gib(191.98),
+            total_bytes: from_gib(191.98),
             cuda_context_bytes: context,
             source: "191.98 GiB in the OOM message of an AMD ROCm blog on MI300X; HIP context \
                      not measured (the H200's CUDA context is used)",
@@ -176,22 +174,6 @@ pub fn from_device_name(device: &str) -> Result<Gpu> {
         ));
     };
     find(name)
-}
-
-/// `64GiB`, `64 GB`, `80g`: binary or decimal units.
-fn parse_size(text: &str) -> Option<u64> {
-    let t = text.trim().to_ascii_lowercase();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num.parse().ok()?;
-    let factor = match unit.trim() {
-        "gib" | "g" => GIB,
-        "gb" => 1e9,
-        "mib" => (1u64 << 20) as f64,
-        "mb" => 1e6,
-        _ => return None,
-    };
-    (value > 0.0).then_some((value * factor) as u64)
 }
 
 impl Gpu {

@@ -8,10 +8,13 @@
 //!   caching-allocator simulator (`headroom-alloc`), swept for the peak;
 //! - [`estimate`]: a run spec, or a pipeline of several models in one process, on a GPU (at
 //!   its capacity, or unlimited);
-//! - [`pipeline`]: the pipeline's spec and estimate under one path;
 //! - [`validate`]: estimates against measured rows;
 //! - [`gpu`]: the GPU catalog;
-//! - [`diagnose`] and [`plan`]: out-of-memory messages, config lints, remedies and `fit`.
+//! - [`diagnose`] and [`plan`]: out-of-memory messages, config lint rules, remedies and `fit`;
+//! - [`report`]: the typed JSON contract of every command;
+//! - [`units`]: byte sizes as people read and write them.
+//!
+//! `docs/ARCHITECTURE.md` shows how they fit together.
 
 pub mod arch;
 pub mod catalog;
@@ -20,10 +23,11 @@ pub mod dtype;
 pub mod error;
 pub mod estimate;
 pub mod gpu;
-pub mod pipeline;
 pub mod plan;
+pub mod report;
 pub mod sim;
 pub mod spec;
+pub mod units;
 pub mod validate;
 
 pub use error::{Error, Result};

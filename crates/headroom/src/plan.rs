@@ -15,6 +15,8 @@
 
 use std::path::Path;
 
+use serde::Serialize;
+
 use crate::arch::Architecture;
 use crate::error::{Error, Result};
 use crate::estimate::{self, Estimate};
@@ -30,8 +32,9 @@ use crate::spec::{
 const HALF_EFFICIENCY_TOKENS: f64 = 128.0;
 
 /// A model that stays on the GPU during training without being trained (DPO's reference,
-/// an RL user or reward model): its loaded weights add to every phase.
-#[derive(Clone, Debug, PartialEq)]
+/// an RL user or reward model): its loaded weights add to every phase. Its fields are an
+/// entry of `fit --json`'s `residents`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Resident {
     pub name: String,
     pub weights_bytes: u64,
@@ -85,6 +88,29 @@ pub enum Sharding {
     Zero2,
     /// ZeRO-3 / FSDP `FULL_SHARD`: weights too, gathered a layer at a time.
     Zero3,
+}
+
+impl Adapter {
+    /// Stable machine name (`fit --json`'s `knobs.adapter`).
+    pub fn key(self) -> &'static str {
+        match self {
+            Adapter::Full => "full",
+            Adapter::Lora => "lora",
+            Adapter::Qlora => "qlora",
+        }
+    }
+}
+
+impl Sharding {
+    /// Stable machine name (`fit --json`'s `knobs.sharding`).
+    pub fn key(self) -> &'static str {
+        match self {
+            Sharding::None => "none",
+            Sharding::Zero1 => "zero1",
+            Sharding::Zero2 => "zero2",
+            Sharding::Zero3 => "zero3",
+        }
+    }
 }
 
 /// How far a configuration departs from the training the spec describes.

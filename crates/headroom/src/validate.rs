@@ -1,7 +1,8 @@
 //! `headroom validate`: estimate every row of a calibration file and compare with what was
 //! measured. This is how every number headroom prints is checked against a real run.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
@@ -75,6 +76,139 @@ impl ErrorStats {
     }
 }
 
+/// |error| statistics of the allocated and of the reserved peaks over a set of comparisons.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Accuracy {
+    pub count: usize,
+    pub allocated: ErrorStats,
+    pub reserved: ErrorStats,
+}
+
+impl Accuracy {
+    pub fn of_rows<'a>(rows: impl IntoIterator<Item = &'a RowResult>) -> Accuracy {
+        Self::of_errors(rows.into_iter().map(|r| (r.alloc_error, r.reserved_error)))
+    }
+
+    pub fn of_phases(phases: &[PhaseResult]) -> Accuracy {
+        Self::of_errors(phases.iter().map(|p| (p.alloc_error, p.reserved_error)))
+    }
+
+    fn of_errors(errors: impl Iterator<Item = (f64, f64)>) -> Accuracy {
+        let (alloc, reserved): (Vec<f64>, Vec<f64>) = errors.unzip();
+        Accuracy {
+            count: alloc.len(),
+            allocated: ErrorStats::of(&alloc),
+            reserved: ErrorStats::of(&reserved),
+        }
+    }
+}
+
+/// Estimate against measurement as a signed fraction: (estimate - measured) / measured.
+pub fn relative_error(estimate: u64, measured: u64) -> f64 {
+    (estimate as f64 - measured as f64) / measured as f64
+}
+
+/// Every row and pipeline phase of a set of calibration files, checked.
+#[derive(Clone, Debug, Default)]
+pub struct Validation {
+    pub rows: Vec<RowResult>,
+    pub pipelines: PipelineChecks,
+}
+
+impl Validation {
+    pub fn row_accuracy(&self) -> Accuracy {
+        Accuracy::of_rows(&self.rows)
+    }
+
+    pub fn phase_accuracy(&self) -> Accuracy {
+        Accuracy::of_phases(&self.pipelines.phases)
+    }
+}
+
+/// Estimate every row and pipeline row of `files`. A row whose setup is not modelled yet is
+/// listed as a note rather than failing the rest: it was measured ahead of its model.
+pub fn check_files(files: &[PathBuf]) -> Result<Validation> {
+    let mut out = Validation::default();
+    for file in files {
+        for row in load_rows(file)? {
+            let id = row.id.clone();
+            match check(row, file.parent()) {
+                Ok(result) => out.rows.push(result),
+                Err(e @ Error::Unsupported { .. }) => out
+                    .pipelines
+                    .notes
+                    .push((format!("{id}: measured, not estimated: {e}"), true)),
+                Err(e) => {
+                    return Err(Error::Row {
+                        id,
+                        error: Box::new(e),
+                    });
+                }
+            }
+        }
+        let checks = check_pipelines(file)?;
+        out.pipelines.phases.extend(checks.phases);
+        out.pipelines.notes.extend(checks.notes);
+    }
+    Ok(out)
+}
+
+/// Limits on |error|, in percent, that a validation must keep to.
+#[derive(Clone, Debug, Default)]
+pub struct Gates {
+    /// On every row's and pipeline phase's peak allocated error.
+    pub max_alloc_error: Option<f64>,
+    /// On the median of the rows' peak allocated errors.
+    pub median_alloc_error: Option<f64>,
+    /// On every row's and pipeline phase's peak reserved error.
+    pub max_reserved_error: Option<f64>,
+    /// On the median of the rows' peak reserved errors.
+    pub median_reserved_error: Option<f64>,
+}
+
+impl Gates {
+    /// Why `v` fails: the pipeline notes where the estimate disagrees with the run, then every
+    /// limit exceeded. Empty when it passes.
+    pub fn failures(&self, v: &Validation) -> Vec<String> {
+        let (rows, phases) = (v.row_accuracy(), v.phase_accuracy());
+        let mut failures: Vec<String> = v
+            .pipelines
+            .notes
+            .iter()
+            .filter(|(_, agrees)| !agrees)
+            .map(|(note, _)| note.clone())
+            .collect();
+        let mut gate = |limit: Option<f64>, value: f64, what: &str| {
+            if let Some(limit) = limit
+                && 100.0 * value > limit
+            {
+                failures.push(format!("{what} {:.2}% exceeds {limit}%", 100.0 * value));
+            }
+        };
+        gate(
+            self.max_alloc_error,
+            rows.allocated.max_abs.max(phases.allocated.max_abs),
+            "max |peak allocated error|",
+        );
+        gate(
+            self.median_alloc_error,
+            rows.allocated.median_abs,
+            "median |peak allocated error|",
+        );
+        gate(
+            self.max_reserved_error,
+            rows.reserved.max_abs.max(phases.reserved.max_abs),
+            "max |peak reserved error|",
+        );
+        gate(
+            self.median_reserved_error,
+            rows.reserved.median_abs,
+            "median |peak reserved error|",
+        );
+        failures
+    }
+}
+
 /// Read a calibration JSONL file: one `{id, spec, measured, env}` object per line.
 pub fn load_rows(path: &Path) -> Result<Vec<Row>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
@@ -129,19 +263,32 @@ pub fn load_rows(path: &Path) -> Result<Vec<Row>> {
 /// Estimate one row. Relative model paths resolve against `base_dir`.
 pub fn check(row: Row, base_dir: Option<&Path>) -> Result<RowResult> {
     let estimate = estimate::estimate(&row.spec, base_dir, &row.gpu)?;
-    let rel = |est: u64, meas: u64| (est as f64 - meas as f64) / meas as f64;
     Ok(RowResult {
-        alloc_error: rel(
+        alloc_error: relative_error(
             estimate.peak_allocated_bytes,
             row.measured.peak_allocated_bytes,
         ),
-        reserved_error: rel(
+        reserved_error: relative_error(
             estimate.peak_reserved_bytes,
             row.measured.peak_reserved_bytes,
         ),
         estimate,
         row,
     })
+}
+
+/// The accuracy of `rows` per family, families sorted by name.
+pub fn accuracy_by_family(rows: &[RowResult]) -> BTreeMap<String, Accuracy> {
+    let mut groups: BTreeMap<String, Vec<&RowResult>> = BTreeMap::new();
+    for row in rows {
+        for family in families(&row.row) {
+            groups.entry(family).or_default().push(row);
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(family, rows)| (family, Accuracy::of_rows(rows)))
+        .collect()
 }
 
 /// Families rows are grouped into for the accuracy report.
@@ -256,7 +403,6 @@ pub fn check_pipelines(path: &Path) -> Result<PipelineChecks> {
             .map_err(|e| at(format!("row {id}: {e}")))?;
         let est = estimate_pipeline(&spec, path.parent(), &gpu, crate::estimate::Limit::Gpu)
             .map_err(|e| at(format!("row {id}: {e}")))?;
-        let rel = |e: u64, m: u64| (e as f64 - m as f64) / m as f64;
         for m in v["measured"]["phases"].as_array().into_iter().flatten() {
             let phase = m["phase"].as_str().unwrap_or_default().to_string();
             let iteration = m["iteration"].as_u64().unwrap_or_default() as u32;
@@ -300,8 +446,8 @@ pub fn check_pipelines(path: &Path) -> Result<PipelineChecks> {
                 estimated_allocated: e.peak_allocated,
                 measured_reserved: mr,
                 estimated_reserved: e.peak_reserved,
-                alloc_error: rel(e.peak_allocated, ma),
-                reserved_error: rel(e.peak_reserved, mr),
+                alloc_error: relative_error(e.peak_allocated, ma),
+                reserved_error: relative_error(e.peak_reserved, mr),
             });
         }
     }

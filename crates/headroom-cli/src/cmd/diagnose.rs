@@ -2,19 +2,16 @@
 //! its spec) which changes make it fit.
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use comfy_table::{Cell, CellAlignment, ContentArrangement, Table};
-use headroom::diagnose::lint::{self, Context, Launch, Lint};
-use headroom::diagnose::oom::{self, Explanation, OomMessage};
-use headroom::diagnose::{self, SpecCheck};
-use headroom::gpu::{self, Gpu};
-use headroom::plan::{Resident, Setup};
-use headroom::spec::RunSpec;
-use serde_json::{Value, json};
+use headroom::diagnose::{self, Diagnosis, Inputs, OomLog};
+use headroom::report::diagnose::DiagnoseJson;
+use headroom::report::to_json;
+use headroom::units::{gib, signed_gib};
 
 use crate::error::{CliError, CliResult};
-use crate::render::{gib, table};
+use crate::render::table;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -50,33 +47,24 @@ pub struct Args {
     pub json: bool,
 }
 
-fn read(path: &Path, what: &str) -> CliResult<String> {
-    std::fs::read_to_string(path)
-        .map_err(|e| CliError::input(format!("{}: cannot read the {what}: {e}", path.display())))
-}
-
-fn read_oom(arg: &str) -> CliResult<(String, String)> {
+/// The OOM log named by `--oom`: a file, or stdin for `-`.
+fn read_oom(arg: &str) -> CliResult<OomLog> {
     if arg == "-" {
         let mut text = String::new();
         std::io::stdin()
             .read_to_string(&mut text)
             .map_err(|e| CliError::input(format!("stdin: cannot read the OOM log: {e}")))?;
-        Ok(("stdin".to_string(), text))
-    } else {
-        let path = PathBuf::from(arg);
-        Ok((arg.to_string(), read(&path, "OOM log")?))
+        return Ok(OomLog {
+            source: "stdin".to_string(),
+            text,
+        });
     }
-}
-
-/// Everything `diagnose` found, before rendering.
-struct Report {
-    oom_source: Option<String>,
-    messages: Vec<OomMessage>,
-    explanation: Option<Explanation>,
-    lints: Vec<Lint>,
-    gpu: Option<Gpu>,
-    check: Option<SpecCheck>,
-    spec_path: Option<PathBuf>,
+    let text = std::fs::read_to_string(arg)
+        .map_err(|e| CliError::input(format!("{arg}: cannot read the OOM log: {e}")))?;
+    Ok(OomLog {
+        source: arg.to_string(),
+        text,
+    })
 }
 
 pub fn run(args: Args) -> CliResult {
@@ -91,139 +79,28 @@ pub fn run(args: Args) -> CliResult {
              --accelerate-config, --deepspeed-config, --script",
         ));
     }
-    let report = diagnose(&args)?;
-    if args.json {
-        println!("{}", to_json(&report));
-    } else {
-        print!("{}", render(&report));
-    }
-    Ok(())
-}
-
-fn diagnose(args: &Args) -> CliResult<Report> {
-    let input = |e: headroom::Error| CliError::input(e.to_string());
-
-    let mut oom_text = None;
-    let mut messages = Vec::new();
-    if let Some(arg) = &args.oom {
-        let (source, text) = read_oom(arg)?;
-        messages = oom::parse_all(&text);
-        if messages.is_empty() {
-            let hint = if text.contains("CUDA error: out of memory") {
-                "; it has `CUDA error: out of memory`, raised by the driver outside PyTorch's \
-                 allocator (context creation, NCCL, cuBLAS handles), which carries no numbers"
-            } else {
-                ""
-            };
-            return Err(CliError::input(format!(
-                "{source}: no PyTorch out-of-memory message found (expected `CUDA out of memory. \
-                 Tried to allocate …` or its HIP form){hint}"
-            )));
-        }
-        oom_text = Some((source, text));
-    }
-    let message = messages.first();
-    let explanation = message.map(oom::explain);
-
-    let spec = args
-        .spec
-        .as_ref()
-        .map(|p| RunSpec::from_file(p))
-        .transpose()
-        .map_err(input)?;
-    let spec_dir = args.spec.as_deref().and_then(Path::parent);
-
-    let gpu = match (&args.gpu, message.and_then(|m| m.total_capacity_bytes)) {
-        (Some(name), _) => Some(gpu::find(name).map_err(input)?),
-        (None, Some(total)) => Some(diagnose::gpu_from_message(total)),
-        (None, None) => spec.as_ref().map(|_| Gpu::default()),
-    };
-
-    // accelerate first: it tells how many ranks there are and may name the DeepSpeed JSON.
-    let mut lints = Vec::new();
-    let mut launch: Option<Launch> = None;
-    let lint_cx = |arch| Context {
-        spec: spec.as_ref(),
-        arch,
-        gpu: gpu.as_ref(),
-    };
-    if let Some(path) = &args.accelerate_config {
-        let text = read(path, "accelerate config")?;
-        let (l, found) = lint::accelerate(&text, path, lint_cx(None)).map_err(input)?;
-        lints.extend(found);
-        launch = Some(l);
-    }
-    let ranks = args.gpus.unwrap_or_else(|| {
-        launch
-            .as_ref()
-            .filter(|l| l.is_distributed())
-            .and_then(|l| l.processes)
-            .and_then(|n| u32::try_from(n).ok())
-            .unwrap_or(1)
-    });
-
-    let check = match (&spec, &gpu) {
-        (Some(spec), Some(gpu)) => {
-            let mut residents = Vec::new();
-            for path in &args.residents {
-                let r = RunSpec::from_file(path).map_err(input)?;
-                residents.push(Resident::from_spec(&r, path.parent(), gpu).map_err(input)?);
-            }
-            let setup = Setup {
-                spec: spec.clone(),
-                spec_dir,
-                gpu: gpu.clone(),
-                gpus: ranks.max(1),
-                residents,
-            };
-            Some(diagnose::check_spec(&setup, message).map_err(input)?)
-        }
-        _ => {
-            if !args.residents.is_empty() {
-                return Err(CliError::input(
-                    "--resident needs --spec: residents add to the run the spec describes",
-                ));
-            }
-            None
-        }
-    };
-
-    let ds_path = args.deepspeed_config.clone().or_else(|| {
-        let file = launch.as_ref()?.deepspeed_config_file.as_ref()?;
-        let base = args
-            .accelerate_config
-            .as_deref()
-            .and_then(Path::parent)
-            .unwrap_or(Path::new("."));
-        Some(base.join(file))
-    });
-    if let Some(path) = &ds_path {
-        let text = read(path, "DeepSpeed config")?;
-        let arch = check.as_ref().map(|c| &c.estimate.arch);
-        lints.extend(lint::deepspeed(&text, path, lint_cx(arch)).map_err(input)?);
-    }
-    if let Some((source, text)) = &oom_text {
-        lints.extend(lint::device_map(source, text, launch.as_ref()));
-    }
-    for path in &args.script {
-        let text = read(path, "script")?;
-        lints.extend(lint::device_map(
-            &path.display().to_string(),
-            &text,
-            launch.as_ref(),
+    if args.spec.is_none() && !args.residents.is_empty() {
+        return Err(CliError::input(
+            "--resident needs --spec: residents add to the run the spec describes",
         ));
     }
-    lints.sort_by_key(|l| l.severity);
-
-    Ok(Report {
-        oom_source: oom_text.map(|(s, _)| s),
-        messages,
-        explanation,
-        lints,
-        gpu,
-        check,
-        spec_path: args.spec.clone(),
-    })
+    let inputs = Inputs {
+        oom: args.oom.as_deref().map(read_oom).transpose()?,
+        spec: args.spec,
+        residents: args.residents,
+        accelerate_config: args.accelerate_config,
+        deepspeed_config: args.deepspeed_config,
+        scripts: args.script,
+        gpu: args.gpu,
+        gpus: args.gpus,
+    };
+    let diagnosis = diagnose::run(&inputs)?;
+    if args.json {
+        println!("{}", to_json(&DiagnoseJson::new(&diagnosis)));
+    } else {
+        print!("{}", render(&diagnosis));
+    }
+    Ok(())
 }
 
 /// A table that wraps long cells to fit a terminal of `width` columns.
@@ -242,7 +119,7 @@ fn right(text: String) -> Cell {
     Cell::new(text).set_alignment(CellAlignment::Right)
 }
 
-fn render(r: &Report) -> String {
+fn render(r: &Diagnosis) -> String {
     let mut out = String::new();
     if let (Some(m), Some(e)) = (r.messages.first(), &r.explanation) {
         let device = m.device.map_or("?".to_string(), |d| d.to_string());
@@ -360,10 +237,7 @@ fn render(r: &Report) -> String {
                 Cell::new(i + 1),
                 Cell::new(&rem.title),
                 right(gib(e.device_bytes)),
-                right(format!(
-                    "{:+.2} GiB",
-                    rem.saving_bytes as f64 / (1u64 << 30) as f64
-                )),
+                right(signed_gib(rem.saving_bytes)),
                 Cell::new(if e.fits { "yes" } else { "no" }),
                 right(format!("×{:.2}", e.slowdown)),
                 Cell::new(rem.basis.key()),
@@ -410,111 +284,4 @@ fn render(r: &Report) -> String {
         }
     }
     out
-}
-
-fn message_json(m: &OomMessage) -> Value {
-    json!({
-        "backend": m.backend.to_string(),
-        "format": m.format.key(),
-        "torch_versions": m.torch_versions,
-        "device": m.device,
-        "tried_to_allocate_bytes": m.tried_to_allocate_bytes,
-        "total_capacity_bytes": m.total_capacity_bytes,
-        "free_bytes": m.free_bytes,
-        "allocated_by_pytorch_bytes": m.allocated_by_pytorch_bytes,
-        "reserved_unallocated_bytes": m.reserved_unallocated_bytes,
-        "reserved_by_pytorch_bytes": m.reserved_by_pytorch_bytes,
-        "allowed_bytes": m.allowed_bytes,
-        "private_pools_bytes": m.private_pools_bytes,
-        "processes": m.processes.iter().map(|p| json!({"pid": p.pid, "bytes": p.bytes})).collect::<Vec<_>>(),
-    })
-}
-
-fn to_json(r: &Report) -> Value {
-    let mut v = match r.messages.first() {
-        Some(m) => message_json(m),
-        None => json!({}),
-    };
-    if r.oom_source.is_some() {
-        v["oom_source"] = json!(r.oom_source);
-        v["messages_found"] = json!(r.messages.len());
-        v["other_messages"] = r.messages.iter().skip(1).map(message_json).collect();
-    }
-    if let Some(e) = &r.explanation {
-        v["diagnosis"] = json!({
-            "cause": e.cause.key(),
-            "summary": e.summary,
-            "findings": e.findings.iter().map(|f| json!({"cause": f.cause.key(), "text": f.text})).collect::<Vec<_>>(),
-            "accounting": e.accounting.as_ref().map(|a| json!({
-                "total_bytes": a.total,
-                "free_bytes": a.free,
-                "allocated_bytes": a.allocated,
-                "reserved_unallocated_bytes": a.reserved_unallocated,
-                "this_process_non_pytorch_bytes": a.this_process_non_pytorch,
-                "other_processes_bytes": a.other_processes,
-                "unattributed_bytes": a.unattributed,
-                "presumed_self_pid": a.presumed_self_pid,
-            })),
-        });
-    }
-    v["lints"] = r
-        .lints
-        .iter()
-        .map(|l| {
-            json!({"severity": l.severity.key(), "source": l.source, "key": l.key,
-                   "message": l.message, "fix": l.fix})
-        })
-        .collect();
-    if let Some(g) = &r.gpu {
-        v["gpu"] = json!({"name": g.name, "total_bytes": g.total_bytes,
-                          "cuda_context_bytes": g.cuda_context_bytes, "source": g.source});
-    }
-    if let Some(c) = &r.check {
-        let b = &c.baseline;
-        v["estimate"] = json!({
-            "model": c.estimate.model,
-            "peak_allocated_bytes": b.peak_allocated_bytes,
-            "peak_reserved_bytes": b.peak_reserved_bytes,
-            "device_bytes": b.device_bytes,
-            "fits": b.fits,
-            "computed": b.computed,
-            "peak_phase": c.estimate.peak_phase,
-            "peak_step": c.estimate.peak_step,
-            "breakdown": c.estimate.breakdown.iter().map(|(k, b)| json!({"component": k.key(), "bytes": b})).collect::<Vec<_>>(),
-            "verdict": c.verdict,
-            "agreement": c.agreement,
-        });
-        v["remedies"] = c
-            .remedies
-            .iter()
-            .map(|rem| {
-                let e = &rem.evaluation;
-                json!({
-                    "key": rem.key,
-                    "title": rem.title,
-                    "how": rem.how,
-                    "cost": rem.cost,
-                    "basis": rem.basis.key(),
-                    "device_bytes": e.device_bytes,
-                    "peak_allocated_bytes": e.peak_allocated_bytes,
-                    "peak_reserved_bytes": e.peak_reserved_bytes,
-                    "saving_bytes": rem.saving_bytes,
-                    "fits": e.fits,
-                    "slowdown": e.slowdown,
-                    "fidelity": e.fidelity.key(),
-                    "changes_data": rem.changes_data,
-                })
-            })
-            .collect();
-        v["cheapest_fit"] = c.cheapest_fit.as_ref().map_or(Value::Null, |(e, changes)| {
-            json!({
-                "changes": changes,
-                "device_bytes": e.device_bytes,
-                "slowdown": e.slowdown,
-                "fidelity": e.fidelity.key(),
-                "computed": e.computed,
-            })
-        });
-    }
-    v
 }

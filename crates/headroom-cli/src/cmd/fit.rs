@@ -5,12 +5,14 @@ use std::path::PathBuf;
 
 use comfy_table::{Cell, CellAlignment};
 use headroom::gpu;
-use headroom::plan::{self, Evaluation, FitReport, Resident, Setup};
+use headroom::plan::{self, FitReport, Resident, Setup};
+use headroom::report::fit::FitJson;
+use headroom::report::to_json;
 use headroom::spec::RunSpec;
-use serde_json::{Value, json};
+use headroom::units::{gib, signed_gib};
 
 use crate::error::{CliError, CliResult};
-use crate::render::{gib, table};
+use crate::render::table;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -33,16 +35,15 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> CliResult {
-    let input = |e: headroom::Error| CliError::input(e.to_string());
     if args.gpus == 0 {
         return Err(CliError::input("--gpus: 0 is not allowed; use 1 or more"));
     }
-    let spec = RunSpec::from_file(&args.spec).map_err(input)?;
-    let gpu = gpu::find(&args.gpu).map_err(input)?;
+    let spec = RunSpec::from_file(&args.spec)?;
+    let gpu = gpu::find(&args.gpu)?;
     let mut residents = Vec::new();
     for path in &args.residents {
-        let r = RunSpec::from_file(path).map_err(input)?;
-        residents.push(Resident::from_spec(&r, path.parent(), &gpu).map_err(input)?);
+        let r = RunSpec::from_file(path)?;
+        residents.push(Resident::from_spec(&r, path.parent(), &gpu)?);
     }
     let setup = Setup {
         spec,
@@ -51,17 +52,13 @@ pub fn run(args: Args) -> CliResult {
         gpus: args.gpus,
         residents,
     };
-    let report = plan::fit(&setup).map_err(input)?;
+    let report = plan::fit(&setup)?;
     if args.json {
-        println!("{}", to_json(&setup, &report));
+        println!("{}", to_json(&FitJson::new(&setup, &report)));
     } else {
         print!("{}", render(&setup, &report));
     }
     Ok(())
-}
-
-fn headroom_text(bytes: i128) -> String {
-    format!("{:+.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 fn render(setup: &Setup, r: &FitReport) -> String {
@@ -79,7 +76,7 @@ fn render(setup: &Setup, r: &FitReport) -> String {
         },
         gib(b.device_bytes),
         if b.fits { "fits" } else { "does NOT fit" },
-        headroom_text(b.headroom_bytes(g)),
+        signed_gib(b.headroom_bytes(g)),
     );
     out += &match r.max_micro_batch {
         Some(n) => format!(
@@ -139,7 +136,7 @@ fn render(setup: &Setup, r: &FitReport) -> String {
                 gib(e.device_bytes),
                 if e.computed { "*" } else { "" }
             )),
-            right(headroom_text(e.headroom_bytes(g))),
+            right(signed_gib(e.headroom_bytes(g))),
             right(format!("×{:.2}", e.slowdown)),
             Cell::new(e.fidelity.key()),
         ]);
@@ -155,48 +152,4 @@ fn render(setup: &Setup, r: &FitReport) -> String {
             (checkpointing ×1.33, LoRA ×0.8, QLoRA ×1.05, ZeRO-3 ×1.15, CPU offload ×1.5, \
             smaller micro-batches by GPU utilisation).\n";
     out
-}
-
-fn eval_json(setup: &Setup, e: &Evaluation) -> Value {
-    let k = &e.knobs;
-    json!({
-        "changes": plan::describe(setup, k),
-        "knobs": {
-            "optimizer": k.optimizer.name(),
-            "gradient_checkpointing": k.gradient_checkpointing,
-            "adapter": format!("{:?}", k.adapter).to_lowercase(),
-            "expandable_segments": k.expandable_segments,
-            "micro_batch": k.micro_batch,
-            "gradient_accumulation": k.accumulation,
-            "seq_len": k.seq_len,
-            "sharding": format!("{:?}", k.sharding).to_lowercase(),
-            "cpu_offload": k.cpu_offload,
-            "fused_loss": k.fused_loss,
-            "residents_off_gpu": k.residents_off_gpu,
-        },
-        "peak_allocated_bytes": e.peak_allocated_bytes,
-        "peak_reserved_bytes": e.peak_reserved_bytes,
-        "device_bytes": e.device_bytes,
-        "headroom_bytes": e.headroom_bytes(&setup.gpu),
-        "fits": e.fits,
-        "slowdown": e.slowdown,
-        "fidelity": e.fidelity.key(),
-        "computed": e.computed,
-    })
-}
-
-fn to_json(setup: &Setup, r: &FitReport) -> Value {
-    json!({
-        "model": r.estimate.model,
-        "gpu": {"name": setup.gpu.name, "total_bytes": setup.gpu.total_bytes,
-                "cuda_context_bytes": setup.gpu.cuda_context_bytes, "source": setup.gpu.source},
-        "gpus": setup.gpus,
-        "residents": setup.residents.iter().map(|x| json!({"name": x.name, "weights_bytes": x.weights_bytes})).collect::<Vec<_>>(),
-        "spec": eval_json(setup, &r.baseline),
-        "max_micro_batch": r.max_micro_batch,
-        "max_seq_len": r.max_seq_len,
-        "max_positions": r.max_positions,
-        "evaluated": r.evaluated,
-        "pareto": r.front.iter().map(|e| eval_json(setup, e)).collect::<Vec<_>>(),
-    })
 }

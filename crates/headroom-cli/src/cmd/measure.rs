@@ -13,8 +13,10 @@ use std::time::Duration;
 
 use headroom::estimate::{self, Estimate};
 use headroom::gpu;
+use headroom::report::measure::MeasureJson;
+use headroom::report::to_json;
 use headroom::spec::{RunSpec, parse_document};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::error::{CliError, CliResult};
 use crate::render;
@@ -65,8 +67,7 @@ pub fn run(args: Args) -> CliResult {
     let (spec, harness_spec) = read_spec(&args.spec)?;
     let spec_dir = args.spec.parent();
     // Bad input shows before minutes of GPU time are spent.
-    estimate::estimate(&spec, spec_dir, &gpu::Gpu::default())
-        .map_err(|e| CliError::input(e.to_string()))?;
+    estimate::estimate(&spec, spec_dir, &gpu::Gpu::default())?;
 
     let record = run_harness(&args, &harness_spec)?;
     let device = record["env"]["gpu"]
@@ -74,24 +75,20 @@ pub fn run(args: Args) -> CliResult {
         .unwrap_or_default()
         .to_string();
     let gpu = gpu::from_device_name(&device).unwrap_or_default();
-    let est =
-        estimate::estimate(&spec, spec_dir, &gpu).map_err(|e| CliError::input(e.to_string()))?;
+    let est = estimate::estimate(&spec, spec_dir, &gpu)?;
     let measured = Measured::from_record(&record)?;
 
     if let Some(path) = &args.record {
         append_line(path, &record)?;
     }
     if args.json {
-        let err = |e: u64, m: u64| (e as f64 - m as f64) / m as f64;
-        println!(
-            "{}",
-            json!({
-                "measured": record,
-                "estimate": super::estimate::to_json(&est, false),
-                "alloc_error": err(est.peak_allocated_bytes, measured.peak_allocated),
-                "reserved_error": err(est.peak_reserved_bytes, measured.peak_reserved),
-            })
+        let report = MeasureJson::new(
+            &record,
+            &est,
+            measured.peak_allocated,
+            measured.peak_reserved,
         );
+        println!("{}", to_json(&report));
     } else {
         print!("{}", comparison(&device, &est, &measured));
         if let Some(path) = &args.snapshot {
@@ -106,12 +103,10 @@ pub fn run(args: Args) -> CliResult {
 fn read_spec(path: &Path) -> CliResult<(RunSpec, Value)> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
-    let mut doc = parse_document(&text, path).map_err(|e| CliError::input(e.to_string()))?;
+    let mut doc = parse_document(&text, path)?;
     let spec = RunSpec::from_value(&doc)
         .map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
-    let model = spec
-        .resolve_model(path.parent())
-        .map_err(|e| CliError::input(e.to_string()))?;
+    let model = spec.resolve_model(path.parent())?;
     doc["model_config"] = model.config;
     Ok((spec, doc))
 }

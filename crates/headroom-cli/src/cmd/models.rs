@@ -1,8 +1,9 @@
 //! `headroom models`: the built-in model catalog, with the parameter counts transformers builds.
 
-use headroom::arch::{Architecture, Head};
+use headroom::arch::Architecture;
 use headroom::catalog;
-use serde_json::json;
+use headroom::report::models::ModelJson;
+use headroom::report::to_json;
 
 use crate::error::{CliError, CliResult};
 use crate::render;
@@ -36,26 +37,11 @@ pub fn run(args: Args) -> CliResult {
         )));
     }
     if args.json {
-        let list: Vec<_> = rows
+        let list: Vec<ModelJson> = rows
             .iter()
-            .map(|(name, a)| {
-                json!({
-                    "name": name,
-                    "model_type": a.model_type,
-                    "params": a.param_count(Head::CausalLm),
-                    "layers": a.layers,
-                    "hidden": a.hidden,
-                    "intermediate": a.intermediate,
-                    "heads": a.heads,
-                    "kv_heads": a.kv_heads,
-                    "head_dim": a.head_dim,
-                    "vocab": a.vocab,
-                    "max_positions": a.max_positions,
-                    "tie_word_embeddings": a.tie_word_embeddings,
-                })
-            })
+            .map(|(name, arch)| ModelJson::new(name, arch))
             .collect();
-        println!("{}", serde_json::Value::Array(list));
+        println!("{}", to_json(&list));
     } else {
         print!("{}", render::models(&rows));
     }

@@ -4,9 +4,11 @@
 
 use std::path::PathBuf;
 
-use headroom_alloc::{AllocatorConfig, Backend, format_size};
+use headroom::report::to_json;
+use headroom::units::format_size;
+use headroom_alloc::{AllocatorConfig, Backend};
+use headroom_snapshot::report::ReplayJson;
 use headroom_snapshot::{ReplayOptions, ReplayReport, SegmentStep, replay};
-use serde_json::json;
 
 use crate::error::{CliError, CliResult};
 
@@ -44,7 +46,11 @@ pub fn run(args: Args) -> CliResult {
         },
     );
     if args.json {
-        println!("{}", to_json(&args, &report));
+        let file = args.file.display().to_string();
+        println!(
+            "{}",
+            to_json(&ReplayJson::new(file, args.alloc_conf.as_deref(), &report))
+        );
     } else {
         print_human(&args, &report);
     }
@@ -60,47 +66,6 @@ fn parse_alloc_conf(conf: &str) -> CliResult<AllocatorConfig> {
         ));
     }
     Ok(config)
-}
-
-fn step_json(step: Option<SegmentStep>) -> serde_json::Value {
-    step.map_or(
-        serde_json::Value::Null,
-        |s| json!({ "action": s.action.name(), "size": s.size }),
-    )
-}
-
-fn to_json(args: &Args, r: &ReplayReport) -> serde_json::Value {
-    json!({
-        "file": args.file.display().to_string(),
-        "device": r.device,
-        "alloc_conf": args.alloc_conf,
-        "fidelity": r.fidelity,
-        "fidelity_exact": r.fidelity_exact,
-        "segment_events": {
-            "recorded": r.recorded_segment_events,
-            "simulated": r.simulated_segment_events,
-            "matched": r.matched_segment_events,
-        },
-        "first_divergence": r.first_divergence.map(|d| json!({
-            "segment_event_index": d.segment_event_index,
-            "trace_index": d.trace_index,
-            "expected": step_json(d.expected),
-            "got": step_json(d.got),
-        })),
-        "trace_events": r.trace_events,
-        "initial_reserved_bytes": r.initial_reserved_bytes,
-        "recorded_peak_reserved_bytes": r.recorded_peak_reserved_bytes,
-        "simulated_peak_reserved_bytes": r.simulated_peak_reserved_bytes,
-        "recorded_final_reserved_bytes": r.recorded_final_reserved_bytes,
-        "simulated_final_reserved_bytes": r.simulated_final_reserved_bytes,
-        "simulated_peak_allocated_bytes": r.simulated_peak_allocated_bytes,
-        "restored_segments": r.restored_segments,
-        "restored_blocks": r.restored_blocks,
-        "unrestored_segments": r.unrestored_segments,
-        "cache_flushes": r.cache_flushes,
-        "unmatched_frees": r.unmatched_frees,
-        "failed_allocs": r.failed_allocs,
-    })
 }
 
 fn describe(step: Option<SegmentStep>) -> String {

@@ -3,12 +3,12 @@
 use std::path::{Path, PathBuf};
 
 use comfy_table::Table;
-use headroom_alloc::format_size;
+use headroom::report::to_json;
+use headroom::units::format_size;
+use headroom_snapshot::report::SnapshotJson;
 use headroom_snapshot::{
-    Snapshot, SnapshotError, Summary, SummaryOptions, TraceSummary, sparkline, summarize,
-    timeline_svg,
+    Snapshot, SnapshotError, Summary, SummaryOptions, sparkline, summarize, timeline_svg,
 };
-use serde_json::json;
 
 use crate::error::{CliError, CliResult};
 
@@ -46,75 +46,12 @@ pub fn run(args: Args) -> CliResult {
             .map_err(|e| CliError::failure(format!("cannot write {}: {e}", out.display())))?;
     }
     if args.json {
-        println!("{}", to_json(&args.file, &summary));
+        let report = SnapshotJson::new(args.file.display().to_string(), &summary);
+        println!("{}", to_json(&report));
     } else {
         print_human(&args.file, &summary);
     }
     Ok(())
-}
-
-fn to_json(file: &Path, s: &Summary) -> serde_json::Value {
-    let f = &s.fragmentation;
-    let trace = s.trace.as_ref();
-    json!({
-        "file": file.display().to_string(),
-        "reserved_bytes": s.reserved_bytes,
-        "allocated_bytes": s.allocated_bytes,
-        "active_bytes": s.active_bytes,
-        "requested_bytes": s.requested_bytes,
-        "segments": s.segments.total,
-        "segment_counts": {
-            "large": s.segments.large,
-            "small": s.segments.small,
-            "expandable": s.segments.expandable,
-        },
-        "largest_free_block_bytes": f.largest_free_block_bytes,
-        "fragmentation": {
-            "reserved_unallocated_bytes": f.reserved_unallocated_bytes,
-            "free_bytes": f.free_bytes,
-            "largest_free_block_bytes": f.largest_free_block_bytes,
-            "ratio": f.ratio,
-            "internal_free_bytes": f.internal_free_bytes,
-            "external_free_bytes": f.external_free_bytes,
-        },
-        "allocator_conf": s.allocator_conf,
-        "trace_events": trace.map_or(0, |t| t.events),
-        "trace_peak_active_bytes": trace.map(|t| t.peak_active_bytes),
-        "trace": trace.map(trace_json),
-    })
-}
-
-fn trace_json(t: &TraceSummary) -> serde_json::Value {
-    let c = &t.counts;
-    json!({
-        "device": t.device,
-        "events": t.events,
-        "counts": {
-            "alloc": c.alloc,
-            "free_requested": c.free_requested,
-            "free_completed": c.free_completed,
-            "segment_alloc": c.segment_alloc,
-            "segment_free": c.segment_free,
-            "segment_map": c.segment_map,
-            "segment_unmap": c.segment_unmap,
-            "oom": c.oom,
-        },
-        "initially_active_bytes": t.initially_active_bytes,
-        "peak_active_bytes": t.peak_active_bytes,
-        "peak_event_index": t.peak_event_index,
-        "peak_time_us": t.peak_time_us,
-        "initial_reserved_bytes": t.initial_reserved_bytes,
-        "peak_reserved_bytes": t.peak_reserved_bytes,
-        "top_sites": t.top_sites.iter().map(|s| json!({
-            "location": s.location, "bytes": s.bytes, "count": s.count,
-        })).collect::<Vec<_>>(),
-        "timeline": t.timeline.iter().map(|p| json!({
-            "event_index": p.event_index,
-            "time_us": p.time_us,
-            "active_bytes": p.active_bytes,
-            "reserved_bytes": p.reserved_bytes,
-        })).collect::<Vec<_>>(),
-    })
 }
 
 fn print_human(file: &Path, s: &Summary) {

@@ -1,11 +1,12 @@
 //! `headroom validate FILE...`: estimate every measured row and report the errors.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use comfy_table::{Cell, CellAlignment};
-use headroom::validate::{self, ErrorStats, PhaseResult, PipelineChecks, RowResult};
-use serde_json::json;
+use headroom::report::to_json;
+use headroom::report::validate::ValidateJson;
+use headroom::units::gib;
+use headroom::validate::{self, Accuracy, Gates, PhaseResult, RowResult, Validation};
 
 use crate::error::{CliError, CliResult};
 use crate::render;
@@ -36,157 +37,23 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> CliResult {
-    let mut results = Vec::new();
-    let mut pipelines = PipelineChecks::default();
-    for file in &args.files {
-        let rows = validate::load_rows(file).map_err(|e| CliError::input(e.to_string()))?;
-        for row in rows {
-            let id = row.id.clone();
-            match validate::check(row, file.parent()) {
-                Ok(result) => results.push(result),
-                // A setup measured ahead of its model is listed, not failed.
-                Err(e @ headroom::error::Error::Unsupported { .. }) => pipelines
-                    .notes
-                    .push((format!("{id}: measured, not estimated: {e}"), true)),
-                Err(e) => return Err(CliError::input(format!("row {id}: {e}"))),
-            }
-        }
-        let checks = validate::check_pipelines(file).map_err(|e| CliError::input(e.to_string()))?;
-        pipelines.phases.extend(checks.phases);
-        pipelines.notes.extend(checks.notes);
-    }
-    // Pipeline phases count with the rows: every number is an estimate against a measurement.
-    let phase_alloc: Vec<f64> = pipelines.phases.iter().map(|p| p.alloc_error).collect();
-    let phase_reserved: Vec<f64> = pipelines.phases.iter().map(|p| p.reserved_error).collect();
-    let alloc: Vec<f64> = results.iter().map(|r| r.alloc_error).collect();
-    let reserved: Vec<f64> = results.iter().map(|r| r.reserved_error).collect();
-    let (a, r) = (ErrorStats::of(&alloc), ErrorStats::of(&reserved));
-    let (pa, pr) = (
-        ErrorStats::of(&phase_alloc),
-        ErrorStats::of(&phase_reserved),
-    );
+    let validation = validate::check_files(&args.files)?;
     if let Some(path) = &args.markdown {
-        std::fs::write(path, markdown(&results, &pipelines))
+        std::fs::write(path, markdown(&validation))
             .map_err(|e| CliError::failure(format!("{}: {e}", path.display())))?;
     }
     if args.json {
-        let rows: Vec<_> = results
-            .iter()
-            .map(|x| {
-                json!({
-                    "id": x.row.id,
-                    "measured_peak_allocated_bytes": x.row.measured.peak_allocated_bytes,
-                    "estimated_peak_allocated_bytes": x.estimate.peak_allocated_bytes,
-                    "alloc_error": x.alloc_error,
-                    "measured_peak_reserved_bytes": x.row.measured.peak_reserved_bytes,
-                    "estimated_peak_reserved_bytes": x.estimate.peak_reserved_bytes,
-                    "reserved_error": x.reserved_error,
-                })
-            })
-            .collect();
-        let phases: Vec<_> = pipelines
-            .phases
-            .iter()
-            .map(|p| {
-                json!({
-                    "id": p.id, "phase": p.phase, "iteration": p.iteration,
-                    "measured_peak_allocated_bytes": p.measured_allocated,
-                    "estimated_peak_allocated_bytes": p.estimated_allocated,
-                    "alloc_error": p.alloc_error,
-                    "measured_peak_reserved_bytes": p.measured_reserved,
-                    "estimated_peak_reserved_bytes": p.estimated_reserved,
-                    "reserved_error": p.reserved_error,
-                })
-            })
-            .collect();
-        let notes: Vec<_> = pipelines
-            .notes
-            .iter()
-            .map(|(note, ok)| json!({"note": note, "agrees": ok}))
-            .collect();
-        println!(
-            "{}",
-            json!({
-                "rows": rows, "allocated": stats_json(&a), "reserved": stats_json(&r),
-                "pipeline_phases": phases, "pipeline_notes": notes,
-            })
-        );
+        println!("{}", to_json(&ValidateJson::new(&validation)));
     } else {
-        if !pipelines.phases.is_empty() || !pipelines.notes.is_empty() {
-            print!("{}", pipeline_table(&pipelines.phases));
-            for (note, _) in &pipelines.notes {
-                println!("{note}");
-            }
-            println!(
-                "{} pipeline phases. peak allocated |error| max {:.2}%, peak reserved |error| max {:.2}%\n",
-                pipelines.phases.len(),
-                100.0 * pa.max_abs,
-                100.0 * pr.max_abs
-            );
-        }
-        if results.is_empty() {
-            return gates(&args, &a, &r, &pa, &pr, &pipelines);
-        }
-        print!("{}", table(&results));
-        println!(
-            "\n{} rows. peak allocated |error|: median {:.2}%, p90 {:.2}%, max {:.2}%, {} under-estimates\n\
-             peak reserved |error|:  median {:.2}%, p90 {:.2}%, max {:.2}%, {} under-estimates",
-            results.len(),
-            100.0 * a.median_abs,
-            100.0 * a.p90_abs,
-            100.0 * a.max_abs,
-            a.under_estimates,
-            100.0 * r.median_abs,
-            100.0 * r.p90_abs,
-            100.0 * r.max_abs,
-            r.under_estimates
-        );
+        print!("{}", text(&validation));
     }
-    gates(&args, &a, &r, &pa, &pr, &pipelines)
-}
-
-/// The accuracy gates of the command line, over rows and pipeline phases alike.
-fn gates(
-    args: &Args,
-    a: &ErrorStats,
-    r: &ErrorStats,
-    pa: &ErrorStats,
-    pr: &ErrorStats,
-    pipelines: &PipelineChecks,
-) -> CliResult {
-    let mut failures: Vec<String> = pipelines
-        .notes
-        .iter()
-        .filter(|(_, ok)| !ok)
-        .map(|(note, _)| note.clone())
-        .collect();
-    let mut gate = |limit: Option<f64>, value: f64, what: &str| {
-        if let Some(limit) = limit
-            && 100.0 * value > limit
-        {
-            failures.push(format!("{what} {:.2}% exceeds {limit}%", 100.0 * value));
-        }
+    let gates = Gates {
+        max_alloc_error: args.max_alloc_error,
+        median_alloc_error: args.median_alloc_error,
+        max_reserved_error: args.max_reserved_error,
+        median_reserved_error: args.median_reserved_error,
     };
-    gate(
-        args.max_alloc_error,
-        a.max_abs.max(pa.max_abs),
-        "max |peak allocated error|",
-    );
-    gate(
-        args.median_alloc_error,
-        a.median_abs,
-        "median |peak allocated error|",
-    );
-    gate(
-        args.max_reserved_error,
-        r.max_abs.max(pr.max_abs),
-        "max |peak reserved error|",
-    );
-    gate(
-        args.median_reserved_error,
-        r.median_abs,
-        "median |peak reserved error|",
-    );
+    let failures = gates.failures(&validation);
     if failures.is_empty() {
         Ok(())
     } else {
@@ -197,8 +64,45 @@ fn gates(
     }
 }
 
-fn stats_json(s: &ErrorStats) -> serde_json::Value {
-    json!({"median_abs_error": s.median_abs, "p90_abs_error": s.p90_abs, "max_abs_error": s.max_abs, "under_estimates": s.under_estimates})
+/// The tables: pipeline phases and notes first, then rows, each with its |error| summary.
+fn text(v: &Validation) -> String {
+    let pipelines = &v.pipelines;
+    let mut out = String::new();
+    if !pipelines.phases.is_empty() || !pipelines.notes.is_empty() {
+        let phases = v.phase_accuracy();
+        out += &pipeline_table(&pipelines.phases);
+        for (note, _) in &pipelines.notes {
+            out += &format!("{note}\n");
+        }
+        out += &format!(
+            "{} pipeline phases. peak allocated |error| max {:.2}%, peak reserved |error| max {:.2}%\n\n",
+            pipelines.phases.len(),
+            100.0 * phases.allocated.max_abs,
+            100.0 * phases.reserved.max_abs
+        );
+    }
+    if v.rows.is_empty() {
+        return out;
+    }
+    let Accuracy {
+        count,
+        allocated: a,
+        reserved: r,
+    } = v.row_accuracy();
+    out += &table(&v.rows);
+    out += &format!(
+        "\n{count} rows. peak allocated |error|: median {:.2}%, p90 {:.2}%, max {:.2}%, {} under-estimates\n\
+         peak reserved |error|:  median {:.2}%, p90 {:.2}%, max {:.2}%, {} under-estimates\n",
+        100.0 * a.median_abs,
+        100.0 * a.p90_abs,
+        100.0 * a.max_abs,
+        a.under_estimates,
+        100.0 * r.median_abs,
+        100.0 * r.p90_abs,
+        100.0 * r.max_abs,
+        r.under_estimates
+    );
+    out
 }
 
 fn pct(x: f64) -> String {
@@ -241,11 +145,11 @@ fn error_table(
     for (label, allocated, alloc_error, reserved, reserved_error) in rows {
         let mut row: Vec<Cell> = label.into_iter().map(Cell::new).collect();
         row.extend([
-            right(render::gib(allocated[0])),
-            right(render::gib(allocated[1])),
+            right(gib(allocated[0])),
+            right(gib(allocated[1])),
             right(pct(alloc_error)),
-            right(render::gib(reserved[0])),
-            right(render::gib(reserved[1])),
+            right(gib(reserved[0])),
+            right(gib(reserved[1])),
             right(pct(reserved_error)),
         ]);
         t.add_row(row);
@@ -254,28 +158,20 @@ fn error_table(
 }
 
 /// The accuracy report: summary, per family, per row (Markdown).
-fn markdown(results: &[RowResult], pipelines: &PipelineChecks) -> String {
+fn markdown(v: &Validation) -> String {
+    let (results, pipelines) = (&v.rows, &v.pipelines);
     let mut out = String::from(
         "# Accuracy\n\nGenerated by `headroom validate --markdown` (`scripts/accuracy` runs it over every measured row; \
          `scripts/test` checks this file is current); do not edit by hand.\n\
          Errors are (estimate - measured) / measured of `torch.cuda.max_memory_allocated()` (allocated) and of \
          the peak of `memory_reserved()` (reserved), over three steps.\n\n",
     );
-    let alloc: Vec<f64> = results.iter().map(|r| r.alloc_error).collect();
-    let reserved: Vec<f64> = results.iter().map(|r| r.reserved_error).collect();
     out += "## Summary\n\n| rows | alloc median | alloc p90 | alloc max | alloc under | reserved median | reserved p90 | reserved max | reserved under |\n|---|---|---|---|---|---|---|---|---|\n";
-    out += &summary_row(&results.len().to_string(), &alloc, &reserved);
-    let mut groups: BTreeMap<String, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
-    for x in results {
-        for family in validate::families(&x.row) {
-            let g = groups.entry(family).or_default();
-            g.0.push(x.alloc_error);
-            g.1.push(x.reserved_error);
-        }
-    }
+    let accuracy = v.row_accuracy();
+    out += &summary_row(&accuracy.count.to_string(), &accuracy);
     out += "\n## By family\n\n| family (rows) | alloc median | alloc p90 | alloc max | alloc under | reserved median | reserved p90 | reserved max | reserved under |\n|---|---|---|---|---|---|---|---|---|\n";
-    for (family, (a, r)) in &groups {
-        out += &summary_row(&format!("{family} ({})", a.len()), a, r);
+    for (family, accuracy) in validate::accuracy_by_family(results) {
+        out += &summary_row(&format!("{family} ({})", accuracy.count), &accuracy);
     }
     out += "\n## By row\n\n| row | gpu | measured allocated | estimated | error | measured reserved | estimated | error |\n|---|---|---:|---:|---:|---:|---:|---:|\n";
     for x in results {
@@ -333,8 +229,8 @@ fn pipeline_table(phases: &[PhaseResult]) -> String {
     )
 }
 
-fn summary_row(label: &str, alloc: &[f64], reserved: &[f64]) -> String {
-    let (a, r) = (ErrorStats::of(alloc), ErrorStats::of(reserved));
+fn summary_row(label: &str, accuracy: &Accuracy) -> String {
+    let (a, r) = (&accuracy.allocated, &accuracy.reserved);
     let p = |x: f64| format!("{:.2}%", 100.0 * x);
     format!(
         "| {label} | {} | {} | {} | {} | {} | {} | {} | {} |\n",

@@ -2,21 +2,185 @@
 //! launch configs that commonly cause one, and, given the run spec, check the message against
 //! the estimate and rank remedies by what the estimator predicts they save.
 //!
-//! - [`oom`]: the message parser and the message-only explanation;
+//! [`run`] puts the pieces together from what the user gave:
+//! - [`oom_message`]: the message parser and the message-only explanation;
 //! - [`lint`]: accelerate, DeepSpeed and `device_map` checks;
 //! - [`remedies`]: single changes to the spec, with savings and costs.
 
 pub mod lint;
-pub mod oom;
+pub mod oom_message;
 pub mod remedies;
 
-use crate::error::Result;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
 use crate::estimate::Estimate;
 use crate::gpu::{self, Gpu};
-use crate::plan::{self, Evaluation, Setup};
+use crate::plan::{self, Evaluation, Resident, Setup};
+use crate::spec::RunSpec;
+use crate::units::gib;
 
-use oom::OomMessage;
+use lint::{Context, Launch, Lint};
+use oom_message::{Explanation, OomMessage};
 use remedies::Remedy;
+
+/// A log, traceback or message that holds PyTorch's out-of-memory error.
+#[derive(Clone, Debug)]
+pub struct OomLog {
+    /// Where it was read from, as the user named it (a path, or `stdin`).
+    pub source: String,
+    pub text: String,
+}
+
+/// What to diagnose; every part is optional.
+#[derive(Clone, Debug, Default)]
+pub struct Inputs {
+    pub oom: Option<OomLog>,
+    /// The run spec of the job: checks the message against the estimate and ranks remedies.
+    pub spec: Option<PathBuf>,
+    /// Models that stay on the same GPU without being trained (`mode: forward` specs); they
+    /// count only with `spec`.
+    pub residents: Vec<PathBuf>,
+    pub accelerate_config: Option<PathBuf>,
+    /// The DeepSpeed JSON; by default the one the accelerate config names.
+    pub deepspeed_config: Option<PathBuf>,
+    /// Scripts or configs to check for `device_map="auto"`.
+    pub scripts: Vec<PathBuf>,
+    /// A GPU name or size; by default the one whose capacity the message reports.
+    pub gpu: Option<String>,
+    /// Data-parallel ranks; by default the accelerate config's `num_processes`.
+    pub gpus: Option<u32>,
+}
+
+/// Everything `diagnose` found.
+#[derive(Clone, Debug)]
+pub struct Diagnosis {
+    pub oom_source: Option<String>,
+    /// The distinct messages of the log, in order; the first is the one explained.
+    pub messages: Vec<OomMessage>,
+    pub explanation: Option<Explanation>,
+    /// Config problems, most severe first.
+    pub lints: Vec<Lint>,
+    /// The GPU the checks are against: named, read off the message, or the default.
+    pub gpu: Option<Gpu>,
+    pub check: Option<SpecCheck>,
+    pub spec_path: Option<PathBuf>,
+}
+
+fn read(path: &Path, what: &str) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        message: format!("cannot read the {what}: {e}"),
+    })
+}
+
+/// Diagnose what `inputs` holds. The accelerate config is read first: it says how many ranks
+/// there are and may name the DeepSpeed JSON.
+pub fn run(inputs: &Inputs) -> Result<Diagnosis> {
+    let mut messages = Vec::new();
+    if let Some(log) = &inputs.oom {
+        messages = oom_message::parse_all(&log.text);
+        if messages.is_empty() {
+            return Err(Error::NoOomMessage {
+                source: log.source.clone(),
+                driver_error: log.text.contains("CUDA error: out of memory"),
+            });
+        }
+    }
+    let message = messages.first();
+    let explanation = message.map(oom_message::explain);
+
+    let spec = inputs
+        .spec
+        .as_ref()
+        .map(|p| RunSpec::from_file(p))
+        .transpose()?;
+    let spec_dir = inputs.spec.as_deref().and_then(Path::parent);
+
+    let gpu = match (&inputs.gpu, message.and_then(|m| m.total_capacity_bytes)) {
+        (Some(name), _) => Some(gpu::find(name)?),
+        (None, Some(total)) => Some(gpu_from_message(total)),
+        (None, None) => spec.as_ref().map(|_| Gpu::default()),
+    };
+
+    let mut lints = Vec::new();
+    let mut launch: Option<Launch> = None;
+    let lint_cx = |arch| Context {
+        spec: spec.as_ref(),
+        arch,
+        gpu: gpu.as_ref(),
+    };
+    if let Some(path) = &inputs.accelerate_config {
+        let text = read(path, "accelerate config")?;
+        let (l, found) = lint::accelerate(&text, path, lint_cx(None))?;
+        lints.extend(found);
+        launch = Some(l);
+    }
+    let ranks = inputs.gpus.unwrap_or_else(|| {
+        launch
+            .as_ref()
+            .filter(|l| l.is_distributed())
+            .and_then(|l| l.processes)
+            .and_then(|n| u32::try_from(n).ok())
+            .unwrap_or(1)
+    });
+
+    let check = match (&spec, &gpu) {
+        (Some(spec), Some(gpu)) => {
+            let mut residents = Vec::new();
+            for path in &inputs.residents {
+                let r = RunSpec::from_file(path)?;
+                residents.push(Resident::from_spec(&r, path.parent(), gpu)?);
+            }
+            let setup = Setup {
+                spec: spec.clone(),
+                spec_dir,
+                gpu: gpu.clone(),
+                gpus: ranks.max(1),
+                residents,
+            };
+            Some(check_spec(&setup, message)?)
+        }
+        _ => None,
+    };
+
+    let ds_path = inputs.deepspeed_config.clone().or_else(|| {
+        let file = launch.as_ref()?.deepspeed_config_file.as_ref()?;
+        let base = inputs
+            .accelerate_config
+            .as_deref()
+            .and_then(Path::parent)
+            .unwrap_or(Path::new("."));
+        Some(base.join(file))
+    });
+    if let Some(path) = &ds_path {
+        let text = read(path, "DeepSpeed config")?;
+        let arch = check.as_ref().map(|c| &c.estimate.arch);
+        lints.extend(lint::deepspeed(&text, path, lint_cx(arch))?);
+    }
+    if let Some(log) = &inputs.oom {
+        lints.extend(lint::device_map(&log.source, &log.text, launch.as_ref()));
+    }
+    for path in &inputs.scripts {
+        let text = read(path, "script")?;
+        lints.extend(lint::device_map(
+            &path.display().to_string(),
+            &text,
+            launch.as_ref(),
+        ));
+    }
+    lints.sort_by_key(|l| l.severity);
+
+    Ok(Diagnosis {
+        oom_source: inputs.oom.as_ref().map(|log| log.source.clone()),
+        messages,
+        explanation,
+        lints,
+        gpu,
+        check,
+        spec_path: inputs.spec.clone(),
+    })
+}
 
 /// The GPU a message was printed on: the catalog entry whose capacity is nearest, carrying
 /// the message's own total (what `cudaMemGetInfo` said on that machine, which varies with
@@ -53,10 +217,6 @@ pub struct SpecCheck {
     pub remedies: Vec<Remedy>,
     /// The cheapest configuration of the search that fits, and its changes in words.
     pub cheapest_fit: Option<(Evaluation, Vec<String>)>,
-}
-
-fn gib(bytes: u64) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 /// Estimate `setup`, compare it with `message`, and rank remedies.

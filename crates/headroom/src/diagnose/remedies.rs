@@ -7,6 +7,7 @@ use crate::error::Result;
 use crate::plan::{self, Adapter, Evaluation, Knobs, Setup, Sharding};
 use crate::sim::Component;
 use crate::spec::{Mode, Optimizer};
+use crate::units::gib;
 
 /// Where a remedy's number comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,12 +60,6 @@ impl Remedy {
             -self.saving_bytes,
         )
     }
-}
-
-const GIB: f64 = (1u64 << 30) as f64;
-
-fn gib(bytes: f64) -> String {
-    format!("{:.2} GiB", bytes / GIB)
 }
 
 /// Every remedy that applies to `setup`, ranked: those that fit first (exact ones before
@@ -280,7 +275,7 @@ pub fn remedies(setup: &Setup) -> Result<Vec<Remedy>> {
             format!(
                 "about the same speed; the {} of logits, their fp32 copy and log-probabilities \
                  at the peak become one chunk",
-                gib(logits as f64)
+                gib(logits)
             ),
             Knobs {
                 fused_loss: true,
@@ -324,7 +319,7 @@ pub fn remedies(setup: &Setup) -> Result<Vec<Remedy>> {
         }
     }
     if train && k0.optimizer != Optimizer::None {
-        let host = est.trainable_params as f64 * 12.0;
+        let host = est.trainable_params * 12;
         push(
             "cpu-offload",
             "Optimizer on the CPU".into(),

@@ -193,8 +193,23 @@ const PARALLEL_KEYS: &[&str] = &[
 
 impl RunSpec {
     /// Read and check a spec file (YAML or JSON: YAML parses both).
+    /// Read the run spec at `path`; a pipeline is refused by name, for the commands that
+    /// take one model.
     pub fn from_file(path: &Path) -> Result<Self> {
-        Self::from_value(&read_document(path)?)
+        let doc = read_document(path)?;
+        if super::is_pipeline(&doc) {
+            let key = if doc.get("instances").is_some() {
+                "instances"
+            } else {
+                "policy"
+            };
+            return Err(Error::field(
+                key,
+                "a pipeline",
+                "this command takes a run spec (one model); `headroom estimate` takes pipelines",
+            ));
+        }
+        Self::from_value(&doc)
     }
 
     /// Parse spec text; `path` names it in errors.

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use headroom::diagnose::lint::{self, Context, Severity};
-use headroom::diagnose::oom::{self, Cause};
+use headroom::diagnose::oom_message::{self, Cause};
 use headroom::diagnose::{self, remedies};
 use headroom::estimate;
 use headroom::plan::{self, Resident, Setup, Sharding};
@@ -33,7 +33,7 @@ fn spec(text: &str) -> RunSpec {
 }
 
 fn setup_for(oom_text: &str, train: &str, resident: &str, gpus: u32) -> Setup<'static> {
-    let m = oom::parse(oom_text).expect("the fixture has a message");
+    let m = oom_message::parse(oom_text).expect("the fixture has a message");
     let gpu = diagnose::gpu_from_message(m.total_capacity_bytes.expect("a total"));
     let r = Resident::from_spec(&spec(resident), None, &gpu).expect("resident estimate");
     Setup {
@@ -55,11 +55,11 @@ fn device_of(s: &RunSpec, setup: &Setup) -> u64 {
 
 #[test]
 fn seed003_is_a_genuine_shortage_the_estimate_reproduces() {
-    let m = oom::parse(SEED003_OOM).expect("message");
+    let m = oom_message::parse(SEED003_OOM).expect("message");
     // The two numbers the seed quotes.
     assert_eq!(m.allocated_by_pytorch_bytes, Some(82_377_472_737)); // 76.72 GiB
     assert_eq!(m.reserved_unallocated_bytes, Some(1_943_472_701)); // 1.81 GiB
-    let e = oom::explain(&m);
+    let e = oom_message::explain(&m);
     assert_eq!(e.cause, Cause::Shortage, "{}", e.summary);
 
     let setup = setup_for(SEED003_OOM, SEED003_TRAIN, SEED003_REF, 1);
@@ -227,8 +227,8 @@ fn sharding_savings_stay_within_the_sharded_components() {
 
 #[test]
 fn seed002_full_fine_tuning_cannot_fit_and_the_seed_remedies_do_not_either() {
-    let m = oom::parse(SEED002_OOM).expect("message");
-    assert_eq!(oom::explain(&m).cause, Cause::Shortage);
+    let m = oom_message::parse(SEED002_OOM).expect("message");
+    assert_eq!(oom_message::explain(&m).cause, Cause::Shortage);
     let setup = setup_for(SEED002_OOM, SEED002_AGENT, SEED002_USER, 1);
     assert_eq!(setup.gpu.name, "a100-40gb");
     let check = diagnose::check_spec(&setup, Some(&m)).expect("checks");
@@ -291,13 +291,13 @@ fn seed003_reproduced_on_an_h100_is_the_shortage_the_estimate_predicts() {
     // Not a reconstruction: bench/pipelines/seed003-resident.json ran on an H100 80GB HBM3 and
     // PyTorch raised this in the first policy step, as the seed's run did (same 192 MiB request).
     let text = include_str!("../../../headroom-cli/tests/fixtures/seed003/oom-h100-reproduced.log");
-    let m = oom::parse(text).expect("message");
+    let m = oom_message::parse(text).expect("message");
     let gib = |x: f64| (x * GIB as f64).round() as u64;
     assert_eq!(m.tried_to_allocate_bytes, Some(192 << 20));
     assert_eq!(m.total_capacity_bytes, Some(gib(79.18)));
     assert_eq!(m.allocated_by_pytorch_bytes, Some(gib(77.29)));
     assert_eq!(m.reserved_unallocated_bytes, Some(gib(1.08)));
-    assert_eq!(oom::explain(&m).cause, Cause::Shortage);
+    assert_eq!(oom_message::explain(&m).cause, Cause::Shortage);
 
     let setup = setup_for(text, SEED003_TRAIN, SEED003_REF, 1);
     assert_eq!(setup.gpu.name, "h100-80gb");

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 /// The library's top-level modules, lowest first: each may name those of its own rank or
 /// below.
-const LIBRARY: [(&str, u32); 15] = [
+const LIBRARY: [(&str, u32); 14] = [
     ("dtype", 0),
     ("error", 0),
     ("units", 0),
@@ -18,7 +18,6 @@ const LIBRARY: [(&str, u32); 15] = [
     ("spec", 3),
     ("sim", 4),
     ("estimate", 5),
-    ("pipeline", 5),
     ("validate", 6),
     ("plan", 6),
     ("diagnose", 7),

@@ -1,7 +1,7 @@
 //! The OOM parser and the message-only diagnosis over real messages from public issue
 //! trackers (tests/data/oom_messages.json): every parsed field, and the cause.
 
-use headroom::diagnose::oom::{self, Backend};
+use headroom::diagnose::oom_message::{self, Backend};
 use serde_json::{Value, json};
 
 fn corpus() -> Vec<Value> {
@@ -14,7 +14,7 @@ fn corpus() -> Vec<Value> {
 }
 
 /// The parsed message in the corpus's shape.
-fn as_json(m: &oom::OomMessage, cause: &str, distinct: usize) -> Value {
+fn as_json(m: &oom_message::OomMessage, cause: &str, distinct: usize) -> Value {
     json!({
         "backend": match m.backend { Backend::Cuda => "CUDA", Backend::Hip => "HIP" },
         "format": m.format.key(),
@@ -42,12 +42,12 @@ fn every_field_of_every_real_message() {
     for entry in &messages {
         let source = entry["source"].as_str().unwrap_or("?");
         let text = entry["text"].as_str().expect("text");
-        let all = oom::parse_all(text);
+        let all = oom_message::parse_all(text);
         let Some(m) = all.first() else {
             failures.push(format!("{source}: no message found"));
             continue;
         };
-        let cause = oom::explain(m).cause.key();
+        let cause = oom_message::explain(m).cause.key();
         let got = as_json(m, cause, all.len());
         let want = &entry["expected"];
         for (key, expected) in want.as_object().expect("expected is an object") {
@@ -113,8 +113,10 @@ fn the_corpus_covers_every_format_backend_and_clause() {
 fn explanations_quote_the_numbers() {
     for entry in corpus() {
         let text = entry["text"].as_str().expect("text");
-        let Some(m) = oom::parse(text) else { continue };
-        let e = oom::explain(&m);
+        let Some(m) = oom_message::parse(text) else {
+            continue;
+        };
+        let e = oom_message::explain(&m);
         if let Some(req) = m.tried_to_allocate_bytes {
             assert!(
                 e.summary.contains(&headroom_alloc::format_size(req)),

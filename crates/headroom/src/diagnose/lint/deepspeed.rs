@@ -9,12 +9,7 @@ use super::{Context, Lint, Rule, Severity, Sink, as_count};
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
 use crate::spec::{self, RunSpec};
-
-const GIB: f64 = (1u64 << 30) as f64;
-
-fn gib(bytes: f64) -> String {
-    format!("{:.2} GiB", bytes / GIB)
-}
+use crate::units::{GIB, gib};
 
 /// A number given as a number or as a string of one.
 fn number(v: &Value) -> Option<f64> {
@@ -186,7 +181,7 @@ fn buffers(s: &mut Sink, z: &Map<String, Value>, stage: u64, elem: f64, cx: Cont
                 } else {
                     ""
                 },
-                gib(bytes)
+                gib(bytes.round() as u64)
             ),
             if severity == Severity::Info {
                 ""
@@ -211,7 +206,7 @@ fn buffers(s: &mut Sink, z: &Map<String, Value>, stage: u64, elem: f64, cx: Cont
             format!(
                 "up to {live:.3e} ({live_src}) gathered plus {prefetch:.3e} ({prefetch_src}) \
                  prefetched parameters × {elem} bytes: up to {} per GPU at once",
-                gib(bytes)
+                gib(bytes.round() as u64)
             ),
             if severity == Severity::Info {
                 ""
@@ -244,7 +239,9 @@ fn micro_batch(s: &mut Sink, obj: &Map<String, Value>, spec: Option<&RunSpec>) {
 
 /// Buffers worth a warning: a GiB or more, or 5% of the GPU.
 fn threshold(bytes: f64, gpu: Option<&Gpu>) -> Severity {
-    let limit = gpu.map_or(GIB, |g| (g.total_bytes as f64 / 20.0).min(GIB));
+    let limit = gpu.map_or(GIB as f64, |g| {
+        (g.total_bytes as f64 / 20.0).min(GIB as f64)
+    });
     if bytes >= limit {
         Severity::Warning
     } else {

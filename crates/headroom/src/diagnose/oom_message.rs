@@ -10,6 +10,10 @@
 
 use std::fmt;
 
+use serde::Serialize;
+
+use crate::units::parse_size_prefix;
+
 /// Which runtime raised it (`HIP out of memory` on ROCm builds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -35,8 +39,9 @@ pub enum Format {
 }
 
 /// One `Process N has X memory in use` clause; `pid` is `None` for the
-/// `Including non-PyTorch memory, this process has X memory in use` clause.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// `Including non-PyTorch memory, this process has X memory in use` clause. Its fields are an
+/// entry of `diagnose --json`'s `processes`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ProcessMemory {
     pub pid: Option<u64>,
     pub bytes: u64,
@@ -224,40 +229,6 @@ impl<'a> Cursor<'a> {
             }
         }
     }
-}
-
-/// Parse a size at the start of `s`; returns the bytes (rounded half up, saturating: NVML's
-/// "not available" prints as 17179869184.00 GiB, one past `u64::MAX`) and the length read.
-pub fn parse_size_prefix(s: &str) -> Option<(u64, usize)> {
-    let int_len = s.bytes().take_while(u8::is_ascii_digit).count();
-    if int_len == 0 {
-        return None;
-    }
-    let mut len = int_len;
-    let mut frac = "";
-    if s[len..].starts_with('.') {
-        let frac_len = s[len + 1..].bytes().take_while(u8::is_ascii_digit).count();
-        if frac_len > 0 {
-            frac = &s[len + 1..len + 1 + frac_len];
-            len += 1 + frac_len;
-        }
-    }
-    let unit_text = s[len..].strip_prefix(' ')?;
-    let (unit, unit_len): (u128, usize) = [
-        ("bytes", 1u128),
-        ("KiB", 1 << 10),
-        ("MiB", 1 << 20),
-        ("GiB", 1 << 30),
-        ("TiB", 1 << 40),
-    ]
-    .iter()
-    .find(|(name, _)| unit_text.starts_with(name))
-    .map(|&(name, unit)| (unit, name.len()))?;
-    let digits: String = [&s[..int_len], frac].concat();
-    let numerator: u128 = digits.parse().ok()?;
-    let denominator = 10u128.checked_pow(u32::try_from(frac.len()).ok()?)?;
-    let bytes = (numerator.checked_mul(unit)? * 2 + denominator) / (2 * denominator);
-    Some((u64::try_from(bytes).unwrap_or(u64::MAX), len + 1 + unit_len))
 }
 
 fn empty(backend: Backend, format: Format) -> OomMessage {
@@ -800,27 +771,6 @@ pub fn explain(m: &OomMessage) -> Explanation {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_round_like_format_size_prints_them() {
-        assert_eq!(parse_size_prefix("0 bytes"), Some((0, 7)));
-        assert_eq!(parse_size_prefix("512 bytes."), Some((512, 9)));
-        assert_eq!(parse_size_prefix("2.00 MiB"), Some((2 << 20, 8)));
-        // 79.25 GiB = 7925/100 × 2^30, exactly.
-        assert_eq!(
-            parse_size_prefix("79.25 GiB").map(|p| p.0),
-            Some(85_094_039_552)
-        );
-        // 1.55 MiB = 1625292.8 bytes → rounds to 1625293.
-        assert_eq!(parse_size_prefix("1.55 MiB").map(|p| p.0), Some(1_625_293));
-        // NVML_VALUE_NOT_AVAILABLE printed by format_size: 2^64 bytes, saturated.
-        assert_eq!(
-            parse_size_prefix("17179869184.00 GiB").map(|p| p.0),
-            Some(u64::MAX)
-        );
-        assert_eq!(parse_size_prefix("12.5 GB"), None);
-        assert_eq!(parse_size_prefix("GiB"), None);
-    }
 
     #[test]
     fn rank_tags_are_dropped_but_other_brackets_kept() {

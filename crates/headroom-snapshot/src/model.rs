@@ -1,4 +1,4 @@
-//! What a memory snapshot holds (allocator spec §3), in typed form.
+//! What a memory snapshot holds (bench/shared/reference/allocator-spec.md §3), in typed form.
 
 /// An interned call stack; `NO_STACK` when none was recorded.
 pub type StackId = u32;

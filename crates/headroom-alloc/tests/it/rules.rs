@@ -1,5 +1,5 @@
 //! One test per allocator rule, with expected values worked out from the C++ by hand
-//! (allocator spec §1.13 and the functions named in each test).
+//! (bench/shared/reference/allocator-spec.md §1.13, and the functions named in each test).
 
 use headroom_alloc::{
     AllocatorConfig, BlockView, CachingAllocator, OutOfMemory, Pool, SegmentAction, SegmentEvent,

@@ -1,5 +1,5 @@
 //! PyTorch's CUDA/HIP out-of-memory messages, every format from 1.x to 2.11
-//! (shared/reference/allocator-spec.md §2), found anywhere in a pasted log.
+//! (bench/shared/reference/allocator-spec.md §2), found anywhere in a pasted log.
 //!
 //! The message is one line when PyTorch prints it, but people paste it wrapped by a terminal,
 //! split per sentence, inside `OutOfMemoryError('…')`, or with `[rankN]:` in front of every
@@ -390,7 +390,7 @@ fn parse_accounting(c: &mut Cursor, m: &mut OomMessage) {
 }
 
 /// The releases a sentence-form message comes from, read from its typo and its tail
-/// (allocator-spec.md §2.2).
+/// (bench/shared/reference/allocator-spec.md §2.2).
 fn sentence_versions(tail: &str, typo: bool, private_pools: bool) -> &'static str {
     if typo || tail.contains("max_split_size_mb") {
         "2.1"

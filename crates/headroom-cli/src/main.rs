@@ -35,6 +35,8 @@ enum Command {
     Measure(cmd::measure::Args),
     /// List the built-in models a spec's `model:` can name.
     Models(cmd::models::Args),
+    /// List the launch-config lint rules `diagnose` runs, or explain one by its id.
+    Rules(cmd::rules::Args),
 }
 
 fn main() -> ExitCode {
@@ -55,6 +57,7 @@ fn main() -> ExitCode {
         Command::Fit(args) => cmd::fit::run(args),
         Command::Measure(args) => cmd::measure::run(args),
         Command::Models(args) => cmd::models::run(args),
+        Command::Rules(args) => cmd::rules::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -183,7 +183,7 @@ fn render(r: &Diagnosis) -> String {
         t.set_header(vec!["", "where", "problem", "fix"]);
         for l in &r.lints {
             t.add_row(vec![
-                Cell::new(l.severity.key()),
+                Cell::new(format!("{} {}", l.severity.key(), l.rule.id())),
                 Cell::new(format!("{}: {}", l.source, l.key)),
                 Cell::new(&l.message),
                 Cell::new(&l.fix),

@@ -6,5 +6,6 @@ pub mod fit;
 pub mod measure;
 pub mod models;
 pub mod replay;
+pub mod rules;
 pub mod snapshot;
 pub mod validate;

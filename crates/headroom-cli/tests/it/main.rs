@@ -5,3 +5,4 @@ mod accuracy;
 mod common;
 mod diagnose_fit;
 mod estimate;
+mod rules;

@@ -104,6 +104,8 @@ pub struct AccountingJson {
 
 #[derive(Debug, Serialize)]
 pub struct LintJson<'a> {
+    /// The id of the rule that found it (`HR112`); `headroom rules ID` explains it.
+    pub rule: &'static str,
     /// `error`, `warning` or `info`.
     pub severity: &'static str,
     /// The file it is in.
@@ -191,6 +193,7 @@ impl<'a> DiagnoseJson<'a> {
                 .lints
                 .iter()
                 .map(|l| LintJson {
+                    rule: l.rule.id(),
                     severity: l.severity.key(),
                     source: &l.source,
                     key: &l.key,

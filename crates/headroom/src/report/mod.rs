@@ -26,6 +26,7 @@ pub mod estimate;
 pub mod fit;
 pub mod measure;
 pub mod models;
+pub mod rules;
 pub mod validate;
 
 use serde::Serialize;

@@ -40,13 +40,16 @@ pub(crate) struct Masks {
 }
 
 impl Masks {
-    /// Build the masks `Qwen2Model.forward` and siblings pass to their layers.
+    /// Build the masks `Qwen2Model.forward` and siblings pass to their layers; `materialize`:
+    /// SDPA gets a (b, 1, s, s) mask even where `is_causal` would do (transformers 4.57
+    /// without an `attention_mask`, see `Model::materializes_causal_mask`).
     pub(crate) fn create(
         t: &mut Tracer,
         a: &Architecture,
         batch: Batch,
         attention: AttentionImpl,
         dtype: DType,
+        materialize: bool,
     ) -> Masks {
         let outer = std::mem::replace(&mut t.component, Component::Activations);
         let window = a.sliding_window.filter(|_| a.family != Family::Gpt2);
@@ -55,6 +58,11 @@ impl Masks {
         let needs_sliding = window.is_some();
         let build = |t: &mut Tracer, sliding: bool| -> Option<T> {
             match attention {
+                AttentionImpl::Sdpa if materialize => {
+                    // `sdpa_mask` without the causal skip: `_vmap_for_bhqkv` evaluates the
+                    // mask function for every (batch, query, key).
+                    Some(batch_mask(t, batch, sliding))
+                }
                 AttentionImpl::Sdpa => {
                     // `_ignore_causal_mask_sdpa`: no mask while SDPA's `is_causal` can do it.
                     let needed = sliding && window.is_some_and(|w| batch.s >= w);
@@ -157,6 +165,19 @@ fn bool_mask(t: &mut Tracer, batch: Batch, sliding: bool) -> T {
         t.empty(s * s, DType::Bool, "causal: kv_idx <= q_idx")
     };
     t.drop_all(&[batch_arange, head_arange, aranges[0], aranges[1]]);
+    mask
+}
+
+/// `sdpa_mask` as transformers 4.57 builds it when it cannot skip the causal mask: the
+/// predicate evaluated over (b, 1, s, s), one bool per batch row, query and key.
+fn batch_mask(t: &mut Tracer, batch: Batch, sliding: bool) -> T {
+    let pattern = bool_mask(t, batch, sliding);
+    let mask = t.empty(
+        batch.b * batch.s * batch.s,
+        DType::Bool,
+        "causal mask (b, 1, s, s)",
+    );
+    t.drop(pattern);
     mask
 }
 

@@ -149,6 +149,11 @@ pub(crate) struct Model {
     pub inputs_require_grads: bool,
     /// The parallel strategy wrapping it, whose hooks run in forward and backward.
     pub strategy: RefCell<Strategy>,
+    /// transformers 4.57 materialises the (b, 1, s, s) causal mask even when no
+    /// `attention_mask` is passed (its `find_packed_sequence_indices` always returns a
+    /// tensor, which turns off `allow_is_causal_skip`), so SDPA gets a mask: K and V are
+    /// repeated and each layer saves an additive bias. 5.x returns `None` there.
+    pub materializes_causal_mask: bool,
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
@@ -314,7 +319,21 @@ impl Model {
             checkpointing: false,
             inputs_require_grads: false,
             strategy: RefCell::new(Strategy::Local),
+            materializes_causal_mask: false,
             kv_cache: None,
+        }
+    }
+
+    /// `GPT2Attention`'s `bias` buffer in transformers 4.57: `torch.tril(torch.ones((n, n),
+    /// dtype=torch.bool))` for `n = n_positions`, one per layer, kept for the life of the
+    /// process (5.x builds masks in `masking_utils` instead).
+    pub(crate) fn gpt2_causal_buffers(t: &mut Tracer, arch: &Architecture) {
+        let n = arch.max_positions;
+        for _ in 0..arch.layers {
+            let ones = t.empty_as(n * n, DType::Bool, Component::Weights, "torch.ones((n, n))");
+            let tril = t.empty_as(n * n, DType::Bool, Component::Weights, "attn.bias (tril)");
+            t.drop(ones);
+            t.mark_persistent(tril);
         }
     }
 
@@ -413,7 +432,16 @@ impl Model {
             Some(pe) => t.add(inputs_embeds, pe),
             None => t.share(inputs_embeds),
         };
-        let masks = Masks::create(t, a, batch, self.attention, self.activation_dtype());
+        // A generating model passes an `attention_mask` and a cache: no packed-sequence check.
+        let materialize = self.materializes_causal_mask && self.kv_cache.is_none();
+        let masks = Masks::create(
+            t,
+            a,
+            batch,
+            self.attention,
+            self.activation_dtype(),
+            materialize,
+        );
         let rope = if a.family == Family::Gpt2 {
             Rope::none()
         } else {

@@ -149,6 +149,7 @@ pub fn estimate_with_trace(
     // had changed nothing by then: the run went on as the one without a limit.
     let mut options = sim::Options {
         capacity,
+        workspaces: gpu.workspaces(),
         after_oom: sim::AfterOom::StopUnlessUnlimited,
         record_trace: trace,
         ..sim::Options::new(allocator)

@@ -167,6 +167,7 @@ pub fn estimate_pipeline(
                     spec.iterations,
                     allocator.clone(),
                     capacity,
+                    gpu.workspaces(),
                     rank,
                 )
             })

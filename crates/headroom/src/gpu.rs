@@ -96,17 +96,17 @@ impl GpuArch {
     pub fn workspace_source(self) -> &'static str {
         match self {
             GpuArch::Hopper => {
-                "measured on H100 and H200 (torch 2.11), as PyTorch 2.11's \
-                 CublasHandlePool.cpp sets it for sm90: 32 MiB cuBLAS, 1 MiB cuBLASLt"
+                "PyTorch 2.11's CublasHandlePool.cpp on sm90 (parseChosenWorkspaceSize: 32 MiB; \
+                 getCUDABlasLtWorkspaceSize: 1 MiB), as measured on the H100 and H200"
             }
             GpuArch::Volta | GpuArch::Ampere | GpuArch::Ada => {
-                "PyTorch 2.11's CublasHandlePool.cpp (parseChosenWorkspaceSize, \
-                 getCUDABlasLtWorkspaceSize) off sm90: 8 MiB + 128 KiB cuBLAS (:4096:2:16:8), \
-                 1 MiB cuBLASLt; not measured"
+                "PyTorch 2.11's CublasHandlePool.cpp off sm90 (parseChosenWorkspaceSize: \
+                 :4096:2:16:8; getCUDABlasLtWorkspaceSize: 1 MiB); not measured"
             }
             GpuArch::Cdna3 => {
-                "PyTorch 2.11's CublasHandlePool.cpp under ROCm for gfx94x: 128 MiB hipBLAS, \
-                 76 MiB hipBLASLt; not measured"
+                "PyTorch 2.11's CublasHandlePool.cpp under ROCm on gfx94x \
+                 (parseChosenWorkspaceSize: 128 MiB; parseCUDABlasLtWorkspaceSize: 76 MiB); \
+                 not measured"
             }
         }
     }
@@ -365,13 +365,18 @@ impl Gpu {
         self.arch.workspaces()
     }
 
-    /// Every constant the estimate takes from this GPU, with how it is known.
-    pub fn constants(&self) -> Vec<Constant> {
+    /// Every constant the estimate takes from this GPU, with how it is known: the total, the
+    /// CUDA context, the cuBLAS and the cuBLASLt workspaces.
+    pub fn constants(&self) -> [Constant; 4] {
         let context_source = match self.context_basis {
-            Basis::Measured => format!("measured on this GPU ({})", self.source),
-            _ => "carried over from the H200 (torch 2.11.0+cu130, driver 580.159.04); \
+            Basis::Measured => {
+                "measured on the H100 and H200 alike (torch 2.11.0+cu130, CUDA 13, \
+                                driver 580.159; bench/calibration)"
+            }
+            _ => {
+                "carried over from the H200 (torch 2.11.0+cu130, CUDA 13, driver 580.159); \
                   not measured on this GPU"
-                .to_string(),
+            }
         };
         let ws = self.workspaces();
         let (basis, ws_source) = if self.is_custom() {
@@ -379,13 +384,15 @@ impl Gpu {
                 Basis::CarriedOver,
                 format!("as on Hopper: {}", self.arch.workspace_source()),
             )
+        } else if self.arch == GpuArch::Hopper {
+            (Basis::Measured, self.arch.workspace_source().to_string())
         } else {
             (
                 Basis::PytorchSource,
                 self.arch.workspace_source().to_string(),
             )
         };
-        vec![
+        [
             Constant {
                 name: "total",
                 bytes: self.total_bytes,
@@ -396,7 +403,7 @@ impl Gpu {
                 name: "cuda_context",
                 bytes: self.cuda_context_bytes,
                 basis: self.context_basis,
-                source: context_source,
+                source: context_source.to_string(),
             },
             Constant {
                 name: "cublas_workspace",

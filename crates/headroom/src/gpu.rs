@@ -156,8 +156,10 @@ pub struct Gpu {
     pub cuda_context_bytes: u64,
     /// Where the total comes from.
     pub source: &'static str,
+    /// What sets its cuBLAS workspaces and attention kernels.
     #[serde(skip)]
     pub arch: GpuArch,
+    /// How the total is known: `Measured`, `OomMessage` or `Given`.
     #[serde(skip)]
     pub total_basis: Basis,
     /// `Measured` on the H100 and H200; `CarriedOver` from the H200 elsewhere.
@@ -168,8 +170,6 @@ pub struct Gpu {
 /// One constant of a GPU, how it is known and where it comes from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Constant {
-    /// `total`, `cuda_context`, `cublas_workspace`, `cublaslt_workspace`.
-    pub name: &'static str,
     pub bytes: u64,
     pub basis: Basis,
     pub source: String,
@@ -371,11 +371,11 @@ impl Gpu {
         let context_source = match self.context_basis {
             Basis::Measured => {
                 "measured on the H100 and H200 alike (torch 2.11.0+cu130, CUDA 13, \
-                                driver 580.159; bench/calibration)"
+                 driver 580.159; bench/calibration)"
             }
             _ => {
                 "carried over from the H200 (torch 2.11.0+cu130, CUDA 13, driver 580.159); \
-                  not measured on this GPU"
+                 not measured on this GPU"
             }
         };
         let ws = self.workspaces();
@@ -394,25 +394,21 @@ impl Gpu {
         };
         [
             Constant {
-                name: "total",
                 bytes: self.total_bytes,
                 basis: self.total_basis,
                 source: self.source.to_string(),
             },
             Constant {
-                name: "cuda_context",
                 bytes: self.cuda_context_bytes,
                 basis: self.context_basis,
                 source: context_source.to_string(),
             },
             Constant {
-                name: "cublas_workspace",
                 bytes: ws.cublas_bytes,
                 basis,
                 source: ws_source.clone(),
             },
             Constant {
-                name: "cublaslt_workspace",
                 bytes: ws.cublaslt_bytes,
                 basis,
                 source: ws_source,

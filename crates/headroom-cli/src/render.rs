@@ -1,7 +1,9 @@
 //! Human-readable output: byte sizes and tables.
 
 use comfy_table::{Cell, CellAlignment, Table, presets::UTF8_FULL_CONDENSED};
-use headroom::estimate::Estimate;
+use headroom::estimate::{Assumptions, Estimate};
+use headroom::gpu::Gpu;
+use headroom::spec::Library;
 use headroom::units::{gib, signed_gib};
 
 fn count(n: u64) -> String {
@@ -119,6 +121,42 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
             est.oom.as_ref(),
             "step",
         );
+    }
+    out + &assumptions(&est.assumptions, &est.gpu)
+}
+
+/// The block that ends every report an estimate feeds: the versions followed, the GPU's
+/// constants and where each comes from, and a `warning:` line for each assumption that does
+/// not hold as measured.
+pub fn assumptions(a: &Assumptions, gpu: &Gpu) -> String {
+    let followed: Vec<String> = Library::ALL
+        .iter()
+        .filter_map(|l| l.modelled().map(|v| format!("{} {v}", l.key())))
+        .collect();
+    let given: Vec<String> = Library::ALL
+        .iter()
+        .filter_map(|l| a.given.given(*l).map(|v| format!("{} {v}", l.key())))
+        .collect();
+    let mut out = format!("\nAssumptions\n  follows {}", followed.join(", "));
+    if !given.is_empty() {
+        out += &format!("; the spec gives {}", given.join(", "));
+    }
+    let [total, context, cublas, cublaslt] = gpu.constants();
+    out += &format!(
+        "\n  {} ({})\n    total {}: {}\n    CUDA context {}: {}\n    cuBLAS + cuBLASLt workspaces \
+         {:.2} + {:.2} MiB per thread: {}\n",
+        gpu.name,
+        gpu.arch.key(),
+        gib(total.bytes),
+        total.source,
+        gib(context.bytes),
+        context.source,
+        cublas.bytes as f64 / (1u64 << 20) as f64,
+        cublaslt.bytes as f64 / (1u64 << 20) as f64,
+        cublas.source
+    );
+    for w in &a.warnings {
+        out += &format!("warning: {w}\n");
     }
     out
 }
@@ -397,5 +435,5 @@ pub fn pipeline(
             "iteration",
         );
     }
-    out
+    out + &assumptions(&est.assumptions, &est.gpu)
 }

@@ -282,6 +282,7 @@ fn render(r: &Diagnosis) -> String {
                         more GPUs.\n"
             }
         }
+        out += &crate::render::assumptions(&c.estimate.assumptions, &c.estimate.gpu);
     }
     out
 }

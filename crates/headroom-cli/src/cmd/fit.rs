@@ -110,7 +110,7 @@ fn render(setup: &Setup, r: &FitReport) -> String {
     );
     if r.front.is_empty() {
         out += "none: more GPUs (--gpus) or a larger GPU\n";
-        return out;
+        return out + &crate::render::assumptions(&r.estimate.assumptions, g);
     }
     let mut t = table();
     t.set_header(vec![
@@ -151,5 +151,5 @@ fn render(setup: &Setup, r: &FitReport) -> String {
     out += "Step time: relative to the spec, same tokens per optimizer step; rough factors \
             (checkpointing ×1.33, LoRA ×0.8, QLoRA ×1.05, ZeRO-3 ×1.15, CPU offload ×1.5, \
             smaller micro-batches by GPU utilisation).\n";
-    out
+    out + &crate::render::assumptions(&r.estimate.assumptions, g)
 }

@@ -115,6 +115,11 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
             "parallel-forward-zero2",
             vec!["parallel.strategy", "zero2", "leave `parallel` out"],
         ),
+        ("versions", vec!["versions.torch", "2.x", "major.minor"]),
+        (
+            "versions-number",
+            vec!["versions.transformers", "4.57", "quote it"],
+        ),
         (
             "pipeline-unknown-instance",
             vec!["phases[0].run[0]", "critic", "actor"],

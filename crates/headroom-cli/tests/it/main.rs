@@ -2,6 +2,7 @@
 //! runs the built binary (`common` has the helpers).
 
 mod accuracy;
+mod assumptions;
 mod common;
 mod diagnose_fit;
 mod estimate;

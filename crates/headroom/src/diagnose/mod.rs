@@ -193,13 +193,16 @@ pub fn gpu_from_message(total_bytes: u64) -> Gpu {
         Some(g) if g.total_bytes.abs_diff(total_bytes) * 50 <= g.total_bytes => Gpu {
             total_bytes,
             source: "total capacity from the OOM message; CUDA context as in the catalog",
+            total_basis: gpu::Basis::OomMessage,
             ..g
         },
         _ => Gpu {
             name: "custom",
             total_bytes,
-            cuda_context_bytes: Gpu::default().cuda_context_bytes,
             source: "total capacity from the OOM message; CUDA context as measured on the H200",
+            total_basis: gpu::Basis::OomMessage,
+            context_basis: gpu::Basis::CarriedOver,
+            ..Gpu::default()
         },
     }
 }

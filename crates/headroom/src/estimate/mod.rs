@@ -1,8 +1,10 @@
 //! `headroom estimate`: resolve a spec, simulate its run, and summarise what PyTorch would
 //! report; [`estimate_pipeline`] does the same for several models in one process.
 
+mod assumptions;
 mod pipeline;
 
+pub use assumptions::Assumptions;
 pub use pipeline::{EngineSummary, PAGEABLE_COPY_BYTES_PER_S, PipelineEstimate, estimate_pipeline};
 
 use std::path::Path;
@@ -50,6 +52,8 @@ pub struct Estimate {
     /// Where the run ran out of memory on `gpu`, with PyTorch's message. The numbers above are
     /// then those of the same run without a limit: what it would need.
     pub oom: Option<SimulatedOom>,
+    /// The versions followed and what is carried over or not modelled for this run.
+    pub assumptions: Assumptions,
 }
 
 impl Estimate {
@@ -149,6 +153,7 @@ pub fn estimate_with_trace(
     // had changed nothing by then: the run went on as the one without a limit.
     let mut options = sim::Options {
         capacity,
+        workspaces: gpu.workspaces(),
         after_oom: sim::AfterOom::StopUnlessUnlimited,
         record_trace: trace,
         ..sim::Options::new(allocator)
@@ -189,6 +194,7 @@ pub fn estimate_with_trace(
         gpu: gpu.clone(),
         capacity_bytes: capacity,
         oom,
+        assumptions: Assumptions::run(spec, gpu),
     };
     Ok((estimate, sim.trace))
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use headroom_alloc::{AllocatorConfig, OutOfMemory};
 
-use super::{Limit, nccl_bytes};
+use super::{Assumptions, Limit, nccl_bytes};
 use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -49,6 +49,8 @@ pub struct PipelineEstimate {
     /// awake rollout engines (the CUDA context aside).
     pub peak_device_bytes: u64,
     pub engines: Vec<EngineSummary>,
+    /// The versions followed and what is carried over or not modelled for this pipeline.
+    pub assumptions: Assumptions,
 }
 
 /// A rollout engine's share of the device and the KV cache it leaves room for.
@@ -167,6 +169,7 @@ pub fn estimate_pipeline(
                     spec.iterations,
                     allocator.clone(),
                     capacity,
+                    gpu.workspaces(),
                     rank,
                 )
             })
@@ -236,5 +239,6 @@ pub fn estimate_pipeline(
         capacity_bytes: capacity,
         oom,
         phases: sim.phases,
+        assumptions: Assumptions::pipeline(spec, gpu),
     })
 }

@@ -7,6 +7,7 @@
 use serde::Serialize;
 
 use super::ComponentBytes;
+use super::assumptions::AssumptionsJson;
 use crate::diagnose::oom_message::{Accounting, Explanation, OomMessage, ProcessMemory};
 use crate::diagnose::{Diagnosis, SpecCheck};
 use crate::gpu::Gpu;
@@ -124,6 +125,8 @@ pub struct CheckJson<'a> {
     pub remedies: Vec<RemedyJson<'a>>,
     /// The cheapest configuration of the search that fits; null when none does.
     pub cheapest_fit: Option<CheapestFitJson<'a>>,
+    /// The estimate's versions, the GPU's constants and warnings.
+    pub assumptions: AssumptionsJson<'a>,
 }
 
 #[derive(Debug, Serialize)]
@@ -306,6 +309,7 @@ impl<'a> CheckJson<'a> {
                 fidelity: e.fidelity.key(),
                 computed: e.computed,
             }),
+            assumptions: AssumptionsJson::new(&c.estimate.assumptions, &c.estimate.gpu),
         }
     }
 }

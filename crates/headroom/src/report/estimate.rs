@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use super::ComponentBytes;
+use super::assumptions::AssumptionsJson;
 use crate::estimate::Estimate;
 use crate::estimate::PipelineEstimate;
 use crate::gpu::Gpu;
@@ -38,6 +39,8 @@ pub struct EstimateJson<'a> {
     /// Absent without `--gpu`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu: Option<VerdictJson<'a>>,
+    /// The versions followed, the GPU's constants (the H200's without `--gpu`) and warnings.
+    pub assumptions: AssumptionsJson<'a>,
 }
 
 #[derive(Debug, Serialize)]
@@ -94,6 +97,7 @@ impl<'a> EstimateJson<'a> {
                     At::Step,
                 )
             }),
+            assumptions: AssumptionsJson::new(&est.assumptions, &est.gpu),
         }
     }
 }
@@ -183,6 +187,8 @@ pub struct PipelineJson<'a> {
     /// Absent without `--gpu`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu: Option<VerdictJson<'a>>,
+    /// The versions followed, the GPU's constants (the H200's without `--gpu`) and warnings.
+    pub assumptions: AssumptionsJson<'a>,
 }
 
 #[derive(Debug, Serialize)]
@@ -261,6 +267,7 @@ impl<'a> PipelineJson<'a> {
                     At::Iteration,
                 )
             }),
+            assumptions: AssumptionsJson::new(&est.assumptions, &est.gpu),
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 
+use super::assumptions::AssumptionsJson;
 use crate::gpu::Gpu;
 use crate::plan::{self, Evaluation, FitReport, Knobs, Resident, Setup};
 
@@ -27,6 +28,8 @@ pub struct FitJson<'a> {
     /// The configurations that fit and that no other beats at once on memory, step time,
     /// fidelity and number of changes.
     pub pareto: Vec<ConfigurationJson>,
+    /// The spec's estimate's versions, the GPU's constants and warnings.
+    pub assumptions: AssumptionsJson<'a>,
 }
 
 /// A configuration of the search, evaluated.
@@ -85,6 +88,7 @@ impl<'a> FitJson<'a> {
                 .iter()
                 .map(|e| ConfigurationJson::new(setup, e))
                 .collect(),
+            assumptions: AssumptionsJson::new(&r.estimate.assumptions, &setup.gpu),
         }
     }
 }

@@ -21,6 +21,7 @@
 //! The snapshot commands' reports live in `headroom_snapshot::report`, beside the types they
 //! read, and follow the same rules.
 
+pub mod assumptions;
 pub mod diagnose;
 pub mod estimate;
 pub mod fit;

@@ -4,13 +4,15 @@
 //!   measuring harness;
 //! - `pipeline`: several runs in one process and the phases of an iteration ([`PipelineSpec`]);
 //! - `parse`: text into a document, and the field readers both share, so a bad value is
-//!   reported alike wherever it sits.
+//!   reported alike wherever it sits;
+//! - `versions`: the library versions a run or a pipeline says it uses.
 //!
 //! [`load`] reads a file and tells the two apart.
 
 mod parse;
 mod pipeline;
 mod run;
+mod versions;
 
 use std::path::Path;
 
@@ -22,6 +24,7 @@ pub use run::{
     AllocatorSpec, Attention, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision,
     Quantization, RunSpec, Strategy, Task, lora_targets_module,
 };
+pub use versions::{Library, Version, Versions};
 
 use crate::error::Result;
 

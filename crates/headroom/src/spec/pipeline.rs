@@ -25,6 +25,7 @@ use serde_json::{Map, Value};
 
 use super::parse::unknown_key;
 use super::run::{Mode, Optimizer, Parallel, RunSpec, Strategy};
+use super::versions::Versions;
 use crate::error::{Error, Result};
 
 /// Where an instance's parameters are built.
@@ -91,6 +92,8 @@ pub struct PipelineSpec {
     pub instances: Vec<InstanceSpec>,
     pub phases: Vec<PhaseDef>,
     pub iterations: u32,
+    /// The process's library versions (`versions:`); an instance's own take precedence.
+    pub versions: Versions,
 }
 
 /// Whether a parsed document is a pipeline rather than a run spec.
@@ -119,7 +122,7 @@ impl PipelineSpec {
         unknown_key(
             obj,
             "",
-            &["instances", "phases", "iterations"],
+            &["instances", "phases", "iterations", "versions"],
             "a pipeline key",
         )?;
         let list = |key: &str, what: &str| -> Result<&Vec<Value>> {
@@ -440,6 +443,7 @@ impl PipelineSpec {
             instances,
             phases,
             iterations: iterations(obj)?,
+            versions: Versions::from_value(obj.get("versions"))?,
         })
     }
 
@@ -449,7 +453,7 @@ impl PipelineSpec {
         unknown_key(
             obj,
             "",
-            &["policy", "reference", "placement", "iterations"],
+            &["policy", "reference", "placement", "iterations", "versions"],
             "a pipeline key",
         )?;
         let part = |key: &str| -> Result<RunSpec> {
@@ -545,6 +549,7 @@ impl PipelineSpec {
                 },
             ],
             iterations: iterations(obj)?,
+            versions: Versions::from_value(obj.get("versions"))?,
         })
     }
 

@@ -8,6 +8,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::parse::{boolean, choice, parse_document, positive, read_document, unknown_key};
+use super::versions::Versions;
 use crate::arch::{Architecture, Head, Module};
 use crate::catalog::{self, ResolvedModel};
 use crate::error::{Error, Result};
@@ -159,6 +160,8 @@ pub struct RunSpec {
     /// An HF config given inline (`model_config:`), used instead of looking `model` up; `model`
     /// then only names it.
     pub model_config: Option<Value>,
+    /// The library versions the run uses, as given (`versions:`).
+    pub versions: Versions,
 }
 
 const KEYS: &[&str] = &[
@@ -177,6 +180,7 @@ const KEYS: &[&str] = &[
     "allocator",
     "parallel",
     "model_config",
+    "versions",
 ];
 
 /// What an unknown key in a run spec (or its sections) is not.
@@ -345,6 +349,7 @@ impl RunSpec {
                     ));
                 }
             },
+            versions: Versions::from_value(obj.get("versions"))?,
         };
         spec.check_combinations()?;
         Ok(spec)

@@ -6,13 +6,6 @@ use super::component::Component;
 use super::tracer::{Bwd, ParamId, T, Tracer};
 use crate::dtype::DType;
 
-/// cuBLAS keeps one workspace per (thread, stream) and allocates it at the first GEMM there;
-/// on Hopper it is 32 MiB (`CublasHandlePool.cpp`).
-pub(crate) const CUBLAS_WORKSPACE_SM90: u64 = 32 << 20;
-
-/// cuBLASLt's workspace for `addmm` with a bias epilogue (`CUBLASLT_WORKSPACE_SIZE`, 1 MiB).
-pub(crate) const CUBLASLT_WORKSPACE: u64 = 1 << 20;
-
 /// Type promotion of a binary op between two full tensors.
 fn promote(a: DType, b: DType) -> DType {
     if a == DType::F32 || b == DType::F32 {
@@ -385,13 +378,14 @@ impl Tracer {
     }
 
     /// The current thread's cuBLAS workspace, allocated at its first GEMM and kept for the
-    /// life of the process.
+    /// life of the process (`setWorkspaceForHandle`: one per handle and stream), of the
+    /// device's size.
     pub(crate) fn ensure_cublas_workspace(&mut self) {
         let thread = self.thread;
         if !self.cublas_workspace[thread] {
             self.cublas_workspace[thread] = true;
             let ws = self.empty_as(
-                CUBLAS_WORKSPACE_SM90,
+                self.workspaces.cublas_bytes,
                 DType::U8,
                 Component::Workspaces,
                 "cuBLAS workspace",
@@ -401,14 +395,14 @@ impl Tracer {
         }
     }
 
-    /// The current thread's cuBLASLt workspace (1 MiB), allocated at its first `addmm` with a
-    /// bias epilogue.
+    /// The current thread's cuBLASLt workspace, allocated at its first `addmm` with a bias
+    /// epilogue (`getCUDABlasLtWorkspace`), of the device's size.
     pub(crate) fn ensure_cublaslt_workspace(&mut self) {
         let thread = self.thread;
         if !self.cublaslt_workspace[thread] {
             self.cublaslt_workspace[thread] = true;
             let ws = self.empty_as(
-                CUBLASLT_WORKSPACE,
+                self.workspaces.cublaslt_bytes,
                 DType::U8,
                 Component::Workspaces,
                 "cuBLASLt workspace",

@@ -14,6 +14,7 @@ use headroom_alloc::{AllocatorConfig, CachingAllocator};
 use super::instance::Instance;
 use crate::arch::Architecture;
 use crate::dtype::DType;
+use crate::gpu::Workspaces;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{Memory, OnOom, PeakRecord, SimulatedOom};
 use crate::sim::engine::tracer::{T, Tracer};
@@ -68,19 +69,21 @@ pub struct PipelineSimulation {
 }
 
 /// Simulate `iterations` of `phases` over `instances` (the specs were validated by the caller)
-/// as rank `rank` sees them (`None`: the last; see [`crate::spec::Parallel::ranks_differ`]).
+/// as rank `rank` sees them (`None`: the last; see [`crate::spec::Parallel::ranks_differ`]),
+/// on a device with these library workspaces.
 pub fn simulate_pipeline(
     instances: &[InstanceDef],
     phases: &[PhaseDef],
     iterations: u32,
     allocator: AllocatorConfig,
     capacity: Option<u64>,
+    workspaces: Workspaces,
     rank: Option<u64>,
 ) -> PipelineSimulation {
-    let mut t = Tracer::new(Memory::new(
-        CachingAllocator::new(allocator, capacity),
-        false,
-    ));
+    let mut t = Tracer::new(
+        Memory::new(CachingAllocator::new(allocator, capacity), false),
+        workspaces,
+    );
     t.mem.on_oom(OnOom::Stop);
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);

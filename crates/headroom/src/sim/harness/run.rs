@@ -8,6 +8,7 @@ use headroom_alloc::{AllocatorConfig, CachingAllocator};
 use super::instance::Instance;
 use crate::arch::Architecture;
 use crate::dtype::DType;
+use crate::gpu::{Gpu, Workspaces};
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{
     Memory, OnOom, PeakRecord, PhasePeak, SimulatedEvent, SimulatedOom,
@@ -26,6 +27,8 @@ pub struct Options {
     pub allocator: AllocatorConfig,
     /// What the caching allocator may obtain from the device; `None`: no limit.
     pub capacity: Option<u64>,
+    /// The cuBLAS and cuBLASLt workspaces of the device's architecture.
+    pub workspaces: Workspaces,
     /// What the run does after its first out-of-memory error.
     pub after_oom: AfterOom,
     /// Keep every allocation and free ([`Simulation::trace`]).
@@ -49,12 +52,13 @@ pub enum AfterOom {
 }
 
 impl Options {
-    /// A run with this allocator and no device limit, every step taken from the previous one
-    /// where it repeats it, no trace kept.
+    /// A run with this allocator and no device limit on the default GPU's architecture, every
+    /// step taken from the previous one where it repeats it, no trace kept.
     pub fn new(allocator: AllocatorConfig) -> Self {
         Options {
             allocator,
             capacity: None,
+            workspaces: Gpu::default().workspaces(),
             after_oom: AfterOom::GoOn,
             record_trace: false,
             repeat_steps: true,
@@ -98,10 +102,13 @@ pub struct Simulation {
 pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
     let ranks_differ = spec.parallel.as_ref().is_some_and(Parallel::ranks_differ);
     let run = |rank| {
-        let mut t = Tracer::new(Memory::new(
-            CachingAllocator::new(options.allocator.clone(), options.capacity),
-            options.record_trace,
-        ));
+        let mut t = Tracer::new(
+            Memory::new(
+                CachingAllocator::new(options.allocator.clone(), options.capacity),
+                options.record_trace,
+            ),
+            options.workspaces,
+        );
         match options.after_oom {
             AfterOom::GoOn => {}
             AfterOom::StopUnlessUnlimited if ranks_differ => t.mem.on_oom(OnOom::Stop),

@@ -19,6 +19,7 @@ use smallvec::SmallVec;
 use super::component::Component;
 use super::memory::{Allocation, Memory};
 use crate::dtype::DType;
+use crate::gpu::Workspaces;
 pub(crate) use state::{Scope, StoredGrad, TracerState};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -234,6 +235,8 @@ pub(crate) struct Tracer {
     /// cuBLASLt workspaces.
     pub(crate) cublas_workspace: [bool; 2],
     pub(crate) cublaslt_workspace: [bool; 2],
+    /// Their sizes on the device's architecture.
+    pub(crate) workspaces: Workspaces,
     /// The thread running ops: 0 = Python's, 1 = autograd's device thread (backward, and
     /// recomputation inside it).
     pub(crate) thread: usize,
@@ -245,7 +248,7 @@ pub(crate) struct Tracer {
 }
 
 impl Tracer {
-    pub(crate) fn new(mem: Memory) -> Self {
+    pub(crate) fn new(mem: Memory, workspaces: Workspaces) -> Self {
         Tracer {
             mem,
             tensors: Vec::with_capacity(1 << 15),
@@ -269,6 +272,7 @@ impl Tracer {
             persistent: Vec::new(),
             cublas_workspace: [false; 2],
             cublaslt_workspace: [false; 2],
+            workspaces,
             thread: 0,
             activation_leaves: Vec::new(),
             grad_ready: None,
@@ -1082,10 +1086,13 @@ mod tests {
     use headroom_alloc::{AllocatorConfig, CachingAllocator};
 
     fn tracer() -> Tracer {
-        Tracer::new(Memory::new(
-            CachingAllocator::new(AllocatorConfig::default(), None),
-            false,
-        ))
+        Tracer::new(
+            Memory::new(
+                CachingAllocator::new(AllocatorConfig::default(), None),
+                false,
+            ),
+            crate::gpu::Gpu::default().workspaces(),
+        )
     }
 
     /// Two parameters and an input, as a training pass would find them.

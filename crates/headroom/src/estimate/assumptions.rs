@@ -1,0 +1,269 @@
+//! What an estimate takes for granted, so that every report can say it: the library versions
+//! the simulator translates, the GPU's constants and how each is known (`Gpu::constants`), and
+//! a warning for each part of the estimate that was not measured for this run: a library
+//! version the spec gives that is not the modelled one, a GPU whose context and kernels are
+//! carried over from Hopper, a rollout engine whose share is vLLM's contract.
+
+use crate::gpu::{Gpu, GpuArch};
+use crate::spec::{
+    Attention, Library, Optimizer, PipelineSpec, Quantization, RunSpec, Version, Versions,
+};
+
+/// An estimate's assumptions beyond the GPU's constants (those are `Gpu::constants`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Assumptions {
+    /// The versions the spec gives; for a pipeline, each instance's over the pipeline's, the
+    /// first instance that gives a library winning.
+    pub given: Versions,
+    /// One sentence per assumption that does not hold for this run as measured.
+    pub warnings: Vec<String>,
+}
+
+/// What a run uses, as far as its assumptions go.
+#[derive(Default)]
+struct Uses {
+    peft: bool,
+    bitsandbytes: bool,
+    deepspeed: bool,
+    sdpa: bool,
+}
+
+impl Uses {
+    fn add(&mut self, spec: &RunSpec) {
+        self.peft |= spec.lora.is_some();
+        self.bitsandbytes |=
+            spec.quantization == Some(Quantization::Nf4) || spec.optimizer == Optimizer::AdamW8bit;
+        self.deepspeed |= spec
+            .parallel
+            .as_ref()
+            .is_some_and(|p| p.strategy.is_deepspeed());
+        self.sdpa |= spec.attention == Attention::Sdpa;
+    }
+
+    /// Whether the estimate depends on `library`'s version. TRL's trainers are not modelled
+    /// at all, so a TRL version given always counts.
+    fn depends_on(&self, library: Library) -> bool {
+        match library {
+            Library::Torch | Library::Transformers | Library::Trl => true,
+            Library::Peft => self.peft,
+            Library::Bitsandbytes => self.bitsandbytes,
+            Library::Deepspeed => self.deepspeed,
+        }
+    }
+}
+
+impl Assumptions {
+    /// The assumptions of `spec` estimated on `gpu`.
+    pub fn run(spec: &RunSpec, gpu: &Gpu) -> Self {
+        let mut uses = Uses::default();
+        uses.add(spec);
+        Self::new(std::slice::from_ref(&spec.versions), &uses, gpu, &[])
+    }
+
+    /// The assumptions of a pipeline on `gpu`: each instance's versions over the pipeline's,
+    /// and what its rollout engines assume.
+    pub fn pipeline(spec: &PipelineSpec, gpu: &Gpu) -> Self {
+        let mut uses = Uses::default();
+        let mut versions = Vec::new();
+        for i in &spec.instances {
+            uses.add(&i.spec);
+            versions.push(i.spec.versions.or(&spec.versions));
+        }
+        let engines: Vec<&str> = spec
+            .instances
+            .iter()
+            .filter(|i| i.engine.is_some())
+            .map(|i| i.name.as_str())
+            .collect();
+        Self::new(&versions, &uses, gpu, &engines)
+    }
+
+    /// From the versions of each model in the process (one warning per distinct version).
+    fn new(versions: &[Versions], uses: &Uses, gpu: &Gpu, engines: &[&str]) -> Self {
+        let mut warnings: Vec<String> = Vec::new();
+        let given = versions
+            .iter()
+            .fold(Versions::default(), |given, v| given.or(v));
+        let stated = versions.iter().flat_map(|v| {
+            Library::ALL
+                .into_iter()
+                .filter_map(|l| v.given(l).map(|version| (l, version)))
+        });
+        for (library, version) in stated {
+            if !uses.depends_on(library) {
+                continue;
+            }
+            let warning = match library.modelled() {
+                Some(modelled) if version.is(modelled) => continue,
+                Some(modelled) => format!(
+                    "{} {version} is not modelled; the estimate follows {} {}",
+                    library.key(),
+                    library.key(),
+                    at_precision_of(modelled, version)
+                ),
+                None => format!(
+                    "{} {version} is not modelled: the estimate runs the measuring harness's \
+                     steps (forward, backward, optimizer.step, zero_grad), not a TRL trainer's",
+                    library.key()
+                ),
+            };
+            if !warnings.contains(&warning) {
+                warnings.push(warning);
+            }
+        }
+        warnings.extend(gpu_warnings(gpu, uses.sdpa));
+        for name in engines {
+            warnings.push(format!(
+                "engine {name}: its share of the GPU is vLLM's contract \
+                 (gpu_memory_utilization of the total), not a measurement: vLLM is not on the \
+                 measuring machines"
+            ));
+        }
+        Assumptions { given, warnings }
+    }
+}
+
+/// `modelled` written as precisely as `given` is (5.17 against 4.46, 5.17.0 against 4.46.3).
+fn at_precision_of(modelled: Version, given: Version) -> Version {
+    Version {
+        patch: given.patch.and(modelled.patch),
+        ..modelled
+    }
+}
+
+/// What an estimate on `gpu` carries over from the Hopper GPUs it was measured on.
+fn gpu_warnings(gpu: &Gpu, sdpa: bool) -> Vec<String> {
+    if gpu.is_custom() {
+        return vec![
+            "the GPU is a capacity without a catalog entry: its CUDA context, cuBLAS workspaces \
+             and attention kernels are taken as an H200's"
+                .to_string(),
+        ];
+    }
+    if gpu.arch == GpuArch::Hopper {
+        return Vec::new();
+    }
+    let ws = gpu.workspaces();
+    let mut warnings = vec![format!(
+        "{} is {} ({}), not Hopper: its cuBLAS workspaces follow PyTorch's source ({} MiB + {} \
+         MiB per thread), but its CUDA context and the attention kernels' memory are carried \
+         over from the H100/H200 measurements",
+        gpu.name,
+        gpu.arch.key(),
+        gpu.arch.target(),
+        mib(ws.cublas_bytes),
+        mib(ws.cublaslt_bytes)
+    )];
+    if sdpa && !gpu.arch.has_flash_attention() {
+        warnings.push(format!(
+            "{} has no FlashAttention or cuDNN attention (sm80 and later): SDPA picks the \
+             memory-efficient or math kernel there, while the estimate allocates what it picks \
+             on Hopper",
+            gpu.name
+        ));
+    }
+    if gpu.arch == GpuArch::Cdna3 {
+        warnings.push(format!(
+            "{} runs PyTorch's ROCm build: HIP's context and hipBLASLt's use of its workspace \
+             were not measured; the estimate allocates the workspaces where CUDA's cuBLAS would",
+            gpu.name
+        ));
+    }
+    warnings
+}
+
+/// Bytes as MiB with at most three decimals, for workspace sizes (8.125, 32, 1).
+fn mib(bytes: u64) -> String {
+    let mib = bytes as f64 / (1u64 << 20) as f64;
+    let text = format!("{mib:.3}");
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::gpu;
+
+    fn spec(yaml: &str) -> RunSpec {
+        RunSpec::from_str_at(yaml, Path::new("test.yaml")).expect("valid spec")
+    }
+
+    #[test]
+    fn a_measured_gpu_with_the_modelled_versions_assumes_nothing_unmeasured() {
+        let run =
+            spec("{model: qwen2.5-0.5b, versions: {torch: \"2.11\", transformers: \"5.17.0\"}}");
+        for name in ["h200", "h100-80gb"] {
+            let a = Assumptions::run(&run, &gpu::find(name).unwrap());
+            assert_eq!(a.warnings, Vec::<String>::new(), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_version_not_modelled_is_named_with_the_one_followed() {
+        let run =
+            spec("{model: qwen2.5-0.5b, versions: {transformers: \"4.46\", torch: \"2.11.1\"}}");
+        let a = Assumptions::run(&run, &gpu::find("h200").unwrap());
+        assert_eq!(
+            a.warnings,
+            [
+                "torch 2.11.1 is not modelled; the estimate follows torch 2.11.0",
+                "transformers 4.46 is not modelled; the estimate follows transformers 5.17",
+            ]
+        );
+        let trl = spec("{model: qwen2.5-0.5b, versions: {trl: \"0.24\", transformers: \"4.57\"}}");
+        let warnings = Assumptions::run(&trl, &Gpu::default()).warnings;
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(warnings[0].starts_with("transformers 4.57 is not modelled"));
+        assert!(warnings[1].starts_with("trl 0.24 is not modelled: "));
+    }
+
+    #[test]
+    fn a_version_of_a_library_the_run_does_not_use_changes_nothing() {
+        let run = spec("{model: qwen2.5-0.5b, versions: {peft: \"0.10\", deepspeed: \"0.14\"}}");
+        assert!(Assumptions::run(&run, &Gpu::default()).warnings.is_empty());
+        let lora = spec("{model: qwen2.5-0.5b, lora: {r: 8}, versions: {peft: \"0.10\"}}");
+        assert_eq!(
+            Assumptions::run(&lora, &Gpu::default()).warnings,
+            ["peft 0.10 is not modelled; the estimate follows peft 0.21"]
+        );
+    }
+
+    #[test]
+    fn gpus_off_hopper_say_what_is_carried_over() {
+        let run = spec("{model: qwen2.5-0.5b}");
+        let a100 = Assumptions::run(&run, &gpu::find("a100-80gb").unwrap()).warnings;
+        assert_eq!(
+            a100,
+            [
+                "a100-80gb is ampere (sm80/sm86), not Hopper: its cuBLAS workspaces follow \
+                 PyTorch's source (8.125 MiB + 1 MiB per thread), but its CUDA context and the \
+                 attention kernels' memory are carried over from the H100/H200 measurements"
+            ]
+        );
+        let v100 = Assumptions::run(&run, &gpu::find("v100-32gb").unwrap()).warnings;
+        assert_eq!(v100.len(), 2, "{v100:?}");
+        assert!(v100[1].starts_with("v100-32gb has no FlashAttention"));
+        let eager = spec("{model: qwen2.5-0.5b, attention: eager}");
+        let v100 = Assumptions::run(&eager, &gpu::find("v100-32gb").unwrap()).warnings;
+        assert_eq!(v100.len(), 1, "{v100:?}");
+        let mi300x = Assumptions::run(&run, &gpu::find("mi300x").unwrap()).warnings;
+        assert_eq!(mi300x.len(), 2, "{mi300x:?}");
+        let custom = Assumptions::run(&run, &gpu::find("64GiB").unwrap()).warnings;
+        assert_eq!(
+            custom,
+            [
+                "the GPU is a capacity without a catalog entry: its CUDA context, cuBLAS \
+                 workspaces and attention kernels are taken as an H200's"
+            ]
+        );
+    }
+
+    #[test]
+    fn workspaces_print_in_mib() {
+        assert_eq!(mib(32 << 20), "32");
+        assert_eq!(mib(GpuArch::Ampere.workspaces().cublas_bytes), "8.125");
+        assert_eq!(mib(76 << 20), "76");
+    }
+}

@@ -1,0 +1,267 @@
+//! `versions:` in a run spec (or a pipeline, or one of its instances): the library versions the
+//! run uses. Every key is optional; the estimate follows the versions it models whatever is
+//! given, and says so where a given one differs (`estimate::assumptions`).
+//!
+//! ```yaml
+//! versions: {torch: "2.11", transformers: "4.46.3", peft: "0.21", deepspeed: "0.18.2"}
+//! ```
+
+use std::fmt;
+
+use serde_json::Value;
+
+use super::parse::unknown_key;
+use crate::error::{Error, Result};
+
+/// A release as `major.minor[.patch]`; a local or pre-release suffix (`+cu130`, `rc1`,
+/// `.dev0`) is refused rather than guessed at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Version {
+    pub major: u32,
+    pub minor: u32,
+    pub patch: Option<u32>,
+}
+
+impl Version {
+    const fn new(major: u32, minor: u32, patch: u32) -> Self {
+        Version {
+            major,
+            minor,
+            patch: Some(patch),
+        }
+    }
+
+    /// Whether `self` names the release `modelled` (a version without a patch names every
+    /// patch of its minor release).
+    pub fn is(self, modelled: Version) -> bool {
+        (self.major, self.minor) == (modelled.major, modelled.minor)
+            && self.patch.is_none_or(|p| Some(p) == modelled.patch)
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        let number = |s: &str| {
+            (!s.is_empty() && s.len() <= 6 && s.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| s.parse().ok())
+                .flatten()
+        };
+        let mut parts = text.split('.');
+        let major = number(parts.next()?)?;
+        let minor = number(parts.next()?)?;
+        let patch = match parts.next() {
+            None => None,
+            Some(p) => Some(number(p)?),
+        };
+        parts.next().is_none().then_some(Version {
+            major,
+            minor,
+            patch,
+        })
+    }
+}
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)?;
+        if let Some(patch) = self.patch {
+            write!(f, ".{patch}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A library whose version changes what a run allocates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Library {
+    Torch,
+    Transformers,
+    Peft,
+    Bitsandbytes,
+    Deepspeed,
+    Trl,
+}
+
+impl Library {
+    pub const ALL: [Library; 6] = [
+        Library::Torch,
+        Library::Transformers,
+        Library::Peft,
+        Library::Bitsandbytes,
+        Library::Deepspeed,
+        Library::Trl,
+    ];
+
+    /// Its key under `versions:` (and its package name).
+    pub fn key(self) -> &'static str {
+        match self {
+            Library::Torch => "torch",
+            Library::Transformers => "transformers",
+            Library::Peft => "peft",
+            Library::Bitsandbytes => "bitsandbytes",
+            Library::Deepspeed => "deepspeed",
+            Library::Trl => "trl",
+        }
+    }
+
+    /// The release the simulator translates, as the measuring machines ran it
+    /// (bench/calibration/README.md, bench/distributed/README.md); `None` for TRL, whose
+    /// trainers are not modelled: the passes are the measuring harness's own.
+    pub fn modelled(self) -> Option<Version> {
+        match self {
+            Library::Torch => Some(Version::new(2, 11, 0)),
+            Library::Transformers => Some(Version::new(5, 17, 0)),
+            Library::Peft => Some(Version::new(0, 21, 0)),
+            Library::Bitsandbytes => Some(Version::new(0, 50, 2)),
+            Library::Deepspeed => Some(Version::new(0, 18, 2)),
+            Library::Trl => None,
+        }
+    }
+}
+
+/// The versions a spec gives; `None`: not given (the modelled one is assumed).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Versions {
+    given: [Option<Version>; 6],
+}
+
+impl Versions {
+    /// The version given for `library`, if any.
+    pub fn given(&self, library: Library) -> Option<Version> {
+        self.given[library as usize]
+    }
+
+    /// `self`, with the versions it lacks taken from `outer` (a pipeline's for its instance).
+    pub fn or(&self, outer: &Versions) -> Versions {
+        let mut given = self.given;
+        for (mine, theirs) in given.iter_mut().zip(outer.given) {
+            *mine = mine.or(theirs);
+        }
+        Versions { given }
+    }
+
+    /// Read `versions:` (absent or null: nothing given). A version is a string: YAML reads an
+    /// unquoted `2.10` as the number 2.1, so numbers are refused rather than misread.
+    pub fn from_value(value: Option<&Value>) -> Result<Self> {
+        let obj = match value {
+            None | Some(Value::Null) => return Ok(Versions::default()),
+            Some(Value::Object(obj)) => obj,
+            Some(v) => {
+                return Err(Error::field(
+                    "versions",
+                    v,
+                    "use a mapping of library versions {torch, transformers, peft, bitsandbytes, \
+                     deepspeed, trl}",
+                ));
+            }
+        };
+        let keys = Library::ALL.map(Library::key);
+        unknown_key(obj, "versions.", &keys, "a library under `versions`")?;
+        let mut versions = Versions::default();
+        for library in Library::ALL {
+            let Some(v) = obj.get(library.key()) else {
+                continue;
+            };
+            let example = library
+                .modelled()
+                .map_or("0.24.0".to_string(), |m| m.to_string());
+            let version = v.as_str().and_then(|s| Version::parse(s.trim()));
+            let version = version.ok_or_else(|| {
+                let allowed = if v.is_number() {
+                    format!(
+                        "quote it, as \"{example}\": YAML reads an unquoted 2.10 as the number 2.1"
+                    )
+                } else {
+                    format!(
+                        "use a release as major.minor or major.minor.patch, such as \"{example}\""
+                    )
+                };
+                Error::field(format!("versions.{}", library.key()), v, allowed)
+            })?;
+            versions.given[library as usize] = Some(version);
+        }
+        Ok(versions)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn read(v: Value) -> Result<Versions> {
+        Versions::from_value(Some(&v))
+    }
+
+    #[test]
+    fn versions_read_as_major_minor_and_an_optional_patch() {
+        let v = read(json!({"torch": "2.11", "transformers": "4.46.3", "peft": " 0.21 "})).unwrap();
+        assert_eq!(v.given(Library::Torch).unwrap().to_string(), "2.11");
+        assert_eq!(
+            v.given(Library::Transformers),
+            Some(Version {
+                major: 4,
+                minor: 46,
+                patch: Some(3)
+            })
+        );
+        assert_eq!(v.given(Library::Peft).unwrap().to_string(), "0.21");
+        assert_eq!(v.given(Library::Deepspeed), None);
+        assert_eq!(Versions::from_value(None).unwrap(), Versions::default());
+    }
+
+    #[test]
+    fn a_version_names_its_release_or_every_patch_of_it() {
+        let modelled = Library::Transformers.modelled().unwrap();
+        let v = |s: &str| Version::parse(s).unwrap();
+        assert!(v("5.17").is(modelled));
+        assert!(v("5.17.0").is(modelled));
+        assert!(!v("5.17.1").is(modelled));
+        assert!(!v("4.57").is(modelled));
+    }
+
+    #[test]
+    fn bad_versions_name_the_field_the_value_and_the_form() {
+        for (value, shown) in [
+            (json!("2.11.0+cu130"), "\"2.11.0+cu130\""),
+            (json!("2"), "\"2\""),
+            (json!("2.x"), "\"2.x\""),
+            (json!("1.2.3.4"), "\"1.2.3.4\""),
+            (json!("v2.11"), "\"v2.11\""),
+            (json!(true), "true"),
+        ] {
+            let err = read(json!({"torch": value})).unwrap_err().to_string();
+            assert_eq!(
+                err,
+                format!(
+                    "`versions.torch`: {shown} is not allowed; use a release as major.minor or \
+                     major.minor.patch, such as \"2.11.0\""
+                )
+            );
+        }
+        let err = read(json!({"transformers": 4.46})).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "`versions.transformers`: 4.46 is not allowed; quote it, as \"5.17.0\": YAML reads \
+             an unquoted 2.10 as the number 2.1"
+        );
+        let err = read(json!({"vllm": "0.11"})).unwrap_err().to_string();
+        assert!(
+            err.starts_with("`versions.vllm`: this key is not allowed"),
+            "{err}"
+        );
+        assert!(err.contains("torch, transformers, peft, bitsandbytes, deepspeed, trl"));
+        let err = read(json!("2.11")).unwrap_err().to_string();
+        assert!(
+            err.starts_with("`versions`: \"2.11\" is not allowed"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn an_instance_takes_what_it_lacks_from_its_pipeline() {
+        let outer = read(json!({"torch": "2.10", "peft": "0.17"})).unwrap();
+        let inner = read(json!({"peft": "0.21"})).unwrap().or(&outer);
+        assert_eq!(inner.given(Library::Torch).unwrap().to_string(), "2.10");
+        assert_eq!(inner.given(Library::Peft).unwrap().to_string(), "0.21");
+    }
+}

@@ -1,0 +1,165 @@
+//! What estimates assume: the GPU architecture's cuBLAS workspaces reach the simulated run,
+//! and the assumptions an estimate reports warn exactly where something is carried over or not
+//! modelled.
+
+use std::path::Path;
+
+use headroom::estimate::{self, Estimate, Limit, estimate_pipeline, estimate_with_trace};
+use headroom::gpu::{self, Basis, Gpu, GpuArch};
+use headroom::sim::Component;
+use headroom::spec::{Library, PipelineSpec, RunSpec};
+
+fn spec(yaml: &str) -> RunSpec {
+    RunSpec::from_str_at(yaml, Path::new("test.yaml")).expect("valid spec")
+}
+
+fn demand(spec: &RunSpec, gpu: &Gpu) -> Estimate {
+    estimate_with_trace(spec, None, gpu, Limit::None, false)
+        .expect("estimates")
+        .0
+}
+
+fn component(est: &Estimate, c: Component) -> u64 {
+    est.breakdown
+        .iter()
+        .find(|(k, _)| *k == c)
+        .map_or(0, |(_, b)| *b)
+}
+
+/// The same run on an A100 given an H100's capacity holds Ampere's cuBLAS workspaces where the
+/// H100 holds Hopper's: one per thread that ran a GEMM (Python's and autograd's). The peak is
+/// where it was and made of the same tensors; only the allocator's rounding of the blocks
+/// around the smaller workspaces differs besides.
+#[test]
+fn an_a100_holds_amperes_workspaces_and_nothing_else_changes() {
+    let h100 = gpu::find("h100-80gb").unwrap();
+    let a100 = Gpu {
+        total_bytes: h100.total_bytes,
+        ..gpu::find("a100-80gb").unwrap()
+    };
+    let hopper = GpuArch::Hopper.workspaces();
+    let ampere = GpuArch::Ampere.workspaces();
+    assert_eq!(hopper.cublas_bytes, 32 << 20);
+    assert_eq!(ampere.cublas_bytes, (8 << 20) + (128 << 10));
+    assert_eq!(hopper.cublaslt_bytes, ampere.cublaslt_bytes);
+    let delta = hopper.cublas_bytes - ampere.cublas_bytes;
+    for yaml in [
+        "{model: qwen2.5-0.5b, batch_size: 2, seq_len: 512}",
+        "{model: qwen2.5-0.5b, batch_size: 2, seq_len: 512, lora: {r: 8}, \
+         gradient_checkpointing: true}",
+    ] {
+        let run = spec(yaml);
+        let (on_h100, on_a100) = (demand(&run, &h100), demand(&run, &a100));
+        let (ws_h100, ws_a100) = (
+            component(&on_h100, Component::Workspaces),
+            component(&on_a100, Component::Workspaces),
+        );
+        let threads = ws_h100 / hopper.cublas_bytes;
+        assert_eq!(threads, 2, "{yaml}: Python's thread and autograd's");
+        assert_eq!(ws_h100 - ws_a100, threads * delta, "{yaml}");
+        assert_eq!(
+            (on_h100.peak_phase, on_h100.peak_step),
+            (on_a100.peak_phase, on_a100.peak_step),
+            "{yaml}"
+        );
+        let others = |e: &Estimate| -> Vec<(Component, u64)> {
+            e.breakdown
+                .iter()
+                .copied()
+                .filter(|(c, _)| !matches!(c, Component::Workspaces | Component::AllocatorRounding))
+                .collect()
+        };
+        assert_eq!(others(&on_h100), others(&on_a100), "{yaml}");
+    }
+}
+
+/// An H100 or H200 with the modelled versions assumes nothing that was not measured; an A100
+/// says its workspaces come from PyTorch's source and what is carried over.
+#[test]
+fn warnings_appear_exactly_where_something_is_carried_over() {
+    let run = spec("{model: qwen2.5-0.5b, batch_size: 1, seq_len: 256}");
+    for name in ["h200", "h100-80gb"] {
+        let est = estimate::estimate(&run, None, &gpu::find(name).unwrap()).unwrap();
+        assert!(
+            est.assumptions.warnings.is_empty(),
+            "{name}: {:?}",
+            est.assumptions.warnings
+        );
+        let constants = est.gpu.constants();
+        assert!(
+            constants.iter().all(|c| c.basis == Basis::Measured),
+            "{constants:?}"
+        );
+    }
+    let est = estimate::estimate(&run, None, &gpu::find("a100-80gb").unwrap()).unwrap();
+    assert_eq!(
+        est.assumptions.warnings.len(),
+        1,
+        "{:?}",
+        est.assumptions.warnings
+    );
+    assert!(est.assumptions.warnings[0].contains("carried over from the H100/H200"));
+    let [total, context, cublas, cublaslt] = est.gpu.constants();
+    assert_eq!(total.basis, Basis::OomMessage);
+    assert_eq!(context.basis, Basis::CarriedOver);
+    assert_eq!(
+        (cublas.basis, cublas.bytes),
+        (Basis::PytorchSource, 8_519_680)
+    );
+    assert_eq!(
+        (cublaslt.basis, cublaslt.bytes),
+        (Basis::PytorchSource, 1 << 20)
+    );
+
+    let old = spec(
+        "{model: qwen2.5-0.5b, batch_size: 1, seq_len: 256, versions: {transformers: \"4.46\"}}",
+    );
+    let est = estimate::estimate(&old, None, &Gpu::default()).unwrap();
+    assert_eq!(
+        est.assumptions.warnings,
+        ["transformers 4.46 is not modelled; the estimate follows transformers 5.17"]
+    );
+    assert_eq!(
+        est.assumptions
+            .given
+            .given(Library::Transformers)
+            .unwrap()
+            .to_string(),
+        "4.46"
+    );
+}
+
+/// A pipeline's versions hold for its instances unless one gives its own; each version not
+/// modelled is named once, and a rollout engine's share is said to be vLLM's contract.
+#[test]
+fn pipelines_assume_their_instances_versions_and_their_engines_contract() {
+    let doc: serde_json::Value = serde_json::from_str(
+        r#"{
+            "versions": {"transformers": "4.57"},
+            "instances": [
+                {"name": "actor", "model": "qwen2.5-0.5b", "batch_size": 1, "seq_len": 128},
+                {"name": "ref", "model": "qwen2.5-0.5b", "mode": "forward", "batch_size": 1,
+                 "seq_len": 128, "versions": {"transformers": "5.17"}},
+                {"name": "rollout", "model": "qwen2.5-0.5b", "mode": "forward", "engine": "vllm",
+                 "gpu_memory_utilization": 0.3, "seq_len": 128}
+            ],
+            "phases": [{"name": "train", "run": ["actor"]},
+                       {"name": "rollout", "run": [{"instance": "rollout", "pass": "generate",
+                                                    "new_tokens": 16}]}],
+            "iterations": 1
+        }"#,
+    )
+    .unwrap();
+    let pipeline = PipelineSpec::from_value(&doc).expect("valid pipeline");
+    let est = estimate_pipeline(&pipeline, None, &Gpu::default(), Limit::None).unwrap();
+    let w = &est.assumptions.warnings;
+    assert_eq!(w.len(), 2, "{w:?}");
+    assert_eq!(
+        w[0],
+        "transformers 4.57 is not modelled; the estimate follows transformers 5.17"
+    );
+    assert!(
+        w[1].starts_with("engine rollout: its share of the GPU is vLLM's contract"),
+        "{w:?}"
+    );
+}

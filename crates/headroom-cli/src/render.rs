@@ -131,7 +131,7 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
 pub fn assumptions(a: &Assumptions, gpu: &Gpu) -> String {
     let followed: Vec<String> = Library::ALL
         .iter()
-        .filter_map(|l| l.modelled().map(|v| format!("{} {v}", l.key())))
+        .filter_map(|l| a.given.followed(*l).map(|v| format!("{} {v}", l.key())))
         .collect();
     let given: Vec<String> = Library::ALL
         .iter()

@@ -330,6 +330,11 @@ pub fn families(row: &Row) -> Vec<String> {
             _ => "> 4k (long)",
         }
     ));
+    let transformers = s.versions.followed(crate::spec::Library::Transformers);
+    out.push(format!(
+        "transformers: {}",
+        transformers.map_or("not used".to_string(), |v| v.to_string())
+    ));
     out.push(format!(
         "mode: {}",
         if s.mode == crate::spec::Mode::Forward {

@@ -69,7 +69,7 @@ impl<'a> AssumptionsJson<'a> {
     /// `gpu`: the GPU the report judges against (its constants are the estimate's).
     pub fn new(a: &'a Assumptions, gpu: &'a Gpu) -> Self {
         let version = |library: Library| VersionJson {
-            followed: library.modelled().map(|v| v.to_string()),
+            followed: a.given.followed(library).map(|v| v.to_string()),
             given: a.given.given(library).map(|v| v.to_string()),
         };
         let [total, cuda_context, cublas_workspace, cublaslt_workspace] =

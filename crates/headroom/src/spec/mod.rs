@@ -24,7 +24,7 @@ pub use run::{
     AllocatorSpec, Attention, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision,
     Quantization, RunSpec, Strategy, Task, lora_targets_module,
 };
-pub use versions::{Library, Version, Versions};
+pub use versions::{Library, TRANSFORMERS_4_57, Version, Versions};
 
 use crate::error::Result;
 

@@ -102,6 +102,27 @@ impl Library {
         }
     }
 
+    /// Older releases the simulator also translates, where they allocate differently from
+    /// [`Library::modelled`] (bench/transformers-4.57: 4.57 materialises the causal mask).
+    pub fn also_modelled(self) -> &'static [Version] {
+        match self {
+            Library::Transformers => &[TRANSFORMERS_4_57],
+            _ => &[],
+        }
+    }
+
+    /// The release an estimate follows when a spec gives `given`: the modelled release of
+    /// the same major.minor, else [`Library::modelled`].
+    pub fn followed(self, given: Option<Version>) -> Option<Version> {
+        let same_minor =
+            |m: &&Version| given.is_some_and(|g| (g.major, g.minor) == (m.major, m.minor));
+        self.also_modelled()
+            .iter()
+            .find(same_minor)
+            .copied()
+            .or(self.modelled())
+    }
+
     /// The release the simulator translates, as the measuring machines ran it
     /// (bench/calibration/README.md, bench/distributed/README.md); `None` for TRL, whose
     /// trainers are not modelled: the passes are the measuring harness's own.
@@ -117,6 +138,9 @@ impl Library {
     }
 }
 
+/// transformers 4.57.1, measured in bench/transformers-4.57.
+pub const TRANSFORMERS_4_57: Version = Version::new(4, 57, 1);
+
 /// The versions a spec gives; `None`: not given (the modelled one is assumed).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Versions {
@@ -127,6 +151,11 @@ impl Versions {
     /// The version given for `library`, if any.
     pub fn given(&self, library: Library) -> Option<Version> {
         self.given[library as usize]
+    }
+
+    /// The release of `library` an estimate of this spec follows.
+    pub fn followed(&self, library: Library) -> Option<Version> {
+        library.followed(self.given(library))
     }
 
     /// `self`, with the versions it lacks taken from `outer` (a pipeline's for its instance).

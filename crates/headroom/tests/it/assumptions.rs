@@ -135,7 +135,7 @@ fn warnings_appear_exactly_where_something_is_carried_over() {
 fn pipelines_assume_their_instances_versions_and_their_engines_contract() {
     let doc: serde_json::Value = serde_json::from_str(
         r#"{
-            "versions": {"transformers": "4.57"},
+            "versions": {"transformers": "4.46"},
             "instances": [
                 {"name": "actor", "model": "qwen2.5-0.5b", "batch_size": 1, "seq_len": 128},
                 {"name": "ref", "model": "qwen2.5-0.5b", "mode": "forward", "batch_size": 1,
@@ -156,7 +156,7 @@ fn pipelines_assume_their_instances_versions_and_their_engines_contract() {
     assert_eq!(w.len(), 2, "{w:?}");
     assert_eq!(
         w[0],
-        "transformers 4.57 is not modelled; the estimate follows transformers 5.17"
+        "transformers 4.46 is not modelled; the estimate follows transformers 5.17"
     );
     assert!(
         w[1].starts_with("engine rollout: its share of the GPU is vLLM's contract"),

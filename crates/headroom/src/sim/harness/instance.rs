@@ -84,6 +84,15 @@ impl Instance {
             None => Model::build(t, arch, head, dtype, &trainable, attention),
         };
         let param_count = (first..t.params.len()).map(|p| t.numel(t.param(p))).sum();
+        let transformers_4_57 =
+            spec.versions.followed(spec::Library::Transformers) == Some(spec::TRANSFORMERS_4_57);
+        model.materializes_causal_mask = transformers_4_57;
+        let on_gpu = home == Home::Gpu
+            && !offloaded_unsharded
+            && !matches!(strategy, Some(spec::Strategy::Fsdp | spec::Strategy::Zero3));
+        if transformers_4_57 && arch.family == crate::arch::Family::Gpt2 && on_gpu {
+            Model::gpt2_causal_buffers(t, arch);
+        }
         let mut wrapper = Strategy::Local;
         if offloaded_unsharded {
             wrapper = Strategy::FsdpOffload(FsdpOffload::units(arch, head, first));

@@ -103,8 +103,12 @@ pub fn resolve(model: &str, base_dir: Option<&Path>) -> Result<ResolvedModel> {
     })
 }
 
-/// The catalog names closest to `name`, best first.
+/// The catalog names closest to `name`, best first; none for a name far longer than any
+/// (the comparison takes time quadratic in its length).
 pub fn closest_names(name: &str, n: usize) -> Vec<String> {
+    if name.len() > 4 * crate::error::SHOWN_CHARS {
+        return Vec::new();
+    }
     let mut scored: Vec<(f64, &String)> = catalog()
         .keys()
         .map(|k| (strsim::jaro_winkler(name, k), k))

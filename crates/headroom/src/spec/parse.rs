@@ -54,8 +54,10 @@ pub(crate) fn unknown_key(
     let Some(key) = obj.keys().find(|k| !known.contains(&k.as_str())) else {
         return Ok(());
     };
+    // No key is long; comparing a long one takes time quadratic in its length.
     let closest = known
         .iter()
+        .filter(|_| key.len() <= 4 * crate::error::SHOWN_CHARS)
         .map(|k| (strsim::jaro_winkler(key, k), k))
         .filter(|(score, _)| *score > 0.85)
         .max_by(|a, b| a.0.total_cmp(&b.0));

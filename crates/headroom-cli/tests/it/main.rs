@@ -6,3 +6,4 @@ mod common;
 mod diagnose_fit;
 mod estimate;
 mod rules;
+mod totality;

@@ -12,3 +12,4 @@ mod lint;
 mod oom_messages;
 mod params;
 mod pipeline;
+mod totality;

@@ -1411,7 +1411,9 @@ impl CachingAllocator {
             mapped_end = end;
             mapped_total += size;
         }
-        let wanted = pages.saturating_mul(page_size).min(limit.map_or(u64::MAX, |l| l.saturating_sub(base)));
+        let wanted = pages
+            .saturating_mul(page_size)
+            .min(limit.map_or(u64::MAX, |l| l.saturating_sub(base)));
         let reserved = self.address_space.free_extent(base, wanted) / page_size * page_size;
         if reserved == 0 || base + reserved < mapped_end {
             return Err(RestoreError::Overlaps {
@@ -1517,7 +1519,9 @@ mod tests {
         let mut alloc = CachingAllocator::new(config, None);
         let small = alloc.malloc(1 << 30, 0).expect("1 GiB");
         let huge = 3 * UNBOUNDED_DEVICE_TOTAL;
-        let block = alloc.malloc(huge, 0).expect("no limit: no out-of-memory error");
+        let block = alloc
+            .malloc(huge, 0)
+            .expect("no limit: no out-of-memory error");
         assert!(alloc.block_size(block) >= huge);
         alloc.free(block);
         alloc.free(small);
@@ -1543,7 +1547,9 @@ mod tests {
             alloc.free(block);
         }
         assert_eq!(alloc.stats().allocated_bytes.all.current, 0);
-        let again = alloc.malloc(1 << 59, 0).expect("a cached segment serves it");
+        let again = alloc
+            .malloc(1 << 59, 0)
+            .expect("a cached segment serves it");
         alloc.free(again);
     }
 

@@ -190,9 +190,8 @@ fn get<'a>(config: &'a Value, keys: &[&str]) -> Option<&'a Value> {
 
 /// An integer from 1 to `max` under the first of `keys` present (`what`: why the limit).
 fn required_u64(config: &Value, keys: &[&str], max: u64, what: &str) -> Result<u64> {
-    optional_u64(config, keys, max, what)?.ok_or_else(|| {
-        Error::field(keys[0], "missing", "the model config must set it")
-    })
+    optional_u64(config, keys, max, what)?
+        .ok_or_else(|| Error::field(keys[0], "missing", "the model config must set it"))
 }
 
 /// Like [`required_u64`], `None` when absent.
@@ -281,8 +280,13 @@ impl Architecture {
             limits::MAX_VOCAB,
             "real vocabularies have up to 262,144 tokens",
         )?;
-        let kv_heads = optional_u64(config, &["num_key_value_heads"], limits::MAX_HEADS, REAL_HEADS)?
-            .unwrap_or(heads);
+        let kv_heads = optional_u64(
+            config,
+            &["num_key_value_heads"],
+            limits::MAX_HEADS,
+            REAL_HEADS,
+        )?
+        .unwrap_or(heads);
         const REAL_INTERMEDIATE: &str = "real MLPs are up to 73,728 wide";
         let intermediate = match family {
             Family::Gpt2 => optional_u64(
@@ -372,12 +376,7 @@ impl Architecture {
             mlp_bias,
             sliding_window: match config.get("sliding_window") {
                 Some(v) if v.as_u64() == Some(0) => Some(0),
-                _ => optional_u64(
-                    config,
-                    &["sliding_window"],
-                    u64::MAX,
-                    "a window of tokens",
-                )?,
+                _ => optional_u64(config, &["sliding_window"], u64::MAX, "a window of tokens")?,
             },
             attn_logit_softcapping: float("attn_logit_softcapping"),
             final_logit_softcapping: float("final_logit_softcapping"),

@@ -113,11 +113,7 @@ impl Error {
 pub fn shown(text: &str, max: usize) -> String {
     match text.char_indices().nth(max) {
         None => text.to_string(),
-        Some((end, _)) => format!(
-            "{}… ({} characters)",
-            &text[..end],
-            text.chars().count()
-        ),
+        Some((end, _)) => format!("{}… ({} characters)", &text[..end], text.chars().count()),
     }
 }
 

@@ -251,7 +251,10 @@ mod tests {
     #[test]
     fn flow_depth_counts_brackets_outside_strings_and_comments() {
         assert_eq!(flow_depth_within("a: [1, {b: [2]}]", 64), Some(3));
-        assert_eq!(flow_depth_within("a: \"[[[[\" # [[[[\nb: 'x[[' ", 64), Some(0));
+        assert_eq!(
+            flow_depth_within("a: \"[[[[\" # [[[[\nb: 'x[[' ", 64),
+            Some(0)
+        );
         assert_eq!(flow_depth_within("a: it's [1]", 64), Some(1));
         assert_eq!(flow_depth_within(&"[".repeat(65), 64), None);
     }

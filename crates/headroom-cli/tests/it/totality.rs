@@ -64,12 +64,18 @@ fn refusals_exit_2_naming_the_field() {
             "model: qwen2.5-0.5b\nbatch_size: 1000000\n",
             "`batch_size`: 1000000",
         ),
-        ("model: qwen2.5-0.5b\nseq_len: .inf\n", "`seq_len`: infinity"),
+        (
+            "model: qwen2.5-0.5b\nseq_len: .inf\n",
+            "`seq_len`: infinity",
+        ),
     ] {
         let (_dir, path) = spec(yaml);
         for command in ["estimate", "fit"] {
             let err = bad_input(&[command, &path, "--gpu", "h100-80gb"]);
-            assert!(err.starts_with(&format!("error: {field} is not allowed")), "{err}");
+            assert!(
+                err.starts_with(&format!("error: {field} is not allowed")),
+                "{err}"
+            );
         }
     }
 }
@@ -77,9 +83,13 @@ fn refusals_exit_2_naming_the_field() {
 #[test]
 fn fit_of_a_qlora_example_at_a_huge_batch_is_refused() {
     // It tripped an allocator invariant: segments summed past 2^64 and overlapped.
-    let example = std::fs::read_to_string(crate::common::repo().join("examples/llama-2-7b-qlora.yaml"))
-        .expect("the example");
+    let example =
+        std::fs::read_to_string(crate::common::repo().join("examples/llama-2-7b-qlora.yaml"))
+            .expect("the example");
     let (_dir, path) = spec(&example.replace("batch_size: 4", "batch_size: 1073741825"));
     let err = bad_input(&["fit", &path, "--gpu", "h100-80gb"]);
-    assert!(err.starts_with("error: `batch_size`: 1073741825 is not allowed"), "{err}");
+    assert!(
+        err.starts_with("error: `batch_size`: 1073741825 is not allowed"),
+        "{err}"
+    );
 }

@@ -211,11 +211,7 @@ pub(crate) fn beyond_any_device(prefix: &str, spec: &RunSpec, refused: &Simulate
         allowed: format!(
             "at seq_len {} the run allocates `{}` ({} bytes) in {} of step {}, where {why}; \
              use a smaller batch_size or seq_len",
-            spec.seq_len,
-            refused.tensor,
-            refused.requested_bytes,
-            refused.phase,
-            refused.step
+            spec.seq_len, refused.tensor, refused.requested_bytes, refused.phase, refused.step
         ),
     }
 }

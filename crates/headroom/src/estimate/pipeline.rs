@@ -96,7 +96,6 @@ fn engine_def(e: &EngineSpec, spec: &RunSpec, arch: &Architecture, gpu: &Gpu) ->
     }
 }
 
-
 /// Resolve every instance (relative model paths from `spec_dir`) and simulate the pipeline's
 /// iterations on `gpu`, at its capacity or without a limit.
 pub fn estimate_pipeline(
@@ -109,9 +108,7 @@ pub fn estimate_pipeline(
         .instances
         .iter()
         .map(|i| {
-            i.spec
-                .check_simulated()
-                .map_err(|e| e.prefixed(&i.at))?;
+            i.spec.check_simulated().map_err(|e| e.prefixed(&i.at))?;
             Ok(i.spec.architecture(spec_dir, &i.at)?.1)
         })
         .collect::<Result<Vec<_>>>()?;
@@ -155,7 +152,12 @@ pub fn estimate_pipeline(
     };
     let need = |s: &PipelineSimulation| {
         let reserved = s.phases.iter().map(|p| p.peak_reserved).max();
-        (s.refused.is_some(), s.oom.is_some(), reserved, s.peak.allocated)
+        (
+            s.refused.is_some(),
+            s.oom.is_some(),
+            reserved,
+            s.peak.allocated,
+        )
     };
     let run = |capacity| {
         ranks

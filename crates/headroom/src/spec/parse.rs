@@ -5,8 +5,8 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::limits;
 use crate::error::{Error, Result};
+use crate::limits;
 
 /// Parse a YAML (or JSON) document into a JSON value, with line and column on syntax errors.
 /// Refused: nesting deeper than [`limits::MAX_NESTING`], a key given twice, NaN and

@@ -23,10 +23,10 @@
 
 use serde_json::{Map, Value};
 
-use crate::limits;
 use super::parse::unknown_key;
 use super::run::{Mode, Optimizer, Parallel, RunSpec, Strategy};
 use crate::error::{Error, Result};
+use crate::limits;
 
 /// Where an instance's parameters are built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -7,11 +7,11 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::limits;
 use super::parse::{boolean, choice, parse_document, positive, read_document, unknown_key};
 use crate::arch::{Architecture, Head, Module};
 use crate::catalog::{self, ResolvedModel};
 use crate::error::{Error, Result};
+use crate::limits;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Task {

@@ -40,13 +40,9 @@ fn refusal(yaml: &str) -> String {
     let start = Instant::now();
     let err = match document(yaml) {
         Err(e) => e,
-        Ok(Document::Run(spec)) => estimate::estimate(&spec, None, &h100())
-            .err()
-            .expect("refused"),
+        Ok(Document::Run(spec)) => estimate::estimate(&spec, None, &h100()).expect_err("refused"),
         Ok(Document::Pipeline(spec)) => {
-            estimate::estimate_pipeline(&spec, None, &h100(), Limit::Gpu)
-                .err()
-                .expect("refused")
+            estimate::estimate_pipeline(&spec, None, &h100(), Limit::Gpu).expect_err("refused")
         }
     };
     assert!(
@@ -73,7 +69,10 @@ fn zero_key_value_heads_are_refused_by_their_path_not_divided_by() {
         "{message}"
     );
     let message = refusal(&tiny("num_key_value_heads: 3"));
-    assert!(message.contains("it must divide num_attention_heads (4)"), "{message}");
+    assert!(
+        message.contains("it must divide num_attention_heads (4)"),
+        "{message}"
+    );
 }
 
 #[test]
@@ -82,16 +81,24 @@ fn a_gpt2_inner_width_of_zero_is_refused() {
         "model: custom\nmodel_config: {model_type: gpt2, n_embd: 64, n_inner: 0, n_layer: 2, \
          n_head: 4, vocab_size: 100}\n",
     );
-    assert!(message.starts_with("`model_config.n_inner`: 0"), "{message}");
+    assert!(
+        message.starts_with("`model_config.n_inner`: 0"),
+        "{message}"
+    );
 }
 
 #[test]
 fn sizes_that_would_overflow_or_allocate_a_terabyte_are_refused_with_the_limit() {
-    let message = refusal(&tiny("vocab_size: 18446744073709551615").replace("vocab_size: 100, ", ""));
-    assert!(message.starts_with("`model_config.vocab_size`"), "{message}");
+    let message =
+        refusal(&tiny("vocab_size: 18446744073709551615").replace("vocab_size: 100, ", ""));
+    assert!(
+        message.starts_with("`model_config.vocab_size`"),
+        "{message}"
+    );
     assert!(message.contains("from 1 to 16777216"), "{message}");
     for layers in ["30000", "1099511627776"] {
-        let yaml = tiny(&format!("num_hidden_layers: {layers}")).replace("num_hidden_layers: 2, ", "");
+        let yaml =
+            tiny(&format!("num_hidden_layers: {layers}")).replace("num_hidden_layers: 2, ", "");
         let message = refusal(&yaml);
         assert!(
             message.starts_with(&format!("`model_config.num_hidden_layers`: {layers}")),
@@ -113,7 +120,11 @@ fn a_batch_past_the_gpu_is_estimated_with_expandable_segments() {
     )
     .expect("an estimate");
     assert!(!est.fits());
-    assert!(est.peak_allocated_bytes > 1 << 40, "{}", est.peak_allocated_bytes);
+    assert!(
+        est.peak_allocated_bytes > 1 << 40,
+        "{}",
+        est.peak_allocated_bytes
+    );
 }
 
 #[test]
@@ -123,7 +134,10 @@ fn a_tensor_no_device_holds_is_refused_naming_the_batch() {
          model_config: {model_type: llama, hidden_size: 1024, intermediate_size: 1024, \
          num_hidden_layers: 1, num_attention_heads: 1024, vocab_size: 100}\n",
     );
-    assert!(message.starts_with("`batch_size`: 1 is not allowed"), "{message}");
+    assert!(
+        message.starts_with("`batch_size`: 1 is not allowed"),
+        "{message}"
+    );
     assert!(message.contains("1 EiB"), "{message}");
 }
 
@@ -149,12 +163,19 @@ fn errors_inside_pipeline_instances_keep_their_path() {
     let message = refusal(&pipeline(
         "model: qwen2.5-0.5b, lora: {targets: [no_proj]}, mode: forward",
     ));
-    assert!(message.starts_with("`instances[0].lora.targets`"), "{message}");
+    assert!(
+        message.starts_with("`instances[0].lora.targets`"),
+        "{message}"
+    );
 }
 
 #[test]
 fn nan_and_infinities_are_named_as_such() {
-    for (text, name) in [(".nan", "NaN"), (".inf", "infinity"), ("-.inf", "-infinity")] {
+    for (text, name) in [
+        (".nan", "NaN"),
+        (".inf", "infinity"),
+        ("-.inf", "-infinity"),
+    ] {
         let message = refusal(&format!(
             "model: qwen2.5-0.5b\nlora: {{r: 8, alpha: {text}}}\n"
         ));
@@ -163,10 +184,10 @@ fn nan_and_infinities_are_named_as_such() {
             "{message}"
         );
     }
-    let message = refusal(&format!(
-        "instances:\n  - {{name: a, model: qwen2.5-0.5b, engine: vllm, \
-         gpu_memory_utilization: .nan}}\nphases: [{{name: p, run: [a]}}]\n"
-    ));
+    let message = refusal(
+        "instances:\n  - {name: a, model: qwen2.5-0.5b, engine: vllm, \
+         gpu_memory_utilization: .nan}\nphases: [{name: p, run: [a]}]\n",
+    );
     assert!(
         message.starts_with("`instances[0].gpu_memory_utilization`: NaN"),
         "{message}"
@@ -202,19 +223,29 @@ fn deep_nesting_is_refused_before_the_parser_spends_seconds_on_it() {
     let deep = format!("model: {}{}\n", "[".repeat(250_000), "]".repeat(250_000));
     let message = refusal(&deep);
     assert!(message.contains("nested more than 64 deep"), "{message}");
-    let deep = format!("model: {}1{}\n", "{a: ".repeat(100_000), "}".repeat(100_000));
+    let deep = format!(
+        "model: {}1{}\n",
+        "{a: ".repeat(100_000),
+        "}".repeat(100_000)
+    );
     assert!(refusal(&deep).contains("nested more than 64 deep"));
 }
 
 #[test]
 fn a_spec_file_too_large_is_refused_before_it_is_read() {
     let path = std::env::temp_dir().join(format!("headroom-large-{}.yaml", std::process::id()));
-    std::fs::write(&path, format!("model: qwen2.5-0.5b\n# {}\n", "x".repeat(2 << 20)))
-        .expect("a temporary file");
+    std::fs::write(
+        &path,
+        format!("model: qwen2.5-0.5b\n# {}\n", "x".repeat(2 << 20)),
+    )
+    .expect("a temporary file");
     let result = spec::load(&path);
     std::fs::remove_file(&path).expect("removed");
     let message = result.expect_err("refused").to_string();
-    assert!(message.contains("larger than a spec or model config can be"), "{message}");
+    assert!(
+        message.contains("larger than a spec or model config can be"),
+        "{message}"
+    );
 }
 
 #[test]
@@ -236,14 +267,20 @@ fn pipeline_work_is_bounded_by_name() {
          phases:\n  - {name: t, run: [{instance: a, pass: train, repeat: 64}]}\n\
          iterations: 100\n",
     );
-    assert!(message.starts_with("`iterations`: 100 is not allowed"), "{message}");
+    assert!(
+        message.starts_with("`iterations`: 100 is not allowed"),
+        "{message}"
+    );
     let instances: String = (0..17)
         .map(|i| format!("  - {{name: m{i}, model: qwen2.5-0.5b}}\n"))
         .collect();
     let message = refusal(&format!(
         "instances:\n{instances}phases:\n  - {{name: t, run: [m0]}}\n"
     ));
-    assert!(message.starts_with("`instances`: a list of 17"), "{message}");
+    assert!(
+        message.starts_with("`instances`: a list of 17"),
+        "{message}"
+    );
 }
 
 #[test]

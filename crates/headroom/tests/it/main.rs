@@ -2,6 +2,7 @@
 //! module per area. Measured rows are read from bench/ (paths relative to each module's file);
 //! what several modules share is in `common`.
 
+mod arbitrary_specs;
 mod catalog;
 mod common;
 mod diagnose_seeds;

@@ -78,16 +78,16 @@ pub fn read_text(path: &Path) -> Result<String> {
         message: e.to_string(),
     };
     let file = std::fs::File::open(path).map_err(io)?;
-    let too_large = |bytes: u64| Error::Io {
+    let too_large = |size: String| Error::Io {
         path: path.to_path_buf(),
         message: format!(
-            "{bytes} bytes is larger than a spec or model config can be ({MAX_FILE_BYTES} bytes); \
-             is this the right file?"
+            "{size}: a spec or model config has at most {MAX_FILE_BYTES} bytes; is this the \
+             right file?"
         ),
     };
     let len = file.metadata().map_err(io)?.len();
     if len > MAX_FILE_BYTES {
-        return Err(too_large(len));
+        return Err(too_large(format!("{len} bytes")));
     }
     // A file that grows while it is read, or a device that reports no length, stops here.
     let mut bytes = Vec::new();
@@ -95,7 +95,7 @@ pub fn read_text(path: &Path) -> Result<String> {
         .read_to_end(&mut bytes)
         .map_err(io)?;
     if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(too_large(bytes.len() as u64));
+        return Err(too_large(format!("more than {MAX_FILE_BYTES} bytes")));
     }
     String::from_utf8(bytes).map_err(|e| Error::Io {
         path: path.to_path_buf(),

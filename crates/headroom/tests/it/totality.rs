@@ -243,7 +243,7 @@ fn a_spec_file_too_large_is_refused_before_it_is_read() {
     std::fs::remove_file(&path).expect("removed");
     let message = result.expect_err("refused").to_string();
     assert!(
-        message.contains("larger than a spec or model config can be"),
+        message.contains("a spec or model config has at most 1048576 bytes"),
         "{message}"
     );
 }

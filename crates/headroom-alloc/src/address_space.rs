@@ -7,6 +7,9 @@
 /// Default placement starts at 2^48, above the 47-bit user addresses CUDA returns on Linux,
 /// so default ranges never collide with hinted (recorded) ones.
 const DEFAULT_BASE: u64 = 1 << 48;
+/// Default placement ends at 2^62: a device runs out of addresses there (`cudaMalloc` fails),
+/// so reserved bytes stay below 2^62 and fit the allocator's `i64` statistics.
+const DEFAULT_END: u64 = 1 << 62;
 /// `cudaMalloc` results are at least 2 MiB aligned for allocator-sized requests.
 const ALIGNMENT: u64 = 2 << 20;
 
@@ -38,19 +41,20 @@ impl AddressSpace {
         self.hint = None;
     }
 
-    /// Reserves `size` bytes (`cudaMalloc` or `cuMemAddressReserve`) and returns the start.
-    pub(crate) fn reserve(&mut self, size: u64) -> u64 {
+    /// Reserves `size` bytes (`cudaMalloc` or `cuMemAddressReserve`) and returns the start;
+    /// `None` when no addresses are left.
+    pub(crate) fn reserve(&mut self, size: u64) -> Option<u64> {
         if let Some(hint) = self.hint.take()
             && self.is_free(hint, size)
         {
             self.occupy(hint, hint + size);
-            return hint;
+            return Some(hint);
         }
         let start = self.next_default;
-        let end = start.saturating_add(size);
-        self.next_default = end.div_ceil(ALIGNMENT).saturating_mul(ALIGNMENT);
+        let end = start.checked_add(size).filter(|&end| end <= DEFAULT_END)?;
+        self.next_default = end.div_ceil(ALIGNMENT) * ALIGNMENT;
         self.occupy(start, end);
-        start
+        Some(start)
     }
 
     /// Marks a range the caller already knows is in use (restored segments).

@@ -748,7 +748,9 @@ impl CachingAllocator {
         if !self.fits(size) {
             return false;
         }
-        let ptr = self.address_space.reserve(size);
+        let Some(ptr) = self.address_space.reserve(size) else {
+            return false;
+        };
         self.total_allocated_memory += size;
         p.block = self.blocks.insert(Block {
             ptr,
@@ -1119,8 +1121,9 @@ impl CachingAllocator {
     }
 
     /// `find_expandable_block`: the lowest address of this stream's expandable segment where
-    /// free and unmapped space add up to `size`, or a new segment's whole reservation.
-    fn find_expandable_block(&mut self, stream: u32, pool: Pool, size: u64) -> u32 {
+    /// free and unmapped space add up to `size`, or a new segment's whole reservation (`None`
+    /// when no addresses are left for one).
+    fn find_expandable_block(&mut self, stream: u32, pool: Pool, size: u64) -> Option<u32> {
         let allocatable =
             |id: u32| id != NONE && !self.blocks[id].allocated && !self.blocks[id].pending_free;
         let start = AddressKey {
@@ -1145,11 +1148,16 @@ impl CachingAllocator {
                 b = self.blocks[b].next;
             }
             if bytes >= size {
-                return candidate;
+                return Some(candidate);
             }
         }
-        let (page_size, pages) = self.expandable_geometry(pool);
-        let base = self.address_space.reserve(pages * page_size);
+        let (page_size, mut pages) = self.expandable_geometry(pool);
+        if self.capacity.is_none() {
+            // A device without a limit has room for any request: its reservation is sized to
+            // hold it, as a device large enough would reserve 1 1/8 of itself.
+            pages = pages.max(size.div_ceil(page_size));
+        }
+        let base = self.address_space.reserve(pages.checked_mul(page_size)?)?;
         let index = self.expandable_segments.len() as u32;
         self.expandable_segments.push(Some(ExpandableSegment {
             base,
@@ -1161,7 +1169,7 @@ impl CachingAllocator {
             .blocks
             .insert(free_block_in(index, base, reservation, stream, pool, false));
         self.insert_unmapped(id);
-        id
+        Some(id)
     }
 
     /// The `ExpandableSegment` constructor's geometry for a pool: the page size
@@ -1175,7 +1183,9 @@ impl CachingAllocator {
         };
         let device_total = self.capacity.unwrap_or(UNBOUNDED_DEVICE_TOTAL);
         // "enough address space for 1 1/8 the total memory on the GPU"
-        let pages = (device_total + device_total / 8).div_ceil(page_size);
+        let pages = device_total
+            .saturating_add(device_total / 8)
+            .div_ceil(page_size);
         (page_size, pages)
     }
 
@@ -1224,7 +1234,7 @@ impl CachingAllocator {
     /// `try_allocate_expandable_block`: maps pages at the lowest possible address until a
     /// free block of `size` bytes exists, and takes it out of the pool.
     fn try_allocate_expandable_block(&mut self, stream: u32, pool: Pool, size: u64) -> Option<u32> {
-        let mut candidate = self.find_expandable_block(stream, pool, size);
+        let mut candidate = self.find_expandable_block(stream, pool, size)?;
         if !self.blocks[candidate].mapped {
             let first = self.blocks[candidate].size.min(size);
             if !self.map_block(candidate, first) {
@@ -1401,7 +1411,9 @@ impl CachingAllocator {
             mapped_end = end;
             mapped_total += size;
         }
-        let wanted = (pages * page_size).min(limit.map_or(u64::MAX, |l| l.saturating_sub(base)));
+        let wanted = pages
+            .saturating_mul(page_size)
+            .min(limit.map_or(u64::MAX, |l| l.saturating_sub(base)));
         let reserved = self.address_space.free_extent(base, wanted) / page_size * page_size;
         if reserved == 0 || base + reserved < mapped_end {
             return Err(RestoreError::Overlaps {
@@ -1491,5 +1503,66 @@ fn apply_delta(stat: &mut crate::stats::StatArray, small: bool, delta: i64) {
         stat.increase(small, delta as u64);
     } else if delta < 0 {
         stat.decrease(small, delta.unsigned_abs());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unlimited_expandable_allocator_serves_a_request_above_its_default_reservation() {
+        let config = AllocatorConfig {
+            expandable_segments: true,
+            ..AllocatorConfig::default()
+        };
+        let mut alloc = CachingAllocator::new(config, None);
+        let small = alloc.malloc(1 << 30, 0).expect("1 GiB");
+        let huge = 3 * UNBOUNDED_DEVICE_TOTAL;
+        let block = alloc
+            .malloc(huge, 0)
+            .expect("no limit: no out-of-memory error");
+        assert!(alloc.block_size(block) >= huge);
+        alloc.free(block);
+        alloc.free(small);
+        assert_eq!(alloc.stats().allocated_bytes.all.current, 0);
+    }
+
+    #[test]
+    fn running_out_of_addresses_is_an_out_of_memory_error_not_a_corrupt_pool() {
+        let mut alloc = CachingAllocator::new(AllocatorConfig::default(), None);
+        let mut blocks = Vec::new();
+        let mut error = None;
+        for _ in 0..64 {
+            match alloc.malloc(1 << 59, 0) {
+                Ok(block) => blocks.push(block),
+                Err(e) => {
+                    error = Some(e);
+                    break;
+                }
+            }
+        }
+        assert!(matches!(error, Some(OutOfMemory::Device(_))), "{error:?}");
+        for block in blocks {
+            alloc.free(block);
+        }
+        assert_eq!(alloc.stats().allocated_bytes.all.current, 0);
+        let again = alloc
+            .malloc(1 << 59, 0)
+            .expect("a cached segment serves it");
+        alloc.free(again);
+    }
+
+    #[test]
+    fn a_limited_expandable_allocator_still_refuses_what_exceeds_the_device() {
+        let config = AllocatorConfig {
+            expandable_segments: true,
+            ..AllocatorConfig::default()
+        };
+        let mut alloc = CachingAllocator::new(config, Some(80 << 30));
+        assert!(matches!(
+            alloc.malloc(81 << 30, 0),
+            Err(OutOfMemory::Device(_))
+        ));
     }
 }

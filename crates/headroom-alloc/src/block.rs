@@ -6,6 +6,10 @@
 pub struct BlockId(pub(crate) u32);
 
 impl BlockId {
+    /// Names no block: what a caller hands out in place of one the allocator refused (a
+    /// simulation that stopped). It must never come back to the allocator.
+    pub const DETACHED: BlockId = BlockId(NONE);
+
     /// A small number for the block, unique among live blocks (its slot in the arena): for
     /// tables a caller keeps by block.
     pub fn index(self) -> usize {

@@ -6,9 +6,9 @@
 pub struct Stat {
     pub current: i64,
     pub peak: i64,
-    /// Total ever added.
+    /// Total ever added (saturating: a long run of huge requests can pass `i64::MAX`).
     pub allocated: i64,
-    /// Total ever removed.
+    /// Total ever removed (saturating).
     pub freed: i64,
 }
 
@@ -16,13 +16,13 @@ impl Stat {
     pub(crate) fn increase(&mut self, amount: u64) {
         self.current += amount as i64;
         self.peak = self.peak.max(self.current);
-        self.allocated += amount as i64;
+        self.allocated = self.allocated.saturating_add(amount as i64);
     }
 
     pub(crate) fn decrease(&mut self, amount: u64) {
         self.current -= amount as i64;
         debug_assert!(self.current >= 0, "negative allocator stat (logic error)");
-        self.freed += amount as i64;
+        self.freed = self.freed.saturating_add(amount as i64);
     }
 
     fn reset_peak(&mut self) {

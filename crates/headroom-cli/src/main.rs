@@ -4,6 +4,7 @@
 
 mod cmd;
 mod error;
+mod progress;
 mod render;
 
 use std::process::ExitCode;

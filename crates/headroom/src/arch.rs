@@ -6,6 +6,7 @@ use serde_json::Value;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::limits;
 
 /// The HF model families headroom models tensor by tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,27 +188,27 @@ fn get<'a>(config: &'a Value, keys: &[&str]) -> Option<&'a Value> {
         .find_map(|k| config.get(*k).filter(|v| !v.is_null()))
 }
 
-fn required_u64(config: &Value, keys: &[&str]) -> Result<u64> {
-    match get(config, keys) {
-        Some(v) => match v.as_u64() {
-            Some(n) if n > 0 => Ok(n),
-            _ => Err(Error::field(keys[0], v, "use a positive integer")),
-        },
-        None => Err(Error::field(
-            keys[0],
-            "missing",
-            "the model config must set it",
-        )),
-    }
+/// An integer from 1 to `max` under the first of `keys` present (`what`: why the limit).
+fn required_u64(config: &Value, keys: &[&str], max: u64, what: &str) -> Result<u64> {
+    optional_u64(config, keys, max, what)?
+        .ok_or_else(|| Error::field(keys[0], "missing", "the model config must set it"))
 }
 
-fn optional_u64(config: &Value, keys: &[&str]) -> Result<Option<u64>> {
-    match get(config, keys) {
-        Some(v) => v
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| Error::field(keys[0], v, "use a non-negative integer")),
-        None => Ok(None),
+/// Like [`required_u64`], `None` when absent.
+fn optional_u64(config: &Value, keys: &[&str], max: u64, what: &str) -> Result<Option<u64>> {
+    let Some((key, v)) = keys
+        .iter()
+        .find_map(|k| config.get(*k).filter(|v| !v.is_null()).map(|v| (*k, v)))
+    else {
+        return Ok(None);
+    };
+    match v.as_u64() {
+        Some(n) => limits::within(key, n, max, what).map(Some),
+        None => Err(Error::field(
+            key,
+            v,
+            format!("use an integer from 1 to {max} ({what})"),
+        )),
     }
 }
 
@@ -253,14 +254,54 @@ impl Architecture {
                 });
             }
         };
-        let hidden = required_u64(config, &["hidden_size", "n_embd"])?;
-        let layers = required_u64(config, &["num_hidden_layers", "n_layer"])?;
-        let heads = required_u64(config, &["num_attention_heads", "n_head"])?;
-        let vocab = required_u64(config, &["vocab_size"])?;
-        let kv_heads = optional_u64(config, &["num_key_value_heads"])?.unwrap_or(heads);
+        const REAL_HIDDEN: &str = "real models are up to 25,600 wide";
+        const REAL_HEADS: &str = "real models have up to 128 heads";
+        let hidden = required_u64(
+            config,
+            &["hidden_size", "n_embd"],
+            limits::MAX_HIDDEN,
+            REAL_HIDDEN,
+        )?;
+        let layers = required_u64(
+            config,
+            &["num_hidden_layers", "n_layer"],
+            limits::MAX_LAYERS,
+            "the deepest real models have 126 layers",
+        )?;
+        let heads = required_u64(
+            config,
+            &["num_attention_heads", "n_head"],
+            limits::MAX_HEADS,
+            REAL_HEADS,
+        )?;
+        let vocab = required_u64(
+            config,
+            &["vocab_size"],
+            limits::MAX_VOCAB,
+            "real vocabularies have up to 262,144 tokens",
+        )?;
+        let kv_heads = optional_u64(
+            config,
+            &["num_key_value_heads"],
+            limits::MAX_HEADS,
+            REAL_HEADS,
+        )?
+        .unwrap_or(heads);
+        const REAL_INTERMEDIATE: &str = "real MLPs are up to 73,728 wide";
         let intermediate = match family {
-            Family::Gpt2 => optional_u64(config, &["n_inner"])?.unwrap_or(4 * hidden),
-            _ => required_u64(config, &["intermediate_size"])?,
+            Family::Gpt2 => optional_u64(
+                config,
+                &["n_inner"],
+                limits::MAX_INTERMEDIATE,
+                "or leave it out for 4 × n_embd",
+            )?
+            .unwrap_or(4 * hidden),
+            _ => required_u64(
+                config,
+                &["intermediate_size"],
+                limits::MAX_INTERMEDIATE,
+                REAL_INTERMEDIATE,
+            )?,
         };
         if heads % kv_heads != 0 {
             return Err(Error::field(
@@ -269,9 +310,19 @@ impl Architecture {
                 format!("it must divide num_attention_heads ({heads})"),
             ));
         }
-        let head_dim = match optional_u64(config, &["head_dim"])? {
-            Some(d) if d > 0 => d,
-            _ => {
+        let head_dim = match config.get("head_dim") {
+            // HF configs write `head_dim: null` (or 0) for `hidden_size / num_attention_heads`.
+            Some(v) if v.as_u64() == Some(0) => None,
+            _ => optional_u64(
+                config,
+                &["head_dim"],
+                limits::MAX_HEAD_DIM,
+                "real heads are 64 to 256 wide",
+            )?,
+        };
+        let head_dim = match head_dim {
+            Some(d) => d,
+            None => {
                 if hidden % heads != 0 {
                     return Err(Error::field(
                         "num_attention_heads",
@@ -282,8 +333,13 @@ impl Architecture {
                 hidden / heads
             }
         };
-        let max_positions =
-            optional_u64(config, &["max_position_embeddings", "n_positions"])?.unwrap_or(2048);
+        let max_positions = optional_u64(
+            config,
+            &["max_position_embeddings", "n_positions"],
+            limits::MAX_POSITIONS,
+            "the longest real contexts are 10M tokens",
+        )?
+        .unwrap_or(2048);
         let default_tie = matches!(family, Family::Gemma2 | Family::Gpt2);
         let attention_bias = flag(config, "attention_bias", false);
         let qkv_bias = match family {
@@ -318,7 +374,10 @@ impl Architecture {
             qkv_bias,
             o_bias,
             mlp_bias,
-            sliding_window: optional_u64(config, &["sliding_window"])?,
+            sliding_window: match config.get("sliding_window") {
+                Some(v) if v.as_u64() == Some(0) => Some(0),
+                _ => optional_u64(config, &["sliding_window"], u64::MAX, "a window of tokens")?,
+            },
             attn_logit_softcapping: float("attn_logit_softcapping"),
             final_logit_softcapping: float("final_logit_softcapping"),
             embedding_dropout: float("embd_pdrop").unwrap_or(if gpt2 { 0.1 } else { 0.0 }),

@@ -76,10 +76,7 @@ pub fn resolve(model: &str, base_dir: Option<&Path>) -> Result<ResolvedModel> {
         path = path.join("config.json");
     }
     if path.is_file() {
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::Io {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
+        let text = crate::limits::read_text(&path)?;
         let config: Value = serde_json::from_str(&text).map_err(|e| Error::Syntax {
             path: path.clone(),
             line: Some(e.line()),
@@ -100,13 +97,18 @@ pub fn resolve(model: &str, base_dir: Option<&Path>) -> Result<ResolvedModel> {
         });
     }
     Err(Error::UnknownModel {
+        field: "model".to_string(),
         name: model.to_string(),
         suggestions: closest_names(&key, 3),
     })
 }
 
-/// The catalog names closest to `name`, best first.
+/// The catalog names closest to `name`, best first; none for a name far longer than any
+/// (the comparison takes time quadratic in its length).
 pub fn closest_names(name: &str, n: usize) -> Vec<String> {
+    if name.len() > 4 * crate::error::SHOWN_CHARS {
+        return Vec::new();
+    }
     let mut scored: Vec<(f64, &String)> = catalog()
         .keys()
         .map(|k| (strsim::jaro_winkler(name, k), k))

@@ -4,6 +4,10 @@
 use std::fmt;
 use std::path::PathBuf;
 
+/// Characters of an input value a message shows at most: a longer one is cut, with its
+/// length said.
+pub const SHOWN_CHARS: usize = 80;
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Error {
     /// A field of a run spec (or of a model config) holds a value that cannot be used.
@@ -12,8 +16,17 @@ pub enum Error {
         value: String,
         allowed: String,
     },
-    /// `model:` names neither a catalog entry nor a config file.
+    /// A run that allocates more than any device holds (a tensor of 1 EiB or more, or more
+    /// bytes than a device addresses): nothing can be estimated; `field` is what to shrink.
+    BeyondAnyDevice {
+        field: String,
+        value: String,
+        allowed: String,
+    },
+    /// `model:` names neither a catalog entry nor a config file; `field` is where it is
+    /// written (`model`, `instances[0].model`).
     UnknownModel {
+        field: String,
         name: String,
         suggestions: Vec<String>,
     },
@@ -38,30 +51,69 @@ pub enum Error {
 impl Error {
     /// The same error with its field named inside `prefix` (`lora.r`, `instances[0].model`).
     pub fn prefixed(self, prefix: &str) -> Self {
+        self.under(prefix, ".")
+    }
+
+    /// The same error with its field named in the file `path` (`models/x/config.json:
+    /// num_hidden_layers`).
+    pub fn in_file(self, path: &str) -> Self {
+        self.under(path, ": ")
+    }
+
+    fn under(self, prefix: &str, separator: &str) -> Self {
         match self {
             Error::Field {
                 field,
                 value,
                 allowed,
             } => Error::Field {
-                field: format!("{prefix}.{field}"),
+                field: format!("{prefix}{separator}{field}"),
                 value,
                 allowed,
+            },
+            Error::BeyondAnyDevice {
+                field,
+                value,
+                allowed,
+            } => Error::BeyondAnyDevice {
+                field: format!("{prefix}{separator}{field}"),
+                value,
+                allowed,
+            },
+            Error::UnknownModel {
+                field,
+                name,
+                suggestions,
+            } => Error::UnknownModel {
+                field: format!("{prefix}{separator}{field}"),
+                name,
+                suggestions,
             },
             other => other,
         }
     }
 
+    /// A field's value that cannot be used; a long value is cut to [`SHOWN_CHARS`]
+    /// characters (a field path to twice that).
     pub fn field(
         field: impl Into<String>,
         value: impl fmt::Display,
         allowed: impl Into<String>,
     ) -> Self {
         Error::Field {
-            field: field.into(),
-            value: value.to_string(),
+            field: shown(&field.into(), 2 * SHOWN_CHARS),
+            value: shown(&value.to_string(), SHOWN_CHARS),
             allowed: allowed.into(),
         }
+    }
+}
+
+/// `text`, cut to its first `max` characters with its length said when it is longer: a
+/// message must not echo a megabyte of input.
+pub fn shown(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        None => text.to_string(),
+        Some((end, _)) => format!("{}… ({} characters)", &text[..end], text.chars().count()),
     }
 }
 
@@ -72,13 +124,23 @@ impl fmt::Display for Error {
                 field,
                 value,
                 allowed,
+            }
+            | Error::BeyondAnyDevice {
+                field,
+                value,
+                allowed,
             } => {
                 write!(f, "`{field}`: {value} is not allowed; {allowed}")
             }
-            Error::UnknownModel { name, suggestions } => {
+            Error::UnknownModel {
+                field,
+                name,
+                suggestions,
+            } => {
                 write!(
                     f,
-                    "`model`: {name:?} is not a catalog model, a config.json or a model directory"
+                    "`{field}`: {:?} is not a catalog model, a config.json or a model directory",
+                    shown(name, SHOWN_CHARS)
                 )?;
                 if !suggestions.is_empty() {
                     write!(f, "; did you mean {}?", suggestions.join(", "))?;

@@ -12,7 +12,8 @@
 //! - [`gpu`]: the GPU catalog;
 //! - [`diagnose`] and [`plan`]: out-of-memory messages, config lint rules, remedies and `fit`;
 //! - [`report`]: the typed JSON contract of every command;
-//! - [`units`]: byte sizes as people read and write them.
+//! - [`units`]: byte sizes as people read and write them;
+//! - [`limits`]: the largest inputs accepted, and why each is safe.
 //!
 //! `docs/ARCHITECTURE.md` shows how they fit together.
 
@@ -23,6 +24,7 @@ pub mod dtype;
 pub mod error;
 pub mod estimate;
 pub mod gpu;
+pub mod limits;
 pub mod plan;
 pub mod report;
 pub mod sim;

@@ -328,6 +328,15 @@ pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
     }
 }
 
+/// Estimates made by [`simulate`] in this process, for a progress display.
+static ESTIMATES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many configurations this process has estimated so far (`fit` makes dozens to
+/// hundreds): what a progress display counts.
+pub fn estimates_made() -> u64 {
+    ESTIMATES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Estimate the simulated part of `k` on the setup's GPU. Resident models and NCCL hold part
 /// of the device outside the simulated run, so its allocator gets what they leave (the
 /// estimator takes NCCL off itself when the run it simulates is data parallel).
@@ -349,6 +358,7 @@ pub fn simulate(setup: &Setup, k: &Knobs) -> Result<Estimate> {
     if parallel.is_some() {
         spec.parallel = parallel;
     }
+    ESTIMATES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut est = estimate::estimate(&spec, setup.spec_dir, &gpu)?;
     est.gpu = setup.gpu.clone();
     Ok(est)
@@ -380,6 +390,22 @@ pub fn evaluate_with(setup: &Setup, k: &Knobs, est: &Estimate) -> Evaluation {
 /// Simulate and evaluate `k`.
 pub fn evaluate(setup: &Setup, k: &Knobs) -> Result<Evaluation> {
     Ok(evaluate_with(setup, k, &simulate(setup, k)?))
+}
+
+/// An estimate of a configuration the search made up, `None` when the estimator does not
+/// model it (LoRA beside the spec's own FSDP, a fused AdamW under its ZeRO) or no device
+/// could hold it: such a configuration is no answer, and the others still are.
+fn candidate(estimate: Result<Estimate>) -> Result<Option<Estimate>> {
+    match estimate {
+        Ok(est) => Ok(Some(est)),
+        Err(Error::Unsupported { .. } | Error::BeyondAnyDevice { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether `k` fits; one that no device could hold does not.
+fn fits(setup: &Setup, k: &Knobs) -> Result<bool> {
+    Ok(candidate(simulate(setup, k))?.is_some_and(|est| evaluate_with(setup, k, &est).fits))
 }
 
 /// The spec as given, with its residents and ranks.
@@ -698,12 +724,12 @@ fn largest_fitting(lo: u64, cap: u64, mut fits: impl FnMut(u64) -> Result<bool>)
 /// Largest micro-batch that fits, everything else as the spec says; `None` if 1 does not.
 pub fn max_micro_batch(setup: &Setup) -> Result<Option<u64>> {
     let base = Knobs::of(&setup.spec);
-    let fits = |b: u64| -> Result<bool> {
+    let fits = |b: u64| {
         let k = Knobs {
             micro_batch: b,
             ..base.clone()
         };
-        Ok(evaluate(setup, &k)?.fits)
+        fits(setup, &k)
     };
     if !fits(1)? {
         return Ok(None);
@@ -715,12 +741,12 @@ pub fn max_micro_batch(setup: &Setup) -> Result<Option<u64>> {
 /// `None` if 1 token does not.
 pub fn max_seq_len(setup: &Setup, max_positions: u64) -> Result<Option<u64>> {
     let base = Knobs::of(&setup.spec);
-    let fits = |s: u64| -> Result<bool> {
+    let fits = |s: u64| {
         let k = Knobs {
             seq_len: s,
             ..base.clone()
         };
-        Ok(evaluate(setup, &k)?.fits)
+        fits(setup, &k)
     };
     if !fits(1)? {
         return Ok(None);
@@ -798,7 +824,9 @@ pub fn search(setup: &Setup) -> Result<Vec<Evaluation>> {
                             accumulation: base.micro_batch.div_ceil(micro_batch),
                             ..base.clone()
                         };
-                        let plain = simulate(setup, &sim)?;
+                        let Some(plain) = candidate(simulate(setup, &sim))? else {
+                            continue;
+                        };
                         let plain_parallel = parallel_for(&setup.spec, &sim, setup.gpus);
                         for &sharding in shardings {
                             for &cpu_offload in offloads {
@@ -809,10 +837,15 @@ pub fn search(setup: &Setup) -> Result<Vec<Evaluation>> {
                                 };
                                 // A sharding or offload the estimator models is a run of its
                                 // own; the computed ones start from the plain run.
-                                let own = parallel_for(&setup.spec, &sharded, setup.gpus)
+                                let own = match parallel_for(&setup.spec, &sharded, setup.gpus)
                                     .filter(|p| Some(p) != plain_parallel.as_ref())
-                                    .map(|_| simulate(setup, &sharded))
-                                    .transpose()?;
+                                {
+                                    Some(_) => match candidate(simulate(setup, &sharded))? {
+                                        Some(est) => Some(est),
+                                        None => continue,
+                                    },
+                                    None => None,
+                                };
                                 let est = own.as_ref().unwrap_or(&plain);
                                 for fused_loss in [false, true] {
                                     for &residents_off_gpu in residents_off {

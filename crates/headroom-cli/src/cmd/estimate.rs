@@ -43,7 +43,11 @@ pub fn run(args: Args) -> CliResult {
     let spec = match document {
         Document::Run(spec) => spec,
         Document::Pipeline(spec) => {
-            let est = estimate::estimate_pipeline(&spec, dir, &gpu, limit)?;
+            // A pipeline's iterations can take seconds (see `headroom::limits`).
+            let progress = crate::progress::spinner(args.json, "estimating the pipeline", None);
+            let est = estimate::estimate_pipeline(&spec, dir, &gpu, limit);
+            progress.finish_and_clear();
+            let est = est?;
             if args.json {
                 println!("{}", to_json(&PipelineJson::new(&est, args.gpu.is_some())));
             } else {

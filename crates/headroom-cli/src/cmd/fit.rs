@@ -52,7 +52,14 @@ pub fn run(args: Args) -> CliResult {
         gpus: args.gpus,
         residents,
     };
-    let report = plan::fit(&setup)?;
+    let progress = crate::progress::spinner(
+        args.json,
+        "fit: configurations estimated",
+        Some(plan::estimates_made),
+    );
+    let report = plan::fit(&setup);
+    progress.finish_and_clear();
+    let report = report?;
     if args.json {
         println!("{}", to_json(&FitJson::new(&setup, &report)));
     } else {

@@ -37,7 +37,22 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> CliResult {
-    let validation = validate::check_files(&args.files)?;
+    let progress = crate::progress::spinner(args.json, "validate", None);
+    let mut validation = Validation::default();
+    for (i, file) in args.files.iter().enumerate() {
+        progress.set_message(format!(
+            "validate: file {} of {}, {}",
+            i + 1,
+            args.files.len(),
+            file.display()
+        ));
+        let one = validate::check_files(std::slice::from_ref(file));
+        let one = one.inspect_err(|_| progress.finish_and_clear())?;
+        validation.rows.extend(one.rows);
+        validation.pipelines.phases.extend(one.pipelines.phases);
+        validation.pipelines.notes.extend(one.pipelines.notes);
+    }
+    progress.finish_and_clear();
     if let Some(path) = &args.markdown {
         std::fs::write(path, markdown(&validation))
             .map_err(|e| CliError::failure(format!("{}: {e}", path.display())))?;

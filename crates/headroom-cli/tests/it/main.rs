@@ -7,3 +7,4 @@ mod common;
 mod diagnose_fit;
 mod estimate;
 mod rules;
+mod totality;

@@ -12,7 +12,7 @@ use std::path::Path;
 use headroom_alloc::{AllocatorConfig, OutOfMemory};
 
 use crate::arch::Architecture;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::Gpu;
 use crate::sim::{self, Component, PhasePeak, SimulatedEvent, SimulatedOom};
 use crate::spec::{RunSpec, Strategy};
@@ -125,9 +125,8 @@ pub fn estimate_with_trace(
     limit: Limit,
     trace: bool,
 ) -> Result<(Estimate, Vec<SimulatedEvent>)> {
-    let model = spec.resolve_model(spec_dir)?;
-    let arch = Architecture::from_hf_config(&model.config)?;
-    spec.check_against(&arch)?;
+    spec.check_simulated()?;
+    let (model, arch) = spec.architecture(spec_dir, "")?;
     if let Some(parallel) = &spec.parallel {
         // A forward-only zero1/zero2 model is refused by the spec (a plain copy); zero3 builds
         // an inference engine without an optimizer.
@@ -135,7 +134,7 @@ pub fn estimate_with_trace(
             && spec.mode == crate::spec::Mode::Train
             && spec.optimizer != crate::spec::Optimizer::AdamW
         {
-            return Err(crate::error::Error::Unsupported {
+            return Err(Error::Unsupported {
                 what: format!("optimizer {} with DeepSpeed ZeRO", spec.optimizer.name()),
                 supported: "adamw (DeepSpeed's torch_adam: torch.optim.AdamW, foreach; \
                             DeepSpeedCPUAdam under offload_optimizer)"
@@ -159,6 +158,9 @@ pub fn estimate_with_trace(
         ..sim::Options::new(allocator)
     };
     let mut sim = sim::simulate(spec, &arch, &options);
+    if let Some(refused) = &sim.refused {
+        return Err(beyond_any_device("", spec, refused));
+    }
     let mut oom = sim.oom.take();
     if let Some(OutOfMemory::Device(error)) = oom.as_mut().map(|o| &mut o.error) {
         // The simulator knows its capacity; PyTorch prints the device's total.
@@ -169,6 +171,9 @@ pub fn estimate_with_trace(
         options.capacity = None;
         options.after_oom = sim::AfterOom::GoOn;
         sim = sim::simulate(spec, &arch, &options);
+        if let Some(refused) = &sim.refused {
+            return Err(beyond_any_device("", spec, refused));
+        }
     }
     let breakdown = Component::ALL
         .iter()
@@ -197,4 +202,22 @@ pub fn estimate_with_trace(
         assumptions: Assumptions::run(spec, gpu),
     };
     Ok((estimate, sim.trace))
+}
+
+/// The error for a run that allocates what no device can hold (`refused`): its batch (at
+/// `prefix`, `instances[0].` in a pipeline) is what to shrink.
+pub(crate) fn beyond_any_device(prefix: &str, spec: &RunSpec, refused: &SimulatedOom) -> Error {
+    let why = match refused.error {
+        OutOfMemory::MoreThanOneExabyte { .. } => "PyTorch refuses a tensor of 1 EiB or more",
+        OutOfMemory::Device(_) => "the simulated device's 4 EiB of addresses are spent",
+    };
+    Error::BeyondAnyDevice {
+        field: format!("{prefix}batch_size"),
+        value: spec.batch_size.to_string(),
+        allowed: format!(
+            "at seq_len {} the run allocates `{}` ({} bytes) in {} of step {}, where {why}; \
+             use a smaller batch_size or seq_len",
+            spec.seq_len, refused.tensor, refused.requested_bytes, refused.phase, refused.step
+        ),
+    }
 }

@@ -98,13 +98,6 @@ fn engine_def(e: &EngineSpec, spec: &RunSpec, arch: &Architecture, gpu: &Gpu) ->
     }
 }
 
-fn architecture(spec: &RunSpec, dir: Option<&Path>) -> Result<Architecture> {
-    let model = spec.resolve_model(dir)?;
-    let arch = Architecture::from_hf_config(&model.config)?;
-    spec.check_against(&arch)?;
-    Ok(arch)
-}
-
 /// Resolve every instance (relative model paths from `spec_dir`) and simulate the pipeline's
 /// iterations on `gpu`, at its capacity or without a limit.
 pub fn estimate_pipeline(
@@ -116,8 +109,12 @@ pub fn estimate_pipeline(
     let archs = spec
         .instances
         .iter()
-        .map(|i| architecture(&i.spec, spec_dir))
+        .map(|i| {
+            i.spec.check_simulated().map_err(|e| e.prefixed(&i.at))?;
+            Ok(i.spec.architecture(spec_dir, &i.at)?.1)
+        })
         .collect::<Result<Vec<_>>>()?;
+    spec.check_work(&archs.iter().map(|a| a.layers).collect::<Vec<_>>())?;
     let defs: Vec<InstanceDef> = spec
         .instances
         .iter()
@@ -157,7 +154,12 @@ pub fn estimate_pipeline(
     };
     let need = |s: &PipelineSimulation| {
         let reserved = s.phases.iter().map(|p| p.peak_reserved).max();
-        (s.oom.is_some(), reserved, s.peak.allocated)
+        (
+            s.refused.is_some(),
+            s.oom.is_some(),
+            reserved,
+            s.peak.allocated,
+        )
     };
     let run = |capacity| {
         ranks
@@ -176,13 +178,29 @@ pub fn estimate_pipeline(
             .max_by_key(need)
             .expect("at least one rank")
     };
+    // A run that allocates what no device holds is refused; the instance named is the one
+    // with the most tokens per step, the likeliest to shrink.
+    let refuse = |refused: &SimulatedOom| {
+        let instance = spec
+            .instances
+            .iter()
+            .max_by_key(|x| x.spec.batch_size.saturating_mul(x.spec.seq_len))
+            .expect("a pipeline has instances");
+        super::beyond_any_device(&format!("{}.", instance.at), &instance.spec, refused)
+    };
     let mut sim = run(capacity);
+    if let Some(refused) = &sim.refused {
+        return Err(refuse(refused));
+    }
     let mut oom = sim.oom.take();
     if let Some(OutOfMemory::Device(error)) = oom.as_mut().map(|o| &mut o.error) {
         error.device_total = gpu.total_bytes;
     }
     if oom.is_some() {
         sim = run(None);
+        if let Some(refused) = &sim.refused {
+            return Err(refuse(refused));
+        }
     }
     let peak = sim
         .phases

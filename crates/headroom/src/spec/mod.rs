@@ -4,7 +4,7 @@
 //!   measuring harness;
 //! - `pipeline`: several runs in one process and the phases of an iteration ([`PipelineSpec`]);
 //! - `parse`: text into a document, and the field readers both share, so a bad value is
-//!   reported alike wherever it sits;
+//!   reported alike wherever it sits (within [`crate::limits`]);
 //! - `versions`: the library versions a run or a pipeline says it uses.
 //!
 //! [`load`] reads a file and tells the two apart.

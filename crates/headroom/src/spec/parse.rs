@@ -6,27 +6,40 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
+use crate::limits;
 
 /// Parse a YAML (or JSON) document into a JSON value, with line and column on syntax errors.
+/// Refused: nesting deeper than [`limits::MAX_NESTING`], a key given twice, NaN and
+/// infinities (JSON has no such numbers; a JSON value would silently make them null).
 pub fn parse_document(text: &str, path: &Path) -> Result<Value> {
-    yaml_serde::from_str::<Value>(text).map_err(|e| {
+    let syntax = |message: String| Error::Syntax {
+        path: path.to_path_buf(),
+        line: None,
+        column: None,
+        message,
+    };
+    if limits::flow_depth_within(text, limits::MAX_NESTING).is_none() {
+        return Err(syntax(format!(
+            "collections nested more than {} deep (`[` or `{{`); a spec nests a few levels",
+            limits::MAX_NESTING
+        )));
+    }
+    let value = yaml_serde::from_str::<yaml_serde::Value>(text).map_err(|e| {
         let location = e.location();
         Error::Syntax {
             path: path.to_path_buf(),
             line: location.as_ref().map(|l| l.line()),
             column: location.as_ref().map(|l| l.column()),
-            message: e.to_string(),
+            message: crate::error::shown(&e.to_string(), 4 * crate::error::SHOWN_CHARS),
         }
-    })
+    })?;
+    limits::to_json(value, "")
 }
 
-/// Read and parse a spec file (YAML or JSON: YAML parses both).
+/// Read and parse a spec file (YAML or JSON: YAML parses both), refusing one larger than
+/// [`limits::MAX_FILE_BYTES`] before reading it.
 pub(crate) fn read_document(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })?;
-    parse_document(&text, path)
+    parse_document(&limits::read_text(path)?, path)
 }
 
 /// Refuse the first key of `obj` outside `known`, naming it with its `prefix` (`lora.`,
@@ -41,8 +54,10 @@ pub(crate) fn unknown_key(
     let Some(key) = obj.keys().find(|k| !known.contains(&k.as_str())) else {
         return Ok(());
     };
+    // No key is long; comparing a long one takes time quadratic in its length.
     let closest = known
         .iter()
+        .filter(|_| key.len() <= 4 * crate::error::SHOWN_CHARS)
         .map(|k| (strsim::jaro_winkler(key, k), k))
         .filter(|(score, _)| *score > 0.85)
         .max_by(|a, b| a.0.total_cmp(&b.0));

@@ -27,6 +27,7 @@ use super::parse::unknown_key;
 use super::run::{Mode, Optimizer, Parallel, RunSpec, Strategy};
 use super::versions::Versions;
 use crate::error::{Error, Result};
+use crate::limits;
 
 /// Where an instance's parameters are built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +69,9 @@ pub struct PhaseDef {
 #[derive(Clone, Debug, PartialEq)]
 pub struct InstanceSpec {
     pub name: String,
+    /// Where the instance is written (`instances[0]`, `policy`): errors about it name fields
+    /// under it.
+    pub at: String,
     pub spec: RunSpec,
     pub home: Home,
     /// Other names of this instance (`shares:`), reported with it.
@@ -138,9 +142,13 @@ impl PipelineSpec {
                 })
         };
         let mut instances: Vec<InstanceSpec> = Vec::new();
-        for (i, item) in list("instances", "instances {name, model, ...}")?
-            .iter()
-            .enumerate()
+        for (i, item) in at_most(
+            list("instances", "instances {name, model, ...}")?,
+            "instances",
+            limits::MAX_INSTANCES,
+        )?
+        .iter()
+        .enumerate()
         {
             let at = format!("instances[{i}]");
             let mut fields = item
@@ -248,6 +256,7 @@ impl PipelineSpec {
             }
             instances.push(InstanceSpec {
                 name,
+                at,
                 spec,
                 home,
                 aliases: Vec::new(),
@@ -271,9 +280,13 @@ impl PipelineSpec {
             )
         };
         let mut phases = Vec::new();
-        for (i, item) in list("phases", "phases {name, run, offload}")?
-            .iter()
-            .enumerate()
+        for (i, item) in at_most(
+            list("phases", "phases {name, run, offload}")?,
+            "phases",
+            limits::MAX_PHASES,
+        )?
+        .iter()
+        .enumerate()
         {
             let at = format!("phases[{i}]");
             let p = item
@@ -305,7 +318,10 @@ impl PipelineSpec {
                     "a list of instance names or {instance, pass, repeat}",
                 )
             })?;
-            for (j, run) in runs.iter().enumerate() {
+            for (j, run) in at_most(runs, &format!("{at}.run"), limits::MAX_PHASES)?
+                .iter()
+                .enumerate()
+            {
                 let at = format!("{at}.run[{j}]");
                 let (name, pass, repeat) = match run {
                     Value::String(n) => (n.as_str(), None, 1),
@@ -322,12 +338,18 @@ impl PipelineSpec {
                             Some(Value::String(s)) if s == "train" => Some(Pass::Train),
                             Some(Value::String(s)) if s == "forward" => Some(Pass::Forward),
                             Some(Value::String(s)) if s == "generate" => {
-                                let n = new_tokens.and_then(Value::as_u64).filter(|&n| n >= 1);
+                                let n = new_tokens
+                                    .and_then(Value::as_u64)
+                                    .filter(|n| (1..=limits::MAX_NEW_TOKENS).contains(n));
                                 let Some(new_tokens) = n else {
                                     return Err(Error::field(
                                         format!("{at}.new_tokens"),
                                         new_tokens.cloned().unwrap_or(Value::Null),
-                                        "a generate pass needs new_tokens, an integer >= 1",
+                                        format!(
+                                            "a generate pass needs new_tokens, an integer from \
+                                             1 to {} (real rollouts are up to 128k tokens)",
+                                            limits::MAX_NEW_TOKENS
+                                        ),
                                     ));
                                 };
                                 Some(Pass::Generate { new_tokens })
@@ -415,13 +437,11 @@ impl PipelineSpec {
                 });
             }
             let mut offload = Vec::new();
-            for (j, v) in p
-                .get("offload")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .enumerate()
-            {
+            let offloads = match p.get("offload").and_then(Value::as_array) {
+                Some(items) => at_most(items, &format!("{at}.offload"), limits::MAX_PHASES)?,
+                None => &[],
+            };
+            for (j, v) in offloads.iter().enumerate() {
                 let name = v.as_str().unwrap_or_default();
                 let i = find(name).ok_or_else(|| unknown(format!("{at}.offload[{j}]"), name))?;
                 if passes.iter().any(|x| x.instance == i) {
@@ -518,6 +538,7 @@ impl PipelineSpec {
         }
         let instance = |name: &str, spec: RunSpec, home| InstanceSpec {
             name: name.into(),
+            at: name.into(),
             spec,
             home,
             aliases: Vec::new(),
@@ -553,12 +574,61 @@ impl PipelineSpec {
         })
     }
 
+    /// The simulated work of the pipeline within [`limits::MAX_PIPELINE_WORK`], given each
+    /// instance's layers: over the iterations, each pass's repeats × layers × (4 to train, 1
+    /// forward, 1 + new_tokens / 12 to generate). A rollout engine's passes cost nothing.
+    pub fn check_work(&self, layers: &[u64]) -> Result<()> {
+        let per_iteration = self
+            .phases
+            .iter()
+            .flat_map(|p| &p.passes)
+            .filter(|p| self.instances[p.instance].engine.is_none())
+            .map(|p| {
+                let per_layer = match p.pass {
+                    Pass::Train => 4,
+                    Pass::Forward => 1,
+                    Pass::Generate { new_tokens } => 1 + new_tokens / 12,
+                };
+                u64::from(p.repeat)
+                    .saturating_mul(layers.get(p.instance).copied().unwrap_or(0))
+                    .saturating_mul(per_layer)
+            })
+            .fold(0u64, u64::saturating_add);
+        let work = per_iteration.saturating_mul(u64::from(self.iterations));
+        if work > limits::MAX_PIPELINE_WORK {
+            return Err(Error::field(
+                "iterations",
+                self.iterations,
+                format!(
+                    "the pipeline would simulate {work} layer passes (repeats × layers × 4 to \
+                     train, 1 forward, 1 + new_tokens / 12 to generate, per iteration), more \
+                     than the {} an estimate may take; use fewer iterations, repeats or \
+                     new_tokens: the peak settles within 3 iterations",
+                    limits::MAX_PIPELINE_WORK
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The instance that `name` (a name or an alias) refers to.
     pub fn instance(&self, name: &str) -> Option<&InstanceSpec> {
         self.instances
             .iter()
             .find(|x| x.name == name || x.aliases.iter().any(|a| a == name))
     }
+}
+
+/// `items`, unless it has more than `max` entries.
+fn at_most<'a>(items: &'a [Value], field: &str, max: usize) -> Result<&'a [Value]> {
+    if items.len() > max {
+        return Err(Error::field(
+            field,
+            format!("a list of {}", items.len()),
+            format!("use at most {max} entries (see `headroom::limits`)"),
+        ));
+    }
+    Ok(items)
 }
 
 /// What an instance may be in a pipeline.

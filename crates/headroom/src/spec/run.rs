@@ -12,6 +12,7 @@ use super::versions::Versions;
 use crate::arch::{Architecture, Head, Module};
 use crate::catalog::{self, ResolvedModel};
 use crate::error::{Error, Result};
+use crate::limits;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Task {
@@ -351,8 +352,53 @@ impl RunSpec {
             },
             versions: Versions::from_value(obj.get("versions"))?,
         };
+        spec.check_sizes()?;
         spec.check_combinations()?;
         Ok(spec)
+    }
+
+    /// Tokens per micro-batch within [`limits::MAX_TOKENS`], so that the sizes the simulator
+    /// multiplies out stay representable.
+    fn check_sizes(&self) -> Result<()> {
+        limits::within(
+            "seq_len",
+            self.seq_len,
+            limits::MAX_POSITIONS,
+            "the longest real contexts are 10M tokens",
+        )?;
+        let tokens = self.batch_size.saturating_mul(self.seq_len);
+        if tokens > limits::MAX_TOKENS {
+            return Err(Error::field(
+                "batch_size",
+                self.batch_size,
+                format!(
+                    "batch_size × seq_len is {tokens} tokens, more than the {} a micro-batch \
+                     may have; use at most {} sequences of {}",
+                    limits::MAX_TOKENS,
+                    limits::MAX_TOKENS / self.seq_len,
+                    self.seq_len
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// What the simulator models, whoever built the spec (the spec reader's checks are
+    /// stricter; `fit` builds specs beyond them, QLoRA under DDP): adapters (LoRA, 4-bit
+    /// weights) on one GPU or under DDP, not under a sharding strategy.
+    pub(crate) fn check_simulated(&self) -> Result<()> {
+        match &self.parallel {
+            Some(p)
+                if p.strategy != Strategy::Ddp
+                    && (self.lora.is_some() || self.quantization.is_some()) =>
+            {
+                Err(Error::Unsupported {
+                    what: format!("adapters with parallel.strategy {}", p.strategy.name()),
+                    supported: "LoRA and QLoRA alone or with ddp".into(),
+                })
+            }
+            _ => Ok(()),
+        }
     }
 
     fn check_combinations(&self) -> Result<()> {
@@ -425,6 +471,28 @@ impl RunSpec {
             }),
             None => catalog::resolve(&self.model, spec_dir),
         }
+    }
+
+    /// The model's architecture, resolved as [`RunSpec::resolve_model`] does and checked
+    /// against the spec. A bad field is named where it is written, the spec's under `at`
+    /// (`instances[0]` in a pipeline, empty for a run spec): `model_config.num_hidden_layers`
+    /// inline, `path/config.json: num_hidden_layers` in a config file.
+    pub fn architecture(
+        &self,
+        spec_dir: Option<&Path>,
+        at: &str,
+    ) -> Result<(ResolvedModel, Architecture)> {
+        let in_spec = |e: Error| if at.is_empty() { e } else { e.prefixed(at) };
+        let model = self.resolve_model(spec_dir).map_err(in_spec)?;
+        let arch = Architecture::from_hf_config(&model.config).map_err(|e| {
+            if self.model_config.is_some() {
+                in_spec(e.prefixed("model_config"))
+            } else {
+                e.in_file(&model.name)
+            }
+        })?;
+        self.check_against(&arch).map_err(in_spec)?;
+        Ok((model, arch))
     }
 
     pub fn head(&self) -> Head {

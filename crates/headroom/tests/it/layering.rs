@@ -8,9 +8,10 @@ use std::path::{Path, PathBuf};
 
 /// The library's top-level modules, lowest first: each may name those of its own rank or
 /// below.
-const LIBRARY: [(&str, u32); 14] = [
+const LIBRARY: [(&str, u32); 15] = [
     ("dtype", 0),
     ("error", 0),
+    ("limits", 0),
     ("units", 0),
     ("arch", 1),
     ("gpu", 1),

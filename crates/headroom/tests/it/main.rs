@@ -2,6 +2,7 @@
 //! module per area. Measured rows are read from bench/ (paths relative to each module's file);
 //! what several modules share is in `common`.
 
+mod arbitrary_specs;
 mod assumptions;
 mod catalog;
 mod common;
@@ -13,3 +14,4 @@ mod lint;
 mod oom_messages;
 mod params;
 mod pipeline;
+mod totality;

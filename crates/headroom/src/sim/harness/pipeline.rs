@@ -66,6 +66,9 @@ pub struct PipelineSimulation {
     /// The allocated peak after loading, and what it was made of.
     pub peak: PeakRecord,
     pub oom: Option<SimulatedOom>,
+    /// An allocation that fails on any device; the run stopped there (see
+    /// `Simulation::refused`).
+    pub refused: Option<SimulatedOom>,
 }
 
 /// Simulate `iterations` of `phases` over `instances` (the specs were validated by the caller)
@@ -239,6 +242,7 @@ pub fn simulate_pipeline(
         phases: out,
         peak: t.mem.peak().clone(),
         oom: t.mem.oom().cloned(),
+        refused: t.mem.refused().cloned(),
     }
 }
 

@@ -79,6 +79,9 @@ pub struct Simulation {
     pub trace: Vec<SimulatedEvent>,
     /// The first allocation that failed on a device of the given capacity.
     pub oom: Option<SimulatedOom>,
+    /// An allocation that fails on any device (1 EiB or more, or past a 64-bit address
+    /// space): the run stopped there and its numbers mean nothing.
+    pub refused: Option<SimulatedOom>,
     /// Steps taken from the previous one rather than simulated (see `sim::memo`).
     pub repeated_steps: u32,
     /// Steps whose requests were taken from the previous one and served by the allocator
@@ -121,7 +124,14 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
         return last;
     }
     let first = run(Some(0));
-    let need = |s: &Simulation| (s.oom.is_some(), s.peak_reserved, s.peak.allocated);
+    let need = |s: &Simulation| {
+        (
+            s.refused.is_some(),
+            s.oom.is_some(),
+            s.peak_reserved,
+            s.peak.allocated,
+        )
+    };
     if need(&first) > need(&last) {
         first
     } else {
@@ -222,6 +232,7 @@ fn simulate_rank(
         host_bytes: instance.host_bytes(&t),
         phases,
         oom: t.mem.oom().cloned(),
+        refused: t.mem.refused().cloned(),
         trace: t.mem.take_trace(),
         repeated_steps: memo.repeated_steps,
         replayed_steps: memo.replayed_steps,

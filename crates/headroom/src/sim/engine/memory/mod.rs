@@ -79,8 +79,10 @@ pub(crate) struct Memory {
     /// What the first out-of-memory error does to the run.
     on_oom: OnOom,
     /// Stopped: from here on nothing reaches the allocator; allocations carry this block
-    /// (the last one made) and are never freed.
+    /// (the last one made, or [`BlockId::DETACHED`]) and are never freed.
     stopped: Option<BlockId>,
+    /// A request the allocator refused even without a device limit; the run stopped there.
+    refused: Option<SimulatedOom>,
     live: [u64; Component::COUNT],
     peak: PeakRecord,
     phase: &'static str,
@@ -100,6 +102,7 @@ impl Memory {
             oom: None,
             on_oom: OnOom::GoOn,
             stopped: None,
+            refused: None,
             live: [0; Component::COUNT],
             peak: PeakRecord::default(),
             phase: "load",
@@ -171,10 +174,29 @@ impl Memory {
                     });
                 }
                 self.allocator.set_capacity(None);
-                let block = self
-                    .allocator
-                    .malloc(bytes, self.stream)
-                    .expect("an allocator without a capacity limit does not run out");
+                let block = match self.allocator.malloc(bytes, self.stream) {
+                    Ok(block) => block,
+                    Err(error) => {
+                        // No device holds it: a tensor of 1 EiB or more, or more bytes than
+                        // a 64-bit device addresses. The run cannot go on.
+                        self.refused = Some(SimulatedOom {
+                            step: self.step,
+                            phase: self.phase,
+                            tensor: label,
+                            requested_bytes: bytes,
+                            error,
+                        });
+                        if let Some(r) = &mut self.recording {
+                            r.abandon();
+                        }
+                        self.stopped = Some(BlockId::DETACHED);
+                        return Allocation {
+                            block: BlockId::DETACHED,
+                            requested: bytes,
+                            component,
+                        };
+                    }
+                };
                 let stop = match self.on_oom {
                     OnOom::GoOn => false,
                     OnOom::Stop => true,
@@ -339,6 +361,11 @@ impl Memory {
 
     pub(crate) fn oom(&self) -> Option<&SimulatedOom> {
         self.oom.as_ref()
+    }
+
+    /// The request no device could serve, where the run stopped.
+    pub(crate) fn refused(&self) -> Option<&SimulatedOom> {
+        self.refused.as_ref()
     }
 
     pub(crate) fn take_trace(&mut self) -> Vec<SimulatedEvent> {

@@ -10,5 +10,6 @@ mod fit;
 mod layering;
 mod lint;
 mod oom_messages;
+mod oom_pastes;
 mod params;
 mod pipeline;

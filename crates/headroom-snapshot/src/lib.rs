@@ -12,6 +12,7 @@
 mod address_map;
 mod error;
 mod lcs;
+pub mod limits;
 mod mapped_pages;
 mod model;
 mod pickle;
@@ -22,7 +23,7 @@ pub mod report;
 mod sites;
 mod summary;
 
-pub use error::{DecodeError, PickleError, SnapshotError};
+pub use error::{DecodeError, Limit, PickleError, SnapshotError};
 pub use model::{
     Action, AllocatorSettings, Block, BlockState, Frame, FrameTable, NO_STACK, Segment, Snapshot,
     StackId, TraceEvent,

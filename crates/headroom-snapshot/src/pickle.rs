@@ -8,12 +8,14 @@
 //! large file) are turned into compact [`TraceEvent`]s as soon as their dict is filled, with
 //! their stacks interned.
 //!
-//! Any input, however corrupt, ends in `Ok` or `Err`: every read is bounds-checked, lengths are
-//! checked against the bytes left, and the stack machine never recurses.
+//! Any input, however corrupt, ends in `Ok` or `Err` in time and memory proportional to its
+//! length: every read is bounds-checked, lengths are checked against the bytes left, the stack
+//! machine never recurses, and its stack and memo are bounded ([`crate::limits`]).
 
 use std::collections::HashMap;
 
-use crate::error::PickleError;
+use crate::error::{DecodeError, Limit, PickleError};
+use crate::limits::MAX_STACK;
 use crate::model::{Action, NO_STACK, RawFrame, StackId, TraceEvent};
 
 /// A pickled value. Containers and strings are indices into the [`Heap`].
@@ -69,6 +71,9 @@ pub(crate) struct Heap {
     pub events: Vec<TraceEvent>,
     pub frames: Vec<RawFrame>,
     pub stacks: Vec<Box<[u32]>>,
+    /// Values the pickle made (pushed on its stack): what a converter of a pickle that shares
+    /// nothing can visit at most.
+    pub made: u64,
     frame_of_dict: HashMap<u32, u32>,
     stack_of_list: HashMap<u32, StackId>,
     stack_ids: HashMap<Box<[u32]>, StackId>,
@@ -273,9 +278,6 @@ fn unsupported_name(op: u8) -> Option<&'static str> {
     })
 }
 
-/// Memo indices are sequential in real pickles; a far jump is corruption, not data.
-const MAX_MEMO_GAP: usize = 1 << 20;
-
 struct Reader<'a> {
     data: &'a [u8],
     pos: usize,
@@ -338,25 +340,31 @@ struct Machine {
     stack: Vec<Value>,
     marks: Vec<usize>,
     memo: Vec<Value>,
+    /// Where the current opcode starts: the bound on memo slots.
+    offset: usize,
 }
 
-/// Unpickles `data` into a heap and the top-level value.
-pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), PickleError> {
+/// Unpickles `data` into a heap and the top-level value. The stack and the marks hold at most
+/// [`MAX_STACK`] entries and the memo at most one slot per byte read, so memory stays
+/// proportional to `data`.
+pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), DecodeError> {
     let mut r = Reader { data, pos: 0 };
     let mut m = Machine {
         heap: Heap::default(),
         stack: Vec::new(),
         marks: Vec::new(),
         memo: Vec::new(),
+        offset: 0,
     };
     loop {
         let offset = r.pos;
+        m.offset = offset;
         let op = r.byte()?;
         match op {
             PROTO => {
                 let version = r.byte()?;
                 if version > 5 {
-                    return Err(PickleError::Protocol(version));
+                    return Err(PickleError::Protocol(version).into());
                 }
             }
             FRAME => {
@@ -366,7 +374,12 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), PickleError> {
                 let top = m.pop(offset)?;
                 return Ok((m.heap, top));
             }
-            MARK => m.marks.push(m.stack.len()),
+            MARK => {
+                if m.marks.len() >= MAX_STACK {
+                    return Err(Limit::Stack { offset }.into());
+                }
+                m.marks.push(m.stack.len());
+            }
             POP => {
                 m.pop(offset)?;
             }
@@ -379,18 +392,18 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), PickleError> {
                     .stack
                     .last()
                     .ok_or(PickleError::StackUnderflow { offset })?;
-                m.stack.push(top);
+                m.push(top)?;
             }
-            NONE => m.stack.push(Value::None),
-            NEWTRUE => m.stack.push(Value::Bool(true)),
-            NEWFALSE => m.stack.push(Value::Bool(false)),
-            BININT => m.stack.push(Value::Int(i64::from(r.u32()? as i32))),
-            BININT1 => m.stack.push(Value::Int(i64::from(r.byte()?))),
-            BININT2 => m.stack.push(Value::Int(i64::from(r.u16()?))),
+            NONE => m.push(Value::None)?,
+            NEWTRUE => m.push(Value::Bool(true))?,
+            NEWFALSE => m.push(Value::Bool(false))?,
+            BININT => m.push(Value::Int(i64::from(r.u32()? as i32)))?,
+            BININT1 => m.push(Value::Int(i64::from(r.byte()?)))?,
+            BININT2 => m.push(Value::Int(i64::from(r.u16()?)))?,
             LONG1 => {
                 let n = usize::from(r.byte()?);
                 let bytes = r.take(n)?;
-                m.stack.push(long_from_le(bytes, offset)?);
+                m.push(long_from_le(bytes, offset)?)?;
             }
             LONG4 => {
                 let n = r.u32()? as i32;
@@ -400,7 +413,7 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), PickleError> {
                 })?;
                 let n = r.len(n as u64)?;
                 let bytes = r.take(n)?;
-                m.stack.push(long_from_le(bytes, offset)?);
+                m.push(long_from_le(bytes, offset)?)?;
             }
             INT => {
                 let text = r.line()?;
@@ -409,20 +422,20 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), PickleError> {
                     b"00" => Value::Bool(false),
                     _ => Value::Int(parse_text(text, offset)?),
                 };
-                m.stack.push(value);
+                m.push(value)?;
             }
             LONG => {
                 let text = r.line()?;
                 let text = text.strip_suffix(b"L").unwrap_or(text);
-                m.stack.push(Value::Int(parse_text(text, offset)?));
+                m.push(Value::Int(parse_text(text, offset)?))?;
             }
             FLOAT => {
                 let text = r.line()?;
-                m.stack.push(Value::Float(parse_text(text, offset)?));
+                m.push(Value::Float(parse_text(text, offset)?))?;
             }
-            BINFLOAT => m.stack.push(Value::Float(f64::from_be_bytes(
+            BINFLOAT => m.push(Value::Float(f64::from_be_bytes(
                 r.take(8)?.try_into().expect("8 bytes"),
-            ))),
+            )))?,
             SHORT_BINUNICODE => {
                 let n = usize::from(r.byte()?);
                 let text = r.take(n)?;
@@ -447,30 +460,30 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), PickleError> {
             SHORT_BINSTRING => {
                 let n = usize::from(r.byte()?);
                 let bytes = r.take(n)?;
-                m.push_latin1(bytes);
+                m.push_latin1(bytes)?;
             }
             BINSTRING => {
                 let n = r.u32()?;
                 let n = r.len(u64::from(n))?;
                 let bytes = r.take(n)?;
-                m.push_latin1(bytes);
+                m.push_latin1(bytes)?;
             }
             SHORT_BINBYTES => {
                 let n = usize::from(r.byte()?);
                 r.take(n)?;
-                m.stack.push(Value::Bytes);
+                m.push(Value::Bytes)?;
             }
             BINBYTES => {
                 let n = r.u32()?;
                 let n = r.len(u64::from(n))?;
                 r.take(n)?;
-                m.stack.push(Value::Bytes);
+                m.push(Value::Bytes)?;
             }
             BINBYTES8 | BYTEARRAY8 => {
                 let n = r.u64()?;
                 let n = r.len(n)?;
                 r.take(n)?;
-                m.stack.push(Value::Bytes);
+                m.push(Value::Bytes)?;
             }
             READONLY_BUFFER => {
                 m.stack
@@ -479,20 +492,20 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), PickleError> {
             }
             EMPTY_LIST => {
                 let v = m.new_sequence(Vec::new(), Value::List);
-                m.stack.push(v);
+                m.push(v)?;
             }
             EMPTY_TUPLE => {
                 let v = m.new_sequence(Vec::new(), Value::Tuple);
-                m.stack.push(v);
+                m.push(v)?;
             }
             EMPTY_SET => {
                 let v = m.new_sequence(Vec::new(), Value::List);
-                m.stack.push(v);
+                m.push(v)?;
             }
             EMPTY_DICT => {
                 let index = m.heap.dicts.len() as u32;
                 m.heap.dicts.push(DictBody::Entries(Vec::new()));
-                m.stack.push(Value::Dict(index));
+                m.push(Value::Dict(index))?;
             }
             LIST | TUPLE | FROZENSET => {
                 let start = m.pop_mark(offset)?;
@@ -505,23 +518,23 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), PickleError> {
                         Value::List
                     },
                 );
-                m.stack.push(v);
+                m.push(v)?;
             }
             TUPLE1 | TUPLE2 | TUPLE3 => {
                 let n = usize::from(op - TUPLE1 + 1);
                 if m.stack.len() < n {
-                    return Err(PickleError::StackUnderflow { offset });
+                    return Err(PickleError::StackUnderflow { offset }.into());
                 }
                 let items = m.stack.split_off(m.stack.len() - n);
                 let v = m.new_sequence(items, Value::Tuple);
-                m.stack.push(v);
+                m.push(v)?;
             }
             DICT => {
                 let start = m.pop_mark(offset)?;
                 let index = m.heap.dicts.len() as u32;
                 m.heap.dicts.push(DictBody::Entries(Vec::new()));
                 m.set_items(index, start, offset)?;
-                m.stack.push(Value::Dict(index));
+                m.push(Value::Dict(index))?;
             }
             APPEND => {
                 let item = m.pop(offset)?;
@@ -531,40 +544,43 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), PickleError> {
             APPENDS | ADDITEMS => {
                 let start = m.pop_mark(offset)?;
                 if start == 0 {
-                    return Err(PickleError::StackUnderflow { offset });
+                    return Err(PickleError::StackUnderflow { offset }.into());
                 }
                 let Value::List(list) = m.stack[start - 1] else {
                     return Err(PickleError::Malformed {
                         offset,
                         what: "APPENDS to something that is not a list",
-                    });
+                    }
+                    .into());
                 };
                 let items = m.stack.drain(start..);
                 m.heap.sequences[list as usize].extend(items);
             }
             SETITEM => {
                 if m.stack.len() < 3 {
-                    return Err(PickleError::StackUnderflow { offset });
+                    return Err(PickleError::StackUnderflow { offset }.into());
                 }
                 let start = m.stack.len() - 2;
                 let Value::Dict(d) = m.stack[start - 1] else {
                     return Err(PickleError::Malformed {
                         offset,
                         what: "SETITEM on something that is not a dict",
-                    });
+                    }
+                    .into());
                 };
                 m.set_items(d, start, offset)?;
             }
             SETITEMS => {
                 let start = m.pop_mark(offset)?;
                 if start == 0 {
-                    return Err(PickleError::StackUnderflow { offset });
+                    return Err(PickleError::StackUnderflow { offset }.into());
                 }
                 let Value::Dict(d) = m.stack[start - 1] else {
                     return Err(PickleError::Malformed {
                         offset,
                         what: "SETITEMS on something that is not a dict",
-                    });
+                    }
+                    .into());
                 };
                 m.set_items(d, start, offset)?;
             }
@@ -600,19 +616,31 @@ pub(crate) fn unpickle(data: &[u8]) -> Result<(Heap, Value), PickleError> {
                 m.get(i as usize, offset)?;
             }
             _ => {
-                return Err(match unsupported_name(op) {
+                return Err(DecodeError::Pickle(match unsupported_name(op) {
                     Some(name) => PickleError::Unsupported {
                         opcode: name,
                         offset,
                     },
                     None => PickleError::UnknownOpcode { opcode: op, offset },
-                });
+                }));
             }
         }
     }
 }
 
 impl Machine {
+    /// Pushes a value the pickle made; the heap counts them for the converter's budget.
+    fn push(&mut self, v: Value) -> Result<(), Limit> {
+        if self.stack.len() >= MAX_STACK {
+            return Err(Limit::Stack {
+                offset: self.offset,
+            });
+        }
+        self.stack.push(v);
+        self.heap.made += 1;
+        Ok(())
+    }
+
     fn pop(&mut self, offset: usize) -> Result<Value, PickleError> {
         if self.marks.last().is_some_and(|&m| m >= self.stack.len()) {
             return Err(PickleError::StackUnderflow { offset });
@@ -650,19 +678,18 @@ impl Machine {
         kind(index)
     }
 
-    fn push_str(&mut self, text: &[u8], offset: usize) -> Result<(), PickleError> {
+    fn push_str(&mut self, text: &[u8], offset: usize) -> Result<(), DecodeError> {
         let text = std::str::from_utf8(text).map_err(|_| PickleError::Malformed {
             offset,
             what: "invalid UTF-8 in a string",
         })?;
         let index = self.heap.strings.len() as u32;
         self.heap.strings.push(text.into());
-        self.stack.push(Value::Str(index));
-        Ok(())
+        Ok(self.push(Value::Str(index))?)
     }
 
     /// Python 2 `str` (protocol-2 pickles from the C++ side): Latin-1.
-    fn push_latin1(&mut self, bytes: &[u8]) {
+    fn push_latin1(&mut self, bytes: &[u8]) -> Result<(), Limit> {
         let index = self.heap.strings.len() as u32;
         self.heap.strings.push(
             bytes
@@ -671,7 +698,7 @@ impl Machine {
                 .collect::<String>()
                 .into(),
         );
-        self.stack.push(Value::Str(index));
+        self.push(Value::Str(index))
     }
 
     /// Moves the key/value pairs above `start` into dict `d`; a fresh dict that turns out to
@@ -710,29 +737,31 @@ impl Machine {
         Ok(())
     }
 
-    fn put(&mut self, index: usize, offset: usize) -> Result<(), PickleError> {
+    /// Stores the top of the stack in memo slot `index`. `pickle.dump` numbers slots in order,
+    /// one per memoized object, so a slot past the opcodes read so far is refused: otherwise a
+    /// 5-byte `LONG_BINPUT` could allocate gigabytes of empty slots.
+    fn put(&mut self, index: usize, offset: usize) -> Result<(), DecodeError> {
         let top = *self
             .stack
             .last()
             .ok_or(PickleError::StackUnderflow { offset })?;
         if index < self.memo.len() {
             self.memo[index] = top;
-        } else if index - self.memo.len() <= MAX_MEMO_GAP {
+        } else if index <= offset {
             self.memo.resize(index, Value::None);
             self.memo.push(top);
         } else {
-            return Err(PickleError::BadMemo { index, offset });
+            return Err(Limit::Memo { index, offset }.into());
         }
         Ok(())
     }
 
-    fn get(&mut self, index: usize, offset: usize) -> Result<(), PickleError> {
+    fn get(&mut self, index: usize, offset: usize) -> Result<(), DecodeError> {
         let v = *self
             .memo
             .get(index)
             .ok_or(PickleError::BadMemo { index, offset })?;
-        self.stack.push(v);
-        Ok(())
+        Ok(self.push(v)?)
     }
 }
 
@@ -822,31 +851,34 @@ mod tests {
     fn rejects_classes_and_garbage() {
         assert!(matches!(
             unpickle(b"\x80\x04cos\nsystem\n."),
-            Err(PickleError::Unsupported {
+            Err(DecodeError::Pickle(PickleError::Unsupported {
                 opcode: "GLOBAL",
                 ..
-            })
+            }))
         ));
-        assert!(matches!(unpickle(b""), Err(PickleError::Truncated { .. })));
+        assert!(matches!(
+            unpickle(b""),
+            Err(DecodeError::Pickle(PickleError::Truncated { .. }))
+        ));
         assert!(matches!(
             unpickle(b"\x80\x04]"),
-            Err(PickleError::Truncated { .. })
+            Err(DecodeError::Pickle(PickleError::Truncated { .. }))
         ));
         assert!(matches!(
             unpickle(b"."),
-            Err(PickleError::StackUnderflow { .. })
+            Err(DecodeError::Pickle(PickleError::StackUnderflow { .. }))
         ));
         assert!(matches!(
             unpickle(b"\x80\x04h\x05."),
-            Err(PickleError::BadMemo { .. })
+            Err(DecodeError::Pickle(PickleError::BadMemo { .. }))
         ));
         assert!(matches!(
             unpickle(b"\xff"),
-            Err(PickleError::UnknownOpcode { .. })
+            Err(DecodeError::Pickle(PickleError::UnknownOpcode { .. }))
         ));
         assert!(matches!(
             unpickle(b"\x80\x09."),
-            Err(PickleError::Protocol(9))
+            Err(DecodeError::Pickle(PickleError::Protocol(9)))
         ));
     }
 }

@@ -1,10 +1,13 @@
 //! From bytes to a typed [`Snapshot`]: gunzip if needed, unpickle, then check the shape
 //! `_snapshot()` produces and convert it, naming the first thing that does not fit.
 
+use std::cell::Cell;
+use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
-use crate::error::{DecodeError, SnapshotError};
+use crate::error::{DecodeError, Limit, SnapshotError};
+use crate::limits::{MAX_PICKLE_BYTES, decompressed_limit};
 use crate::model::{
     AllocatorSettings, Block, BlockState, FrameTable, NO_STACK, Segment, Snapshot, TraceEvent,
 };
@@ -12,34 +15,72 @@ use crate::pickle::{DictBody, Heap, Value, unpickle};
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 
-/// Reads a `.pickle` or `.pickle.gz` written by `torch.cuda.memory._dump_snapshot`.
+/// Reads a `.pickle` or `.pickle.gz` written by `torch.cuda.memory._dump_snapshot`. A file
+/// larger than [`MAX_PICKLE_BYTES`] is refused unread, and no more than that is read from a
+/// pipe.
 pub fn load(path: &Path) -> Result<Snapshot, SnapshotError> {
-    let bytes = std::fs::read(path).map_err(|source| SnapshotError::Io {
+    let decode = |source| SnapshotError::Decode {
         path: path.to_path_buf(),
         source,
-    })?;
-    from_bytes(&bytes).map_err(|source| SnapshotError::Decode {
+    };
+    let io = |source| SnapshotError::Io {
         path: path.to_path_buf(),
         source,
-    })
+    };
+    let file = File::open(path).map_err(io)?;
+    if file.metadata().map_err(io)?.len() > MAX_PICKLE_BYTES {
+        return Err(decode(Limit::FileSize.into()));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_PICKLE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    from_bytes(&bytes).map_err(decode)
 }
 
-/// Decodes a snapshot held in memory (gzip-compressed or not).
+/// Decodes a snapshot held in memory (gzip-compressed or not), within the bounds of
+/// [`crate::limits`].
 pub fn from_bytes(bytes: &[u8]) -> Result<Snapshot, DecodeError> {
+    if bytes.len() as u64 > MAX_PICKLE_BYTES {
+        return Err(Limit::FileSize.into());
+    }
     if bytes.starts_with(&GZIP_MAGIC) {
-        let mut raw = Vec::with_capacity(bytes.len() * 8);
-        flate2::read::MultiGzDecoder::new(bytes)
-            .read_to_end(&mut raw)
-            .map_err(DecodeError::Gzip)?;
-        decode_pickle(&raw)
+        decode_pickle(&gunzip(bytes)?)
     } else {
         decode_pickle(bytes)
     }
 }
 
+/// Decompresses a step at a time, checking the output against the input read so far, so a
+/// deflate bomb is refused after a few MiB rather than after [`MAX_PICKLE_BYTES`].
+fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, DecodeError> {
+    const STEP: u64 = 1 << 20;
+    let mut decoder = flate2::read::MultiGzDecoder::new(bytes);
+    let mut raw = Vec::with_capacity(bytes.len().saturating_mul(8).min(MAX_PICKLE_BYTES as usize));
+    loop {
+        let n = (&mut decoder)
+            .take(STEP)
+            .read_to_end(&mut raw)
+            .map_err(DecodeError::Gzip)?;
+        let compressed = (bytes.len() - decoder.get_ref().len()) as u64;
+        let limit = decompressed_limit(compressed);
+        if raw.len() as u64 > limit {
+            return Err(Limit::Decompressed { compressed, limit }.into());
+        }
+        if n == 0 {
+            return Ok(raw);
+        }
+    }
+}
+
 fn decode_pickle(raw: &[u8]) -> Result<Snapshot, DecodeError> {
-    let (mut heap, top) = unpickle(raw).map_err(DecodeError::Pickle)?;
-    let parts = Converter { heap: &mut heap }.snapshot(top)?;
+    let (mut heap, top) = unpickle(raw)?;
+    let budget = Cell::new(heap.made);
+    let parts = Converter {
+        heap: &mut heap,
+        budget,
+    }
+    .snapshot(top)?;
     Ok(parts.finish(heap))
 }
 
@@ -69,6 +110,10 @@ impl Parts {
 
 struct Converter<'h> {
     heap: &'h mut Heap,
+    /// The values the converter may still visit. A pickle that shares nothing holds each item
+    /// of each container once, so the converter visits at most the values it made; one that
+    /// puts a single list of blocks in every segment would otherwise multiply.
+    budget: Cell<u64>,
 }
 
 fn not_a_snapshot(what: impl Into<String>) -> DecodeError {
@@ -76,11 +121,33 @@ fn not_a_snapshot(what: impl Into<String>) -> DecodeError {
 }
 
 impl Converter<'_> {
+    /// Charges the budget for the items of a list or the entries of a dict about to be read.
+    fn visit(&self, v: Value) -> Result<(), DecodeError> {
+        let items = match v {
+            Value::List(i) | Value::Tuple(i) => self.heap.sequences[i as usize].len(),
+            Value::Dict(i) => match &self.heap.dicts[i as usize] {
+                DictBody::Entries(entries) => entries.len(),
+                DictBody::Event(_) => 0,
+            },
+            _ => 0,
+        };
+        let left = self
+            .budget
+            .get()
+            .checked_sub(items as u64)
+            .ok_or(Limit::Shared {
+                made: self.heap.made,
+            })?;
+        self.budget.set(left);
+        Ok(())
+    }
+
     fn snapshot(&mut self, top: Value) -> Result<Parts, DecodeError> {
         let (segments, traces, settings, annotations) = match top {
             // Old snapshots (<= 2.0) may be a bare list of segments.
             Value::List(_) => (top, None, None, None),
             Value::Dict(_) => {
+                self.visit(top)?;
                 let segments = self
                     .heap
                     .get(top, "segments")
@@ -119,6 +186,7 @@ impl Converter<'_> {
     }
 
     fn list(&self, v: Value, path: &str) -> Result<&[Value], DecodeError> {
+        self.visit(v)?;
         self.heap
             .seq(v)
             .ok_or_else(|| not_a_snapshot(format!("{path} is {}, not a list", type_name(v))))
@@ -150,6 +218,7 @@ impl Converter<'_> {
         let mut segments = Vec::with_capacity(items.len());
         for (i, &s) in items.iter().enumerate() {
             let path = format!("segments[{i}]");
+            self.visit(s)?;
             if !matches!(s, Value::Dict(_)) {
                 return Err(not_a_snapshot(format!(
                     "{path} is {}, not a dict",
@@ -209,6 +278,7 @@ impl Converter<'_> {
         let mut next_address = segment_address;
         for (j, &b) in items.iter().enumerate() {
             let path = format!("{segment_path}.blocks[{j}]");
+            self.visit(b)?;
             if !matches!(b, Value::Dict(_)) {
                 return Err(not_a_snapshot(format!(
                     "{path} is {}, not a dict",
@@ -225,16 +295,10 @@ impl Converter<'_> {
                 Some(other) => return Err(not_a_snapshot(format!("{path}.state is '{other}'"))),
                 None => return Err(not_a_snapshot(format!("{path} has no 'state'"))),
             };
-            // Legacy blocks keep their request in history[0].real_size (MemoryViz.js does the same).
-            let legacy_requested = || {
-                let history = self.heap.get(b, "history")?;
-                let first = *self.heap.seq(history)?.first()?;
-                self.optional_u64(first, "real_size")
+            let requested_size = match self.optional_u64(b, "requested_size") {
+                Some(requested) => requested,
+                None => self.legacy_requested(b)?.unwrap_or(size),
             };
-            let requested_size = self
-                .optional_u64(b, "requested_size")
-                .or_else(legacy_requested)
-                .unwrap_or(size);
             let address = self.optional_u64(b, "address").unwrap_or(next_address);
             next_address = address.saturating_add(size);
             let frames = match self.heap.get(b, "frames") {
@@ -250,6 +314,20 @@ impl Converter<'_> {
             });
         }
         Ok(blocks)
+    }
+
+    /// Legacy blocks keep their request in history[0].real_size (MemoryViz.js does the same).
+    fn legacy_requested(&self, block: Value) -> Result<Option<u64>, DecodeError> {
+        let first = self
+            .heap
+            .get(block, "history")
+            .and_then(|h| self.heap.seq(h))
+            .and_then(|h| h.first().copied());
+        let Some(first) = first else {
+            return Ok(None);
+        };
+        self.visit(first)?;
+        Ok(self.optional_u64(first, "real_size"))
     }
 
     fn device_traces(&self, v: Value) -> Result<Vec<Vec<TraceEvent>>, DecodeError> {

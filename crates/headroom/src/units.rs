@@ -50,9 +50,11 @@ pub fn parse_size(text: &str) -> Option<u64> {
     (value > 0.0).then_some((value * factor) as u64)
 }
 
-/// A [`format_size`] string at the start of `s` (`N bytes` or `X.YY KiB|MiB|GiB|TiB`, any
-/// number of decimals): the bytes and the length read. The bytes round half up, as the
-/// printed value is itself rounded, and saturate: NVML's "not available" prints as
+/// A size at the start of `s`, as an out-of-memory message prints it ([`format_size`]:
+/// `N bytes` or `X.YY KiB|MiB|GiB|TiB`, any number of decimals) or as people retype it
+/// (`2.00GB`, `156 mb`, `0 B`: any case, the space optional, and `KB`/`MB`/`GB`/`TB` read as the
+/// binary units PyTorch printed): the bytes and the length read. The bytes round half up, as
+/// the printed value is itself rounded, and saturate: NVML's "not available" prints as
 /// 17179869184.00 GiB, one past `u64::MAX`.
 pub fn parse_size_prefix(s: &str) -> Option<(u64, usize)> {
     let int_len = s.bytes().take_while(u8::is_ascii_digit).count();
@@ -68,8 +70,22 @@ pub fn parse_size_prefix(s: &str) -> Option<(u64, usize)> {
             len += 1 + frac_len;
         }
     }
-    let unit_text = s[len..].strip_prefix(' ')?;
-    let (unit, unit_len): (u128, usize) = [
+    let (unit, unit_len) = printed_unit(&s[len..]).or_else(|| retyped_unit(&s[len..]))?;
+    let digits: String = [&s[..int_len], frac].concat();
+    let numerator: u128 = digits.parse().ok()?;
+    let denominator = 10u128.checked_pow(u32::try_from(frac.len()).ok()?)?;
+    let bytes = numerator
+        .checked_mul(unit)?
+        .checked_mul(2)?
+        .checked_add(denominator)?
+        / (2 * denominator);
+    Some((u64::try_from(bytes).unwrap_or(u64::MAX), len + unit_len))
+}
+
+/// A unit as `format_size` prints it, after its one space: the factor and the length read.
+fn printed_unit(s: &str) -> Option<(u128, usize)> {
+    let name = s.strip_prefix(' ')?;
+    [
         ("bytes", 1u128),
         ("KiB", 1 << 10),
         ("MiB", 1 << 20),
@@ -77,13 +93,26 @@ pub fn parse_size_prefix(s: &str) -> Option<(u64, usize)> {
         ("TiB", 1 << 40),
     ]
     .iter()
-    .find(|(name, _)| unit_text.starts_with(name))
-    .map(|&(name, unit)| (unit, name.len()))?;
-    let digits: String = [&s[..int_len], frac].concat();
-    let numerator: u128 = digits.parse().ok()?;
-    let denominator = 10u128.checked_pow(u32::try_from(frac.len()).ok()?)?;
-    let bytes = (numerator.checked_mul(unit)? * 2 + denominator) / (2 * denominator);
-    Some((u64::try_from(bytes).unwrap_or(u64::MAX), len + 1 + unit_len))
+    .find(|(unit, _)| name.starts_with(unit))
+    .map(|&(unit, factor)| (factor, 1 + unit.len()))
+}
+
+/// A retyped unit: an optional space, then a whole word naming a unit in any case.
+fn retyped_unit(s: &str) -> Option<(u128, usize)> {
+    let space = usize::from(s.starts_with(' '));
+    let word_len = s[space..]
+        .bytes()
+        .take_while(u8::is_ascii_alphabetic)
+        .count();
+    let factor = match s[space..space + word_len].to_ascii_lowercase().as_str() {
+        "b" | "byte" | "bytes" => 1,
+        "kb" | "kib" => 1 << 10,
+        "mb" | "mib" => 1 << 20,
+        "gb" | "gib" => 1 << 30,
+        "tb" | "tib" => 1 << 40,
+        _ => return None,
+    };
+    Some((factor, space + word_len))
 }
 
 #[cfg(test)]
@@ -127,8 +156,26 @@ mod tests {
             parse_size_prefix("17179869184.00 GiB").map(|p| p.0),
             Some(u64::MAX)
         );
-        assert_eq!(parse_size_prefix("12.5 GB"), None);
         assert_eq!(parse_size_prefix("GiB"), None);
+        // Sizes too large for any arithmetic are not sizes, and never overflow.
+        assert_eq!(
+            parse_size_prefix("200000000000000000000000000000000000000 bytes"),
+            None
+        );
+    }
+
+    #[test]
+    fn retyped_sizes_read_as_the_binary_units_pytorch_printed() {
+        assert_eq!(parse_size_prefix("12.5 GB"), Some((12 << 30 | 1 << 29, 7)));
+        assert_eq!(parse_size_prefix("156.00MiB,"), Some((156 << 20, 9)));
+        assert_eq!(parse_size_prefix("2 mb"), Some((2 << 20, 4)));
+        assert_eq!(parse_size_prefix("512 KB)"), Some((512 << 10, 6)));
+        assert_eq!(parse_size_prefix("0 B."), Some((0, 3)));
+        assert_eq!(parse_size_prefix("3 Bytes"), Some((3, 7)));
+        assert_eq!(parse_size_prefix("1 TB"), Some((1 << 40, 4)));
+        // A word that merely starts like a unit is not one.
+        assert_eq!(parse_size_prefix("2 GBs"), None);
+        assert_eq!(parse_size_prefix("4 blocks"), None);
     }
 
     #[test]

@@ -47,23 +47,23 @@ pub struct Args {
     pub json: bool,
 }
 
-/// The OOM log named by `--oom`: a file, or stdin for `-`.
+/// The OOM log named by `--oom`: a file, or stdin for `-`, in any encoding a paste comes in
+/// ([`diagnose::decode_log`]).
 fn read_oom(arg: &str) -> CliResult<OomLog> {
-    if arg == "-" {
-        let mut text = String::new();
+    let (source, bytes) = if arg == "-" {
+        let mut bytes = Vec::new();
         std::io::stdin()
-            .read_to_string(&mut text)
+            .read_to_end(&mut bytes)
             .map_err(|e| CliError::input(format!("stdin: cannot read the OOM log: {e}")))?;
-        return Ok(OomLog {
-            source: "stdin".to_string(),
-            text,
-        });
-    }
-    let text = std::fs::read_to_string(arg)
-        .map_err(|e| CliError::input(format!("{arg}: cannot read the OOM log: {e}")))?;
+        ("stdin".to_string(), bytes)
+    } else {
+        let bytes = std::fs::read(arg)
+            .map_err(|e| CliError::input(format!("{arg}: cannot read the OOM log: {e}")))?;
+        (arg.to_string(), bytes)
+    };
     Ok(OomLog {
-        source: arg.to_string(),
-        text,
+        source,
+        text: diagnose::decode_log(&bytes),
     })
 }
 

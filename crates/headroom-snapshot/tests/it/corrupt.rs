@@ -1,7 +1,7 @@
 //! Corrupt, truncated and foreign inputs end in `Ok` or `Err`, never a panic, and whatever
 //! parses can be summarized and replayed. The input is `tests/data/small.pickle`: the first
 //! 1500 trace entries and 12 segments of the shared fixture, re-pickled with protocol 4.
-//! (`fuzz/` holds a cargo-fuzz target for the same property.)
+//! (`fuzz/` at the repository root holds a cargo-fuzz target, `pickle`, for the same property.)
 
 use headroom_snapshot::{ReplayOptions, SummaryOptions, from_bytes, replay, summarize};
 

@@ -4,6 +4,8 @@
 mod common;
 mod corrupt;
 mod fixture;
+mod hostile;
 mod memory_viz;
+mod properties;
 mod recorded;
 mod replay;

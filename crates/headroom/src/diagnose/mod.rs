@@ -67,6 +67,27 @@ pub struct Diagnosis {
     pub spec_path: Option<PathBuf>,
 }
 
+/// A log's bytes as text: UTF-16 when it starts with a byte-order mark (PowerShell's `>`
+/// writes UTF-16LE), UTF-8 otherwise, with every byte that is not UTF-8 read as U+FFFD, so a
+/// stray byte of another encoding does not hide the message around it.
+pub fn decode_log(bytes: &[u8]) -> String {
+    let utf16 = |bytes: &[u8], unit: fn([u8; 2]) -> u16| {
+        let units = bytes.chunks(2).map(|pair| match pair {
+            [a, b] => unit([*a, *b]),
+            _ => 0xfffd,
+        });
+        char::decode_utf16(units)
+            .map(|c| c.unwrap_or(char::REPLACEMENT_CHARACTER))
+            .collect()
+    };
+    match bytes {
+        [0xff, 0xfe, rest @ ..] => utf16(rest, u16::from_le_bytes),
+        [0xfe, 0xff, rest @ ..] => utf16(rest, u16::from_be_bytes),
+        [0xef, 0xbb, 0xbf, rest @ ..] => String::from_utf8_lossy(rest).into_owned(),
+        _ => String::from_utf8_lossy(bytes).into_owned(),
+    }
+}
+
 fn read(path: &Path, what: &str) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| Error::Io {
         path: path.to_path_buf(),

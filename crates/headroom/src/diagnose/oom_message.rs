@@ -2,12 +2,14 @@
 //! (bench/shared/reference/allocator-spec.md §2), found anywhere in a pasted log.
 //!
 //! The message is one line when PyTorch prints it, but people paste it wrapped by a terminal,
-//! split per sentence, inside `OutOfMemoryError('…')`, or with `[rankN]:` in front of every
-//! line of a multi-rank traceback. So the text is normalised first (log prefixes dropped,
-//! whitespace runs collapsed) and then read with a cursor that accepts each clause of the
-//! message in PyTorch's order and stops at the first one that is missing: a truncated paste
-//! still yields the fields it has.
+//! split per sentence, inside `OutOfMemoryError('…')`, coloured, with `[rankN]:` in front of
+//! every line of a multi-rank traceback, or only from `Tried to allocate` on. So the text is
+//! normalised first (terminal escapes and log prefixes dropped, whitespace runs collapsed) and
+//! then read with a cursor that accepts each clause of the message in PyTorch's order and stops
+//! at the first one that is missing: a truncated paste still yields the fields it has. Sizes
+//! may be retyped (`2.00 GB` for `2.00 GiB`, see [`parse_size_prefix`]).
 
+use std::collections::HashSet;
 use std::fmt;
 
 use serde::Serialize;
@@ -15,14 +17,14 @@ use serde::Serialize;
 use crate::units::parse_size_prefix;
 
 /// Which runtime raised it (`HIP out of memory` on ROCm builds).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Backend {
     Cuda,
     Hip,
 }
 
 /// The message template, which dates the PyTorch that printed it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Format {
     /// ≤1.3: `(GPU d; T total capacity; A already allocated; F free; C cached)`, where
     /// `cached` is "memory held by the allocator but not used by the program" (PyTorch's
@@ -41,7 +43,7 @@ pub enum Format {
 /// One `Process N has X memory in use` clause; `pid` is `None` for the
 /// `Including non-PyTorch memory, this process has X memory in use` clause. Its fields are an
 /// entry of `diagnose --json`'s `processes`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct ProcessMemory {
     pub pid: Option<u64>,
     pub bytes: u64,
@@ -49,7 +51,7 @@ pub struct ProcessMemory {
 
 /// What one OOM message says. Sizes are the bytes PyTorch's `format_size` rounded to two
 /// decimals of their unit, so each is exact to within half a unit of its last digit.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct OomMessage {
     pub backend: Backend,
     pub format: Format,
@@ -113,15 +115,19 @@ pub fn parse(text: &str) -> Option<OomMessage> {
     parse_all(text).into_iter().next()
 }
 
-/// Every distinct OOM message in `text`, in order (multi-rank logs repeat the same one).
+/// Every distinct OOM message in `text`, in order (multi-rank logs repeat the same one). A
+/// log without a whole message may still hold its fragment, the `Tried to allocate X (GPU N;
+/// …)` or `Tried to allocate X. GPU N has …` clause alone; fragments are read only then.
 pub fn parse_all(text: &str) -> Vec<OomMessage> {
     let norm = normalize(text);
-    let starts = anchors(&norm);
+    let (whole, fragments) = anchors(&norm);
+    let starts = if whole.is_empty() { fragments } else { whole };
+    let mut seen = HashSet::new();
     let mut out: Vec<OomMessage> = Vec::new();
     for (i, &(start, backend)) in starts.iter().enumerate() {
         let end = starts.get(i + 1).map_or(norm.len(), |&(next, _)| next);
         if let Some(msg) = parse_one(&norm[start..end], backend)
-            && !out.contains(&msg)
+            && seen.insert(msg.clone())
         {
             out.push(msg);
         }
@@ -129,46 +135,129 @@ pub fn parse_all(text: &str) -> Vec<OomMessage> {
     out
 }
 
-const ANCHOR: &str = " out of memory. Tried to allocate ";
+const TRIED: &str = "Tried to allocate ";
 
-/// Byte offsets just past `CUDA out of memory. Tried to allocate ` (or HIP), with the backend.
-fn anchors(norm: &str) -> Vec<(usize, Backend)> {
-    let mut found = Vec::new();
-    let mut from = 0;
-    while let Some(at) = norm[from..].find(ANCHOR) {
-        let at = from + at;
+/// Where a message's text starts in the normalised log, and the runtime that raised it.
+type Anchor = (usize, Backend);
+
+/// Byte offsets just past each `Tried to allocate `, with the backend: those of whole
+/// messages (`CUDA out of memory. ` or `HIP …` before it), and those of fragments (no other
+/// runtime's `… out of memory. ` before it, and [`is_fragment`]), taken for CUDA.
+/// Other runtimes' messages (`XPU out of memory.`, MPS's `… Tried to allocate 256 bytes on
+/// private pool`) are neither.
+fn anchors(norm: &str) -> (Vec<Anchor>, Vec<Anchor>) {
+    let (mut whole, mut fragments) = (Vec::new(), Vec::new());
+    for (at, _) in norm.match_indices(TRIED) {
         let before = &norm[..at];
-        let backend = if before.ends_with("CUDA") {
-            Some(Backend::Cuda)
-        } else if before.ends_with("HIP") {
-            Some(Backend::Hip)
-        } else {
-            None
-        };
-        if let Some(backend) = backend {
-            found.push((at + ANCHOR.len(), backend));
+        let start = at + TRIED.len();
+        if before.ends_with("CUDA out of memory. ") {
+            whole.push((start, Backend::Cuda));
+        } else if before.ends_with("HIP out of memory. ") {
+            whole.push((start, Backend::Hip));
+        } else if !before.ends_with("out of memory. ") && is_fragment(&norm[start..]) {
+            fragments.push((start, Backend::Cuda));
         }
-        from = at + ANCHOR.len();
     }
-    found
+    (whole, fragments)
 }
 
-/// Drop `[rankN]:` prefixes (torchrun's per-rank log tags, which also start wrapped lines)
-/// and Markdown bold (`**`, never in PyTorch's text), and collapse whitespace, so that
-/// wrapped and re-indented pastes read as PyTorch printed them.
+/// A size that ends the text or is followed by the pre-2.1 ` (GPU ` clause or by the full
+/// stop of the 2.1+ sentences, as in PyTorch's message; what other text says after "Tried to
+/// allocate X" (MPS's `on private pool`) does not count.
+fn is_fragment(rest: &str) -> bool {
+    let mut c = Cursor { s: rest, pos: 0 };
+    c.size().is_some()
+        && (c.rest().is_empty() || c.rest().starts_with('.') || c.rest().starts_with(" (GPU "))
+}
+
+/// Drop terminal escapes (colours), `[rankN]:` prefixes (torchrun's per-rank log tags, which
+/// also start wrapped lines) and Markdown bold (`**`, never in PyTorch's text), and collapse
+/// whitespace, so that coloured, wrapped and re-indented pastes read as PyTorch printed them.
+/// U+FFFD, what a byte that is not UTF-8 reads as, counts as whitespace: such a byte is most
+/// often a Latin-1 non-breaking space.
 fn normalize(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let unbolded = text.replace("**", "");
-    for word in unbolded.split_whitespace() {
-        if is_rank_tag(word) {
+    let plain = strip_escapes(text);
+    let mut out = String::with_capacity(plain.len());
+    for word in plain.split(|c: char| c.is_whitespace() || c == char::REPLACEMENT_CHARACTER) {
+        let word = word.replace("**", "");
+        if word.is_empty() || is_rank_tag(&word) {
             continue;
         }
         if !out.is_empty() {
             out.push(' ');
         }
-        out.push_str(word);
+        out.push_str(&word);
     }
     out
+}
+
+/// Introducers of an ANSI control sequence: the ESC byte itself, and the forms a paste turns it
+/// into (`^[` from `cat -v` and editors, `␛` from some web views, `\x1b`, `\033` and `\u001b`
+/// from a `repr` or a JSON log).
+const ESCAPES: [&str; 6] = ["\u{1b}", "^[", "\u{241b}", "\\x1b", "\\033", "\\u001b"];
+
+/// `text` without ANSI escape sequences: CSI (`ESC [ … final`, colours and cursor moves), OSC
+/// (`ESC ] … BEL` or `ESC \\`, hyperlinks and titles), and the short `ESC X`. A spelled-out
+/// introducer counts only before `[`, where it cannot be ordinary text.
+fn strip_escapes(text: &str) -> std::borrow::Cow<'_, str> {
+    if !ESCAPES.iter().any(|e| text.contains(e)) {
+        return text.into();
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(['\u{1b}', '^', '\u{241b}', '\\']) {
+        out.push_str(&rest[..at]);
+        let here = &rest[at..];
+        let Some(intro) = ESCAPES.iter().find(|e| here.starts_with(*e)) else {
+            let c = here.chars().next().map_or(1, char::len_utf8);
+            out.push_str(&here[..c]);
+            rest = &here[c..];
+            continue;
+        };
+        let after = &here[intro.len()..];
+        rest = match (*intro, after.as_bytes().first()) {
+            (_, Some(b'[')) => skip_csi(&after[1..]),
+            ("\u{1b}", Some(b']')) => skip_osc(&after[1..]),
+            ("\u{1b}", _) => skip_short_escape(after),
+            _ => {
+                out.push_str(intro);
+                after
+            }
+        };
+    }
+    out.push_str(rest);
+    out.into()
+}
+
+/// Past a CSI's parameter and intermediate bytes and its final byte; a sequence cut short ends
+/// at the first byte that cannot belong to it.
+fn skip_csi(s: &str) -> &str {
+    let body = s.bytes().take_while(|b| (0x20..=0x3f).contains(b)).count();
+    match s.as_bytes().get(body) {
+        Some(0x40..=0x7e) => &s[body + 1..],
+        _ => &s[body..],
+    }
+}
+
+/// Past the rest of a two- or three-byte escape (`ESC 7`, `ESC ( B`); anything else after an
+/// ESC is text.
+fn skip_short_escape(s: &str) -> &str {
+    let bytes = s.as_bytes();
+    match bytes.first() {
+        Some(0x20..=0x2f) if bytes.get(1).is_some_and(|b| (0x30..=0x7e).contains(b)) => &s[2..],
+        Some(0x30..=0x7e) => &s[1..],
+        _ => s,
+    }
+}
+
+/// Past an OSC's text and its terminator (BEL or `ESC \\`); one left open ends with its line.
+fn skip_osc(s: &str) -> &str {
+    match s.find(['\u{7}', '\u{1b}', '\n']) {
+        Some(at) if s[at..].starts_with("\u{1b}\\") => &s[at + 2..],
+        Some(at) if s.as_bytes()[at] == 0x07 => &s[at + 1..],
+        Some(at) => &s[at..],
+        None => "",
+    }
 }
 
 fn is_rank_tag(word: &str) -> bool {
@@ -778,6 +867,40 @@ mod tests {
         assert!(!is_rank_tag("[rank]:"));
         assert!(!is_rank_tag("[W330"));
         assert_eq!(normalize("[rank0]: a\n[rank0]:   b  c"), "a b c");
+        assert_eq!(normalize("**[rank1]:** **a**\u{fffd}b"), "a b");
+    }
+
+    #[test]
+    fn escapes_are_stripped_and_text_kept() {
+        assert_eq!(strip_escapes("\u{1b}[1;31mred\u{1b}[0m plain"), "red plain");
+        assert_eq!(
+            strip_escapes("a\u{1b}]8;;http://x\u{7}link\u{1b}]8;;\u{1b}\\b"),
+            "alinkb"
+        );
+        // An OSC left open ends with its line; a lone ESC before text removes nothing.
+        assert_eq!(strip_escapes("\u{1b}]0;title\nnext"), "\nnext");
+        assert_eq!(strip_escapes("\u{1b}\nnext"), "\nnext");
+        assert_eq!(strip_escapes("^[[33mwarn^[[0m x^2 ^[a"), "warn x^2 ^[a");
+        assert_eq!(strip_escapes("C:\\x1b[0mdir \\x1bz"), "C:dir \\x1bz");
+        assert_eq!(strip_escapes("no escapes"), "no escapes");
+    }
+
+    #[test]
+    fn many_escapes_strip_in_linear_time() {
+        let text = "\u{1b}[0m^x\\y".repeat(200_000);
+        let start = std::time::Instant::now();
+        assert_eq!(strip_escapes(&text).len(), 200_000 * 4);
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    #[test]
+    fn many_distinct_fragments_are_deduplicated_quickly() {
+        let text: String = (0..50_000)
+            .map(|i| format!("Tried to allocate {i} bytes (GPU 0; x\n"))
+            .collect();
+        let start = std::time::Instant::now();
+        assert_eq!(parse_all(&text).len(), 50_000);
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
     }
 
     #[test]

@@ -12,6 +12,7 @@ mod fit;
 mod layering;
 mod lint;
 mod oom_messages;
+mod oom_pastes;
 mod params;
 mod pipeline;
 mod totality;

@@ -22,6 +22,11 @@ use crate::error::{Error, Result};
 /// is 3 KiB). Checked before the file is read.
 pub const MAX_FILE_BYTES: u64 = 1 << 20;
 
+/// Bytes of an out-of-memory log that `diagnose` reads: its last 64 MiB. PyTorch's message
+/// ends the traceback, so the tail holds it; a whole training log can be gigabytes, and the
+/// reader keeps about three times what it reads.
+pub const MAX_OOM_LOG_BYTES: u64 = 64 << 20;
+
 /// Nesting of YAML/JSON flow collections (`[`, `{`): real specs nest 4 deep. The YAML parser
 /// takes time quadratic in flow nesting, so this is checked before it runs (it stops block
 /// nesting by indentation itself, at 128 levels).

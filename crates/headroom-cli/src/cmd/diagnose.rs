@@ -1,11 +1,12 @@
 //! `headroom diagnose`: why a run ran out of memory, what in its configs is wrong, and (with
 //! its spec) which changes make it fit.
 
-use std::io::Read;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
 
 use comfy_table::{Cell, CellAlignment, ContentArrangement, Table};
 use headroom::diagnose::{self, Diagnosis, Inputs, OomLog};
+use headroom::limits::MAX_OOM_LOG_BYTES;
 use headroom::report::diagnose::DiagnoseJson;
 use headroom::report::to_json;
 use headroom::units::{gib, signed_gib};
@@ -48,23 +49,52 @@ pub struct Args {
 }
 
 /// The OOM log named by `--oom`: a file, or stdin for `-`, in any encoding a paste comes in
-/// ([`diagnose::decode_log`]).
+/// ([`diagnose::decode_log`]); only its last [`MAX_OOM_LOG_BYTES`] are read.
 fn read_oom(arg: &str) -> CliResult<OomLog> {
+    let keep = MAX_OOM_LOG_BYTES as usize;
     let (source, bytes) = if arg == "-" {
-        let mut bytes = Vec::new();
-        std::io::stdin()
-            .read_to_end(&mut bytes)
+        let bytes = read_tail(std::io::stdin(), keep)
             .map_err(|e| CliError::input(format!("stdin: cannot read the OOM log: {e}")))?;
         ("stdin".to_string(), bytes)
     } else {
-        let bytes = std::fs::read(arg)
-            .map_err(|e| CliError::input(format!("{arg}: cannot read the OOM log: {e}")))?;
+        let read = || -> std::io::Result<Vec<u8>> {
+            let mut file = std::fs::File::open(arg)?;
+            let len = file.metadata()?.len();
+            if len > MAX_OOM_LOG_BYTES {
+                file.seek(SeekFrom::Start(len - MAX_OOM_LOG_BYTES))?;
+            }
+            read_tail(file, keep)
+        };
+        let bytes =
+            read().map_err(|e| CliError::input(format!("{arg}: cannot read the OOM log: {e}")))?;
         (arg.to_string(), bytes)
     };
     Ok(OomLog {
         source,
         text: diagnose::decode_log(&bytes),
     })
+}
+
+/// The last `keep` bytes of `reader`, holding at most twice that at once.
+fn read_tail(mut reader: impl Read, keep: usize) -> std::io::Result<Vec<u8>> {
+    let mut tail = Vec::new();
+    let mut chunk = vec![0; 1 << 20];
+    loop {
+        let n = match reader.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        tail.extend_from_slice(&chunk[..n]);
+        if tail.len() > 2 * keep {
+            tail.drain(..tail.len() - keep);
+        }
+    }
+    if tail.len() > keep {
+        tail.drain(..tail.len() - keep);
+    }
+    Ok(tail)
 }
 
 pub fn run(args: Args) -> CliResult {

@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
-use crate::common::{headroom, json_of, p, stderr};
+use crate::common::{headroom, json, json_of, p, stderr};
 
 #[test]
 fn diagnose_json_for_seed003() {
@@ -156,4 +156,33 @@ fn bad_input_exits_2_and_names_the_file() {
     let gpu = headroom(&["fit", &p("seed002/agent.yaml"), "--gpu", "tpu-v5"]);
     assert_eq!(gpu.status.code(), Some(2));
     assert!(stderr(&gpu).contains("mi300x"), "{}", stderr(&gpu));
+}
+
+/// A log longer than diagnose reads (64 MiB) is read from its end, where PyTorch's message is,
+/// from a file and from stdin alike.
+#[test]
+fn diagnose_reads_the_end_of_a_huge_log() {
+    let message = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 \
+                   has a total capacity of 79.18 GiB of which 1.02 GiB is free. Of the allocated \
+                   memory 75.01 GiB is allocated by PyTorch, and 1.50 GiB is reserved by PyTorch \
+                   but unallocated.\n";
+    let mut log = "step 12: loss 2.31 lr 1e-5\n".repeat(3 << 20).into_bytes();
+    assert!(log.len() > 64 << 20);
+    log.extend_from_slice(message.as_bytes());
+    let path = std::env::temp_dir().join(format!("headroom-huge-{}.log", std::process::id()));
+    std::fs::write(&path, &log).expect("writes");
+    let from_file = json(&["diagnose", "--oom", &path.display().to_string(), "--json"]);
+    std::fs::remove_file(&path).ok();
+    assert_eq!(from_file["tried_to_allocate_bytes"], 2u64 << 30);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args(["diagnose", "--oom", "-", "--json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("runs");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let writer = std::thread::spawn(move || stdin.write_all(&log).expect("writes"));
+    let from_stdin = json_of(&child.wait_with_output().expect("exits"));
+    writer.join().expect("writer");
+    assert_eq!(from_stdin["tried_to_allocate_bytes"], 2u64 << 30);
 }

@@ -664,7 +664,8 @@ pub fn explain(m: &OomMessage) -> Explanation {
         .into_iter()
         .filter(|p| presumed_self.is_none_or(|s| s.pid != p.pid))
         .collect();
-    let other_bytes: u64 = others.iter().map(|p| p.bytes).sum();
+    // Sizes come from pasted text: every sum and product saturates rather than overflow.
+    let other_bytes: u64 = others.iter().fold(0, |sum, p| sum.saturating_add(p.bytes));
     let self_bytes = own.or(presumed_self.map(|p| p.bytes));
     let non_pytorch = self_bytes.map(|b| b.saturating_sub(reserved));
     let nvml_printed = !m.processes.is_empty();
@@ -708,7 +709,7 @@ pub fn explain(m: &OomMessage) -> Explanation {
     // device memory (what expandable segments approximate).
     let short_by = request.saturating_sub(free.saturating_add(unallocated));
     // The cap prints rounded like every size: allow for that before calling it the limit.
-    let capped = |c: u64| reserved + request > c - c / 100;
+    let capped = |c: u64| reserved.saturating_add(request) > c - c / 100;
     let (cause, summary) = if let Some(cap) = m.allowed_bytes.filter(|&c| capped(c)) {
         (
             Cause::FractionCap,
@@ -723,7 +724,10 @@ pub fn explain(m: &OomMessage) -> Explanation {
                 sz(free)
             ),
         )
-    } else if other_bytes > allocated && other_bytes >= short_by && other_bytes * 10 >= total {
+    } else if other_bytes > allocated
+        && other_bytes >= short_by
+        && other_bytes.saturating_mul(10) >= total
+    {
         let pids: Vec<String> = others
             .iter()
             .map(|p| format!("{} ({})", p.pid.unwrap_or(0), sz(p.bytes)))
@@ -756,7 +760,7 @@ pub fn explain(m: &OomMessage) -> Explanation {
                 sz(request)
             ),
         )
-    } else if unallocated >= request && unallocated * 20 >= reserved {
+    } else if unallocated >= request && unallocated.saturating_mul(20) >= reserved {
         (
             Cause::Fragmentation,
             format!(
@@ -785,7 +789,7 @@ pub fn explain(m: &OomMessage) -> Explanation {
                 sz(free),
                 sz(unallocated),
                 sz(request),
-                sz(free + unallocated - request)
+                sz(free.saturating_add(unallocated).saturating_sub(request))
             )
         } else {
             format!(

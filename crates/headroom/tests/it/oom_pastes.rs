@@ -28,6 +28,20 @@ fn read(bytes: &[u8]) -> Option<OomMessage> {
     oom_message::parse(&decode_log(bytes))
 }
 
+/// What `scripts/fuzz` found: a paste whose reserved bytes are near `u64::MAX` overflowed the
+/// explanation's arithmetic. Every size from a paste saturates now.
+#[test]
+fn sizes_near_the_top_of_u64_are_explained_without_overflow() {
+    let bytes = include_bytes!("../data/fuzz/oom-log-overflow.bin");
+    let text = decode_log(bytes);
+    let messages = oom_message::parse_all(&text);
+    assert!(!messages.is_empty());
+    for m in &messages {
+        let explanation = oom_message::explain(m);
+        assert!(!explanation.summary.is_empty());
+    }
+}
+
 #[test]
 fn a_bare_pre_2_1_fragment_is_read() {
     let m = read(b"Tried to allocate 156.00 MiB (GPU 0; ...)").expect("a fragment");

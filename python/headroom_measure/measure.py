@@ -34,13 +34,20 @@ def _versions() -> dict:
     return out
 
 
-def _hf_config(spec: Spec, fields: dict):
-    from transformers import AutoConfig
-
+def config_fields(fields: dict) -> tuple[str, dict]:
+    """The model type and the fields of a saved `config.json` that `AutoConfig.for_model`
+    takes: the metadata transformers writes beside them is dropped."""
     fields = dict(fields)
     model_type = fields.pop("model_type")
     for key in ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path"):
         fields.pop(key, None)
+    return model_type, fields
+
+
+def _hf_config(spec: Spec, fields: dict):
+    from transformers import AutoConfig
+
+    model_type, fields = config_fields(fields)
     fields["use_cache"] = False
     if spec.task == "seq-cls":
         fields["num_labels"] = 1

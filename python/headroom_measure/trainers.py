@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from . import spec as specmod
+from .measure import config_fields
 
 TRAINERS = ("hf", "trl-sft", "trl-dpo", "trl-grpo", "trl-reward")
 TRAINER_PRECISIONS = ("bf16", "amp-bf16", "fp32")
@@ -474,10 +475,7 @@ def _versions() -> dict:
 def _hf_config(ts: TrainerSpec, fields: dict):
     from transformers import AutoConfig
 
-    fields = dict(fields)
-    model_type = fields.pop("model_type")
-    for key in ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path"):
-        fields.pop(key, None)
+    model_type, fields = config_fields(fields)
     fields["use_cache"] = True
     fields["pad_token_id"] = 0
     fields["eos_token_id"] = 1

@@ -26,6 +26,11 @@ impl DType {
     pub const fn is_half(self) -> bool {
         matches!(self, DType::BF16 | DType::F16)
     }
+
+    /// The type kernels accumulate in (`at::opmath_type`): fp32 for half types.
+    pub const fn opmath(self) -> DType {
+        if self.is_half() { DType::F32 } else { self }
+    }
 }
 
 impl fmt::Display for DType {

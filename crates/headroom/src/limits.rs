@@ -68,6 +68,10 @@ pub const MAX_PHASES: usize = 64;
 /// `new_tokens` of a generate pass: the longest real rollouts are 128k tokens.
 pub const MAX_NEW_TOKENS: u64 = 1 << 17;
 
+/// `gradient_accumulation_steps` of a trainer: micro-batches after the second start where it
+/// did, so only the first three are simulated; real runs accumulate a few hundred at most.
+pub const MAX_ACCUMULATION_STEPS: u64 = 1 << 16;
+
 /// A pipeline's simulated work, in layer-forwards (a forward pass of one layer, about 8 µs):
 /// over its iterations, each pass's repeats × layers × (4 for a training pass, 1 for a
 /// forward pass, 1 + new_tokens / 12 for a generation). 2^19 is about 4 s; the

@@ -335,6 +335,7 @@ pub fn families(row: &Row) -> Vec<String> {
         "transformers: {}",
         transformers.map_or("not used".to_string(), |v| v.to_string())
     ));
+    out.push(format!("trainer: {}", s.trainer.kind.name()));
     out.push(format!(
         "mode: {}",
         if s.mode == crate::spec::Mode::Forward {

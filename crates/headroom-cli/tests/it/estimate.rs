@@ -128,6 +128,35 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
             "pipeline-generate-tokens",
             vec!["phases[0].run[0].new_tokens", "512", "fewer than 512"],
         ),
+        ("trainer-unknown", vec!["trainer", "trl-ppo", "trl-grpo"]),
+        (
+            "trainer-foreign-key",
+            vec![
+                "num_generations",
+                "trl-dpo has no such setting",
+                "precompute_ref_log_probs",
+            ],
+        ),
+        (
+            "trainer-loop-key",
+            vec![
+                "gradient_accumulation_steps",
+                "trainer loop",
+                "set `trainer:`",
+            ],
+        ),
+        (
+            "trainer-grpo-groups",
+            vec!["num_generations", "4", "multiple of num_generations"],
+        ),
+        (
+            "trainer-grpo-seq-len",
+            vec!["seq_len", "prompt_len + completion_len"],
+        ),
+        (
+            "trainer-dpo-precompute-reference",
+            vec!["precompute_ref_log_probs", "choose one"],
+        ),
     ];
     let mut messages = String::new();
     for (name, words) in cases {

@@ -22,4 +22,5 @@ pub(crate) mod strategy;
 
 pub use engine::component::Component;
 pub use engine::memory::{PeakRecord, PhasePeak, SimulatedEvent, SimulatedOom};
-pub use harness::run::{AfterOom, Options, STEPS, Simulation, simulate};
+pub use harness::run::{AfterOom, Options, simulate};
+pub use harness::simulation::{STEPS, Simulation};

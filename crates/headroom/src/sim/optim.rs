@@ -238,6 +238,57 @@ impl OptimizerState {
     }
 }
 
+/// `torch.nn.utils.clip_grad_norm_(params, max_norm)` with foreach (every gradient on the
+/// GPU), as `Trainer` calls it before each step: per (device, dtype) group one `_foreach_norm`
+/// (`foreach_tensor_norm_cuda`: a zeroed fp32 buffer of `ntensors × max_chunks` partial sums,
+/// `kChunkSize` 65,536 elements, freed when the call returns, and one 0-dim result per
+/// gradient), `torch.stack` of the norms, `vector_norm` of the stack, the clip coefficient
+/// and its clamp, then `_foreach_mul_` in place. Returns the total norm, which the trainer
+/// keeps for logging until the next step.
+pub(crate) fn clip_grad_norm(t: &mut Tracer, params: &[ParamId]) -> Option<T> {
+    const CHUNK: u64 = 65_536;
+    let grads: Vec<T> = params.iter().filter_map(|&p| t.params[p].grad).collect();
+    if grads.is_empty() {
+        return None;
+    }
+    let outer = std::mem::replace(&mut t.component, Component::OptimizerTemporaries);
+    let mut groups: Vec<(DType, Vec<T>)> = Vec::new();
+    for &g in &grads {
+        let d = t.dtype(g);
+        match groups.iter_mut().find(|(gd, _)| *gd == d) {
+            Some((_, list)) => list.push(g),
+            None => groups.push((d, vec![g])),
+        }
+    }
+    let mut norms: Vec<T> = Vec::new();
+    for (dtype, group) in &groups {
+        let chunks = group
+            .iter()
+            .map(|&g| t.numel(g).div_ceil(CHUNK))
+            .max()
+            .unwrap_or(0);
+        let partial = t.empty(
+            group.len() as u64 * chunks,
+            dtype.opmath(),
+            "_foreach_norm: output_per_tensor",
+        );
+        for _ in group {
+            norms.push(t.empty(1, *dtype, "_foreach_norm: per-tensor norm"));
+        }
+        t.drop(partial);
+    }
+    let first = t.dtype(norms[0]);
+    let stacked = t.empty(norms.len() as u64, first, "torch.stack(norms)");
+    let total = t.empty(1, first, "total_norm (vector_norm)");
+    t.drop(stacked);
+    let coef = t.empty(1, first, "clip_coef = max_norm / (total_norm + 1e-6)");
+    let clamped = t.empty(1, first, "clip_coef_clamped");
+    t.drop_all(&[coef, clamped]);
+    free_list(t, norms);
+    t.component = outer;
+    Some(total)
+}
+
 /// Trainable parameters grouped by dtype, as `_group_tensors_by_device_and_dtype` does
 /// (groups in order of first appearance). Returns indices into `params`.
 fn dtype_groups(t: &Tracer, params: &[ParamId]) -> Vec<Vec<usize>> {

@@ -12,6 +12,7 @@
 mod parse;
 mod pipeline;
 mod run;
+mod trainer;
 mod versions;
 
 use std::path::Path;
@@ -24,6 +25,7 @@ pub use run::{
     AllocatorSpec, Attention, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision,
     Quantization, RunSpec, Strategy, Task, lora_targets_module,
 };
+pub use trainer::{DpoSpec, GrpoSpec, ReferencePrecision, TrainerKind, TrainerSpec};
 pub use versions::{Library, TRANSFORMERS_4_57, Version, Versions};
 
 use crate::error::Result;

@@ -8,6 +8,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::parse::{boolean, choice, parse_document, positive, read_document, unknown_key};
+use super::trainer::{TRAINER_KEYS, TrainerKind, TrainerSpec};
 use super::versions::Versions;
 use crate::arch::{Architecture, Head, Module};
 use crate::catalog::{self, ResolvedModel};
@@ -163,6 +164,8 @@ pub struct RunSpec {
     pub model_config: Option<Value>,
     /// The library versions the run uses, as given (`versions:`).
     pub versions: Versions,
+    /// The training loop that runs the step (`trainer:` and that trainer's keys).
+    pub trainer: TrainerSpec,
 }
 
 const KEYS: &[&str] = &[
@@ -231,7 +234,8 @@ impl RunSpec {
                 "a run spec is a mapping of keys (model, precision, ...)",
             )
         })?;
-        unknown_key(obj, "", KEYS, RUN_SPEC_KEY)?;
+        let known: Vec<&str> = KEYS.iter().chain(TRAINER_KEYS).copied().collect();
+        unknown_key(obj, "", &known, RUN_SPEC_KEY)?;
         let model = match obj.get("model") {
             Some(Value::String(s)) if !s.is_empty() => s.clone(),
             Some(v) => {
@@ -255,10 +259,26 @@ impl RunSpec {
             &[("train", Mode::Train), ("forward", Mode::Forward)],
             Mode::Train,
         )?;
+        let seq_len = positive(obj, "seq_len", 2048)?;
+        let precision = choice(
+            obj,
+            "precision",
+            &[
+                ("fp32", Precision::Fp32),
+                ("amp-bf16", Precision::AmpBf16),
+                ("amp-fp16", Precision::AmpFp16),
+                ("bf16", Precision::Bf16),
+            ],
+            Precision::Bf16,
+        )?;
+        let trainer = TrainerSpec::from_spec(obj, seq_len, precision == Precision::Bf16)?;
         let default_optimizer = if mode == Mode::Forward {
             Optimizer::None
-        } else {
+        } else if trainer.kind == TrainerKind::Loop {
             Optimizer::AdamW
+        } else {
+            // `TrainingArguments.optim` on torch >= 2.8.
+            Optimizer::AdamWFused
         };
         let optimizer = choice(
             obj,
@@ -274,30 +294,42 @@ impl RunSpec {
             ],
             default_optimizer,
         )?;
+        let default_task = if trainer.kind == TrainerKind::TrlReward {
+            Task::SeqCls
+        } else {
+            Task::CausalLm
+        };
+        let gradient_checkpointing = match obj.get("gradient_checkpointing") {
+            None => trainer.kind.checkpointing_default(),
+            Some(_) => boolean(obj, "gradient_checkpointing")?,
+        };
+        let seq_len = match &trainer.grpo {
+            Some(grpo) => {
+                if obj.contains_key("seq_len") {
+                    return Err(Error::field(
+                        "seq_len",
+                        seq_len,
+                        "a trl-grpo row is prompt_len + completion_len tokens; set those instead",
+                    ));
+                }
+                grpo.prompt_len.saturating_add(grpo.completion_len)
+            }
+            None => seq_len,
+        };
         let spec = RunSpec {
             model,
             task: choice(
                 obj,
                 "task",
                 &[("causal-lm", Task::CausalLm), ("seq-cls", Task::SeqCls)],
-                Task::CausalLm,
+                default_task,
             )?,
             mode,
-            precision: choice(
-                obj,
-                "precision",
-                &[
-                    ("fp32", Precision::Fp32),
-                    ("amp-bf16", Precision::AmpBf16),
-                    ("amp-fp16", Precision::AmpFp16),
-                    ("bf16", Precision::Bf16),
-                ],
-                Precision::Bf16,
-            )?,
+            precision,
             optimizer,
             batch_size: positive(obj, "batch_size", 1)?,
-            seq_len: positive(obj, "seq_len", 2048)?,
-            gradient_checkpointing: boolean(obj, "gradient_checkpointing")?,
+            seq_len,
+            gradient_checkpointing,
             attention: choice(
                 obj,
                 "attention",
@@ -351,6 +383,7 @@ impl RunSpec {
                 }
             },
             versions: Versions::from_value(obj.get("versions"))?,
+            trainer,
         };
         spec.check_sizes()?;
         spec.check_combinations()?;
@@ -366,21 +399,32 @@ impl RunSpec {
             limits::MAX_POSITIONS,
             "the longest real contexts are 10M tokens",
         )?;
-        let tokens = self.batch_size.saturating_mul(self.seq_len);
+        let rows_per_item = self.rows().div_ceil(self.batch_size.max(1)).max(1);
+        let tokens = self.rows().saturating_mul(self.seq_len);
         if tokens > limits::MAX_TOKENS {
             return Err(Error::field(
                 "batch_size",
                 self.batch_size,
                 format!(
-                    "batch_size × seq_len is {tokens} tokens, more than the {} a micro-batch \
-                     may have; use at most {} sequences of {}",
+                    "a micro-batch of {} rows × seq_len is {tokens} tokens, more than the {} it \
+                     may have; use at most {} of {}",
+                    self.rows(),
                     limits::MAX_TOKENS,
-                    limits::MAX_TOKENS / self.seq_len,
+                    limits::MAX_TOKENS / self.seq_len / rows_per_item,
                     self.seq_len
                 ),
             ));
         }
         Ok(())
+    }
+
+    /// Rows the model sees in one training forward: DPO and reward trainers concatenate each
+    /// pair's chosen and rejected sequences, so `batch_size` pairs are twice as many rows.
+    pub fn rows(&self) -> u64 {
+        match self.trainer.kind {
+            TrainerKind::TrlDpo | TrainerKind::TrlReward => self.batch_size.saturating_mul(2),
+            _ => self.batch_size,
+        }
     }
 
     /// What the simulator models, whoever built the spec (the spec reader's checks are
@@ -402,6 +446,7 @@ impl RunSpec {
     }
 
     fn check_combinations(&self) -> Result<()> {
+        self.check_trainer()?;
         if self.kbit_prepare && self.quantization.is_none() {
             return Err(Error::field(
                 "kbit_prepare",
@@ -456,6 +501,88 @@ impl RunSpec {
                 "optimizer",
                 self.optimizer.name(),
                 "a `mode: forward` pass has no optimizer; use optimizer: none or leave it out",
+            ));
+        }
+        Ok(())
+    }
+
+    /// What the named trainer accepts, as TRL and transformers check it.
+    fn check_trainer(&self) -> Result<()> {
+        let kind = self.trainer.kind;
+        if kind == TrainerKind::Loop {
+            return Ok(());
+        }
+        let name = kind.name();
+        if self.mode == Mode::Forward {
+            return Err(Error::field(
+                "mode",
+                "forward",
+                format!(
+                    "trainer {name} trains; leave `mode` out, or drop `trainer` for a forward pass"
+                ),
+            ));
+        }
+        if self.precision == Precision::AmpFp16 {
+            return Err(Error::Unsupported {
+                what: format!("precision amp-fp16 with trainer {name}"),
+                supported:
+                    "bf16 (bf16 weights, bf16=True), amp-bf16 (fp32 weights, bf16=True) and \
+                            fp32 with a trainer; amp-fp16 with trainer: loop"
+                        .into(),
+            });
+        }
+        if let Some(parallel) = &self.parallel {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "parallel.strategy {} with trainer {name}",
+                    parallel.strategy.name()
+                ),
+                supported: "trainers on one GPU; a data-parallel estimate with trainer: loop"
+                    .into(),
+            });
+        }
+        match kind {
+            TrainerKind::TrlReward if self.task != Task::SeqCls => {
+                return Err(Error::field(
+                    "task",
+                    "causal-lm",
+                    "trl-reward trains a sequence-classification model; leave `task` out or use seq-cls",
+                ));
+            }
+            TrainerKind::Hf | TrainerKind::TrlReward => {}
+            _ if self.task == Task::SeqCls => {
+                return Err(Error::field(
+                    "task",
+                    "seq-cls",
+                    format!(
+                        "{name} trains a causal language model; use trainer: trl-reward for a reward model"
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        if let Some(grpo) = &self.trainer.grpo {
+            // `generation_batch_size = per_device_train_batch_size * steps_per_generation`
+            // (one process) must hold whole groups of completions.
+            let generation_batch = self
+                .batch_size
+                .saturating_mul(self.trainer.gradient_accumulation_steps);
+            if !generation_batch.is_multiple_of(grpo.num_generations) {
+                return Err(Error::field(
+                    "num_generations",
+                    grpo.num_generations,
+                    format!(
+                        "TRL needs the generation batch (batch_size × gradient_accumulation_steps \
+                         = {generation_batch}) to be a multiple of num_generations"
+                    ),
+                ));
+            }
+        }
+        if self.trainer.use_liger_kernel && kind == TrainerKind::TrlReward {
+            return Err(Error::field(
+                "use_liger_kernel",
+                true,
+                "liger's fused linear cross-entropy replaces an LM head; a reward model has none",
             ));
         }
         Ok(())

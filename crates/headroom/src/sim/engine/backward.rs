@@ -6,7 +6,7 @@
 use smallvec::SmallVec;
 
 use super::component::Component;
-use super::tracer::{Bwd, NodeId, T, Tracer};
+use super::tracer::{Bwd, ChunkedLogProb, NodeId, T, Tracer};
 use crate::dtype::DType;
 
 pub(crate) type Grads = SmallVec<[Option<T>; 3]>;
@@ -78,6 +78,10 @@ impl Tracer {
         };
         let mut out = Grads::new();
         match op {
+            Bwd::AccumulateGrad(param) if self.params[param].grad.is_some() => {
+                // `accumulate_grad.h`, gradient accumulation: `variable.grad += new_grad` in
+                // place; the incoming gradient goes with the node's buffer.
+            }
             Bwd::AccumulateGrad(param) => {
                 // `accumulate_grad.h`: steal the incoming gradient when nothing else holds it.
                 let grad = if self.tensor_refs(g) == 1 {
@@ -292,6 +296,27 @@ impl Tracer {
                     needs(0).map(|(numel, _)| self.empty(numel, self.dtype(g), "grad of softmax")),
                 );
             }
+            Bwd::Sum => {
+                let (numel, _) = needs(0).expect("a sum's input needs grad");
+                out.push(Some(self.view(g, numel, "grad of sum (expand)")));
+            }
+            Bwd::MaskedIndex { selected } => {
+                let (numel, dtype) = needs(0).expect("an index's input needs grad");
+                let grad = self.empty(numel, dtype, "grad of x[mask] (new_zeros)");
+                self.index_put_temporaries(selected);
+                out.push(Some(grad));
+            }
+            Bwd::MaskedScatter { selected } => {
+                let index = self.nonzero(selected);
+                let grad = self.empty(selected, self.dtype(g), "masked_select(grad, mask)");
+                self.drop(index);
+                out.push(needs(0).map(|_| grad));
+            }
+            Bwd::ChunkedLogProb(head) => {
+                let [hidden, weight] = self.chunked_logprob_backward(head, needs(1).is_some());
+                out.push(hidden);
+                out.push(weight);
+            }
             Bwd::NllLoss => {
                 out.push(needs(0).map(|(numel, dtype)| {
                     self.empty(numel, dtype, "grad of nll_loss (zeros + scatter)")
@@ -299,5 +324,97 @@ impl Tracer {
             }
         }
         out
+    }
+}
+
+impl Tracer {
+    /// `nonzero` of a boolean mask with `selected` true elements: a count, cub's scratch, the
+    /// `[selected, 2]` int64 indices (returned) and cub's second scratch.
+    pub(crate) fn nonzero(&mut self, selected: u64) -> T {
+        let count = self.empty(1, DType::I32, "nonzero: count");
+        let scratch = self.empty(1, DType::U8, "nonzero: cub scratch");
+        self.drop(scratch);
+        let index = self.empty(2 * selected, DType::I64, "nonzero(mask)");
+        let scratch = self.empty(1023, DType::U8, "nonzero: cub scratch");
+        self.drop_all(&[scratch, count]);
+        index
+    }
+
+    /// `index_put_(indices, values, accumulate=True)` of `selected` rows: the nonzero of the
+    /// mask, the linearised index and its sort (`index_put_with_sort_kernel`), all freed.
+    fn index_put_temporaries(&mut self, selected: u64) {
+        let index = self.nonzero(selected);
+        let linear = self.empty(selected, DType::I64, "index_put: linear index");
+        let product = self.empty(selected, DType::I64, "index_put: index * stride");
+        self.drop(product);
+        self.drop(index);
+        let sorted = self.empty(selected, DType::I64, "index_put: sorted index");
+        let order = self.empty(selected, DType::I64, "index_put: sort order");
+        let arange = self.empty(selected, DType::I64, "index_put: arange");
+        let scratch = self.empty(2 * selected, DType::I64, "index_put: cub sort scratch");
+        self.drop_all(&[scratch, arange, order, sorted, linear]);
+    }
+
+    /// `_ChunkedLogProbFunction.backward`: fp32 accumulators for the hidden states' and (when
+    /// it trains) the weight's gradient, the logits tile, each tile of logits recomputed in
+    /// place and turned into its gradient, the casts of hidden and weight tiles to the compute
+    /// dtype when they differ (a weight tile is kept across both `addmm`s, so the next is
+    /// made before the last goes), then the accumulators cast to the inputs' dtypes.
+    fn chunked_logprob_backward(
+        &mut self,
+        head: ChunkedLogProb,
+        weight_grad: bool,
+    ) -> [Option<T>; 2] {
+        let (n, h, v) = (head.tokens, head.hidden, head.vocab);
+        let hidden32 = self.empty(n * h, DType::F32, "chunked log-prob: grad_hidden (fp32)");
+        let weight32 = weight_grad
+            .then(|| self.empty(v * h, DType::F32, "chunked log-prob: grad_weight (fp32)"));
+        let tile = self.empty(head.tile_numel(), head.compute, "chunked log-prob: mm_buf");
+        self.ensure_cublas_workspace();
+        let mut hidden_chunk: Option<T> = None;
+        let mut weight_chunk: Option<T> = None;
+        let mut start = 0;
+        while start < n {
+            let rows = (n - start).min(ChunkedLogProb::TOKEN_TILE);
+            if head.hidden_dtype != head.compute {
+                let chunk = self.empty(rows * h, head.compute, "hidden[t0:t1].to(compute)");
+                if let Some(old) = hidden_chunk.replace(chunk) {
+                    self.drop(old);
+                }
+            }
+            if head.weight_dtype != head.compute {
+                let mut column = 0;
+                while column < v {
+                    let width = (v - column).min(ChunkedLogProb::VOCAB_TILE);
+                    let chunk = self.empty(width * h, head.compute, "weight[s:e].to(compute)");
+                    if let Some(old) = weight_chunk.replace(chunk) {
+                        self.drop(old);
+                    }
+                    column += width;
+                }
+            }
+            start += rows;
+        }
+        for chunk in [weight_chunk, hidden_chunk].into_iter().flatten() {
+            self.drop(chunk);
+        }
+        let hidden = if head.hidden_dtype == DType::F32 {
+            self.share(hidden32)
+        } else {
+            self.empty(n * h, head.hidden_dtype, "grad_hidden.to(hidden.dtype)")
+        };
+        let weight = weight32.map(|w32| {
+            if head.weight_dtype == DType::F32 {
+                self.share(w32)
+            } else {
+                self.empty(v * h, head.weight_dtype, "grad_weight.to(weight.dtype)")
+            }
+        });
+        self.drop(hidden32);
+        if let Some(w32) = weight32 {
+            self.drop(w32);
+        }
+        self.drop(tile);
+        [Some(hidden), weight]
     }
 }

@@ -11,9 +11,9 @@ use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{BackwardHooks, ParamId, T, Tracer};
 use crate::sim::model::heads::{lm_head, logprob_forward, train_forward};
-use crate::sim::model::quant;
 use crate::sim::model::transformer::{LoraAdapter, Model};
 use crate::sim::model::{AttentionImpl, Batch};
+use crate::sim::model::{load, quant, trl};
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::Strategy;
 use crate::sim::strategy::ddp::Ddp;
@@ -72,9 +72,20 @@ impl Instance {
         let offloaded_unsharded = parallel.is_some_and(|p| {
             p.strategy == spec::Strategy::Fsdp && p.world_size == 1 && p.offload_params && !train
         });
+        let loads_saved = spec.trainer.kind.is_trl() && home == Home::Gpu;
         let first = t.params.len();
         let mut model = match spec.quantization {
-            Some(Quantization::Nf4) => quant::load_nf4(t, arch, head, attention, &trainable),
+            // TRL's trainers load every model from the folder the harness saved.
+            Some(Quantization::Nf4) if loads_saved => {
+                load::from_pretrained(t, arch, head, DType::BF16, attention, &trainable, true)
+            }
+            Some(Quantization::Nf4) => {
+                load::save_random_model(t, arch, head, attention);
+                load::from_pretrained(t, arch, head, DType::BF16, attention, &trainable, true)
+            }
+            None if loads_saved => {
+                load::from_pretrained(t, arch, head, dtype, attention, &trainable, false)
+            }
             None if home == Home::Cpu || offloaded_unsharded => {
                 Model::build_on_meta(t, arch, head, dtype, &trainable, attention)
             }
@@ -199,7 +210,7 @@ impl Instance {
             spec: spec.clone(),
             model,
             batch: Batch {
-                b: spec.batch_size,
+                b: spec.rows(),
                 s: spec.seq_len,
             },
             autocast,
@@ -217,6 +228,30 @@ impl Instance {
         self.model.strategy.borrow_mut().before_forward(t);
         let outer = t.enter_autocast(self.autocast);
         let loss = train_forward(t, &self.model, &self.spec, ids, self.batch);
+        t.exit_autocast(outer);
+        loss
+    }
+
+    /// TRL's training forward: the backbone, then the fused LM head over `scored` positions.
+    pub(crate) fn fused_forward(
+        &mut self,
+        t: &mut Tracer,
+        ids: T,
+        scored: u64,
+        fields: trl::Fields,
+    ) -> trl::FusedOutput {
+        self.model.strategy.borrow_mut().before_forward(t);
+        let outer = t.enter_autocast(self.autocast);
+        let out = trl::fused_forward(t, &self.model, ids, self.batch, scored, fields);
+        t.exit_autocast(outer);
+        out
+    }
+
+    /// RewardTrainer's forward and loss over the chosen and rejected rows.
+    pub(crate) fn reward_forward(&mut self, t: &mut Tracer, ids: T) -> T {
+        self.model.strategy.borrow_mut().before_forward(t);
+        let outer = t.enter_autocast(self.autocast);
+        let loss = trl::reward_loss(t, &self.model, ids, self.batch);
         t.exit_autocast(outer);
         loss
     }
@@ -302,18 +337,7 @@ impl Instance {
         for step in 0..new_tokens {
             let length = prompt + step;
             if step > 0 {
-                // One decode forward: each layer's new position joins its cache.
-                for (k, v) in cache.iter_mut() {
-                    for state in [k, v] {
-                        let per_position = t.numel(*state) / length.max(1);
-                        let dtype = t.dtype(*state);
-                        let new = t.empty(per_position, dtype, "key/value states (one token)");
-                        let grown =
-                            t.empty(per_position * (length + 1), dtype, "DynamicCache torch.cat");
-                        t.drop_all(&[*state, new]);
-                        *state = grown;
-                    }
-                }
+                grow_cache(t, &mut cache, length);
                 let h = t.empty(b * hidden_width, self.model.dtype, "decode hidden state");
                 t.drop(logits);
                 logits = lm_head(t, &self.model, h);
@@ -345,6 +369,116 @@ impl Instance {
             t.drop(tokens);
         }
         t.drop(mask);
+        t.exit_autocast(outer);
+        t.set_grad_enabled(grad);
+    }
+
+    /// GRPOTrainer's `model.generate` of `new_tokens` completions after prompts of `prompt`
+    /// tokens for `rows` rows, with TRL's `GenerationConfig` (`do_sample=True`, temperature 1,
+    /// `top_k=0`, `top_p=1`: no logits processor) and no grad. `wrapped`: the model still has
+    /// accelerate's autocast wrapper, which upcasts each step's `[rows, vocab]` logits to fp32
+    /// (a peft model generates through its base model, without it). Before the prefill:
+    /// `position_ids` from the mask's cumsum and the `input_ids` clone. Per decode step: the
+    /// cache grows by `torch.cat`; the logits are copied to fp32 (`next_token_logits`), their
+    /// softmax taken and `multinomial` draws from it through an exponential buffer; the last
+    /// step's `next_token_logits` and probabilities live until this step replaces them.
+    pub(crate) fn sample_pass(
+        &mut self,
+        t: &mut Tracer,
+        rows: u64,
+        prompt: u64,
+        new_tokens: u64,
+        wrapped: bool,
+    ) {
+        let grad = t.set_grad_enabled(false);
+        let outer = t.enter_autocast(if wrapped { self.autocast } else { None });
+        let checkpointing = std::mem::replace(&mut self.model.checkpointing, false);
+        let vocab = self.model.arch.vocab;
+        let component = std::mem::replace(&mut t.component, Component::Inputs);
+        let ids = t.empty(rows * prompt, DType::I64, "prompt input_ids");
+        let mut mask = t.empty(rows * prompt, DType::I64, "prompt attention_mask");
+        let special = [
+            t.empty(1, DType::I64, "eos_token_id tensor"),
+            t.empty(1, DType::I64, "pad_token_id tensor"),
+        ];
+        let cumsum = t.empty(rows * prompt, DType::I64, "attention_mask.cumsum(-1)");
+        let minus = t.empty(rows * prompt, DType::I64, "cumsum - 1");
+        t.drop(cumsum);
+        let pad = t.empty(rows * prompt, DType::Bool, "attention_mask == 0");
+        t.drop(pad);
+        let mut positions = minus;
+        let unfinished = t.empty(rows, DType::I64, "unfinished_sequences");
+        let mut tokens = t.empty(rows * prompt, DType::I64, "input_ids.clone()");
+        t.component = component;
+        self.model.kv_cache = Some(RefCell::new(Vec::new()));
+        let hidden = self.model.decoder(t, tokens, Batch { b: rows, s: prompt });
+        let last = t.view(
+            hidden,
+            rows * self.model.arch.hidden,
+            "hidden_states[:, -1:]",
+        );
+        let mut logits = lm_head(t, &self.model, last);
+        self.model.forward_done(t);
+        t.drop_all(&[last, hidden]);
+        let mut cache: Vec<(T, T)> = self.model.kv_cache.take().expect("set above").into_inner();
+        let mut sampled: Option<[T; 2]> = None;
+        for step in 0..new_tokens {
+            let length = prompt + step;
+            if step > 0 {
+                grow_cache(t, &mut cache, length);
+                let h = t.empty(
+                    rows * self.model.arch.hidden,
+                    self.model.dtype,
+                    "decode hidden state",
+                );
+                logits = lm_head(t, &self.model, h);
+                t.drop(h);
+            }
+            if wrapped && t.dtype(logits) != DType::F32 {
+                let upcast = t.empty(
+                    rows * vocab,
+                    DType::F32,
+                    "outputs.logits.float() (accelerate)",
+                );
+                t.drop(logits);
+                logits = upcast;
+            }
+            let scores = t.empty(rows * vocab, DType::F32, "next_token_logits (fp32 copy)");
+            if let Some([old_scores, old_probs]) = sampled.take() {
+                t.drop(old_scores);
+                let probs = t.empty(rows * vocab, DType::F32, "softmax(next_token_scores)");
+                t.drop(old_probs);
+                sampled = Some([scores, probs]);
+            } else {
+                let probs = t.empty(rows * vocab, DType::F32, "softmax(next_token_scores)");
+                sampled = Some([scores, probs]);
+            }
+            let exponential = t.empty(rows * vocab, DType::F32, "multinomial: exponential buffer");
+            t.drop(exponential);
+            let next = t.empty(rows, DType::I64, "next_tokens");
+            let component = std::mem::replace(&mut t.component, Component::Inputs);
+            let grown = t.empty(
+                rows * (length + 1),
+                DType::I64,
+                "input_ids = cat(input_ids, next)",
+            );
+            t.drop(std::mem::replace(&mut tokens, grown));
+            let grown = t.empty(rows * (length + 1), DType::I64, "position_ids cat");
+            t.drop(std::mem::replace(&mut positions, grown));
+            let grown = t.empty(rows * (length + 1), DType::I64, "attention_mask cat");
+            t.drop(std::mem::replace(&mut mask, grown));
+            t.component = component;
+            t.drop_all(&[next, logits]);
+        }
+        for (k, v) in cache {
+            t.drop_all(&[k, v]);
+        }
+        if let Some(sampled) = sampled {
+            t.drop_all(&sampled);
+        }
+        t.drop_all(&[tokens, positions, mask, unfinished, ids]);
+        t.drop_all(&special);
+        self.model.checkpointing = checkpointing;
         t.exit_autocast(outer);
         t.set_grad_enabled(grad);
     }
@@ -391,6 +525,21 @@ impl Instance {
     /// What a pass copies in from host memory: the FSDP2-offloaded units not on the GPU.
     pub(crate) fn streamed_bytes(&self, t: &Tracer) -> u64 {
         self.model.strategy.borrow().streamed_bytes(t)
+    }
+}
+
+/// One decode forward: each layer's new position joins its cache (`DynamicCache`'s
+/// `torch.cat`: a new tensor, then the old one freed).
+fn grow_cache(t: &mut Tracer, cache: &mut [(T, T)], length: u64) {
+    for (k, v) in cache.iter_mut() {
+        for state in [k, v] {
+            let per_position = t.numel(*state) / length.max(1);
+            let dtype = t.dtype(*state);
+            let new = t.empty(per_position, dtype, "key/value states (one token)");
+            let grown = t.empty(per_position * (length + 1), dtype, "DynamicCache torch.cat");
+            t.drop_all(&[*state, new]);
+            *state = grown;
+        }
     }
 }
 

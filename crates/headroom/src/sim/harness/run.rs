@@ -6,19 +6,15 @@
 use headroom_alloc::{AllocatorConfig, CachingAllocator};
 
 use super::instance::Instance;
+use super::simulation::{STEPS, Simulation};
 use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::gpu::{Gpu, Workspaces};
 use crate::sim::engine::component::Component;
-use crate::sim::engine::memory::{
-    Memory, OnOom, PeakRecord, PhasePeak, SimulatedEvent, SimulatedOom,
-};
+use crate::sim::engine::memory::{Memory, OnOom};
 use crate::sim::engine::tracer::{T, Tracer};
 use crate::sim::memo::{Memo, Script};
-use crate::spec::{Home, Mode, Optimizer, Parallel, RunSpec};
-
-/// Steps the harness runs; the first differs (optimizer states appear during its step).
-pub const STEPS: u32 = 3;
+use crate::spec::{Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
 
 /// How to simulate a run.
 #[derive(Clone, Debug)]
@@ -64,36 +60,6 @@ impl Options {
             repeat_steps: true,
         }
     }
-}
-
-/// What simulating a run produced.
-pub struct Simulation {
-    pub params: u64,
-    pub trainable_params: u64,
-    pub weights_loaded: u64,
-    pub phases: Vec<PhasePeak>,
-    pub peak: PeakRecord,
-    pub peak_reserved: u64,
-    /// Host bytes the rank keeps (see `Instance::host_bytes`).
-    pub host_bytes: u64,
-    pub trace: Vec<SimulatedEvent>,
-    /// The first allocation that failed on a device of the given capacity.
-    pub oom: Option<SimulatedOom>,
-    /// An allocation that fails on any device (1 EiB or more, or past a 64-bit address
-    /// space): the run stopped there and its numbers mean nothing.
-    pub refused: Option<SimulatedOom>,
-    /// Steps taken from the previous one rather than simulated (see `sim::memo`).
-    pub repeated_steps: u32,
-    /// Steps whose requests were taken from the previous one and served by the allocator
-    /// again, the tracer not run.
-    pub replayed_steps: u32,
-    /// Training passes (forward and backward) whose requests were taken from step 1's and
-    /// served by the allocator again, the tracer not run.
-    pub replayed_passes: u32,
-    /// Whether the numbers are those of the same run without a device limit: none was set,
-    /// or it never changed what the allocator did (an out-of-memory error after which the
-    /// run went on included; see `Memory::unlimited`).
-    pub unlimited: bool,
 }
 
 /// Simulate the run of `spec` on `arch` as `options` say.
@@ -147,6 +113,9 @@ fn simulate_rank(
     repeat_steps: bool,
     rank: Option<u64>,
 ) -> Simulation {
+    if spec.trainer.kind != TrainerKind::Loop {
+        return super::trainer::simulate(spec, arch, t);
+    }
     // torch.zeros(1, device="cuda"): the context and a first small segment; the tensor dies.
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);
@@ -219,25 +188,10 @@ fn simulate_rank(
         memo.end_step(&mut t, phases.len(), script);
     }
     Simulation {
-        params: instance.param_count,
-        trainable_params: instance.trainable_count,
-        weights_loaded: instance.weights_loaded,
-        peak_reserved: phases
-            .iter()
-            .filter(|p| p.step > 0)
-            .map(|p| p.peak_reserved)
-            .max()
-            .unwrap_or(0),
-        peak: t.mem.peak().clone(),
-        host_bytes: instance.host_bytes(&t),
-        phases,
-        oom: t.mem.oom().cloned(),
-        refused: t.mem.refused().cloned(),
-        trace: t.mem.take_trace(),
         repeated_steps: memo.repeated_steps,
         replayed_steps: memo.replayed_steps,
         replayed_passes: memo.replayed_passes,
-        unlimited: !t.mem.stopped() && t.mem.unlimited(),
+        ..Simulation::of_run(t, &instance, phases)
     }
 }
 

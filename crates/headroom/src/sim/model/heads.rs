@@ -88,7 +88,7 @@ pub(crate) fn lm_head(t: &mut Tracer, model: &Model, hidden: T) -> T {
 
 /// `GenericForSequenceClassification.forward`: score every position, pick each sequence's
 /// last non-pad token.
-fn sequence_classification(t: &mut Tracer, model: &Model, hidden: T, batch: Batch) -> T {
+pub(crate) fn sequence_classification(t: &mut Tracer, model: &Model, hidden: T, batch: Batch) -> T {
     let score = model
         .score
         .expect("a sequence-classification model has a score head");

@@ -1,12 +1,15 @@
 //! The HF models as engine ops: each function names the transformers function it mirrors.
 //! [`transformer`] builds the parameters and runs the decoder stack, [`attention`] its
-//! attention kernels and masks, [`heads`] the output heads and losses, [`quant`] the
-//! bitsandbytes 4-bit load and peft's k-bit preparation.
+//! attention kernels and masks, [`heads`] the output heads and losses, [`load`]
+//! `from_pretrained`, [`quant`] the bitsandbytes 4-bit weights and peft's k-bit preparation, [`trl`] TRL's fused LM head
+//! and its trainers' losses.
 
 pub(crate) mod attention;
 pub(crate) mod heads;
+pub(crate) mod load;
 pub(crate) mod quant;
 pub(crate) mod transformer;
+pub(crate) mod trl;
 
 /// What the training step needs to know about the shapes of one forward: `b` sequences of
 /// `s` tokens.

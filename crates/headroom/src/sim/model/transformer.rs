@@ -35,6 +35,14 @@ pub(crate) struct CheckpointTensor {
     pub quantized: Option<u64>,
 }
 
+/// The tensors of a checkpoint as `from_pretrained` reads them; `nf4`: the decoder's linear
+/// weights are quantised to 4 bits as they arrive.
+#[derive(Default)]
+pub(crate) struct Checkpoint {
+    pub tensors: Vec<CheckpointTensor>,
+    pub nf4: bool,
+}
+
 /// peft's `lora_A` (r x in) and `lora_B` (out x r), fp32 by default (`autocast_adapter_dtype`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct LoraAdapter {
@@ -157,6 +165,9 @@ pub(crate) struct Model {
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
+    /// peft's `disable_adapter()`: the LoRA linears run their base layer alone (TRL's
+    /// reference pass of a LoRA policy).
+    pub adapters_disabled: bool,
 }
 
 impl Model {
@@ -188,8 +199,8 @@ impl Model {
 
     /// Register the parameters in `model.parameters()` order. With `loading` they are not
     /// allocated here: each is listed with its checkpoint name for `from_pretrained` to
-    /// materialise, and decoder linears become bitsandbytes 4-bit weights. `on_cpu`: none is
-    /// allocated, and no buffer is created on the GPU.
+    /// materialise (decoder linears as bitsandbytes 4-bit weights when the checkpoint says
+    /// so). `on_cpu`: none is allocated, and no buffer is created on the GPU.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn register(
         t: &mut Tracer,
@@ -198,7 +209,7 @@ impl Model {
         dtype: DType,
         trainable: &dyn Fn(&Param) -> bool,
         attention: AttentionImpl,
-        mut loading: Option<&mut Vec<CheckpointTensor>>,
+        mut loading: Option<&mut Checkpoint>,
         on_cpu: bool,
     ) -> Model {
         let mut layers = vec![Layer::default(); arch.layers as usize];
@@ -211,13 +222,15 @@ impl Model {
         let mut i = 0;
         while i < params.len() {
             let p = params[i];
-            let quantized = loading.is_some() && p.layer.is_some() && p.module.is_linear();
+            let quantized = loading.as_ref().is_some_and(|c| c.nf4)
+                && p.layer.is_some()
+                && p.module.is_linear();
             let mut register = |t: &mut Tracer, p: &Param, quantized: bool| match loading
                 .as_deref_mut()
             {
                 None if on_cpu => t.parameter_deferred(p.numel(), dtype, trainable(p), "parameter"),
                 None => t.parameter(p.numel(), dtype, trainable(p), "parameter"),
-                Some(list) => {
+                Some(checkpoint) => {
                     let (numel, dt) = if quantized {
                         (p.numel().div_ceil(2), DType::U8)
                     } else {
@@ -225,7 +238,7 @@ impl Model {
                     };
                     let id =
                         t.parameter_deferred(numel, dt, trainable(p) && !quantized, "parameter");
-                    list.push(CheckpointTensor {
+                    checkpoint.tensors.push(CheckpointTensor {
                         name: arch.checkpoint_name(p, head),
                         param: id,
                         quantized: quantized.then_some(p.numel()),
@@ -321,6 +334,7 @@ impl Model {
             strategy: RefCell::new(Strategy::Local),
             materializes_causal_mask: false,
             kv_cache: None,
+            adapters_disabled: false,
         }
     }
 
@@ -519,9 +533,21 @@ impl Model {
     /// A linear layer's forward inside its module's ZeRO-3 hooks.
     fn hooked_linear(&self, t: &mut Tracer, linear: Linear, x: T) -> T {
         self.linear_pre_forward(t, linear);
-        let out = linear.forward(t, x);
+        let out = self.active(linear).forward(t, x);
         self.module_post_forward(t);
         out
+    }
+
+    /// The linear as it runs now: without its adapter while adapters are disabled.
+    fn active(&self, linear: Linear) -> Linear {
+        if self.adapters_disabled {
+            Linear {
+                lora: None,
+                ..linear
+            }
+        } else {
+            linear
+        }
     }
 
     fn linear_pre_forward(&self, t: &mut Tracer, linear: Linear) {
@@ -671,9 +697,9 @@ impl Model {
                     a.family != Family::Gpt2 || self.attention == AttentionImpl::Eager;
                 let value_copy = self.attention == AttentionImpl::Eager;
                 let (ql, kl, vl) = (
-                    layer.q.expect("q_proj"),
-                    layer.k.expect("k_proj"),
-                    layer.v.expect("v_proj"),
+                    self.active(layer.q.expect("q_proj")),
+                    self.active(layer.k.expect("k_proj")),
+                    self.active(layer.v.expect("v_proj")),
                 );
                 self.linear_pre_forward(t, ql);
                 let q = projection_heads(t, x, ql, rotary_copy);

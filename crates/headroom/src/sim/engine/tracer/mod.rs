@@ -141,6 +141,46 @@ pub(crate) enum Bwd {
     LayerNorm,
     /// `native_dropout`: saves the mask.
     Dropout,
+    /// `x.sum()` to a scalar: the gradient is the incoming one expanded (a view).
+    Sum,
+    /// `x[mask]` with a boolean mask of `selected` true elements (`IndexBackward0`): zeros of
+    /// the input's size, then `index_put_(accumulate=True)` with its temporaries.
+    MaskedIndex {
+        selected: u64,
+    },
+    /// `zeros.masked_scatter(mask, x)` of `selected` elements (`masked_scatter_backward`):
+    /// `masked_select(grad, mask)`.
+    MaskedScatter {
+        selected: u64,
+    },
+    /// TRL's `_ChunkedLogProbFunction`: per-token log-probs through the LM head in tiles.
+    ChunkedLogProb(ChunkedLogProb),
+}
+
+/// What the backward of TRL's chunked log-prob function needs to know
+/// (`trl/kernels/chunked_logprob.py`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct ChunkedLogProb {
+    /// Scored tokens (rows of the gathered hidden states).
+    pub tokens: u64,
+    pub hidden: u64,
+    pub vocab: u64,
+    /// The dtype the logits tiles are computed in (autocast's, else the hidden states').
+    pub compute: DType,
+    pub hidden_dtype: DType,
+    pub weight_dtype: DType,
+}
+
+impl ChunkedLogProb {
+    /// `TOKEN_CHUNK_SIZE`: rows of one logits tile.
+    pub const TOKEN_TILE: u64 = 4096;
+    /// `_CHUNKED_LOGPROB_CHUNK_SIZE`: vocabulary columns of one logits tile.
+    pub const VOCAB_TILE: u64 = 32_768;
+
+    /// Elements of `mm_buf`, the one logits tile forward and backward reuse.
+    pub fn tile_numel(&self) -> u64 {
+        self.tokens.min(Self::TOKEN_TILE) * Self::VOCAB_TILE
+    }
 }
 
 pub(crate) struct Node {

@@ -67,7 +67,7 @@ OPTIM_NAMES = {
     "adafactor": "adafactor",
     "adamw-8bit": "adamw_bnb_8bit",
 }
-COMMON_KEYS = {"trainer", "max_steps", "gradient_accumulation_steps"}
+COMMON_KEYS = {"trainer", "max_steps", "gradient_accumulation_steps", "max_grad_norm", "use_liger_kernel"}
 TRAINER_KEYS = {
     "hf": set(),
     "trl-sft": set(),
@@ -86,6 +86,8 @@ class TrainerSpec:
     base: specmod.Spec
     max_steps: int = 3
     gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    use_liger_kernel: bool = False
     prompt_len: int | None = None
     completion_len: int | None = None
     num_generations: int | None = None
@@ -104,6 +106,10 @@ class TrainerSpec:
         out.update(base)
         out["max_steps"] = self.max_steps
         out["gradient_accumulation_steps"] = self.gradient_accumulation_steps
+        if self.max_grad_norm != 1.0:
+            out["max_grad_norm"] = self.max_grad_norm
+        if self.use_liger_kernel:
+            out["use_liger_kernel"] = True
         for key in ("prompt_len", "completion_len", "num_generations", "beta"):
             value = getattr(self, key)
             if value is not None:
@@ -159,6 +165,16 @@ def parse(raw: dict) -> TrainerSpec:
         gradient_accumulation_steps=_int(raw, "gradient_accumulation_steps", 1),
         raw=raw,
     )
+    norm = raw.get("max_grad_norm", 1.0)
+    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or norm < 0:
+        raise specmod.SpecError(f"`max_grad_norm`: {norm!r} is not allowed; use a number >= 0 (0: no clipping)")
+    ts.max_grad_norm = float(norm)
+    liger = raw.get("use_liger_kernel", False)
+    if not isinstance(liger, bool):
+        raise specmod.SpecError(f"`use_liger_kernel`: {liger!r} is not allowed; use true or false")
+    if liger and trainer == "trl-reward":
+        raise specmod.SpecError("`use_liger_kernel` is not measured with trl-reward (a reward model has no LM head)")
+    ts.use_liger_kernel = liger
     if trainer == "trl-dpo":
         ts.prompt_len = _int(raw, "prompt_len", max(1, base.seq_len // 4))
         if ts.prompt_len >= base.seq_len - 1:
@@ -507,6 +523,8 @@ def _common_args(ts: TrainerSpec, outdir: str) -> dict:
         bf16=b.precision in ("bf16", "amp-bf16"),
         fp16=False,
         optim=OPTIM_NAMES[b.optimizer],
+        max_grad_norm=ts.max_grad_norm,
+        use_liger_kernel=ts.use_liger_kernel,
         learning_rate=1e-5,
         report_to=[],
         save_strategy="no",

@@ -155,6 +155,21 @@ pub(crate) enum Bwd {
     },
     /// TRL's `_ChunkedLogProbFunction`: per-token log-probs through the LM head in tiles.
     ChunkedLogProb(ChunkedLogProb),
+    /// liger's `LigerRMSNormFunction` over rows of `width`: the input's gradient is written
+    /// into the output's; a trained weight's is summed over `partial_rows` fp32 rows.
+    LigerRmsNorm {
+        width: u64,
+        partial_rows: u64,
+    },
+    /// An op whose backward writes its two inputs' gradients into the two tensors it saved
+    /// (liger's `LigerSiLUMulFunction`).
+    InPlacePair,
+    /// An op that writes its result into its input's storage, and its gradient likewise
+    /// (liger's RoPE).
+    InPlace,
+    /// liger's `LigerFusedLinearCrossEntropyFunction`: the gradients were computed in the
+    /// forward and saved; backward scales them in place.
+    LigerFusedLinearCrossEntropy,
 }
 
 /// What the backward of TRL's chunked log-prob function needs to know
@@ -215,10 +230,26 @@ pub(crate) struct ParamRec {
 /// forward saves nothing but its inputs; its first node to run in backward recomputes it.
 struct Region {
     inputs: SmallVec<[T; 2]>,
-    /// Nodes in creation order, with how many tensors each saves.
-    nodes: Vec<(NodeId, usize)>,
+    /// Nodes in creation order, with how many tensors each saves and whether its output is
+    /// among them.
+    nodes: Vec<RegionNode>,
     recomputed: bool,
     pending: usize,
+}
+
+/// A node recorded inside a checkpointed region.
+#[derive(Clone, Copy)]
+struct RegionNode {
+    id: NodeId,
+    saves: usize,
+    saves_output: bool,
+}
+
+impl Region {
+    /// The last node that saves a tensor: the recomputation stops once its saves are made.
+    fn last_saving(&self) -> Option<usize> {
+        self.nodes.iter().rposition(|n| n.saves > 0)
+    }
 }
 
 /// Calls back into model code during backward.
@@ -735,7 +766,11 @@ impl Tracer {
         }
         if let Some((region, next)) = self.recompute {
             // Recomputation: the node exists already; its saves are what this run produces.
-            let (node, count) = self.regions[region as usize].nodes[next];
+            let RegionNode {
+                id: node,
+                saves: count,
+                ..
+            } = self.regions[region as usize].nodes[next];
             debug_assert_eq!(
                 count,
                 saved.len(),
@@ -761,7 +796,11 @@ impl Tracer {
         let id = NodeId(self.nodes.len() as u32);
         let mut kept: SmallVec<[T; 4]> = SmallVec::new();
         if let Some(region) = self.region {
-            self.regions[region as usize].nodes.push((id, saved.len()));
+            self.regions[region as usize].nodes.push(RegionNode {
+                id,
+                saves: saved.len(),
+                saves_output: saved.iter().any(|s| outputs.contains(s)),
+            });
             self.regions[region as usize].pending += 1;
         } else {
             for &s in saved {
@@ -871,13 +910,29 @@ impl Tracer {
         self.regions[region as usize].recomputed = true;
     }
 
-    /// Whether the recomputation has produced every save the region's nodes need (PyTorch's
-    /// non-reentrant checkpoint stops recomputing there).
+    /// Whether the recomputation has produced every save the region's nodes need: PyTorch's
+    /// non-reentrant checkpoint stops recomputing when the last saved tensor is packed
+    /// (`_StopRecomputationError`). An op packs what it saves before its kernel runs, so when
+    /// the last saving op saves only its inputs, its output is never made either.
     pub(crate) fn recompute_done(&self) -> bool {
-        match self.recompute {
-            Some((region, next)) => next == self.regions[region as usize].nodes.len(),
-            None => false,
+        let Some((region, next)) = self.recompute else {
+            return false;
+        };
+        let r = &self.regions[region as usize];
+        match r.last_saving() {
+            None => true,
+            Some(last) => next > last || (next == last && !r.nodes[last].saves_output),
         }
+    }
+
+    /// Whether node `id`, of a region not recomputed yet, unpacks a saved tensor when it runs:
+    /// only that triggers the recomputation (`_checkpoint_hook.unpack_hook`); a node that saves
+    /// nothing runs before it.
+    fn unpacks(&self, id: NodeId, region: u32) -> bool {
+        self.regions[region as usize]
+            .nodes
+            .iter()
+            .any(|n| n.id == id && n.saves > 0)
     }
 
     // ----- backward ------------------------------------------------------------------------
@@ -906,6 +961,7 @@ impl Tracer {
             }
             if let Some(region) = self.nodes[id as usize].region
                 && !self.regions[region as usize].recomputed
+                && self.unpacks(node, region)
             {
                 hooks.recompute(self, region);
             }

@@ -24,6 +24,7 @@ use crate::gpu::Gpu;
 use crate::sim::{Component, PhasePeak};
 use crate::spec::{
     Lora, LoraTargets, Mode, Optimizer, Parallel, Precision, Quantization, RunSpec, Strategy,
+    TrainerKind,
 };
 
 /// Tokens per micro-batch at which a GPU is half as efficient as when saturated, in the
@@ -152,8 +153,14 @@ pub struct Knobs {
     /// Optimizer states and step on the CPU (DeepSpeed `offload_optimizer`, FSDP `CPUOffload`).
     pub cpu_offload: bool,
     /// A fused linear + cross-entropy loss (Liger's FLCE, Apple's CCE) that never holds the
-    /// full logits.
+    /// full logits: simulated as `use_liger_kernel` under transformers' `Trainer`, always on
+    /// under TRL's trainers (their fused LM head), computed for the measuring loop.
     pub fused_loss: bool,
+    /// DPO's reference log-probs computed once before training (`precompute_ref_log_probs`).
+    pub precompute_ref_log_probs: bool,
+    /// The trainer the spec names (fixed across a search): it decides which knobs are
+    /// simulated and how they are said.
+    pub trainer: TrainerKind,
     /// Resident models moved off the GPU (reference log-probs precomputed, or on the CPU).
     pub residents_off_gpu: bool,
     /// The spec trains bf16 parameters (DeepSpeed's `bf16` mode, which ZeRO-1/2 simulate).
@@ -173,7 +180,13 @@ impl Knobs {
             seq_len: spec.seq_len,
             sharding: Sharding::None,
             cpu_offload: false,
-            fused_loss: false,
+            fused_loss: spec.trainer.kind.is_trl() || spec.trainer.use_liger_kernel,
+            precompute_ref_log_probs: spec
+                .trainer
+                .dpo
+                .as_ref()
+                .is_some_and(|d| d.precompute_ref_log_probs),
+            trainer: spec.trainer.kind,
             residents_off_gpu: false,
             bf16_params: spec.precision == Precision::Bf16 && spec.quantization.is_none(),
         }
@@ -182,8 +195,13 @@ impl Knobs {
     /// Whether any knob is computed rather than simulated.
     pub fn has_computed(&self) -> bool {
         ((self.sharding != Sharding::None || self.cpu_offload) && !self.sharding_simulated())
-            || self.fused_loss
+            || self.computed_fused_loss()
             || self.residents_off_gpu
+    }
+
+    /// The fused loss taken from the breakdown: only the measuring loop cannot run one.
+    fn computed_fused_loss(&self) -> bool {
+        self.fused_loss && self.trainer == TrainerKind::Loop
     }
 
     /// Whether DeepSpeed runs this as the estimator models it: a full fine-tune of bf16
@@ -263,6 +281,28 @@ pub fn spec_for(base: &RunSpec, k: &Knobs) -> RunSpec {
     spec.allocator.expandable_segments = k.expandable_segments;
     spec.batch_size = k.micro_batch;
     spec.seq_len = k.seq_len;
+    let trainer = &mut spec.trainer;
+    if trainer.kind != TrainerKind::Loop {
+        trainer.gradient_accumulation_steps = base
+            .trainer
+            .gradient_accumulation_steps
+            .saturating_mul(k.accumulation);
+        trainer.use_liger_kernel =
+            k.fused_loss && trainer.kind == TrainerKind::Hf || base.trainer.use_liger_kernel;
+    }
+    if let Some(dpo) = trainer.dpo.as_mut() {
+        // The prompt keeps its length while the sequence leaves room for a completion.
+        dpo.prompt_len = dpo.prompt_len.min(k.seq_len.saturating_sub(2)).max(1);
+        if k.precompute_ref_log_probs {
+            dpo.precompute_ref_log_probs = true;
+            dpo.reference = None;
+        }
+    }
+    if let Some(grpo) = trainer.grpo.as_mut() {
+        // A GRPO row is its prompt and its completion: the length changes the completion.
+        grpo.completion_len = k.seq_len.saturating_sub(grpo.prompt_len).max(1);
+        spec.seq_len = grpo.prompt_len + grpo.completion_len;
+    }
     if k.adapter != adapter_of(base) {
         match k.adapter {
             Adapter::Full => {
@@ -461,7 +501,7 @@ fn computed_peaks(setup: &Setup, k: &Knobs, est: &Estimate) -> (u64, u64, bool) 
                 }
             }
             Component::Weights if k.sharding == Sharding::Zero3 && !simulated => shard,
-            Component::LogitsAndLoss if k.fused_loss => 1.0,
+            Component::LogitsAndLoss if k.computed_fused_loss() => 1.0,
             _ => 0.0,
         }
     };
@@ -472,7 +512,7 @@ fn computed_peaks(setup: &Setup, k: &Knobs, est: &Estimate) -> (u64, u64, bool) 
     if k.sharding == Sharding::Zero3 && setup.gpus > 1 && !simulated {
         added += zero3_gather_bytes(est);
     }
-    if k.fused_loss {
+    if k.computed_fused_loss() {
         added += fused_loss_chunk_bytes(est, k);
     }
     if setup.gpus > 1
@@ -636,9 +676,12 @@ fn fidelity(base: &Knobs, k: &Knobs) -> Fidelity {
     f
 }
 
-/// The changes from the spec that `k` makes, in words.
+/// The changes from the spec that `k` makes, in words (a trainer's in its own settings).
 pub fn describe(setup: &Setup, k: &Knobs) -> Vec<String> {
     let base = Knobs::of(&setup.spec);
+    if k.trainer != TrainerKind::Loop {
+        return describe_trainer(setup, &base, k);
+    }
     let mut out = Vec::new();
     if k.optimizer != base.optimizer {
         out.push(k.optimizer.name().to_string());
@@ -689,6 +732,72 @@ pub fn describe(setup: &Setup, k: &Knobs) -> Vec<String> {
         out.push("resident models off the GPU".to_string());
     }
     out
+}
+
+/// The changes `k` makes to a trainer's run, in the settings of `TrainingArguments` and TRL's
+/// configs.
+fn describe_trainer(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
+    let spec = spec_for(&setup.spec, k);
+    let mut out = Vec::new();
+    if k.optimizer != base.optimizer {
+        out.push(format!("optim=\"{}\"", optim_name(k.optimizer)));
+    }
+    if k.gradient_checkpointing != base.gradient_checkpointing {
+        out.push(format!(
+            "gradient_checkpointing={}",
+            python_bool(k.gradient_checkpointing)
+        ));
+    }
+    if k.adapter != base.adapter {
+        out.push(match k.adapter {
+            Adapter::Full => "no peft_config (full fine-tuning)".to_string(),
+            Adapter::Lora => {
+                "peft_config=LoraConfig(r=16, target_modules=\"all-linear\")".to_string()
+            }
+            Adapter::Qlora => "4-bit NF4 base (BitsAndBytesConfig) + LoRA r=16".to_string(),
+        });
+    }
+    if k.micro_batch != base.micro_batch {
+        out.push(format!(
+            "per_device_train_batch_size={}, gradient_accumulation_steps={}",
+            spec.batch_size, spec.trainer.gradient_accumulation_steps
+        ));
+    }
+    if k.seq_len != base.seq_len {
+        out.push(match &spec.trainer.grpo {
+            Some(grpo) => format!("max_completion_length={}", grpo.completion_len),
+            None => format!("max_length={}", spec.seq_len),
+        });
+    }
+    if k.expandable_segments != base.expandable_segments {
+        out.push("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True".to_string());
+    }
+    if k.fused_loss != base.fused_loss {
+        out.push("use_liger_kernel=True".to_string());
+    }
+    if k.precompute_ref_log_probs != base.precompute_ref_log_probs {
+        out.push("precompute_ref_log_probs=True".to_string());
+    }
+    if k.cpu_offload {
+        out.push("optimizer on CPU".to_string());
+    }
+    out
+}
+
+/// `TrainingArguments.optim` for an optimizer.
+pub fn optim_name(optimizer: Optimizer) -> &'static str {
+    match optimizer {
+        Optimizer::AdamW | Optimizer::AdamWForLoop => "adamw_torch",
+        Optimizer::AdamWFused => "adamw_torch_fused",
+        Optimizer::AdamW8bit => "adamw_bnb_8bit",
+        Optimizer::Adafactor => "adafactor",
+        Optimizer::Sgd => "sgd",
+        Optimizer::None => "none",
+    }
+}
+
+fn python_bool(on: bool) -> &'static str {
+    if on { "True" } else { "False" }
 }
 
 /// `fits(n)` is true for n = lo; find the largest n ≤ cap with fits(n) and !fits(n + 1)
@@ -847,7 +956,14 @@ pub fn search(setup: &Setup) -> Result<Vec<Evaluation>> {
                                     None => None,
                                 };
                                 let est = own.as_ref().unwrap_or(&plain);
-                                for fused_loss in [false, true] {
+                                // TRL's trainers always run their fused head; `Trainer`
+                                // runs liger's (a run of its own), the loop a computed one.
+                                let fused_losses: &[bool] = match base.trainer {
+                                    t if t.is_trl() => &[true],
+                                    TrainerKind::Hf => &[base.fused_loss],
+                                    _ => &[false, true],
+                                };
+                                for &fused_loss in fused_losses {
                                     for &residents_off_gpu in residents_off {
                                         let k = Knobs {
                                             fused_loss,

@@ -22,7 +22,7 @@ use crate::error::{CliError, CliResult};
 use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them.
-const HARNESS: [(&str, &str); 4] = [
+const HARNESS: [(&str, &str); 5] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -38,6 +38,10 @@ const HARNESS: [(&str, &str); 4] = [
     (
         "measure.py",
         include_str!("../../../../python/headroom_measure/measure.py"),
+    ),
+    (
+        "trainers.py",
+        include_str!("../../../../python/headroom_measure/trainers.py"),
     ),
 ];
 
@@ -119,10 +123,21 @@ fn run_harness(args: &Args, harness_spec: &Value) -> CliResult<Value> {
     for (name, source) in HARNESS {
         std::fs::write(package.join(name), source).map_err(|e| CliError::failure(e.to_string()))?;
     }
+    // A spec naming a trainer runs that trainer (transformers, TRL) for three steps.
+    let module = match harness_spec.get("trainer").and_then(Value::as_str) {
+        Some(kind) if kind != "loop" => "headroom_measure.trainers",
+        _ => "headroom_measure",
+    };
+    let mut spec = harness_spec.clone();
+    if let Some(obj) = spec.as_object_mut()
+        && module == "headroom_measure"
+    {
+        obj.remove("trainer");
+    }
     let mut command = Command::new(&args.python);
     command
-        .args(["-m", "headroom_measure", "run", "--spec-json"])
-        .arg(harness_spec.to_string())
+        .args(["-m", module, "run", "--spec-json"])
+        .arg(spec.to_string())
         .env("PYTHONPATH", dir.path())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -200,7 +215,7 @@ impl Measured {
                 .as_u64()
                 .ok_or_else(|| CliError::failure(format!("the harness's record lacks `{key}`")))
         };
-        let mut phases = Vec::new();
+        let mut phases: Vec<(u32, &'static str, u64)> = Vec::new();
         for (i, step) in m["steps"].as_array().into_iter().flatten().enumerate() {
             for (key, name) in [
                 ("fwd_peak", "forward"),
@@ -210,6 +225,29 @@ impl Measured {
                 if let Some(bytes) = step[key].as_u64() {
                     phases.push((i as u32 + 1, name, bytes));
                 }
+            }
+        }
+        // The trainer harness's segments, named as the estimate's phases.
+        for segment in m["segments"].as_array().into_iter().flatten() {
+            let (Some(step), Some(name), Some(bytes)) = (
+                segment["step"].as_u64(),
+                segment["name"].as_str(),
+                segment["peak_allocated"].as_u64(),
+            ) else {
+                continue;
+            };
+            let phase = match name {
+                "generate" => "generate",
+                "forward:reference" => "reference",
+                n if n.starts_with("forward:") || n == "loss" => "forward",
+                "backward" => "backward",
+                "clip_grad" | "optimizer" | "zero_grad" => "optimizer",
+                _ => continue,
+            };
+            let step = step as u32;
+            match phases.iter_mut().find(|p| p.0 == step && p.1 == phase) {
+                Some(p) => p.2 = p.2.max(bytes),
+                None => phases.push((step, phase, bytes)),
             }
         }
         Ok(Measured {

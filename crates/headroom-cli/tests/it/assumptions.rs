@@ -40,7 +40,7 @@ fn estimate_json_carries_versions_gpu_constants_and_warnings() {
     assert_eq!(a["versions"]["torch"]["followed"], "2.11.0");
     assert_eq!(a["versions"]["transformers"]["followed"], "5.17.0");
     assert_eq!(a["versions"]["torch"]["given"], Value::Null);
-    assert_eq!(a["versions"]["trl"]["followed"], Value::Null);
+    assert_eq!(a["versions"]["trl"]["followed"], "1.16.0");
     let g = &a["gpu"];
     assert_eq!(
         keys(g),

@@ -6,7 +6,7 @@
 use crate::error::Result;
 use crate::plan::{self, Adapter, Evaluation, Knobs, Setup, Sharding};
 use crate::sim::Component;
-use crate::spec::{Mode, Optimizer};
+use crate::spec::{Mode, Optimizer, TrainerKind};
 use crate::units::gib;
 
 /// Where a remedy's number comes from.
@@ -82,7 +82,12 @@ pub fn remedies(setup: &Setup) -> Result<Vec<Remedy>> {
                     k: Knobs,
                     changes_data: bool|
      -> Result<()> {
-        let evaluation = plan::evaluate(setup, &k)?;
+        // A change the estimator does not model for this run (sharding a trainer's run) is
+        // no remedy it can vouch for.
+        let evaluation = match plan::evaluate(setup, &k) {
+            Err(crate::error::Error::Unsupported { .. }) => return Ok(()),
+            other => other?,
+        };
         let basis = if k.has_computed() {
             Basis::Computed
         } else {
@@ -132,13 +137,19 @@ pub fn remedies(setup: &Setup) -> Result<Vec<Remedy>> {
             false,
         )?;
     }
+    let trainer = setup.spec.trainer.kind;
     if train && !k0.gradient_checkpointing {
+        let how = if trainer == TrainerKind::Loop {
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False}); \
+             spec `gradient_checkpointing: true`"
+        } else {
+            "gradient_checkpointing=True in the trainer's config (TRL's configs turn it on by \
+             default); spec `gradient_checkpointing: true`"
+        };
         push(
             "gradient-checkpointing",
             "Gradient checkpointing".into(),
-            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False}); \
-             spec `gradient_checkpointing: true`"
-                .into(),
+            how.into(),
             "each layer's forward runs again during backward: about 1/3 more compute per step"
                 .into(),
             Knobs {
@@ -213,10 +224,21 @@ pub fn remedies(setup: &Setup) -> Result<Vec<Remedy>> {
             }
         }
         if let Some(k) = chosen {
-            let (mb, acc) = (k.micro_batch, k.accumulation);
+            let changed = plan::spec_for(&setup.spec, &k);
+            let mb = changed.batch_size;
+            let acc = if trainer == TrainerKind::Loop {
+                k.accumulation
+            } else {
+                changed.trainer.gradient_accumulation_steps
+            };
+            let unit = match trainer {
+                TrainerKind::TrlDpo | TrainerKind::TrlReward => " preference pairs",
+                TrainerKind::TrlGrpo => " completions",
+                _ => "",
+            };
             push(
                 "micro-batch",
-                format!("Micro-batch {mb} with {acc} accumulation steps"),
+                format!("Micro-batch {mb}{unit} with {acc} accumulation steps"),
                 format!(
                     "per_device_train_batch_size={mb}, gradient_accumulation_steps={acc} (same \
                      tokens per optimizer step)"
@@ -234,10 +256,19 @@ pub fn remedies(setup: &Setup) -> Result<Vec<Remedy>> {
         let shorter = plan::max_seq_len(setup, k0.seq_len - 1)?
             .unwrap_or(k0.seq_len / 2)
             .max(1);
+        let how = match &setup.spec.trainer.grpo {
+            Some(grpo) => format!(
+                "max_completion_length={} (completions of at most that many tokens after \
+                 prompts of {})",
+                shorter.saturating_sub(grpo.prompt_len).max(1),
+                grpo.prompt_len
+            ),
+            None => format!("max_length={shorter} (truncate, or split long examples)"),
+        };
         push(
             "shorter-sequences",
             format!("Sequences of {shorter} tokens"),
-            format!("max_length={shorter} (truncate, or split long examples)"),
+            how,
             "the model no longer sees tokens past the limit: changes the data, not only the \
              memory"
                 .into(),
@@ -265,7 +296,47 @@ pub fn remedies(setup: &Setup) -> Result<Vec<Remedy>> {
         )?;
     }
     let logits = component(Component::LogitsAndLoss);
-    if logits > 0 {
+    if logits > 0 && trainer == TrainerKind::Hf && !k0.fused_loss {
+        push(
+            "fused-loss",
+            "Liger kernels and fused linear cross-entropy".into(),
+            "use_liger_kernel=True in TrainingArguments (pip install liger-kernel)".into(),
+            format!(
+                "about the same speed; the {} of logits and loss at the peak become one chunk, \
+                 and liger's RMSNorm, SwiGLU and RoPE keep fewer activations",
+                gib(logits)
+            ),
+            Knobs {
+                fused_loss: true,
+                ..k0.clone()
+            },
+            false,
+        )?;
+    }
+    if let Some(dpo) = &setup.spec.trainer.dpo
+        && !dpo.precompute_ref_log_probs
+        && setup
+            .spec
+            .trainer
+            .loads_reference(setup.spec.lora.is_some())
+    {
+        push(
+            "precompute-ref-log-probs",
+            "Precompute the reference log-probs".into(),
+            "precompute_ref_log_probs=True in DPOConfig (no reference model on the GPU during \
+             training)"
+                .into(),
+            "one no-grad forward over the dataset before training; the reference model is not \
+             kept"
+                .into(),
+            Knobs {
+                precompute_ref_log_probs: true,
+                ..k0.clone()
+            },
+            false,
+        )?;
+    }
+    if logits > 0 && trainer == TrainerKind::Loop {
         push(
             "fused-loss",
             "Fused linear + cross-entropy loss".into(),

@@ -22,6 +22,10 @@ pub struct Assumptions {
 /// What a run uses, as far as its assumptions go.
 #[derive(Default)]
 struct Uses {
+    /// A TRL trainer runs the step.
+    trl: bool,
+    /// transformers' `Trainer` runs it.
+    trainer_hf: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -30,6 +34,8 @@ struct Uses {
 
 impl Uses {
     fn add(&mut self, spec: &RunSpec) {
+        self.trl |= spec.trainer.kind.is_trl();
+        self.trainer_hf |= spec.trainer.kind == crate::spec::TrainerKind::Hf;
         self.peft |= spec.lora.is_some();
         self.bitsandbytes |=
             spec.quantization == Some(Quantization::Nf4) || spec.optimizer == Optimizer::AdamW8bit;
@@ -40,8 +46,8 @@ impl Uses {
         self.sdpa |= spec.attention == Attention::Sdpa;
     }
 
-    /// Whether the estimate depends on `library`'s version. TRL's trainers are not modelled
-    /// at all, so a TRL version given always counts.
+    /// Whether the estimate depends on `library`'s version. A TRL version given always counts:
+    /// without a TRL trainer in the spec, it says the spec does not describe the run.
     fn depends_on(&self, library: Library) -> bool {
         match library {
             Library::Torch | Library::Transformers | Library::Trl => true,
@@ -94,6 +100,16 @@ impl Assumptions {
                 continue;
             }
             let warning = match library.followed(Some(version)) {
+                _ if library == Library::Trl && !uses.trl => format!(
+                    "trl {version} is given, but the spec names no TRL trainer: the estimate \
+                     runs the {} steps; set `trainer:` to the TRL trainer the run uses \
+                     (trl-sft, trl-dpo, trl-grpo, trl-reward)",
+                    if uses.trainer_hf {
+                        "transformers Trainer's"
+                    } else {
+                        "measuring harness's"
+                    }
+                ),
                 Some(modelled) if version.is(modelled) => continue,
                 Some(modelled) => format!(
                     "{} {version} is not modelled; the estimate follows {} {}",
@@ -101,11 +117,7 @@ impl Assumptions {
                     library.key(),
                     at_precision_of(modelled, version)
                 ),
-                None => format!(
-                    "{} {version} is not modelled: the estimate runs the measuring harness's \
-                     steps (forward, backward, optimizer.step, zero_grad), not a TRL trainer's",
-                    library.key()
-                ),
+                None => format!("{} {version} is not modelled", library.key()),
             };
             if !warnings.contains(&warning) {
                 warnings.push(warning);
@@ -215,7 +227,21 @@ mod tests {
         let trl = spec("{model: qwen2.5-0.5b, versions: {trl: \"0.24\", transformers: \"4.57\"}}");
         let warnings = Assumptions::run(&trl, &Gpu::default()).warnings;
         assert_eq!(warnings.len(), 1, "{warnings:?}");
-        assert!(warnings[0].starts_with("trl 0.24 is not modelled: "));
+        assert!(
+            warnings[0].starts_with("trl 0.24 is given, but the spec names no TRL trainer"),
+            "{warnings:?}"
+        );
+        let sft = spec("{model: qwen2.5-0.5b, trainer: trl-sft, versions: {trl: \"0.24\"}}");
+        assert_eq!(
+            Assumptions::run(&sft, &Gpu::default()).warnings,
+            ["trl 0.24 is not modelled; the estimate follows trl 1.16"]
+        );
+        let modelled = spec("{model: qwen2.5-0.5b, trainer: trl-dpo, versions: {trl: \"1.16\"}}");
+        assert!(
+            Assumptions::run(&modelled, &Gpu::default())
+                .warnings
+                .is_empty()
+        );
         // 4.57 is modelled as 4.57.1; another patch of it follows that one, and says so.
         let patch = spec("{model: qwen2.5-0.5b, versions: {transformers: \"4.57.0\"}}");
         assert_eq!(

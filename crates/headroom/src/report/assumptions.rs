@@ -31,8 +31,7 @@ pub struct VersionsJson {
 
 #[derive(Debug, Serialize)]
 pub struct VersionJson {
-    /// The release the simulator translates (`2.11.0`); null for trl, whose trainers are not
-    /// modelled.
+    /// The release the simulator translates (`2.11.0`).
     pub followed: Option<String>,
     /// What the spec's `versions:` gives (`4.57`); null when it gives none.
     pub given: Option<String>,

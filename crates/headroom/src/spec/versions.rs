@@ -124,8 +124,7 @@ impl Library {
     }
 
     /// The release the simulator translates, as the measuring machines ran it
-    /// (bench/calibration/README.md, bench/distributed/README.md); `None` for TRL, whose
-    /// trainers are not modelled: the passes are the measuring harness's own.
+    /// (bench/calibration/README.md, bench/distributed/README.md, bench/trainers/README.md).
     pub fn modelled(self) -> Option<Version> {
         match self {
             Library::Torch => Some(Version::new(2, 11, 0)),
@@ -133,7 +132,7 @@ impl Library {
             Library::Peft => Some(Version::new(0, 21, 0)),
             Library::Bitsandbytes => Some(Version::new(0, 50, 2)),
             Library::Deepspeed => Some(Version::new(0, 18, 2)),
-            Library::Trl => None,
+            Library::Trl => Some(Version::new(1, 16, 0)),
         }
     }
 }

@@ -317,6 +317,41 @@ impl Tracer {
                 out.push(hidden);
                 out.push(weight);
             }
+            Bwd::LigerRmsNorm {
+                width,
+                partial_rows,
+            } => {
+                out.push(needs(0).map(|_| self.share(g)));
+                out.push(needs(1).map(|(_, dtype)| {
+                    let partial = self.empty(partial_rows * width, DType::F32, "LigerRMSNorm _dW");
+                    let sum = self.empty(width, DType::F32, "_dW.sum(0)");
+                    self.drop(partial);
+                    if dtype == DType::F32 {
+                        sum
+                    } else {
+                        let cast = self.empty(width, dtype, "dW.to(W.dtype)");
+                        self.drop(sum);
+                        cast
+                    }
+                }));
+            }
+            Bwd::InPlacePair => {
+                for (i, &x) in saved.iter().enumerate() {
+                    out.push(
+                        needs(i).map(|(numel, _)| self.view(x, numel, "gradient written in place")),
+                    );
+                }
+            }
+            Bwd::InPlace => out.push(Some(self.share(g))),
+            Bwd::LigerFusedLinearCrossEntropy => {
+                // `torch.equal(grad_output, torch.tensor(1.0, device=...))`.
+                let one = self.empty(1, DType::F32, "torch.tensor(1.0)");
+                self.drop(one);
+                let mut saved = saved.iter();
+                let input = saved.next().map(|&x| self.share(x));
+                out.push(input);
+                out.push(needs(1).and_then(|_| saved.next()).map(|&w| self.share(w)));
+            }
             Bwd::NllLoss => {
                 out.push(needs(0).map(|(numel, dtype)| {
                     self.empty(numel, dtype, "grad of nll_loss (zeros + scatter)")

@@ -13,7 +13,7 @@ use crate::sim::engine::tracer::{BackwardHooks, ParamId, T, Tracer};
 use crate::sim::model::heads::{lm_head, logprob_forward, train_forward};
 use crate::sim::model::transformer::{LoraAdapter, Model};
 use crate::sim::model::{AttentionImpl, Batch};
-use crate::sim::model::{load, quant, trl};
+use crate::sim::model::{liger, load, quant, trl};
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::Strategy;
 use crate::sim::strategy::ddp::Ddp;
@@ -139,6 +139,14 @@ impl Instance {
         } else {
             first..t.params.len()
         };
+        // `apply_liger_kernel` in `Trainer.train()` patches the trained model's modules.
+        if spec.trainer.use_liger_kernel && train {
+            model.liger = liger::Kernels {
+                rope: true,
+                layers: true,
+                fused_linear_cross_entropy: spec.trainer.kind == spec::TrainerKind::Hf,
+            };
+        }
         model.checkpointing = spec.gradient_checkpointing && train;
         model.inputs_require_grads = model.checkpointing;
         let trainable_ids: Vec<ParamId> = params

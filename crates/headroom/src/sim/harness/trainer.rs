@@ -342,7 +342,10 @@ fn reference_model(t: &mut Tracer, spec: &RunSpec, arch: &Architecture) -> Optio
         gradient_checkpointing: false,
         ..spec.clone()
     };
-    let reference = Instance::build(t, &reference_spec, arch, Home::Gpu, None);
+    let mut reference = Instance::build(t, &reference_spec, arch, Home::Gpu, None);
+    // liger's RoPE is patched module-wide, so the reference (built before `train()` patches
+    // the policy's modules) rotates in place too.
+    reference.model.liger.rope = spec.trainer.use_liger_kernel;
     for p in reference.params.clone() {
         t.set_trainable(p, true);
     }

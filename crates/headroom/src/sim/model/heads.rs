@@ -21,6 +21,14 @@ pub(crate) fn train_forward(
 ) -> T {
     let hidden = model.decoder(t, ids, batch);
     match spec.task {
+        Task::CausalLm if model.liger.fused_linear_cross_entropy => {
+            let weight = model.lm_head.map_or(model.embed, |head| head.weight);
+            let shape = [model.arch.vocab, model.arch.hidden];
+            let loss = super::liger::fused_linear_cross_entropy(t, weight, shape, hidden, batch);
+            model.forward_done(t);
+            t.drop(hidden);
+            loss
+        }
         Task::CausalLm => {
             let (loss, logits) = causal_lm_loss(t, model, hidden, batch);
             model.forward_done(t);

@@ -1,11 +1,13 @@
 //! The HF models as engine ops: each function names the transformers function it mirrors.
 //! [`transformer`] builds the parameters and runs the decoder stack, [`attention`] its
-//! attention kernels and masks, [`heads`] the output heads and losses, [`load`]
+//! attention kernels and masks, [`heads`] the output heads and losses, [`liger`]
+//! liger-kernel's replacements for some of them, [`load`]
 //! `from_pretrained`, [`quant`] the bitsandbytes 4-bit weights and peft's k-bit preparation, [`trl`] TRL's fused LM head
 //! and its trainers' losses.
 
 pub(crate) mod attention;
 pub(crate) mod heads;
+pub(crate) mod liger;
 pub(crate) mod load;
 pub(crate) mod quant;
 pub(crate) mod transformer;

@@ -5,7 +5,7 @@
 use std::cell::RefCell;
 
 use super::attention::{self, Masks};
-use super::{AttentionImpl, Batch};
+use super::{AttentionImpl, Batch, liger};
 use crate::arch::{Architecture, Family, Head, Module, NormKind, Param};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
@@ -168,6 +168,8 @@ pub(crate) struct Model {
     /// peft's `disable_adapter()`: the LoRA linears run their base layer alone (TRL's
     /// reference pass of a LoRA policy).
     pub adapters_disabled: bool,
+    /// liger-kernel's replacements this model runs (`use_liger_kernel`).
+    pub liger: liger::Kernels,
 }
 
 impl Model {
@@ -335,6 +337,7 @@ impl Model {
             materializes_causal_mask: false,
             kv_cache: None,
             adapters_disabled: false,
+            liger: liger::Kernels::default(),
         }
     }
 
@@ -659,6 +662,7 @@ impl Model {
     /// The norm layers: `Qwen2RMSNorm`, `Gemma2RMSNorm`, `nn.LayerNorm`.
     pub(crate) fn norm(&self, t: &mut Tracer, x: T, norm: Norm) -> T {
         match self.arch.norm_kind() {
+            NormKind::Rms if self.liger.layers => liger::rms_norm(t, x, norm.weight),
             NormKind::Rms => rms_norm(t, x, norm.weight),
             NormKind::RmsOnePlus => rms_norm_one_plus(t, x, norm.weight),
             NormKind::LayerNorm => layer_norm(t, x, norm, self.arch.hidden),
@@ -693,8 +697,8 @@ impl Model {
             }
             _ => {
                 // Rotary embeddings (and eager attention) hand back head-major gradients.
-                let rotary_copy =
-                    a.family != Family::Gpt2 || self.attention == AttentionImpl::Eager;
+                let rotary_copy = (a.family != Family::Gpt2 && !self.liger.rope)
+                    || self.attention == AttentionImpl::Eager;
                 let value_copy = self.attention == AttentionImpl::Eager;
                 let (ql, kl, vl) = (
                     self.active(layer.q.expect("q_proj")),
@@ -726,7 +730,12 @@ impl Model {
         let (q, k) = if a.family == Family::Gpt2 {
             (q, k)
         } else {
-            let (qr, kr) = ctx.apply_rotary(t, q, k);
+            let (qr, kr) = if self.liger.rope {
+                let (cos, sin) = ctx.rotary_tables();
+                (liger::rotate(t, q, cos, sin), liger::rotate(t, k, cos, sin))
+            } else {
+                ctx.apply_rotary(t, q, k)
+            };
             t.drop_all(&[q, k]);
             (qr, kr)
         };
@@ -784,6 +793,15 @@ impl Model {
                 self.module_post_forward(t);
                 t.drop(h);
                 act
+            }
+            _ if self.liger.layers => {
+                // `LigerSwiGLUMLP.forward`: down_proj(LigerSiLUMulFunction(gate, up)).
+                let (g, u) = (layer.gate.expect("gate_proj"), layer.up.expect("up_proj"));
+                let gate = self.hooked_linear(t, g, x);
+                let up = self.hooked_linear(t, u, x);
+                let prod = liger::silu_mul(t, gate, up);
+                t.drop_all(&[gate, up]);
+                prod
             }
             _ => {
                 let (g, u) = (layer.gate.expect("gate_proj"), layer.up.expect("up_proj"));
@@ -1008,11 +1026,16 @@ impl LayerContext {
     }
 
     /// `apply_rotary_pos_emb`: `q * cos + rotate_half(q) * sin`, same for k.
-    fn apply_rotary(&self, t: &mut Tracer, q: T, k: T) -> (T, T) {
-        let (cos, sin) = (
+    /// `cos` and `sin`.
+    fn rotary_tables(&self) -> (T, T) {
+        (
             self.cos.expect("rotary tables"),
             self.sin.expect("rotary tables"),
-        );
+        )
+    }
+
+    fn apply_rotary(&self, t: &mut Tracer, q: T, k: T) -> (T, T) {
+        let (cos, sin) = self.rotary_tables();
         let qe = rotate(t, q, cos, sin);
         let ke = rotate(t, k, cos, sin);
         (qe, ke)

@@ -250,6 +250,59 @@ fn measure_without_python_or_torch_says_what_to_install() {
     assert!(err.contains("batch_size"), "{err}");
 }
 
+/// A trainer spec is measured by the trainer harness (`headroom_measure.trainers`), whose
+/// segments are compared phase by phase. The Python here is a stand-in that prints what the
+/// harness prints and records how it was called.
+#[cfg(unix)]
+#[test]
+fn measure_runs_the_trainer_harness_for_a_trainer_spec() {
+    use std::os::unix::fs::PermissionsExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let calls = dir.path().join("calls.txt");
+    let record = serde_json::json!({
+        "env": {"gpu": "NVIDIA H100 80GB HBM3"},
+        "measured": {
+            "peak_allocated_bytes": 16_637_161_984u64,
+            "peak_reserved_bytes": 18_167_627_776u64,
+            "segments": [
+                {"step": 1, "name": "forward:policy", "peak_allocated": 5_000_000_000u64},
+                {"step": 1, "name": "forward:reference", "peak_allocated": 5_100_000_000u64},
+                {"step": 1, "name": "backward", "peak_allocated": 16_000_000_000u64},
+                {"step": 1, "name": "optimizer", "peak_allocated": 9_000_000_000u64}
+            ]
+        }
+    });
+    let python = dir.path().join("python3");
+    std::fs::write(
+        &python,
+        format!(
+            "#!/bin/sh\necho \"$@\" >> {}\necho '{}'\n",
+            calls.display(),
+            record
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = headroom(&[
+        "measure",
+        "examples/trl-dpo.yaml",
+        "--python",
+        python.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let called = std::fs::read_to_string(&calls).unwrap();
+    assert!(
+        called.starts_with("-m headroom_measure.trainers run --spec-json"),
+        "{called}"
+    );
+    assert!(called.contains("\"trainer\":\"trl-dpo\""), "{called}");
+    let table = stdout(&out);
+    for phase in ["forward", "reference", "backward", "optimizer", "peak allocated"] {
+        assert!(table.contains(phase), "{phase} missing from {table}");
+    }
+}
+
 #[test]
 fn pipeline_estimate_per_phase() {
     insta::assert_snapshot!(stdout(&headroom(&[

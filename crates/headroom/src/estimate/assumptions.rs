@@ -26,6 +26,8 @@ struct Uses {
     trl: bool,
     /// transformers' `Trainer` runs it.
     trainer_hf: bool,
+    /// A trainer (not the harness's loop) runs under DDP.
+    trainer_under_ddp: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -36,6 +38,8 @@ impl Uses {
     fn add(&mut self, spec: &RunSpec) {
         self.trl |= spec.trainer.kind.is_trl();
         self.trainer_hf |= spec.trainer.kind == crate::spec::TrainerKind::Hf;
+        self.trainer_under_ddp |=
+            spec.trainer.kind != crate::spec::TrainerKind::Loop && spec.parallel.is_some();
         self.peft |= spec.lora.is_some();
         self.bitsandbytes |=
             spec.quantization == Some(Quantization::Nf4) || spec.optimizer == Optimizer::AdamW8bit;
@@ -122,6 +126,13 @@ impl Assumptions {
             if !warnings.contains(&warning) {
                 warnings.push(warning);
             }
+        }
+        if uses.trainer_under_ddp {
+            warnings.push(
+                "a trainer under DDP is not measured: its step is the one measured on one GPU, \
+                 with DDP's buckets and NCCL's communicators as measured for the harness's loop"
+                    .to_string(),
+            );
         }
         warnings.extend(gpu_warnings(gpu, uses.sdpa));
         for name in engines {

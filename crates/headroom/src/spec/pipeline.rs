@@ -488,6 +488,8 @@ impl PipelineSpec {
         };
         let policy = part("policy")?;
         let mut reference = part("reference")?;
+        check_instance(&policy, Home::Gpu, "policy")?;
+        check_instance(&reference, Home::Gpu, "reference")?;
         reference.mode = Mode::Forward;
         reference.optimizer = Optimizer::None;
         if policy.mode != Mode::Train {
@@ -633,6 +635,14 @@ fn at_most<'a>(items: &'a [Value], field: &str, max: usize) -> Result<&'a [Value
 
 /// What an instance may be in a pipeline.
 fn check_instance(spec: &RunSpec, home: Home, at: &str) -> Result<()> {
+    if spec.trainer.kind != super::TrainerKind::Loop {
+        return Err(Error::field(
+            format!("{at}.trainer"),
+            spec.trainer.kind.name(),
+            "a pipeline's instances run the harness's passes (train, forward, generate); a \
+             trainer is a run spec of its own (`headroom estimate` takes it directly)",
+        ));
+    }
     if home == Home::Cpu && spec.quantization.is_some() {
         return Err(Error::Unsupported {
             what: format!("{at}: a 4-bit model built on the host"),

@@ -531,13 +531,13 @@ impl RunSpec {
                         .into(),
             });
         }
-        if let Some(parallel) = &self.parallel {
+        if let Some(parallel) = self.parallel.as_ref().filter(|p| p.strategy != Strategy::Ddp) {
             return Err(Error::Unsupported {
                 what: format!(
                     "parallel.strategy {} with trainer {name}",
                     parallel.strategy.name()
                 ),
-                supported: "trainers on one GPU; a data-parallel estimate with trainer: loop"
+                supported: "trainers on one GPU or under ddp; sharded estimates with trainer: loop"
                     .into(),
             });
         }
@@ -562,18 +562,20 @@ impl RunSpec {
             _ => {}
         }
         if let Some(grpo) = &self.trainer.grpo {
-            // `generation_batch_size = per_device_train_batch_size * steps_per_generation`
-            // (one process) must hold whole groups of completions.
+            // `generation_batch_size = per_device_train_batch_size * num_processes *
+            // steps_per_generation` must hold whole groups of completions.
+            let processes = self.parallel.as_ref().map_or(1, |p| p.world_size);
             let generation_batch = self
                 .batch_size
-                .saturating_mul(self.trainer.gradient_accumulation_steps);
+                .saturating_mul(self.trainer.gradient_accumulation_steps)
+                .saturating_mul(processes);
             if !generation_batch.is_multiple_of(grpo.num_generations) {
                 return Err(Error::field(
                     "num_generations",
                     grpo.num_generations,
                     format!(
                         "TRL needs the generation batch (batch_size × gradient_accumulation_steps \
-                         = {generation_batch}) to be a multiple of num_generations"
+                         × processes = {generation_batch}) to be a multiple of num_generations"
                     ),
                 ));
             }

@@ -332,7 +332,9 @@ fn reference_model(t: &mut Tracer, spec: &RunSpec, arch: &Architecture) -> Optio
         (true, false) => Precision::Fp32,
         (false, _) => Precision::Bf16,
     };
+    // accelerate prepares a reference for evaluation: never wrapped in DDP.
     let reference_spec = RunSpec {
+        parallel: None,
         mode: Mode::Forward,
         optimizer: Optimizer::None,
         precision,

@@ -87,6 +87,13 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
             Cell::new(""),
         ]);
     }
+    if est.engine_bytes > 0 {
+        t.add_row(vec![
+            Cell::new("colocated vLLM engine (vLLM's gpu_memory_utilization)"),
+            Cell::new(gib(est.engine_bytes)).set_alignment(CellAlignment::Right),
+            Cell::new(""),
+        ]);
+    }
     t.add_row(vec![
         Cell::new("device total (nvidia-smi)"),
         Cell::new(gib(est.device_bytes())).set_alignment(CellAlignment::Right),

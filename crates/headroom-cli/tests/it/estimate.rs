@@ -157,6 +157,10 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
             "trainer-dpo-precompute-reference",
             vec!["precompute_ref_log_probs", "choose one"],
         ),
+        (
+            "trainer-vllm-key-without-vllm",
+            vec!["vllm_gpu_memory_utilization", "0.5", "use_vllm: true"],
+        ),
     ];
     let mut messages = String::new();
     for (name, words) in cases {
@@ -290,7 +294,11 @@ fn measure_runs_the_trainer_harness_for_a_trainer_spec() {
         "--python",
         python.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let called = std::fs::read_to_string(&calls).unwrap();
     assert!(
         called.starts_with("-m headroom_measure.trainers run --spec-json"),
@@ -298,7 +306,13 @@ fn measure_runs_the_trainer_harness_for_a_trainer_spec() {
     );
     assert!(called.contains("\"trainer\":\"trl-dpo\""), "{called}");
     let table = stdout(&out);
-    for phase in ["forward", "reference", "backward", "optimizer", "peak allocated"] {
+    for phase in [
+        "forward",
+        "reference",
+        "backward",
+        "optimizer",
+        "peak allocated",
+    ] {
         assert!(table.contains(phase), "{phase} missing from {table}");
     }
 }

@@ -28,6 +28,8 @@ struct Uses {
     trainer_hf: bool,
     /// A trainer (not the harness's loop) runs under DDP.
     trainer_under_ddp: bool,
+    /// GRPO generates with vLLM on this GPU.
+    vllm_colocated: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -40,6 +42,12 @@ impl Uses {
         self.trainer_hf |= spec.trainer.kind == crate::spec::TrainerKind::Hf;
         self.trainer_under_ddp |=
             spec.trainer.kind != crate::spec::TrainerKind::Loop && spec.parallel.is_some();
+        self.vllm_colocated |= spec
+            .trainer
+            .grpo
+            .as_ref()
+            .and_then(|g| g.vllm.as_ref())
+            .is_some_and(|v| v.colocate.is_some());
         self.peft |= spec.lora.is_some();
         self.bitsandbytes |=
             spec.quantization == Some(Quantization::Nf4) || spec.optimizer == Optimizer::AdamW8bit;
@@ -126,6 +134,13 @@ impl Assumptions {
             if !warnings.contains(&warning) {
                 warnings.push(warning);
             }
+        }
+        if uses.vllm_colocated {
+            warnings.push(
+                "the colocated vLLM engine's share is vLLM's contract (gpu_memory_utilization of \
+                 the total), not a measurement: vLLM is not on the measuring machines"
+                    .to_string(),
+            );
         }
         if uses.trainer_under_ddp {
             warnings.push(

@@ -36,6 +36,9 @@ pub struct Estimate {
     pub cuda_context_bytes: u64,
     /// NCCL's communicators and buffers, also outside the allocator (multi-GPU runs).
     pub nccl_bytes: u64,
+    /// A colocated vLLM engine's share beyond the allocator's peak (GRPO with
+    /// `vllm_mode: colocate`): vLLM's contract, not a measurement.
+    pub engine_bytes: u64,
     /// Host memory the run keeps beside the GPU's (per rank): DeepSpeed's `offload_optimizer`
     /// masters, gradients and states, FSDP2's offloaded shards.
     pub host_bytes: u64,
@@ -59,7 +62,7 @@ pub struct Estimate {
 impl Estimate {
     /// Device memory the run needs: reserved plus what lives outside the allocator.
     pub fn device_bytes(&self) -> u64 {
-        self.peak_reserved_bytes + self.cuda_context_bytes + self.nccl_bytes
+        self.peak_reserved_bytes + self.cuda_context_bytes + self.nccl_bytes + self.engine_bytes
     }
 
     /// Whether the run fits its GPU. Simulated at the GPU's capacity, it fits when it did not
@@ -153,6 +156,7 @@ pub fn estimate_with_trace(
     let mut options = sim::Options {
         capacity,
         workspaces: gpu.workspaces(),
+        device_total: gpu.total_bytes,
         after_oom: sim::AfterOom::StopUnlessUnlimited,
         record_trace: trace,
         ..sim::Options::new(allocator)
@@ -190,6 +194,7 @@ pub fn estimate_with_trace(
         peak_reserved_bytes: sim.peak_reserved,
         cuda_context_bytes: gpu.cuda_context_bytes,
         nccl_bytes: nccl,
+        engine_bytes: sim.engine_bytes,
         host_bytes: sim.host_bytes,
         phases: sim.phases,
         breakdown,

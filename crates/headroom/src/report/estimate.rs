@@ -24,6 +24,10 @@ pub struct EstimateJson<'a> {
     pub peak_reserved_bytes: u64,
     pub cuda_context_bytes: u64,
     pub nccl_bytes: u64,
+    /// A colocated vLLM engine's share beyond the allocator's peak (GRPO with
+    /// `use_vllm` and `vllm_mode: colocate`); absent otherwise.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub engine_bytes: u64,
     /// Host memory kept beside the GPU's (offloaded optimizer states, parameters).
     pub host_bytes: u64,
     /// The phase of the peak: `load`, `forward`, `backward`, `optimizer`.
@@ -70,6 +74,7 @@ impl<'a> EstimateJson<'a> {
             peak_reserved_bytes: est.peak_reserved_bytes,
             cuda_context_bytes: est.cuda_context_bytes,
             nccl_bytes: est.nccl_bytes,
+            engine_bytes: est.engine_bytes,
             host_bytes: est.host_bytes,
             peak_phase: est.peak_phase,
             peak_step: est.peak_step,
@@ -293,4 +298,8 @@ impl TimelineEventJson {
             label: e.label,
         }
     }
+}
+
+fn is_zero(bytes: &u64) -> bool {
+    *bytes == 0
 }

@@ -22,5 +22,5 @@ pub(crate) mod strategy;
 
 pub use engine::component::Component;
 pub use engine::memory::{PeakRecord, PhasePeak, SimulatedEvent, SimulatedOom};
-pub use harness::run::{AfterOom, Options, simulate};
-pub use harness::simulation::{STEPS, Simulation};
+pub use harness::run::simulate;
+pub use harness::simulation::{AfterOom, Options, STEPS, Simulation};

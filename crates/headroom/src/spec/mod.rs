@@ -25,7 +25,9 @@ pub use run::{
     AllocatorSpec, Attention, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision,
     Quantization, RunSpec, Strategy, Task, lora_targets_module,
 };
-pub use trainer::{DpoSpec, GrpoSpec, ReferencePrecision, TrainerKind, TrainerSpec};
+pub use trainer::{
+    Colocated, DpoSpec, GrpoSpec, ReferencePrecision, TrainerKind, TrainerSpec, Vllm,
+};
 pub use versions::{Library, TRANSFORMERS_4_57, Version, Versions};
 
 use crate::error::Result;

@@ -531,7 +531,11 @@ impl RunSpec {
                         .into(),
             });
         }
-        if let Some(parallel) = self.parallel.as_ref().filter(|p| p.strategy != Strategy::Ddp) {
+        if let Some(parallel) = self
+            .parallel
+            .as_ref()
+            .filter(|p| p.strategy != Strategy::Ddp)
+        {
             return Err(Error::Unsupported {
                 what: format!(
                     "parallel.strategy {} with trainer {name}",

@@ -93,6 +93,11 @@ impl TrainerKind {
                 "completion_len",
                 "num_generations",
                 "beta",
+                "use_vllm",
+                "vllm_mode",
+                "vllm_gpu_memory_utilization",
+                "vllm_enable_sleep_mode",
+                "vllm_importance_sampling_correction",
             ],
         }
     }
@@ -111,6 +116,11 @@ pub(crate) const TRAINER_KEYS: &[&str] = &[
     "beta",
     "reference",
     "precompute_ref_log_probs",
+    "use_vllm",
+    "vllm_mode",
+    "vllm_gpu_memory_utilization",
+    "vllm_enable_sleep_mode",
+    "vllm_importance_sampling_correction",
 ];
 
 /// DPO's own settings (`DPOConfig`, and the reference model handed to `DPOTrainer`).
@@ -146,6 +156,28 @@ pub struct GrpoSpec {
     /// The KL coefficient: above 0 a reference model is loaded from the policy's path (or the
     /// adapters are disabled for the reference pass under LoRA).
     pub beta: f64,
+    /// `use_vllm=True`: vLLM generates instead of HF generate; `None`: HF generate.
+    pub vllm: Option<Vllm>,
+}
+
+/// GRPO's vLLM settings (`GRPOConfig`'s `vllm_*`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Vllm {
+    /// `vllm_mode="colocate"`: the engine shares this GPU, holding `gpu_memory_utilization` of
+    /// it (weights and KV cache), outside PyTorch's allocator; `None`: `"server"`, on other GPUs.
+    pub colocate: Option<Colocated>,
+    /// `vllm_importance_sampling_correction`: the policy scores the completions again (no
+    /// grad) to correct for vLLM's sampling distribution.
+    pub importance_sampling: bool,
+}
+
+/// A vLLM engine on the training GPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Colocated {
+    pub gpu_memory_utilization: f64,
+    /// `vllm_enable_sleep_mode`: the engine sleeps (level 2: weights and KV cache released)
+    /// outside generation.
+    pub sleep: bool,
 }
 
 /// The trainer and its settings.
@@ -306,6 +338,7 @@ impl TrainerSpec {
                 completion_len,
                 num_generations,
                 beta: beta(0.0)?,
+                vllm: parse_vllm(obj)?,
             })
         } else {
             None
@@ -331,6 +364,65 @@ impl TrainerSpec {
             _ => false,
         }
     }
+}
+
+/// GRPO's `use_vllm` and the `vllm_*` keys, refused without it.
+fn parse_vllm(obj: &Map<String, Value>) -> Result<Option<Vllm>> {
+    if !boolean(obj, "use_vllm")? {
+        if let Some(key) = TRAINER_KEYS
+            .iter()
+            .find(|k| k.starts_with("vllm_") && obj.contains_key(**k))
+        {
+            return Err(Error::field(
+                *key,
+                &obj[*key],
+                "it applies with use_vllm: true (GRPO generates with HF generate otherwise)",
+            ));
+        }
+        return Ok(None);
+    }
+    let colocate = match obj.get("vllm_mode") {
+        None => true,
+        Some(Value::String(m)) if m == "colocate" => true,
+        Some(Value::String(m)) if m == "server" => false,
+        Some(v) => return Err(Error::field("vllm_mode", v, "use colocate or server")),
+    };
+    let utilization = number(
+        obj,
+        "vllm_gpu_memory_utilization",
+        0.3,
+        "use a number in (0, 1]",
+    )?;
+    if !(utilization > 0.0 && utilization <= 1.0) {
+        return Err(Error::field(
+            "vllm_gpu_memory_utilization",
+            utilization,
+            "use a number in (0, 1]: the share of the GPU's memory the engine takes",
+        ));
+    }
+    let sleep = boolean(obj, "vllm_enable_sleep_mode")?;
+    if !colocate
+        && let Some(key) = ["vllm_gpu_memory_utilization", "vllm_enable_sleep_mode"]
+            .into_iter()
+            .find(|k| obj.contains_key(*k))
+    {
+        return Err(Error::field(
+            key,
+            &obj[key],
+            "it applies to vllm_mode: colocate (a vLLM server runs on other GPUs)",
+        ));
+    }
+    let importance_sampling = match obj.get("vllm_importance_sampling_correction") {
+        None => true,
+        Some(_) => boolean(obj, "vllm_importance_sampling_correction")?,
+    };
+    Ok(Some(Vllm {
+        colocate: colocate.then_some(Colocated {
+            gpu_memory_utilization: utilization,
+            sleep,
+        }),
+        importance_sampling,
+    }))
 }
 
 /// A number >= 0, or `default` when `key` is absent.

@@ -3,64 +3,17 @@
 //! backward, `optimizer.step()` and `zero_grad(set_to_none=True)`, each phase's peak read
 //! like `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`.
 
-use headroom_alloc::{AllocatorConfig, CachingAllocator};
+use headroom_alloc::CachingAllocator;
 
 use super::instance::Instance;
-use super::simulation::{STEPS, Simulation};
+use super::simulation::{AfterOom, Options, STEPS, Simulation};
 use crate::arch::Architecture;
 use crate::dtype::DType;
-use crate::gpu::{Gpu, Workspaces};
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{Memory, OnOom};
 use crate::sim::engine::tracer::{T, Tracer};
 use crate::sim::memo::{Memo, Script};
 use crate::spec::{Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
-
-/// How to simulate a run.
-#[derive(Clone, Debug)]
-pub struct Options {
-    /// The caching allocator's settings (`PYTORCH_CUDA_ALLOC_CONF`).
-    pub allocator: AllocatorConfig,
-    /// What the caching allocator may obtain from the device; `None`: no limit.
-    pub capacity: Option<u64>,
-    /// The cuBLAS and cuBLASLt workspaces of the device's architecture.
-    pub workspaces: Workspaces,
-    /// What the run does after its first out-of-memory error.
-    pub after_oom: AfterOom,
-    /// Keep every allocation and free ([`Simulation::trace`]).
-    pub record_trace: bool,
-    /// Take a step that provably repeats the previous one from it instead of simulating it
-    /// again (see `sim::memo`); tests turn it off to check that.
-    pub repeat_steps: bool,
-}
-
-/// What a run does after its first out-of-memory error, which is recorded in
-/// [`Simulation::oom`] in any case.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AfterOom {
-    /// PyTorch has freed its cache and retried; the limit is lifted and the run goes on, so
-    /// every phase is reported (those after the error no longer physical).
-    GoOn,
-    /// The run stops there (then only [`Simulation::oom`] means anything), unless the limit
-    /// had changed nothing by then: it then goes on as the run without a limit, and says so
-    /// in [`Simulation::unlimited`], for a caller that wants that run next.
-    StopUnlessUnlimited,
-}
-
-impl Options {
-    /// A run with this allocator and no device limit on the default GPU's architecture, every
-    /// step taken from the previous one where it repeats it, no trace kept.
-    pub fn new(allocator: AllocatorConfig) -> Self {
-        Options {
-            allocator,
-            capacity: None,
-            workspaces: Gpu::default().workspaces(),
-            after_oom: AfterOom::GoOn,
-            record_trace: false,
-            repeat_steps: true,
-        }
-    }
-}
 
 /// Simulate the run of `spec` on `arch` as `options` say.
 ///
@@ -82,6 +35,9 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
             AfterOom::GoOn => {}
             AfterOom::StopUnlessUnlimited if ranks_differ => t.mem.on_oom(OnOom::Stop),
             AfterOom::StopUnlessUnlimited => t.mem.on_oom(OnOom::StopUnlessUnlimited),
+        }
+        if spec.trainer.kind != TrainerKind::Loop {
+            return super::trainer::simulate(spec, arch, t, options);
         }
         simulate_rank(spec, arch, t, options.repeat_steps, rank)
     };
@@ -113,9 +69,6 @@ fn simulate_rank(
     repeat_steps: bool,
     rank: Option<u64>,
 ) -> Simulation {
-    if spec.trainer.kind != TrainerKind::Loop {
-        return super::trainer::simulate(spec, arch, t);
-    }
     // torch.zeros(1, device="cuda"): the context and a first small segment; the tensor dies.
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);
@@ -198,6 +151,7 @@ fn simulate_rank(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use headroom_alloc::AllocatorConfig;
     use serde_json::json;
 
     fn spec_and_arch(value: &serde_json::Value) -> (RunSpec, Architecture) {

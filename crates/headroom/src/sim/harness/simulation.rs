@@ -1,11 +1,63 @@
-//! What simulating a run produced, whichever loop ran it.
+//! How to simulate a run, and what simulating it produced, whichever loop ran it.
+
+use headroom_alloc::AllocatorConfig;
 
 use super::instance::Instance;
+use crate::gpu::{Gpu, Workspaces};
 use crate::sim::engine::memory::{PeakRecord, PhasePeak, SimulatedEvent, SimulatedOom};
 use crate::sim::engine::tracer::Tracer;
 
 /// Steps the harness runs; the first differs (optimizer states appear during its step).
 pub const STEPS: u32 = 3;
+
+/// How to simulate a run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The caching allocator's settings (`PYTORCH_CUDA_ALLOC_CONF`).
+    pub allocator: AllocatorConfig,
+    /// What the caching allocator may obtain from the device; `None`: no limit.
+    pub capacity: Option<u64>,
+    /// The cuBLAS and cuBLASLt workspaces of the device's architecture.
+    pub workspaces: Workspaces,
+    /// The device's total memory, of which a colocated rollout engine takes its share.
+    pub device_total: u64,
+    /// What the run does after its first out-of-memory error.
+    pub after_oom: AfterOom,
+    /// Keep every allocation and free ([`Simulation::trace`]).
+    pub record_trace: bool,
+    /// Take a step that provably repeats the previous one from it instead of simulating it
+    /// again (see `sim::memo`); tests turn it off to check that.
+    pub repeat_steps: bool,
+}
+
+/// What a run does after its first out-of-memory error, which is recorded in
+/// [`Simulation::oom`] in any case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterOom {
+    /// PyTorch has freed its cache and retried; the limit is lifted and the run goes on, so
+    /// every phase is reported (those after the error no longer physical).
+    GoOn,
+    /// The run stops there (then only [`Simulation::oom`] means anything), unless the limit
+    /// had changed nothing by then: it then goes on as the run without a limit, and says so
+    /// in [`Simulation::unlimited`], for a caller that wants that run next.
+    StopUnlessUnlimited,
+}
+
+impl Options {
+    /// A run with this allocator and no device limit on the default GPU's architecture, every
+    /// step taken from the previous one where it repeats it, no trace kept.
+    pub fn new(allocator: AllocatorConfig) -> Self {
+        Options {
+            allocator,
+            capacity: None,
+            workspaces: Gpu::default().workspaces(),
+            device_total: Gpu::default().total_bytes,
+            after_oom: AfterOom::GoOn,
+            record_trace: false,
+            repeat_steps: true,
+        }
+    }
+}
 
 /// What simulating a run produced.
 pub struct Simulation {
@@ -17,6 +69,9 @@ pub struct Simulation {
     pub peak_reserved: u64,
     /// Host bytes the rank keeps (see `Instance::host_bytes`).
     pub host_bytes: u64,
+    /// Device bytes a colocated rollout engine adds, outside the allocator, to the most the
+    /// run holds at once (its share while awake at the allocator's peak, or when it wakes).
+    pub engine_bytes: u64,
     pub trace: Vec<SimulatedEvent>,
     /// The first allocation that failed on a device of the given capacity.
     pub oom: Option<SimulatedOom>,
@@ -53,6 +108,7 @@ impl Simulation {
                 .unwrap_or(0),
             peak: t.mem.peak().clone(),
             host_bytes: instance.host_bytes(&t),
+            engine_bytes: 0,
             phases,
             oom: t.mem.oom().cloned(),
             refused: t.mem.refused().cloned(),

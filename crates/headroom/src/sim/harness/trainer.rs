@@ -8,7 +8,7 @@
 //! reference), then clips the gradients to `max_grad_norm`, steps and zeroes them.
 
 use super::instance::Instance;
-use super::simulation::{STEPS, Simulation};
+use super::simulation::{Options, STEPS, Simulation};
 use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
@@ -27,7 +27,12 @@ use crate::spec::{
 const SIMULATED_MICRO_BATCHES: u64 = 3;
 
 /// Simulate the trainer's run of `spec` in the fresh process `t`.
-pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, mut t: Tracer) -> Simulation {
+pub(crate) fn simulate(
+    spec: &RunSpec,
+    arch: &Architecture,
+    mut t: Tracer,
+    options: &Options,
+) -> Simulation {
     let kind = spec.trainer.kind;
     // The harness's leftover of building, saving and freeing the random model.
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
@@ -37,6 +42,13 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, mut t: Tracer) -> Si
     }
     let mut policy = Instance::build(&mut t, spec, arch, Home::Gpu, None);
     let mut reference = reference_model(&mut t, spec, arch);
+    let mut engine = spec
+        .trainer
+        .grpo
+        .as_ref()
+        .and_then(|g| g.vllm.as_ref())
+        .and_then(|v| v.colocate.as_ref())
+        .map(|c| Engine::create(&mut t, c, options));
     let batch = Batch {
         b: spec.rows(),
         s: spec.seq_len,
@@ -78,6 +90,7 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, mut t: Tracer) -> Si
                 step,
                 first_micro_batch: micro == 0,
                 buffered: &mut buffered,
+                engine: engine.as_mut(),
                 phases: &mut phases,
             };
             let loss = pass.loss();
@@ -116,7 +129,84 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, mut t: Tracer) -> Si
     for kept in [last_loss, grad_norm].into_iter().flatten() {
         t.drop(kept);
     }
-    Simulation::of_run(t, &policy, phases)
+    let mut simulation = Simulation::of_run(t, &policy, phases);
+    if let Some(engine) = engine {
+        simulation.engine_bytes = engine.beyond(simulation.peak_reserved);
+    }
+    simulation
+}
+
+/// A vLLM engine colocated with GRPO's training (`vllm_mode="colocate"`): its share of the
+/// device (`gpu_memory_utilization` of the total: weights and KV cache) lives outside PyTorch's
+/// allocator, which gets what is left while the engine is awake. With sleep mode it sleeps at
+/// level 2 (both released) outside generation and wakes after `empty_cache()`.
+struct Engine {
+    share: u64,
+    sleeps: bool,
+    awake: bool,
+    /// What the allocator may hold with the engine asleep (`None`: no limit).
+    capacity: Option<u64>,
+    /// The most the device held with the engine awake: the allocator's reserve then, plus the
+    /// share.
+    awake_peak: u64,
+}
+
+impl Engine {
+    /// `LLM(..., gpu_memory_utilization=u, enable_sleep_mode=s)` in the trainer's `__init__`,
+    /// then `sleep(level=2)` with sleep mode.
+    fn create(t: &mut Tracer, colocated: &crate::spec::Colocated, options: &Options) -> Engine {
+        let share = (colocated.gpu_memory_utilization * options.device_total as f64) as u64;
+        let mut engine = Engine {
+            share,
+            sleeps: colocated.sleep,
+            awake: false,
+            capacity: options.capacity,
+            awake_peak: 0,
+        };
+        engine.wake(t);
+        engine.sleep(t);
+        engine
+    }
+
+    fn wake(&mut self, t: &mut Tracer) {
+        if self.awake {
+            return;
+        }
+        if self.sleeps {
+            t.mem.allocator.empty_cache();
+        }
+        self.awake = true;
+        if let Some(capacity) = self.capacity {
+            t.mem
+                .outside_allocation(self.share, capacity, "vLLM engine (weights + KV cache)");
+            if !t.mem.stopped() {
+                t.mem
+                    .allocator
+                    .set_capacity(Some(capacity.saturating_sub(self.share)));
+            }
+        }
+        let reserved = t.mem.allocator.stats().reserved_bytes.all.current as u64;
+        self.awake_peak = self.awake_peak.max(reserved + self.share);
+    }
+
+    fn sleep(&mut self, t: &mut Tracer) {
+        if self.sleeps && self.awake {
+            self.awake = false;
+            if self.capacity.is_some() && !t.mem.stopped() {
+                t.mem.allocator.set_capacity(self.capacity);
+            }
+        }
+    }
+
+    /// What the engine adds to the allocator's peak reserve `peak_reserved`.
+    fn beyond(&self, peak_reserved: u64) -> u64 {
+        if self.awake {
+            self.share
+                .max(self.awake_peak.saturating_sub(peak_reserved))
+        } else {
+            self.awake_peak.saturating_sub(peak_reserved)
+        }
+    }
 }
 
 /// One micro-batch's way to its loss, trainer by trainer.
@@ -134,6 +224,8 @@ struct Pass<'a> {
     /// GRPO's `_buffered_inputs`: the completions and what was computed for them, kept until
     /// the next generation has replaced them.
     buffered: &'a mut Vec<T>,
+    /// GRPO's colocated vLLM engine.
+    engine: Option<&'a mut Engine>,
     phases: &'a mut Vec<PhasePeak>,
 }
 
@@ -220,8 +312,33 @@ impl Pass<'_> {
             let t = &mut *self.t;
             let generation_rows = rows * self.spec.trainer.gradient_accumulation_steps;
             t.mem.begin_measured_phase("generate", self.step);
-            self.policy
-                .sample_pass(t, generation_rows, prompt, completion, !lora);
+            let sampling_logps = match &grpo.vllm {
+                None => {
+                    self.policy
+                        .sample_pass(t, generation_rows, prompt, completion, !lora);
+                    None
+                }
+                Some(vllm) => {
+                    if let Some(engine) = self.engine.as_deref_mut() {
+                        // `sync_weights`: the engine wakes, the policy's weights are loaded
+                        // into it (a LoRA policy merged for it, then unmerged), it generates.
+                        engine.wake(t);
+                        if lora {
+                            merge_adapters(t, &mut self.policy);
+                        }
+                        engine.sleep(t);
+                    }
+                    // vLLM's log-probs of the sampled tokens, for the importance sampling.
+                    vllm.importance_sampling.then(|| {
+                        t.empty_as(
+                            generation_rows * completion,
+                            DType::F32,
+                            Component::Inputs,
+                            "sampling_per_token_logps (vLLM)",
+                        )
+                    })
+                }
+            };
             self.phases.push(t.mem.phase_peak());
             t.mem.begin_measured_phase("reference", self.step);
             let outer = std::mem::replace(&mut t.component, Component::Inputs);
@@ -241,7 +358,33 @@ impl Pass<'_> {
             .collect();
             next.push(t.empty(generation_rows, DType::F32, "advantages"));
             next.push(t.empty(1, DType::I64, "num_items_in_batch"));
+            next.extend(sampling_logps);
             t.component = outer;
+            // The policy scores its own completions again (no grad) when vLLM sampled them.
+            if sampling_logps.is_some() {
+                let grad = t.set_grad_enabled(false);
+                let mut parts = Vec::new();
+                for _ in 0..self
+                    .spec
+                    .trainer
+                    .gradient_accumulation_steps
+                    .min(SIMULATED_MICRO_BATCHES)
+                {
+                    let out = self
+                        .policy
+                        .fused_forward(t, joined[0], scored, Fields::GRPO);
+                    parts.push(trl::completion_logps(t, out.log_probs, rows, completion));
+                    out.release(t);
+                }
+                t.set_grad_enabled(grad);
+                let all = t.empty(
+                    generation_rows * completion,
+                    DType::F32,
+                    "old_per_token_logps",
+                );
+                t.drop_all(&parts);
+                next.push(all);
+            }
             if grpo.beta > 0.0 {
                 let chunks = self.spec.trainer.gradient_accumulation_steps;
                 let mut parts = Vec::new();
@@ -306,6 +449,31 @@ impl Pass<'_> {
         t.drop_all(&[labels, mask, ids]);
         loss
     }
+}
+
+/// peft's `merge_adapter()` then `unmerge_adapter()` around TRL's weight sync to vLLM: per
+/// LoRA linear, `(B @ A) * scaling` in the adapters' fp32, cast to the base weight's dtype and
+/// added in place, then the same to take it out.
+fn merge_adapters(t: &mut Tracer, policy: &mut Instance) {
+    let base = policy.model.dtype;
+    let shapes: Vec<(u64, u64)> = policy
+        .model
+        .linears_mut()
+        .into_iter()
+        .filter(|(_, l)| l.lora.is_some())
+        .map(|(_, l)| (l.out_features, l.in_features))
+        .collect();
+    let outer = std::mem::replace(&mut t.component, Component::LoraQuantExtras);
+    for _ in 0..2 {
+        for &(rows, cols) in &shapes {
+            let product = t.empty(rows * cols, DType::F32, "lora_B @ lora_A");
+            let scaled = t.empty(rows * cols, DType::F32, "delta * scaling");
+            t.drop(product);
+            let cast = t.empty(rows * cols, base, "delta.to(weight.dtype)");
+            t.drop_all(&[scaled, cast]);
+        }
+    }
+    t.component = outer;
 }
 
 /// The reference model a trainer loads beside the policy: DPO's `ref_model` (given, or

@@ -41,7 +41,7 @@ pub fn run(args: Args) -> CliResult {
         estimate::Limit::None
     };
     let spec = match document {
-        Document::Run(spec) => spec,
+        Document::Run(spec) => *spec,
         Document::Pipeline(spec) => {
             // A pipeline's iterations can take seconds (see `headroom::limits`).
             let progress = crate::progress::spinner(args.json, "estimating the pipeline", None);

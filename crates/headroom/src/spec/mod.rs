@@ -35,7 +35,7 @@ use crate::error::Result;
 /// A spec file's content: one run, or a pipeline of several.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Document {
-    Run(RunSpec),
+    Run(Box<RunSpec>),
     Pipeline(PipelineSpec),
 }
 
@@ -46,7 +46,7 @@ pub fn load(path: &Path) -> Result<Document> {
     if is_pipeline(&doc) {
         PipelineSpec::from_value(&doc).map(Document::Pipeline)
     } else {
-        RunSpec::from_value(&doc).map(Document::Run)
+        RunSpec::from_value(&doc).map(|s| Document::Run(Box::new(s)))
     }
 }
 

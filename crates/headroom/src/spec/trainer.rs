@@ -64,31 +64,23 @@ impl TrainerKind {
     }
 
     /// The keys this trainer reads besides the run spec's own.
-    fn keys(self) -> &'static [&'static str] {
+    fn keys(self) -> Vec<&'static str> {
         const COMMON: &[&str] = &[
             "max_steps",
             "gradient_accumulation_steps",
             "max_grad_norm",
             "use_liger_kernel",
         ];
-        match self {
-            TrainerKind::Loop => &[],
-            TrainerKind::Hf | TrainerKind::TrlSft | TrainerKind::TrlReward => COMMON,
+        let own: &[&str] = match self {
+            TrainerKind::Loop => return Vec::new(),
+            TrainerKind::Hf | TrainerKind::TrlSft | TrainerKind::TrlReward => &[],
             TrainerKind::TrlDpo => &[
-                "max_steps",
-                "gradient_accumulation_steps",
-                "max_grad_norm",
-                "use_liger_kernel",
                 "prompt_len",
                 "beta",
                 "reference",
                 "precompute_ref_log_probs",
             ],
             TrainerKind::TrlGrpo => &[
-                "max_steps",
-                "gradient_accumulation_steps",
-                "max_grad_norm",
-                "use_liger_kernel",
                 "prompt_len",
                 "completion_len",
                 "num_generations",
@@ -99,7 +91,8 @@ impl TrainerKind {
                 "vllm_enable_sleep_mode",
                 "vllm_importance_sampling_correction",
             ],
-        }
+        };
+        COMMON.iter().chain(own).copied().collect()
     }
 }
 

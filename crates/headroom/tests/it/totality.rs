@@ -17,7 +17,7 @@ fn document(yaml: &str) -> headroom::Result<Document> {
     if spec::is_pipeline(&doc) {
         PipelineSpec::from_value(&doc).map(Document::Pipeline)
     } else {
-        RunSpec::from_value(&doc).map(Document::Run)
+        RunSpec::from_value(&doc).map(|s| Document::Run(Box::new(s)))
     }
 }
 

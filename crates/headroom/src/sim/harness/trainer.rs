@@ -324,7 +324,7 @@ impl Pass<'_> {
                         // into it (a LoRA policy merged for it, then unmerged), it generates.
                         engine.wake(t);
                         if lora {
-                            merge_adapters(t, &mut self.policy);
+                            merge_adapters(t, self.policy);
                         }
                         engine.sleep(t);
                     }
@@ -360,62 +360,15 @@ impl Pass<'_> {
             next.push(t.empty(1, DType::I64, "num_items_in_batch"));
             next.extend(sampling_logps);
             t.component = outer;
-            // The policy scores its own completions again (no grad) when vLLM sampled them.
+            // The policy scores its own completions again (no grad) when vLLM sampled them,
+            // then the reference scores them for the KL term.
             if sampling_logps.is_some() {
-                let grad = t.set_grad_enabled(false);
-                let mut parts = Vec::new();
-                for _ in 0..self
-                    .spec
-                    .trainer
-                    .gradient_accumulation_steps
-                    .min(SIMULATED_MICRO_BATCHES)
-                {
-                    let out = self
-                        .policy
-                        .fused_forward(t, joined[0], scored, Fields::GRPO);
-                    parts.push(trl::completion_logps(t, out.log_probs, rows, completion));
-                    out.release(t);
-                }
-                t.set_grad_enabled(grad);
-                let all = t.empty(
-                    generation_rows * completion,
-                    DType::F32,
-                    "old_per_token_logps",
-                );
-                t.drop_all(&parts);
-                next.push(all);
+                next.push(self.score(joined[0], Scorer::Policy, "old_per_token_logps"));
             }
             if grpo.beta > 0.0 {
-                let chunks = self.spec.trainer.gradient_accumulation_steps;
-                let mut parts = Vec::new();
-                for _ in 0..chunks.min(SIMULATED_MICRO_BATCHES) {
-                    let grad = t.set_grad_enabled(false);
-                    let out = match self.reference.as_deref_mut() {
-                        Some(reference) => {
-                            reference.fused_forward(t, joined[0], scored, Fields::LOG_PROBS)
-                        }
-                        None => {
-                            self.policy.model.adapters_disabled = true;
-                            let out = self
-                                .policy
-                                .fused_forward(t, joined[0], scored, Fields::GRPO);
-                            self.policy.model.adapters_disabled = false;
-                            out
-                        }
-                    };
-                    t.set_grad_enabled(grad);
-                    parts.push(trl::completion_logps(t, out.log_probs, rows, completion));
-                    out.release(t);
-                }
-                // `torch.cat` of the chunks.
-                let all = t.empty(
-                    generation_rows * completion,
-                    DType::F32,
-                    "ref_per_token_logps",
-                );
-                t.drop_all(&parts);
-                next.push(all);
+                next.push(self.score(joined[0], Scorer::Reference, "ref_per_token_logps"));
             }
+            let t = &mut *self.t;
             t.drop_all(&joined);
             t.drop_all(&std::mem::replace(self.buffered, next));
             self.phases.push(t.mem.phase_peak());
@@ -474,6 +427,51 @@ fn merge_adapters(t: &mut Tracer, policy: &mut Instance) {
         }
     }
     t.component = outer;
+}
+
+/// Who scores GRPO's completions without grad.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scorer {
+    /// The policy (`old_per_token_logps`).
+    Policy,
+    /// The reference model, or the policy with its adapters disabled.
+    Reference,
+}
+
+impl Pass<'_> {
+    /// `_get_per_token_logps_and_entropies` under `no_grad` over the step's completions
+    /// `ids`, in chunks of `per_device_train_batch_size` rows, each chunk's
+    /// `log_probs[:, -completion:]` kept until the `torch.cat` of them all (`label`), which
+    /// is returned.
+    fn score(&mut self, ids: T, scorer: Scorer, label: &'static str) -> T {
+        let grpo = self.spec.trainer.grpo.as_ref().expect("a GRPO spec");
+        let (rows, completion) = (self.batch.b, grpo.completion_len);
+        let chunks = self.spec.trainer.gradient_accumulation_steps;
+        let t = &mut *self.t;
+        let grad = t.set_grad_enabled(false);
+        let mut parts = Vec::new();
+        for _ in 0..chunks.min(SIMULATED_MICRO_BATCHES) {
+            let scored = rows * completion;
+            let out = match (scorer, self.reference.as_deref_mut()) {
+                (Scorer::Reference, Some(reference)) => {
+                    reference.fused_forward(t, ids, scored, Fields::LOG_PROBS)
+                }
+                (Scorer::Reference, None) => {
+                    self.policy.model.adapters_disabled = true;
+                    let out = self.policy.fused_forward(t, ids, scored, Fields::GRPO);
+                    self.policy.model.adapters_disabled = false;
+                    out
+                }
+                (Scorer::Policy, _) => self.policy.fused_forward(t, ids, scored, Fields::GRPO),
+            };
+            parts.push(trl::completion_logps(t, out.log_probs, rows, completion));
+            out.release(t);
+        }
+        t.set_grad_enabled(grad);
+        let all = t.empty(chunks * rows * completion, DType::F32, label);
+        t.drop_all(&parts);
+        all
+    }
 }
 
 /// The reference model a trainer loads beside the policy: DPO's `ref_model` (given, or

@@ -166,6 +166,17 @@ def _build_fsdp(spec: Spec, cfg, cls, dtype, device):
         "reshard_after_forward": par.reshard_after_forward,
         "offload_policy": CPUOffloadPolicy() if par.offload_params else OffloadPolicy(),
     }
+    if par.mixed_precision is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        names = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
+        mp = par.mixed_precision
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=names[mp["param_dtype"]],
+            reduce_dtype=names[mp["reduce_dtype"]],
+            output_dtype=names[mp["output_dtype"]],
+            cast_forward_inputs=mp["cast_forward_inputs"],
+        )
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -239,9 +250,18 @@ def measure_dist(
     par = spec.parallel
     on_cpu = os.environ.get("HEADROOM_DIST_CPU") == "1"  # a smoke test without GPUs (gloo, no counters)
     local_rank = _env_int("LOCAL_RANK", 0)
+    fake_world = _env_int("HEADROOM_FAKE_WORLD", 0)
     if on_cpu:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    elif fake_world:
+        # Rank 0 of a world of `fake_world` on one GPU: torch's fake process group makes every
+        # collective a no-op while FSDP allocates its buffers at their full size.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+        dist.init_process_group("fake", rank=0, world_size=fake_world, store=FakeStore())
     else:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -270,7 +290,7 @@ def measure_dist(
     def sync():
         if cuda:
             torch.cuda.synchronize()
-        dist.barrier(device_ids=[local_rank]) if cuda else dist.barrier()
+        dist.barrier(device_ids=[local_rank]) if cuda and not fake_world else dist.barrier()
         if cuda:
             torch.cuda.synchronize()
 
@@ -389,7 +409,10 @@ def measure_dist(
         "losses": losses,
     }
     ranks: list = [None] * world
-    dist.all_gather_object(ranks, mine)
+    if fake_world:
+        ranks = [mine]  # only rank 0 exists; the fake group moves no data
+    else:
+        dist.all_gather_object(ranks, mine)
     record = None
     if rank == 0:
         spec_json = spec.to_json()
@@ -400,7 +423,8 @@ def measure_dist(
             "gpu_total_bytes": torch.cuda.mem_get_info()[1] if cuda else None,
             **_versions(),
             "world_size": world,
-            "launcher": "torchrun",
+            "launcher": "fake process group (one process, rank 0)" if fake_world else "torchrun",
+            "process_group": "fake" if fake_world else ("gloo" if on_cpu else "nccl"),
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM"))},
@@ -412,7 +436,7 @@ def measure_dist(
             env["deepspeed"] = deepspeed.__version__
             env["deepspeed_config"] = ds_config(spec)
         record = {
-            "id": row_id or default_id(spec) + f"/{par.strategy}-w{world}",
+            "id": row_id or default_id(spec) + f"/{par.strategy}-w{world}" + ("-fake" if fake_world else ""),
             "spec": spec_json,
             "measured": {
                 "peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in ranks),

@@ -17,7 +17,12 @@ OPTIMIZERS = ("adamw", "adamw-fused", "adamw-forloop", "sgd", "adafactor", "adam
 ATTENTIONS = ("sdpa", "eager")
 QUANTIZATIONS = ("nf4",)
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
-PARALLEL_KEYS = ("strategy", "world_size", "reshard_after_forward", "shard_size", "offload_params", "offload_optimizer")
+PARALLEL_KEYS = (
+    "strategy", "world_size", "reshard_after_forward", "shard_size", "offload_params", "offload_optimizer",
+    "mixed_precision",
+)
+MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+MP_DTYPES = ("bf16", "fp32")
 
 KNOWN_KEYS = {
     "model", "model_config", "task", "mode", "precision", "optimizer", "batch_size", "seq_len",
@@ -48,9 +53,11 @@ class Parallel:
     shard_size: int = 0  # fsdp: HSDP group size; world_size = plain full sharding
     offload_params: bool = False  # fsdp: CPUOffloadPolicy; zero3: offload_param to cpu
     offload_optimizer: bool = False  # zero1-3: offload_optimizer to cpu
+    # fsdp: FSDP2's MixedPrecisionPolicy {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}
+    mixed_precision: dict | None = None
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "strategy": self.strategy,
             "world_size": self.world_size,
             "reshard_after_forward": self.reshard_after_forward,
@@ -58,6 +65,9 @@ class Parallel:
             "offload_params": self.offload_params,
             "offload_optimizer": self.offload_optimizer,
         }
+        if self.mixed_precision is not None:
+            out["mixed_precision"] = dict(self.mixed_precision)
+        return out
 
 
 @dataclass
@@ -235,6 +245,32 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
             f"leave it out or world_size ({world})"
         )
     out.shard_size = shard
+    mp = raw.get("mixed_precision")
+    if mp is not None:
+        if strategy != "fsdp":
+            raise SpecError(f"`parallel.mixed_precision` applies only to strategy fsdp, not {strategy}")
+        if not isinstance(mp, dict) or set(mp) - set(MIXED_PRECISION_KEYS):
+            raise SpecError(
+                f"`parallel.mixed_precision`: {mp!r} is not allowed; use a mapping of {', '.join(MIXED_PRECISION_KEYS)}"
+            )
+        policy = {
+            "param_dtype": mp.get("param_dtype", "bf16"),
+            "reduce_dtype": mp.get("reduce_dtype"),
+            "output_dtype": mp.get("output_dtype"),
+            "cast_forward_inputs": mp.get("cast_forward_inputs", True),
+        }
+        for key in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = policy[key]
+            if value is not None and value not in MP_DTYPES:
+                raise SpecError(f"`parallel.mixed_precision.{key}`: {value!r} is not allowed; use bf16 or fp32")
+        if not isinstance(policy["cast_forward_inputs"], bool):
+            raise SpecError("`parallel.mixed_precision.cast_forward_inputs`: use true or false")
+        if spec.precision != "fp32":
+            raise SpecError(
+                f"`precision`: {spec.precision!r} is not measured with a mixed-precision policy; use fp32 "
+                "(the parameters' storage: fp32 masters, no autocast)"
+            )
+        out.mixed_precision = policy
     if spec.mode != "train" and not forward_ok:
         raise SpecError(f"`parallel`: mode {spec.mode!r} is not allowed; sharded runs are measured in mode train")
     if spec.quantization or spec.lora is not None:

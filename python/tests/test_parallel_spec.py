@@ -39,7 +39,8 @@ class ParallelSpecTest(unittest.TestCase):
         )
         self.assertEqual(specmod.parse(out).to_json(), out)
         ddp = parse({"strategy": "ddp", "world_size": 2}).to_json()["parallel"]
-        self.assertEqual(sorted(ddp), sorted(specmod.PARALLEL_KEYS))
+        # Every key but the fsdp-only mixed-precision policy, written only when set.
+        self.assertEqual(sorted(ddp), sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision"}))
         self.assertEqual((ddp["shard_size"], ddp["reshard_after_forward"]), (2, True))
         self.assertEqual(specmod.parse({"model": "m", "parallel": ddp}).to_json()["parallel"], ddp)
 
@@ -152,3 +153,29 @@ class CommittedRunsTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class MixedPrecisionSpecTest(unittest.TestCase):
+    def test_fsdp_takes_a_policy_over_fp32_masters_and_round_trips(self):
+        raw = {
+            "model": "m",
+            "precision": "fp32",
+            "parallel": {"strategy": "fsdp", "world_size": 8, "mixed_precision": {"reduce_dtype": "fp32"}},
+        }
+        spec = specmod.parse(raw)
+        self.assertEqual(
+            spec.parallel.mixed_precision,
+            {"param_dtype": "bf16", "reduce_dtype": "fp32", "output_dtype": None, "cast_forward_inputs": True},
+        )
+        self.assertEqual(specmod.parse(spec.to_json()).to_json(), spec.to_json())
+
+    def test_a_policy_is_refused_off_fsdp_and_with_autocast_precisions(self):
+        for parallel, precision, words in [
+            ({"strategy": "ddp", "world_size": 2, "mixed_precision": {}}, "fp32", "only to strategy fsdp"),
+            ({"strategy": "fsdp", "world_size": 2, "mixed_precision": {}}, "amp-bf16", "use fp32"),
+            ({"strategy": "fsdp", "world_size": 2, "mixed_precision": {"param_dtype": "fp8"}}, "fp32", "bf16 or fp32"),
+        ]:
+            with self.subTest(parallel=parallel, precision=precision):
+                with self.assertRaises(specmod.SpecError) as err:
+                    specmod.parse({"model": "m", "precision": precision, "parallel": parallel})
+                self.assertIn(words, str(err.exception))

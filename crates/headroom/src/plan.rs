@@ -252,6 +252,7 @@ fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
         shard_size: u64::from(gpus.max(1)),
         offload_params: false,
         offload_optimizer: k.cpu_offload,
+        mixed_precision: None,
     })
 }
 
@@ -360,6 +361,7 @@ pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
         shard_size: u64::from(setup.gpus),
         offload_params: false,
         offload_optimizer: false,
+        mixed_precision: None,
     };
     match parallel_for(&spec, k, setup.gpus) {
         Some(p) => estimate::nccl_bytes(Some(&p)),

@@ -314,6 +314,12 @@ pub fn families(row: &Row) -> Vec<String> {
         ),
         None => "parallel: one GPU".to_string(),
     });
+    if s.parallel
+        .as_ref()
+        .is_some_and(|p| p.mixed_precision.is_some())
+    {
+        out.push("parallel: FSDP2 MixedPrecisionPolicy".to_string());
+    }
     out.push(
         match (&s.lora, s.quantization) {
             (_, Some(_)) => "adapters: QLoRA (nf4)",

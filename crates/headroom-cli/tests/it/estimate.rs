@@ -158,6 +158,14 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
             vec!["precompute_ref_log_probs", "choose one"],
         ),
         (
+            "parallel-mixed-precision-ddp",
+            vec!["parallel.mixed_precision", "applies to fsdp"],
+        ),
+        (
+            "parallel-mixed-precision-autocast",
+            vec!["precision", "amp-bf16", "use fp32"],
+        ),
+        (
             "trainer-vllm-key-without-vllm",
             vec!["vllm_gpu_memory_utilization", "0.5", "use_vllm: true"],
         ),

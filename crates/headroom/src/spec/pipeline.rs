@@ -521,6 +521,7 @@ impl PipelineSpec {
                     shard_size: 1,
                     offload_params: true,
                     offload_optimizer: false,
+                    mixed_precision: None,
                 });
                 (Home::Cpu, vec![])
             }

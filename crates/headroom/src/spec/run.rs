@@ -12,6 +12,7 @@ use super::trainer::{TRAINER_KEYS, TrainerKind, TrainerSpec};
 use super::versions::Versions;
 use crate::arch::{Architecture, Head, Module};
 use crate::catalog::{self, ResolvedModel};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::limits;
 
@@ -109,6 +110,21 @@ pub struct Parallel {
     pub offload_params: bool,
     /// ZeRO `offload_optimizer`: optimizer states and step on the host.
     pub offload_optimizer: bool,
+    /// FSDP2's `MixedPrecisionPolicy`; `None`: parameters, gradients and reductions in the
+    /// parameters' dtype.
+    pub mixed_precision: Option<MixedPrecision>,
+}
+
+/// FSDP2's `MixedPrecisionPolicy` over parameters stored in the spec's `precision` (fp32
+/// masters): the unsharded parameters (and so the forward and backward) in `param_dtype`,
+/// gradients reduced in `reduce_dtype` (`None`: `param_dtype`), the root's outputs cast to
+/// `output_dtype`, floating inputs cast to `param_dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MixedPrecision {
+    pub param_dtype: DType,
+    pub reduce_dtype: Option<DType>,
+    pub output_dtype: Option<DType>,
+    pub cast_forward_inputs: bool,
 }
 
 impl Parallel {
@@ -197,6 +213,7 @@ const PARALLEL_KEYS: &[&str] = &[
     "shard_size",
     "offload_params",
     "offload_optimizer",
+    "mixed_precision",
 ];
 
 impl RunSpec {
@@ -466,6 +483,20 @@ impl RunSpec {
                 "precision",
                 self.precision.name(),
                 "with quantization: nf4 the non-quantized weights are bf16; use precision: bf16",
+            ));
+        }
+        if self
+            .parallel
+            .as_ref()
+            .is_some_and(|p| p.mixed_precision.is_some())
+            && self.precision != Precision::Fp32
+        {
+            return Err(Error::field(
+                "precision",
+                self.precision.name(),
+                "with parallel.mixed_precision it names the parameters' storage: use fp32 (fp32 \
+                 masters; the policy's param_dtype is what the forward computes in, without \
+                 autocast)",
             ));
         }
         // Training without an optimizer is allowed: forward and backward without a step (a
@@ -779,6 +810,20 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             format!("it must divide world_size ({world_size})"),
         ));
     }
+    let mixed_precision = match obj.get("mixed_precision") {
+        None | Some(Value::Null) => None,
+        Some(_) if !fsdp => {
+            return Err(Error::field(
+                "parallel.mixed_precision",
+                "this key",
+                format!(
+                    "FSDP2's MixedPrecisionPolicy applies to fsdp; leave it out for {}",
+                    strategy.name()
+                ),
+            ));
+        }
+        Some(v) => Some(parse_mixed_precision(v)?),
+    };
     Ok(Parallel {
         strategy,
         world_size,
@@ -786,6 +831,57 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         shard_size,
         offload_params: boolean(obj, "offload_params").map_err(field)?,
         offload_optimizer: boolean(obj, "offload_optimizer").map_err(field)?,
+        mixed_precision,
+    })
+}
+
+/// `parallel.mixed_precision: {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}`,
+/// as `MixedPrecisionPolicy` defaults them (param_dtype bf16 when the mapping omits it).
+fn parse_mixed_precision(value: &Value) -> Result<MixedPrecision> {
+    let obj = value.as_object().ok_or_else(|| {
+        Error::field(
+            "parallel.mixed_precision",
+            value,
+            "use a mapping {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}",
+        )
+    })?;
+    unknown_key(
+        obj,
+        "parallel.mixed_precision.",
+        &[
+            "param_dtype",
+            "reduce_dtype",
+            "output_dtype",
+            "cast_forward_inputs",
+        ],
+        RUN_SPEC_KEY,
+    )?;
+    let dtype = |key: &str| -> Result<Option<DType>> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if s == "bf16" => Ok(Some(DType::BF16)),
+            Some(Value::String(s)) if s == "fp32" => Ok(Some(DType::F32)),
+            Some(v) => Err(Error::field(
+                format!("parallel.mixed_precision.{key}"),
+                v,
+                "use bf16 or fp32 (or leave it out)",
+            )),
+        }
+    };
+    Ok(MixedPrecision {
+        param_dtype: dtype("param_dtype")?.unwrap_or(DType::BF16),
+        reduce_dtype: dtype("reduce_dtype")?,
+        output_dtype: dtype("output_dtype")?,
+        cast_forward_inputs: match obj.get("cast_forward_inputs") {
+            None => true,
+            Some(v) => v.as_bool().ok_or_else(|| {
+                Error::field(
+                    "parallel.mixed_precision.cast_forward_inputs",
+                    v,
+                    "use true or false",
+                )
+            })?,
+        },
     })
 }
 

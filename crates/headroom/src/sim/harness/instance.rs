@@ -66,6 +66,11 @@ impl Instance {
         };
         let dtype = param_dtype(spec);
         let parallel = spec.parallel.as_ref();
+        // Under FSDP2's mixed-precision policy the model computes in `param_dtype`; its shards
+        // keep the storage dtype.
+        let compute_dtype = parallel
+            .and_then(|p| p.mixed_precision)
+            .map_or(dtype, |m| m.param_dtype);
         let strategy = parallel.map(|p| p.strategy);
         // FSDP2 with CPU offload on a one-rank group for a no-grad pass (slime's reference):
         // the units come to the GPU one at a time, from host memory.
@@ -90,7 +95,7 @@ impl Instance {
                 Model::build_on_meta(t, arch, head, dtype, &trainable, attention)
             }
             None if matches!(strategy, Some(spec::Strategy::Fsdp | spec::Strategy::Zero3)) => {
-                Model::build_on_meta(t, arch, head, dtype, &trainable, attention)
+                Model::build_on_meta(t, arch, head, compute_dtype, &trainable, attention)
             }
             None => Model::build(t, arch, head, dtype, &trainable, attention),
         };

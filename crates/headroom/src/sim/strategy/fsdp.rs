@@ -4,7 +4,8 @@
 //! reshard, and its gradients leave backward reduce-scattered into one flat shard.
 //!
 //! What each hook allocates, after `_fsdp_param_group.py` and `_fsdp_collectives.py`
-//! (no `MixedPrecisionPolicy`, so a shard is its own all-gather input):
+//! (without a `MixedPrecisionPolicy` a shard is its own all-gather input; with one, see
+//! `all_gather` and `post_backward`):
 //! - unshard: `all_gather_output` (the unit's shards of every rank, flat) on the all-gather
 //!   copy-in stream; then, on the default stream, each parameter's unsharded storage
 //!   (`alloc_all_gather_outputs`, in parameter order) for the copy-out. In forward the output
@@ -59,7 +60,12 @@ pub(crate) struct Fsdp {
     ranks: u64,
     reshard_after_forward: bool,
     offload: bool,
+    /// The shards' dtype (the parameters' storage).
     dtype: DType,
+    /// `MixedPrecisionPolicy`: what the shards are cast to before the all-gather (the
+    /// unsharded parameters' dtype), and what gradients are reduced in; `None`: the storage's.
+    param_dtype: Option<DType>,
+    reduce_dtype: Option<DType>,
     /// Decoder layers in order, then the root.
     units: Vec<ShardedUnit>,
     /// The last forward all-gather output, kept until the next copy-out.
@@ -131,11 +137,14 @@ impl Fsdp {
         // The harness then builds the rotary module again on the GPU.
         t.persistent_buffers(&arch.buffers(), "rotary inv_freq");
         t.drop_all(&meta_buffers);
+        let mp = parallel.mixed_precision;
         Fsdp {
             ranks,
             reshard_after_forward: parallel.reshard_after_forward,
             offload: parallel.offload_params,
             dtype,
+            param_dtype: mp.map(|m| m.param_dtype).filter(|&d| d != dtype),
+            reduce_dtype: mp.and_then(|m| m.reduce_dtype),
             units,
             all_gather_state: None,
             prefetched: None,
@@ -188,26 +197,38 @@ impl Fsdp {
             .sum()
     }
 
-    /// `foreach_all_gather`: the output buffer on the copy-in stream (after host-to-device
-    /// copies of the shards under CPU offload).
+    /// `foreach_all_gather`, on the copy-in stream: the all-gather inputs, then the output
+    /// buffer in the unsharded dtype; the inputs go when it returns. Under CPU offload each
+    /// shard is copied to the GPU (and cast to `param_dtype`, the copy freed); under a
+    /// mixed-precision policy alone the shards are cast together into one flat buffer.
     fn all_gather(&self, t: &mut Tracer, unit: usize) -> T {
         let outer = std::mem::replace(&mut t.component, Component::Communication);
         t.mem.stream = ALL_GATHER_COPY_IN_STREAM;
-        let copies: Vec<T> = if self.offload {
-            self.units[unit]
-                .shards
-                .iter()
-                .map(|&s| {
-                    let n = t.numel(t.param(s));
-                    t.empty(n, self.dtype, "FSDP2 shard copied to the GPU")
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let mut inputs: Vec<T> = Vec::new();
+        if self.offload {
+            for &s in &self.units[unit].shards {
+                let n = t.numel(t.param(s));
+                let copy = t.empty(n, self.dtype, "FSDP2 shard copied to the GPU");
+                match self.param_dtype {
+                    Some(low) => {
+                        inputs.push(t.empty(n, low, "FSDP2 shard.to(param_dtype)"));
+                        t.drop(copy);
+                    }
+                    None => inputs.push(copy),
+                }
+            }
+        } else if let Some(low) = self.param_dtype {
+            let n = self.shard_numel(t, unit);
+            inputs.push(t.empty(
+                n,
+                low,
+                "FSDP2 all-gather input (shards cast to param_dtype)",
+            ));
+        }
         let numel = self.shard_numel(t, unit) * self.ranks;
-        let output = t.empty(numel, self.dtype, "FSDP2 all_gather_output");
-        t.drop_all(&copies);
+        let dtype = self.param_dtype.unwrap_or(self.dtype);
+        let output = t.empty(numel, dtype, "FSDP2 all_gather_output");
+        t.drop_all(&inputs);
         t.mem.stream = 0;
         t.component = outer;
         output
@@ -311,12 +332,14 @@ impl Fsdp {
         if let Some(previous) = self.reduce_scatter_state.take() {
             t.drop(previous);
         }
-        let grad_dtype = t.dtype(grads[0].1);
+        // Gradients are reduced in `reduce_dtype` (the gradients' own without one): the copy
+        // into the reduce-scatter input casts them.
+        let reduce_dtype = self.reduce_dtype.unwrap_or(t.dtype(grads[0].1));
         let shard_numel = self.shard_numel(t, u);
         let outer = std::mem::replace(&mut t.component, Component::Communication);
         let input = t.empty(
             shard_numel * self.ranks,
-            grad_dtype,
+            reduce_dtype,
             "FSDP2 reduce_scatter_input",
         );
         for &(_, g) in &grads {
@@ -326,12 +349,23 @@ impl Fsdp {
         t.mem.stream = REDUCE_SCATTER_STREAM;
         let output = t.empty(
             shard_numel,
-            grad_dtype,
+            reduce_dtype,
             "FSDP2 reduce-scatter output (sharded grads)",
         );
         t.mem.stream = 0;
-        t.component = outer;
+        // Reduced in another dtype than the shards', the output is cast to theirs
+        // (`_to_dtype_if_needed`, on the reduce-scatter stream) and freed.
+        let output = if reduce_dtype == self.dtype || self.offload {
+            output
+        } else {
+            t.mem.stream = REDUCE_SCATTER_STREAM;
+            let cast = t.empty(shard_numel, self.dtype, "reduce output.to(orig_dtype)");
+            t.mem.stream = 0;
+            t.drop(output);
+            cast
+        };
         if !self.offload {
+            // The sharded gradients are views of the output.
             for &(i, _) in &grads {
                 let shard = self.units[u].shards[i];
                 let numel = t.numel(t.param(shard));
@@ -339,6 +373,7 @@ impl Fsdp {
                 t.params[shard].grad = Some(view);
             }
         }
+        t.component = outer;
         t.drop(output);
         self.reduce_scatter_state = Some(input);
     }

@@ -166,6 +166,10 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
             vec!["precision", "amp-bf16", "use fp32"],
         ),
         (
+            "trainer-liger-gemma",
+            vec!["use_liger_kernel", "Gemma2", "Qwen3"],
+        ),
+        (
             "trainer-vllm-key-without-vllm",
             vec!["vllm_gpu_memory_utilization", "0.5", "use_vllm: true"],
         ),

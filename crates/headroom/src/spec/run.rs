@@ -666,8 +666,18 @@ impl RunSpec {
         }
     }
 
-    /// Checks that need the architecture: LoRA targets that exist and ranks that fit.
+    /// Checks that need the architecture: liger's kernels for the families it patches as
+    /// modelled, LoRA targets that exist and ranks that fit.
     pub fn check_against(&self, arch: &Architecture) -> Result<()> {
+        use crate::arch::Family;
+        if self.trainer.use_liger_kernel
+            && !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
+        {
+            return Err(Error::Unsupported {
+                what: format!("use_liger_kernel with a {:?} model", arch.family),
+                supported: "liger's kernels on Llama, Mistral, Qwen2 and Qwen3 models".into(),
+            });
+        }
         let Some(lora) = &self.lora else {
             return Ok(());
         };

@@ -166,6 +166,10 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
             vec!["precision", "amp-bf16", "use fp32"],
         ),
         (
+            "trainer-grpo-work",
+            vec!["completion_len", "100000", "shorter completion"],
+        ),
+        (
             "trainer-liger-gemma",
             vec!["use_liger_kernel", "Gemma2", "Qwen3"],
         ),

@@ -597,6 +597,22 @@ impl RunSpec {
             _ => {}
         }
         if let Some(grpo) = &self.trainer.grpo {
+            let generated = self
+                .batch_size
+                .saturating_mul(self.trainer.gradient_accumulation_steps)
+                .saturating_mul(self.seq_len);
+            if generated > limits::MAX_TOKENS {
+                return Err(Error::field(
+                    "gradient_accumulation_steps",
+                    self.trainer.gradient_accumulation_steps,
+                    format!(
+                        "GRPO generates batch_size × gradient_accumulation_steps completions of \
+                         prompt_len + completion_len tokens at once: {generated} tokens, more than \
+                         the {} a batch may have",
+                        limits::MAX_TOKENS
+                    ),
+                ));
+            }
             // `generation_batch_size = per_device_train_batch_size * num_processes *
             // steps_per_generation` must hold whole groups of completions.
             let processes = self.parallel.as_ref().map_or(1, |p| p.world_size);
@@ -677,6 +693,27 @@ impl RunSpec {
                 what: format!("use_liger_kernel with a {:?} model", arch.family),
                 supported: "liger's kernels on Llama, Mistral, Qwen2 and Qwen3 models".into(),
             });
+        }
+        if let Some(grpo) = &self.trainer.grpo {
+            // Each generated token is a decode step through every layer's cache, in each of
+            // the three simulated steps.
+            let work = arch
+                .layers
+                .saturating_mul(1 + grpo.completion_len / 12)
+                .saturating_mul(3);
+            if work > limits::MAX_PIPELINE_WORK {
+                return Err(Error::field(
+                    "completion_len",
+                    grpo.completion_len,
+                    format!(
+                        "3 steps × {} layers × (1 + {} / 12) decode steps is {work}, more \
+                         generation than the estimate simulates ({}); use a shorter completion",
+                        arch.layers,
+                        grpo.completion_len,
+                        limits::MAX_PIPELINE_WORK
+                    ),
+                ));
+            }
         }
         let Some(lora) = &self.lora else {
             return Ok(());

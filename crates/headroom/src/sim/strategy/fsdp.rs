@@ -342,7 +342,10 @@ impl Fsdp {
             reduce_dtype,
             "FSDP2 reduce_scatter_input",
         );
-        for &(_, g) in &grads {
+        // `foreach_reduce` frees the gradients once copied in, but its loop variable keeps
+        // the last one until the reduce-scatter output exists.
+        let (_, last) = *grads.last().expect("a unit with gradients");
+        for &(_, g) in &grads[..grads.len() - 1] {
             t.drop(g);
         }
         t.component = Component::Gradients;
@@ -353,6 +356,7 @@ impl Fsdp {
             "FSDP2 reduce-scatter output (sharded grads)",
         );
         t.mem.stream = 0;
+        t.drop(last);
         // Reduced in another dtype than the shards', the output is cast to theirs
         // (`_to_dtype_if_needed`, on the reduce-scatter stream) and freed.
         let output = if reduce_dtype == self.dtype || self.offload {

@@ -308,16 +308,25 @@ pub(crate) fn reward_loss(t: &mut Tracer, model: &Model, ids: T, batch: Batch) -
     let margin = t.empty(pairs, DType::F32, "chosen - rejected");
     t.record(Bwd::Add, &[Some(chosen), Some(rejected)], &[margin], &[]);
     t.drop_all(&[chosen, rejected]);
-    let buffer = t.empty(pairs, DType::F32, "log_sigmoid_forward buffer");
-    let logsigmoid = t.empty(pairs, DType::F32, "logsigmoid(margin)");
-    t.record(Bwd::Mul, &[Some(margin)], &[logsigmoid], &[margin, buffer]);
-    t.drop_all(&[buffer, margin]);
-    let neg = t.neg(logsigmoid);
-    t.drop(logsigmoid);
-    let loss = t.mean_all(neg);
-    t.drop_all(&[neg, scores]);
+    let loss = neg_logsigmoid_mean(t, margin);
+    t.drop_all(&[margin, scores]);
     t.component = outer;
     loss
+}
+
+/// `-F.logsigmoid(x).mean()` of a `[pairs]` tensor (`log_sigmoid_forward` makes a buffer
+/// beside its output; both it and `x` are saved).
+fn neg_logsigmoid_mean(t: &mut Tracer, x: T) -> T {
+    let pairs = t.numel(x);
+    let buffer = t.empty(pairs, DType::F32, "log_sigmoid_forward buffer");
+    let logsigmoid = t.empty(pairs, DType::F32, "logsigmoid(x)");
+    t.record(Bwd::Mul, &[Some(x)], &[logsigmoid], &[x, buffer]);
+    t.drop(buffer);
+    let neg = t.neg(logsigmoid);
+    t.drop(logsigmoid);
+    let mean = t.mean_all(neg);
+    t.drop(neg);
+    mean
 }
 
 /// DPOTrainer's labels: `input_ids.masked_fill(completion_mask == 0, -100)`, `[rows, seq]`
@@ -362,14 +371,8 @@ pub(crate) fn dpo_loss(
     t.drop_all(&[chosen, rejected]);
     let delta = t.add(chosen_ratio, rejected_ratio);
     let scaled = t.mul_scalar(delta);
-    let buffer = t.empty(pairs, DType::F32, "log_sigmoid_forward buffer");
-    let logsigmoid = t.empty(pairs, DType::F32, "logsigmoid(beta * delta)");
-    t.record(Bwd::Mul, &[Some(scaled)], &[logsigmoid], &[scaled, buffer]);
-    t.drop_all(&[buffer, scaled, delta]);
-    let neg = t.neg(logsigmoid);
-    t.drop(logsigmoid);
-    let mean = t.mean_all(neg);
-    t.drop(neg);
+    let mean = neg_logsigmoid_mean(t, scaled);
+    t.drop_all(&[scaled, delta]);
     let loss = t.mul_scalar(mean);
     t.drop(mean);
     // Metrics: entropy over the completion, the logits means of each half (a boolean index

@@ -3,14 +3,20 @@
 # fresh process each: `fake: true` lines as rank 0 of a world of world_size under torch's fake process group
 # (HEADROOM_FAKE_WORLD, one process), the others under `torchrun --nproc-per-node 1` (NCCL). Rows to
 # $OUT/rows.jsonl, logs to $OUT/log.txt, snapshots (lines that name one) to $OUT/snap/. Lines that would start after
-# DEADLINE seconds are skipped.
+# DEADLINE seconds are skipped. ZeRO lines need DeepSpeed: wheels in .whl-ds/ (bench/distributed/README.md says
+# which) are installed into /tmp/site-ds and put on PYTHONPATH.
 #   bash bench/fsdp2-mp/tools/run.sh
+#   SPECS=bench/scale/specs.jsonl bash bench/fsdp2-mp/tools/run.sh
 set -u
 specs=${SPECS:-bench/fsdp2-mp/specs.jsonl}
 jobs=${JOBS:-3}
 deadline=${DEADLINE:-420}
 mkdir -p "$OUT/snap" /tmp/mp
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python" OMP_NUM_THREADS=4
+if ls .whl-ds/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-ds .whl-ds/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site-ds"
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 exec > >(tee -a "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -170,6 +170,10 @@ pub struct Knobs {
 impl Knobs {
     /// The knobs a spec already sets.
     pub fn of(spec: &RunSpec) -> Self {
+        let (sharding, cpu_offload) = spec
+            .parallel
+            .as_ref()
+            .map_or((Sharding::None, false), sharding_of);
         Knobs {
             optimizer: spec.optimizer,
             gradient_checkpointing: spec.gradient_checkpointing,
@@ -178,8 +182,8 @@ impl Knobs {
             micro_batch: spec.batch_size,
             accumulation: 1,
             seq_len: spec.seq_len,
-            sharding: Sharding::None,
-            cpu_offload: false,
+            sharding,
+            cpu_offload,
             fused_loss: spec.trainer.kind.is_trl() || spec.trainer.use_liger_kernel,
             precompute_ref_log_probs: spec
                 .trainer
@@ -224,12 +228,40 @@ impl Knobs {
     }
 }
 
-/// The data parallelism (or ZeRO-Offload) the simulated run has over `gpus` ranks: DDP when
+/// The sharding and CPU offload a spec's own data parallelism amounts to.
+fn sharding_of(p: &Parallel) -> (Sharding, bool) {
+    match p.strategy {
+        Strategy::Ddp => (Sharding::None, false),
+        Strategy::Fsdp => (Sharding::Zero3, p.offload_params),
+        Strategy::Zero1 => (Sharding::Zero1, p.offload_optimizer),
+        Strategy::Zero2 => (Sharding::Zero2, p.offload_optimizer),
+        Strategy::Zero3 => (Sharding::Zero3, p.offload_optimizer || p.offload_params),
+    }
+}
+
+/// The spec's own parallel settings over `gpus` ranks (an HSDP shard group kept where it
+/// still divides them).
+fn rescaled(p: &Parallel, gpus: u32) -> Parallel {
+    let world_size = u64::from(gpus.max(1));
+    let hsdp = p.shard_size < p.world_size && world_size % p.shard_size == 0;
+    Parallel {
+        world_size,
+        shard_size: if hsdp { p.shard_size } else { world_size },
+        ..p.clone()
+    }
+}
+
+/// The data parallelism (or ZeRO-Offload) the simulated run has over `gpus` ranks: the spec's
+/// own where `k` keeps its sharding and offload; otherwise DDP when
 /// nothing is sharded or offloaded, DeepSpeed ZeRO-1/2 (with `offload_optimizer` for the
 /// optimizer on the CPU; ZeRO-2 of one rank when nothing is sharded), FSDP2 full shard for
 /// ZeRO-3 with the optimizer on the GPU and DeepSpeed ZeRO-3 with it on the CPU (see
 /// `Knobs::sharding_simulated`).
 fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
+    let own = spec.parallel.as_ref();
+    if let Some(p) = own.filter(|p| sharding_of(p) == (k.sharding, k.cpu_offload)) {
+        return Some(rescaled(p, gpus));
+    }
     if spec.mode != Mode::Train {
         return None;
     }
@@ -245,6 +277,15 @@ fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
         Sharding::Zero3 if k.cpu_offload => Strategy::Zero3,
         Sharding::Zero3 => Strategy::Fsdp,
     };
+    // The same strategy as the spec's keeps its other settings (FSDP's mixed precision,
+    // resharding and shard group).
+    if let Some(p) = own.filter(|p| p.strategy == strategy) {
+        return Some(Parallel {
+            offload_params: false,
+            offload_optimizer: k.cpu_offload,
+            ..rescaled(p, gpus)
+        });
+    }
     Some(Parallel {
         strategy,
         world_size: u64::from(gpus.max(1)),
@@ -714,19 +755,7 @@ pub fn describe(setup: &Setup, k: &Knobs) -> Vec<String> {
     if k.expandable_segments != base.expandable_segments {
         out.push("expandable_segments".to_string());
     }
-    match k.sharding {
-        Sharding::None => {}
-        Sharding::Zero1 => out.push(format!("ZeRO-1 over {} GPUs", setup.gpus)),
-        Sharding::Zero2 => out.push(format!("ZeRO-2 over {} GPUs", setup.gpus)),
-        Sharding::Zero3 => out.push(format!("ZeRO-3/FSDP over {} GPUs", setup.gpus)),
-    }
-    if k.cpu_offload {
-        out.push(match parallel_for(&setup.spec, k, setup.gpus) {
-            Some(p) if p.world_size == 1 => "optimizer on CPU (DeepSpeed ZeRO-Offload)".to_string(),
-            Some(_) => "optimizer on CPU (DeepSpeed offload_optimizer)".to_string(),
-            None => "optimizer on CPU".to_string(),
-        });
-    }
+    out.extend(describe_sharding(setup, &base, k));
     if k.fused_loss {
         out.push("fused linear cross-entropy".to_string());
     }
@@ -780,8 +809,30 @@ fn describe_trainer(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
     if k.precompute_ref_log_probs != base.precompute_ref_log_probs {
         out.push("precompute_ref_log_probs=True".to_string());
     }
-    if k.cpu_offload {
-        out.push("optimizer on CPU".to_string());
+    out.extend(describe_sharding(setup, base, k));
+    out
+}
+
+/// A change of sharding or CPU offload from the spec's, in words.
+fn describe_sharding(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
+    let mut out = Vec::new();
+    if k.sharding != base.sharding {
+        let gpus = setup.gpus;
+        out.push(match k.sharding {
+            Sharding::None => format!("DDP over {gpus} GPUs (no sharding)"),
+            Sharding::Zero1 => format!("ZeRO-1 over {gpus} GPUs"),
+            Sharding::Zero2 => format!("ZeRO-2 over {gpus} GPUs"),
+            Sharding::Zero3 => format!("ZeRO-3/FSDP over {gpus} GPUs"),
+        });
+    }
+    if k.cpu_offload != base.cpu_offload {
+        out.push(match parallel_for(&setup.spec, k, setup.gpus) {
+            _ if !k.cpu_offload => "optimizer on the GPU".to_string(),
+            Some(p) if p.strategy == Strategy::Fsdp => "FSDP2 CPUOffloadPolicy".to_string(),
+            Some(p) if p.world_size == 1 => "optimizer on CPU (DeepSpeed ZeRO-Offload)".to_string(),
+            Some(_) => "optimizer on CPU (DeepSpeed offload_optimizer)".to_string(),
+            None => "optimizer on CPU".to_string(),
+        });
     }
     out
 }
@@ -939,6 +990,9 @@ pub fn search(setup: &Setup) -> Result<Vec<Evaluation>> {
                             continue;
                         };
                         let plain_parallel = parallel_for(&setup.spec, &sim, setup.gpus);
+                        let plain_sharded = plain_parallel
+                            .as_ref()
+                            .is_some_and(|p| p.strategy != Strategy::Ddp);
                         for &sharding in shardings {
                             for &cpu_offload in offloads {
                                 let sharded = Knobs {
@@ -955,6 +1009,13 @@ pub fn search(setup: &Setup) -> Result<Vec<Evaluation>> {
                                         Some(est) => Some(est),
                                         None => continue,
                                     },
+                                    // Computed shares come off an unsharded run only.
+                                    None if plain_sharded
+                                        && (sharding, cpu_offload)
+                                            != (sim.sharding, sim.cpu_offload) =>
+                                    {
+                                        continue;
+                                    }
                                     None => None,
                                 };
                                 let est = own.as_ref().unwrap_or(&plain);

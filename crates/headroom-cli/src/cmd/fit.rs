@@ -22,9 +22,10 @@ pub struct Args {
     /// v100-32gb, v100-16gb, mi300x, or a size like 64GiB.
     #[arg(long)]
     pub gpu: String,
-    /// Data-parallel ranks, one GPU each (adds ZeRO/FSDP stages to the search).
-    #[arg(long, default_value_t = 1)]
-    pub gpus: u32,
+    /// Data-parallel ranks, one GPU each (adds ZeRO/FSDP stages to the search); by default
+    /// the spec's `parallel.world_size`, else 1.
+    #[arg(long)]
+    pub gpus: Option<u32>,
     /// A model that stays on the same GPU without being trained, as a `mode: forward` spec.
     /// Repeatable.
     #[arg(long = "resident", alias = "reference", value_name = "SPEC")]
@@ -35,10 +36,11 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> CliResult {
-    if args.gpus == 0 {
+    if args.gpus == Some(0) {
         return Err(CliError::input("--gpus: 0 is not allowed; use 1 or more"));
     }
     let spec = RunSpec::from_file(&args.spec)?;
+    let gpus = args.gpus.unwrap_or_else(|| spec.world_size());
     let gpu = gpu::find(&args.gpu)?;
     let mut residents = Vec::new();
     for path in &args.residents {
@@ -49,7 +51,7 @@ pub fn run(args: Args) -> CliResult {
         spec,
         spec_dir: args.spec.parent(),
         gpu,
-        gpus: args.gpus,
+        gpus,
         residents,
     };
     let progress = crate::progress::spinner(

@@ -125,6 +125,41 @@ fn fit_json_has_limits_and_a_front() {
     );
 }
 
+/// A spec that already shards is planned as it runs: its own strategy, mixed precision and
+/// world size are the baseline, and sharding is never offered as a change it already makes.
+#[test]
+fn fit_plans_a_sharded_spec_on_its_own_layout() {
+    let spec = "examples/verl-actor-fsdp2.yaml";
+    let est = json(&["estimate", spec, "--gpu", "h100-80gb", "--json"]);
+    let fit = json(&["fit", spec, "--gpu", "h100-80gb", "--json"]);
+    assert_eq!(fit["gpus"], 8, "the spec's world_size");
+    assert_eq!(fit["spec"]["changes"].as_array().map(Vec::len), Some(0));
+    assert_eq!(fit["spec"]["knobs"]["sharding"], "zero3");
+    assert_eq!(
+        fit["spec"]["peak_allocated_bytes"], est["peak_allocated_bytes"],
+        "fit's baseline is the estimate"
+    );
+    assert_eq!(
+        fit["spec"]["peak_reserved_bytes"],
+        est["peak_reserved_bytes"]
+    );
+    for e in fit["pareto"].as_array().expect("pareto") {
+        let changes = e["changes"].to_string();
+        assert!(!changes.contains("ZeRO-3/FSDP"), "{changes}");
+        // Computed shares come off an unsharded run only: none here.
+        assert!(
+            e["knobs"]["sharding"] == "zero3" || e["computed"] == false,
+            "{e}"
+        );
+    }
+    // Over 16 GPUs the shards halve: less memory than over 8.
+    let wider = json(&["fit", spec, "--gpu", "h100-80gb", "--gpus", "16", "--json"]);
+    assert!(
+        wider["spec"]["peak_allocated_bytes"].as_u64()
+            < fit["spec"]["peak_allocated_bytes"].as_u64()
+    );
+}
+
 #[test]
 fn bad_input_exits_2_and_names_the_file() {
     let missing = headroom(&["diagnose", "--oom", "/nonexistent/oom.log"]);

@@ -143,6 +143,7 @@ pub fn run(inputs: &Inputs) -> Result<Diagnosis> {
             .filter(|l| l.is_distributed())
             .and_then(|l| l.processes)
             .and_then(|n| u32::try_from(n).ok())
+            .or_else(|| spec.as_ref().map(RunSpec::world_size))
             .unwrap_or(1)
     });
 

@@ -987,6 +987,15 @@ fn parse_lora(value: &Value) -> Result<Lora> {
     })
 }
 
+impl RunSpec {
+    /// The GPUs the run spans: `parallel.world_size`, or 1.
+    pub fn world_size(&self) -> u32 {
+        self.parallel
+            .as_ref()
+            .map_or(1, |p| u32::try_from(p.world_size).unwrap_or(u32::MAX))
+    }
+}
+
 impl Precision {
     pub fn name(self) -> &'static str {
         match self {

@@ -177,9 +177,7 @@ def _build_fsdp(spec: Spec, cfg, cls, dtype, device):
             output_dtype=names[mp["output_dtype"]],
             cast_forward_inputs=mp["cast_forward_inputs"],
         )
-    for layer in model.model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    _fully_shard_units(model, par.units, kwargs)
     model.to_empty(device="cpu" if par.offload_params else device)
     with torch.no_grad():
         for p in model.parameters():
@@ -188,6 +186,37 @@ def _build_fsdp(spec: Spec, cfg, cls, dtype, device):
     with torch.device(device):
         model.model.rotary_emb = type(old)(config=model.config)
     return model
+
+
+def _fully_shard_units(model, units: str, kwargs: dict) -> None:
+    """`fully_shard` the modules a framework makes units of (`parallel.units`):
+    - layers: each decoder layer, then the root with the spec's reshard_after_forward;
+    - layers-keep-root: each decoder layer, then the root without it (FSDP2 keeps the root
+      gathered; slime);
+    - layers-embedding: each decoder layer, the input embedding when untied, the root (verl);
+    - accelerate: as accelerate 1.15's `fsdp2_prepare_model` does: each decoder layer, the
+      untied input embedding, `[final norm, (tied embedding,) lm_head]` with
+      reshard_after_forward=False, then the root without the flag."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    tied = model.get_output_embeddings() is not None and (
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    )
+    if units in ("layers-embedding", "accelerate") and not tied:
+        fully_shard(model.get_input_embeddings(), **kwargs)
+    root_kwargs = dict(kwargs)
+    if units == "accelerate":
+        group = [model.model.norm]
+        if tied:
+            group.append(model.get_input_embeddings())
+        if model.get_output_embeddings() is not None:
+            group.append(model.get_output_embeddings())
+        fully_shard(group, **{**kwargs, "reshard_after_forward": False})
+    if units in ("layers-keep-root", "accelerate"):
+        del root_kwargs["reshard_after_forward"]
+    fully_shard(model, **root_kwargs)
 
 
 def _build_ddp(spec: Spec, cfg, cls, dtype, device, local_rank):
@@ -344,6 +373,8 @@ def measure_dist(
     autocast_dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(
         spec.precision
     )
+    if par.mixed_precision is not None:  # the policy casts; autocast only where the spec adds it
+        autocast_dtype = torch.bfloat16 if spec.autocast == "bf16" else None
 
     def autocast():
         if autocast_dtype is None or not cuda:

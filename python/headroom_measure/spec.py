@@ -19,15 +19,17 @@ QUANTIZATIONS = ("nf4",)
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 PARALLEL_KEYS = (
     "strategy", "world_size", "reshard_after_forward", "shard_size", "offload_params", "offload_optimizer",
-    "mixed_precision",
+    "mixed_precision", "units",
 )
+# fsdp: which modules fully_shard makes units of (dist.py `_fully_shard_units`)
+FSDP_UNITS = ("layers", "layers-keep-root", "layers-embedding", "accelerate")
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 MP_DTYPES = ("bf16", "fp32")
 
 KNOWN_KEYS = {
     "model", "model_config", "task", "mode", "precision", "optimizer", "batch_size", "seq_len",
     "gradient_checkpointing", "attention", "lora", "quantization", "kbit_prepare", "allocator",
-    "parallel",
+    "parallel", "autocast",
 }
 
 
@@ -55,6 +57,7 @@ class Parallel:
     offload_optimizer: bool = False  # zero1-3: offload_optimizer to cpu
     # fsdp: FSDP2's MixedPrecisionPolicy {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}
     mixed_precision: dict | None = None
+    units: str = "layers"
 
     def to_json(self) -> dict:
         out = {
@@ -67,6 +70,8 @@ class Parallel:
         }
         if self.mixed_precision is not None:
             out["mixed_precision"] = dict(self.mixed_precision)
+        if self.units != "layers":
+            out["units"] = self.units
         return out
 
 
@@ -87,6 +92,7 @@ class Spec:
     expandable_segments: bool = False
     model_config: dict | None = None
     parallel: Parallel | None = None
+    autocast: str | None = None  # "bf16": torch.autocast on top of the mixed-precision policy
     raw: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -116,6 +122,8 @@ class Spec:
             out["allocator"] = {"expandable_segments": True}
         if self.parallel is not None:
             out["parallel"] = self.parallel.to_json()
+        if self.autocast:
+            out["autocast"] = self.autocast
         return out
 
 
@@ -195,6 +203,14 @@ def parse(raw: dict, *, forward_parallel: bool = False) -> Spec:
     spec.expandable_segments = _bool(alloc, "expandable_segments", False)
     if raw.get("parallel") is not None:
         spec.parallel = _parallel(raw["parallel"], spec, forward_parallel)
+    autocast = raw.get("autocast")
+    if autocast not in (None, "none"):
+        if autocast != "bf16":
+            raise SpecError(f"`autocast`: {autocast!r} is not allowed; use bf16 or none")
+        if spec.parallel is None or spec.parallel.mixed_precision is None:
+            raise SpecError("`autocast`: it adds autocast on top of parallel.mixed_precision; without one use "
+                            "precision: amp-bf16")
+        spec.autocast = autocast
     return spec
 
 
@@ -265,12 +281,19 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
                 raise SpecError(f"`parallel.mixed_precision.{key}`: {value!r} is not allowed; use bf16 or fp32")
         if not isinstance(policy["cast_forward_inputs"], bool):
             raise SpecError("`parallel.mixed_precision.cast_forward_inputs`: use true or false")
-        if spec.precision != "fp32":
+        if spec.precision not in ("fp32", "bf16"):
             raise SpecError(
-                f"`precision`: {spec.precision!r} is not measured with a mixed-precision policy; use fp32 "
-                "(the parameters' storage: fp32 masters, no autocast)"
+                f"`precision`: {spec.precision!r} is not measured with a mixed-precision policy; use fp32 or "
+                "bf16 (the parameters' storage; `autocast: bf16` adds autocast)"
             )
         out.mixed_precision = policy
+    units = raw.get("units", "layers")
+    if units != "layers":
+        if strategy != "fsdp":
+            raise SpecError(f"`parallel.units` applies only to strategy fsdp, not {strategy}")
+        if units not in FSDP_UNITS:
+            raise SpecError(f"`parallel.units`: {units!r} is not allowed; use one of {', '.join(FSDP_UNITS)}")
+    out.units = units
     if spec.mode != "train" and not forward_ok:
         raise SpecError(f"`parallel`: mode {spec.mode!r} is not allowed; sharded runs are measured in mode train")
     if spec.quantization or spec.lora is not None:

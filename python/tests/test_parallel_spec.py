@@ -39,8 +39,8 @@ class ParallelSpecTest(unittest.TestCase):
         )
         self.assertEqual(specmod.parse(out).to_json(), out)
         ddp = parse({"strategy": "ddp", "world_size": 2}).to_json()["parallel"]
-        # Every key but the fsdp-only mixed-precision policy, written only when set.
-        self.assertEqual(sorted(ddp), sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision"}))
+        # Every key but the fsdp-only policy and units, written only when set.
+        self.assertEqual(sorted(ddp), sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units"}))
         self.assertEqual((ddp["shard_size"], ddp["reshard_after_forward"]), (2, True))
         self.assertEqual(specmod.parse({"model": "m", "parallel": ddp}).to_json()["parallel"], ddp)
 
@@ -172,10 +172,36 @@ class MixedPrecisionSpecTest(unittest.TestCase):
     def test_a_policy_is_refused_off_fsdp_and_with_autocast_precisions(self):
         for parallel, precision, words in [
             ({"strategy": "ddp", "world_size": 2, "mixed_precision": {}}, "fp32", "only to strategy fsdp"),
-            ({"strategy": "fsdp", "world_size": 2, "mixed_precision": {}}, "amp-bf16", "use fp32"),
+            ({"strategy": "fsdp", "world_size": 2, "mixed_precision": {}}, "amp-bf16", "use fp32 or bf16"),
             ({"strategy": "fsdp", "world_size": 2, "mixed_precision": {"param_dtype": "fp8"}}, "fp32", "bf16 or fp32"),
         ]:
             with self.subTest(parallel=parallel, precision=precision):
                 with self.assertRaises(specmod.SpecError) as err:
                     specmod.parse({"model": "m", "precision": precision, "parallel": parallel})
+                self.assertIn(words, str(err.exception))
+
+
+class UnitsAndAutocastTest(unittest.TestCase):
+    def test_units_and_autocast_round_trip(self):
+        raw = {
+            "model": "m",
+            "precision": "fp32",
+            "autocast": "bf16",
+            "parallel": {"strategy": "fsdp", "world_size": 8, "units": "layers-embedding", "mixed_precision": {}},
+        }
+        spec = specmod.parse(raw)
+        self.assertEqual((spec.parallel.units, spec.autocast), ("layers-embedding", "bf16"))
+        self.assertEqual(specmod.parse(spec.to_json()).to_json(), spec.to_json())
+
+    def test_units_and_autocast_are_refused_where_they_do_not_apply(self):
+        for raw, words in [
+            ({"parallel": {"strategy": "ddp", "world_size": 2, "units": "accelerate"}}, "only to strategy fsdp"),
+            ({"parallel": {"strategy": "fsdp", "world_size": 2, "units": "torchtitan"}}, "use one of layers"),
+            ({"autocast": "bf16", "parallel": {"strategy": "fsdp", "world_size": 2}}, "without one use"),
+            ({"autocast": "fp16", "parallel": {"strategy": "fsdp", "world_size": 2, "mixed_precision": {}}},
+             "use bf16 or none"),
+        ]:
+            with self.subTest(raw=raw):
+                with self.assertRaises(specmod.SpecError) as err:
+                    specmod.parse({"model": "m", "precision": "fp32", **raw})
                 self.assertIn(words, str(err.exception))

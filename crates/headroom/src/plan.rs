@@ -23,8 +23,8 @@ use crate::estimate::{self, Estimate};
 use crate::gpu::Gpu;
 use crate::sim::{Component, PhasePeak};
 use crate::spec::{
-    Lora, LoraTargets, Mode, Optimizer, Parallel, Precision, Quantization, RunSpec, Strategy,
-    TrainerKind,
+    FsdpUnits, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision, Quantization, RunSpec,
+    Strategy, TrainerKind,
 };
 
 /// Tokens per micro-batch at which a GPU is half as efficient as when saturated, in the
@@ -294,6 +294,7 @@ fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
         offload_params: false,
         offload_optimizer: k.cpu_offload,
         mixed_precision: None,
+        units: FsdpUnits::Layers,
     })
 }
 
@@ -403,6 +404,7 @@ pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
         offload_params: false,
         offload_optimizer: false,
         mixed_precision: None,
+        units: FsdpUnits::Layers,
     };
     match parallel_for(&spec, k, setup.gpus) {
         Some(p) => estimate::nccl_bytes(Some(&p)),

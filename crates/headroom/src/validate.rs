@@ -9,7 +9,7 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 use crate::estimate::{self, Estimate};
 use crate::gpu::{self, Gpu};
-use crate::spec::RunSpec;
+use crate::spec::{FsdpUnits, RunSpec};
 
 /// What the harness measured for a row (calibration format).
 #[derive(Clone, Debug)]
@@ -319,6 +319,9 @@ pub fn families(row: &Row) -> Vec<String> {
         .is_some_and(|p| p.mixed_precision.is_some())
     {
         out.push("parallel: FSDP2 MixedPrecisionPolicy".to_string());
+    }
+    if let Some(p) = s.parallel.as_ref().filter(|p| p.units != FsdpUnits::Layers) {
+        out.push(format!("parallel: FSDP2 units {}", p.units.name()));
     }
     out.push(
         match (&s.lora, s.quantization) {

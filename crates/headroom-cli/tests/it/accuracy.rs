@@ -68,7 +68,8 @@ fn transformers_releases_within_one_percent() {
 /// Runs of transformers' `Trainer` and TRL 1.16's SFT, DPO, GRPO and reward trainers on one
 /// H100 (and the hold-out runs estimated before they were measured), and FSDP2 under
 /// `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` over fp32 masters, rank 0 of
-/// worlds of 1 (NCCL) to 64 (fake process group): each within 3% on peak allocated and 8% on
+/// worlds of 1 (NCCL) to 64 (fake process group), wrapped as verl, slime and accelerate wrap,
+/// and ZeRO-1/2/3 and FSDP2 at up to 512 ranks: each within 3% on peak allocated and 8% on
 /// reserved, as the trainers and FSDP2 issues ask.
 #[test]
 fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
@@ -76,6 +77,8 @@ fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
         "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
         "bench/trainers-holdout/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
         "bench/fsdp2-mp/rows-h100-torch2.11.jsonl",
+        "bench/fsdp2-mp/rows-units-h100-torch2.11.jsonl",
+        "bench/scale/rows-h100-torch2.11.jsonl",
     ] {
         within_gates(
             rows,

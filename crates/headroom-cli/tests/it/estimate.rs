@@ -165,6 +165,12 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
             "parallel-mixed-precision-autocast",
             vec!["precision", "amp-bf16", "use fp32"],
         ),
+        ("autocast-without-policy", vec!["autocast", "amp-bf16"]),
+        ("parallel-units-ddp", vec!["parallel.units", "fsdp only"]),
+        (
+            "parallel-units-unknown",
+            vec!["parallel.units", "torchtitan", "layers-embedding"],
+        ),
         (
             "trainer-grpo-work",
             vec!["completion_len", "100000", "shorter completion"],

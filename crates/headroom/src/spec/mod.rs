@@ -22,7 +22,7 @@ pub use pipeline::{
     EngineSpec, Home, InstanceSpec, Pass, PassDef, PhaseDef, PipelineSpec, is_pipeline,
 };
 pub use run::{
-    AllocatorSpec, Attention, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision,
+    AllocatorSpec, Attention, FsdpUnits, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision,
     Quantization, RunSpec, Strategy, Task, lora_targets_module,
 };
 pub use trainer::{

@@ -24,7 +24,7 @@
 use serde_json::{Map, Value};
 
 use super::parse::unknown_key;
-use super::run::{Mode, Optimizer, Parallel, RunSpec, Strategy};
+use super::run::{FsdpUnits, Mode, Optimizer, Parallel, RunSpec, Strategy};
 use super::versions::Versions;
 use crate::error::{Error, Result};
 use crate::limits;
@@ -522,6 +522,7 @@ impl PipelineSpec {
                     offload_params: true,
                     offload_optimizer: false,
                     mixed_precision: None,
+                    units: FsdpUnits::Layers,
                 });
                 (Home::Cpu, vec![])
             }

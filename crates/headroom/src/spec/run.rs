@@ -113,6 +113,39 @@ pub struct Parallel {
     /// FSDP2's `MixedPrecisionPolicy`; `None`: parameters, gradients and reductions in the
     /// parameters' dtype.
     pub mixed_precision: Option<MixedPrecision>,
+    /// FSDP2: which modules `fully_shard` makes units of.
+    pub units: FsdpUnits,
+}
+
+/// The `fully_shard` calls a training framework makes on a decoder-only model; each unit is
+/// gathered and freed on its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FsdpUnits {
+    /// Each decoder layer, then `fully_shard(model, reshard_after_forward=R)`: the root holds
+    /// the embedding, the final norm and the head, and reshards as the layers do.
+    #[default]
+    Layers,
+    /// Each decoder layer, then `fully_shard(model)`: FSDP2 keeps the root gathered from its
+    /// forward to its backward (slime).
+    LayersKeepRoot,
+    /// Each decoder layer, the input embedding when it is not tied to the head, then the
+    /// root with `reshard_after_forward=R` (verl).
+    LayersEmbedding,
+    /// accelerate 1.15's `fsdp2_prepare_model`: each decoder layer, the untied input
+    /// embedding, `[final norm, head]` (the tied embedding too) kept gathered from forward to
+    /// backward, then a root without parameters.
+    Accelerate,
+}
+
+impl FsdpUnits {
+    pub fn name(self) -> &'static str {
+        match self {
+            FsdpUnits::Layers => "layers",
+            FsdpUnits::LayersKeepRoot => "layers-keep-root",
+            FsdpUnits::LayersEmbedding => "layers-embedding",
+            FsdpUnits::Accelerate => "accelerate",
+        }
+    }
 }
 
 /// FSDP2's `MixedPrecisionPolicy` over parameters stored in the spec's `precision` (fp32
@@ -175,6 +208,9 @@ pub struct RunSpec {
     pub allocator: AllocatorSpec,
     /// Data parallelism over several GPUs; `None`: one GPU.
     pub parallel: Option<Parallel>,
+    /// `torch.autocast(dtype)` around the forward on top of FSDP2's mixed-precision policy
+    /// (verl does so); `None`: the policy alone. Without a policy `precision` says it.
+    pub autocast: Option<DType>,
     /// An HF config given inline (`model_config:`), used instead of looking `model` up; `model`
     /// then only names it.
     pub model_config: Option<Value>,
@@ -199,6 +235,7 @@ const KEYS: &[&str] = &[
     "kbit_prepare",
     "allocator",
     "parallel",
+    "autocast",
     "model_config",
     "versions",
 ];
@@ -214,6 +251,7 @@ const PARALLEL_KEYS: &[&str] = &[
     "offload_params",
     "offload_optimizer",
     "mixed_precision",
+    "units",
 ];
 
 impl RunSpec {
@@ -388,6 +426,12 @@ impl RunSpec {
                 None | Some(Value::Null) => None,
                 Some(v) => Some(parse_parallel(v)?),
             },
+            autocast: match obj.get("autocast") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) if s == "bf16" => Some(DType::BF16),
+                Some(Value::String(s)) if s == "none" => None,
+                Some(v) => return Err(Error::field("autocast", v, "use bf16 or none")),
+            },
             model_config: match obj.get("model_config") {
                 None | Some(Value::Null) => None,
                 Some(v @ Value::Object(_)) => Some(v.clone()),
@@ -485,18 +529,25 @@ impl RunSpec {
                 "with quantization: nf4 the non-quantized weights are bf16; use precision: bf16",
             ));
         }
-        if self
+        let policy = self
             .parallel
             .as_ref()
-            .is_some_and(|p| p.mixed_precision.is_some())
-            && self.precision != Precision::Fp32
-        {
+            .is_some_and(|p| p.mixed_precision.is_some());
+        if policy && !matches!(self.precision, Precision::Fp32 | Precision::Bf16) {
             return Err(Error::field(
                 "precision",
                 self.precision.name(),
                 "with parallel.mixed_precision it names the parameters' storage: use fp32 (fp32 \
-                 masters; the policy's param_dtype is what the forward computes in, without \
-                 autocast)",
+                 masters) or bf16; the policy's param_dtype is what the forward computes in, \
+                 and `autocast: bf16` adds autocast",
+            ));
+        }
+        if self.autocast.is_some() && !policy {
+            return Err(Error::field(
+                "autocast",
+                "bf16",
+                "it adds autocast on top of parallel.mixed_precision; without a policy use \
+                 precision: amp-bf16",
             ));
         }
         // Training without an optimizer is allowed: forward and backward without a step (a
@@ -817,6 +868,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         obj.get(key).is_some_and(|v| match key {
             "reshard_after_forward" => v != &Value::Bool(true),
             "shard_size" => v.as_u64() != Some(world_size),
+            "units" => v.as_str() != Some("layers"),
             _ => v != &Value::Bool(false) && !v.is_null(),
         })
     };
@@ -857,6 +909,22 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             format!("it must divide world_size ({world_size})"),
         ));
     }
+    only_for("units", fsdp, "it applies to fsdp only")?;
+    let units = match obj.get("units") {
+        None | Some(Value::Null) => FsdpUnits::Layers,
+        Some(_) => choice(
+            obj,
+            "units",
+            &[
+                ("layers", FsdpUnits::Layers),
+                ("layers-keep-root", FsdpUnits::LayersKeepRoot),
+                ("layers-embedding", FsdpUnits::LayersEmbedding),
+                ("accelerate", FsdpUnits::Accelerate),
+            ],
+            FsdpUnits::Layers,
+        )
+        .map_err(field)?,
+    };
     let mixed_precision = match obj.get("mixed_precision") {
         None | Some(Value::Null) => None,
         Some(_) if !fsdp => {
@@ -879,6 +947,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         offload_params: boolean(obj, "offload_params").map_err(field)?,
         offload_optimizer: boolean(obj, "offload_optimizer").map_err(field)?,
         mixed_precision,
+        units,
     })
 }
 

@@ -600,8 +600,16 @@ fn param_dtype(spec: &RunSpec) -> DType {
     }
 }
 
-/// The dtype `torch.autocast` runs the forward in, if any.
+/// The dtype `torch.autocast` runs the forward in, if any: under FSDP2's mixed-precision
+/// policy only where the spec adds it.
 fn autocast_dtype(spec: &RunSpec) -> Option<DType> {
+    if spec
+        .parallel
+        .as_ref()
+        .is_some_and(|p| p.mixed_precision.is_some())
+    {
+        return spec.autocast;
+    }
     match spec.precision {
         Precision::Fp32 => None,
         Precision::AmpBf16 | Precision::Bf16 => Some(DType::BF16),

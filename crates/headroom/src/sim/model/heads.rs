@@ -6,7 +6,7 @@ use super::transformer::Model;
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{Bwd, T, Tracer};
-use crate::sim::strategy::ModuleKey;
+use crate::sim::strategy::{ModuleKey, Unit};
 use crate::spec::{RunSpec, Task};
 
 /// The harness's training forward: `model(input_ids=ids, labels=ids).loss` (causal LM) or
@@ -83,6 +83,7 @@ pub(crate) fn lm_head(t: &mut Tracer, model: &Model, hidden: T) -> T {
     model.module_pre_forward(t, ModuleKey::LmHead, &params, true);
     let mut logits = t.linear(hidden, weight, bias, a.vocab, false);
     model.module_post_forward(t);
+    model.unit_post_forward(t, Unit::Head);
     if a.final_logit_softcapping.is_some() {
         let div = t.mul_scalar(logits);
         t.drop(logits);

@@ -420,9 +420,11 @@ impl Model {
         self.unit_pre_forward(t, Unit::Root);
         self.module_pre_forward(t, ModuleKey::Root, &[], false);
         self.module_pre_forward(t, ModuleKey::Model, &[], false);
+        self.unit_pre_forward(t, Unit::Embedding);
         self.module_pre_forward(t, ModuleKey::Params(self.embed), &[self.embed], false);
         let mut inputs_embeds = t.embedding(self.embed, ids, n, a.hidden);
         self.module_post_forward(t);
+        self.unit_post_forward(t, Unit::Embedding);
         if a.family == Family::Gemma2 {
             // `Gemma2TextScaledWordEmbedding`: `* embed_scale.to(weight.dtype)`.
             let scaled = t.mul_scalar(inputs_embeds);
@@ -493,7 +495,12 @@ impl Model {
             t.drop(h);
             h = next;
         }
+        // The final norm starts the head's unit; a classifier's ends with it.
+        self.unit_pre_forward(t, Unit::Head);
         let out = self.hooked_norm(t, h, self.final_norm);
+        if self.score.is_some() {
+            self.unit_post_forward(t, Unit::Head);
+        }
         t.drop(h);
         t.drop(inputs_embeds);
         t.drop(position_ids);
@@ -525,11 +532,11 @@ impl Model {
         self.strategy.borrow_mut().module_post_forward(t);
     }
 
-    fn unit_pre_forward(&self, t: &mut Tracer, unit: Unit) {
+    pub(crate) fn unit_pre_forward(&self, t: &mut Tracer, unit: Unit) {
         self.strategy.borrow_mut().unit_pre_forward(t, unit);
     }
 
-    fn unit_post_forward(&self, t: &mut Tracer, unit: Unit) {
+    pub(crate) fn unit_post_forward(&self, t: &mut Tracer, unit: Unit) {
         self.strategy.borrow_mut().unit_post_forward(t, unit);
     }
 

@@ -17,6 +17,10 @@
 //!   reshards too: `fully_shard(model, reshard_after_forward=...)` given explicitly, as
 //!   training scripts do, overrides FSDP2's keep-the-root default, so backward gathers the
 //!   root again first. Under checkpointing the recomputation runs no hook.
+//! - units ([`FsdpUnits`]): besides the decoder layers, frameworks make the input embedding a
+//!   unit (verl, accelerate) and `[final norm, head]` one kept gathered from its forward to
+//!   its backward (accelerate); a group's pre-forward hook runs when its first module does
+//!   (the tied embedding, long before the head), its post-forward hook after its last.
 //! - backward: a unit's pre-backward hook unshards it (a no-op when still unsharded) and
 //!   prefetches the all-gather of the unit that finished its forward before it; its
 //!   post-backward hook takes the unsharded gradients, reshards, frees the previous unit's
@@ -32,11 +36,11 @@
 //! simulated at the parameter's own size (equal for the even shapes of the catalog models).
 
 use super::{ALL_GATHER_COPY_IN_STREAM, REDUCE_SCATTER_STREAM, Unit};
-use crate::arch::{Architecture, Head};
+use crate::arch::{Architecture, Head, Module};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{ParamId, T, Tracer};
-use crate::spec::Parallel;
+use crate::spec::{FsdpUnits, Parallel};
 
 struct ShardedUnit {
     /// The unsharded parameters the model computes with (registered without storage).
@@ -44,6 +48,8 @@ struct ShardedUnit {
     /// Their local shards, in the same order: what the optimizer steps.
     shards: Vec<ParamId>,
     unsharded: bool,
+    /// Whether its post-forward hook frees the unsharded parameters.
+    reshard_after_forward: bool,
     /// Where this backward is with it.
     backward: UnitBackward,
 }
@@ -58,7 +64,6 @@ enum UnitBackward {
 pub(crate) struct Fsdp {
     /// Ranks that shard one copy (the shard group).
     ranks: u64,
-    reshard_after_forward: bool,
     offload: bool,
     /// The shards' dtype (the parameters' storage).
     dtype: DType,
@@ -66,8 +71,13 @@ pub(crate) struct Fsdp {
     /// unsharded parameters' dtype), and what gradients are reduced in; `None`: the storage's.
     param_dtype: Option<DType>,
     reduce_dtype: Option<DType>,
-    /// Decoder layers in order, then the root.
+    /// Decoder layers in order, the embedding's and the head's units where the layout has
+    /// them, then the root.
     units: Vec<ShardedUnit>,
+    embedding: Option<usize>,
+    head: Option<usize>,
+    /// The head's unit holds the tied input embedding too.
+    head_holds_embedding: bool,
     /// The last forward all-gather output, kept until the next copy-out.
     all_gather_state: Option<T>,
     /// A backward prefetch: the unit and its all-gather output, waiting for its copy-out.
@@ -93,16 +103,44 @@ impl Fsdp {
     ) -> Fsdp {
         let ranks = parallel.shard_size;
         let layers = arch.layers as usize;
-        let mut units: Vec<ShardedUnit> = (0..=layers)
-            .map(|_| ShardedUnit {
+        let tied = arch.tie_word_embeddings && head == Head::CausalLm;
+        let layout = parallel.units;
+        let mut next = layers;
+        let mut extra = |own: bool| {
+            own.then(|| {
+                next += 1;
+                next - 1
+            })
+        };
+        let embedding_unit =
+            extra(matches!(layout, FsdpUnits::LayersEmbedding | FsdpUnits::Accelerate) && !tied);
+        let head_unit = extra(layout == FsdpUnits::Accelerate);
+        let root = next;
+        let mut units: Vec<ShardedUnit> = (0..=root)
+            .map(|u| ShardedUnit {
                 params: Vec::new(),
                 shards: Vec::new(),
                 unsharded: false,
+                reshard_after_forward: if Some(u) == head_unit {
+                    false
+                } else if u == root {
+                    parallel.reshard_after_forward && layout != FsdpUnits::LayersKeepRoot
+                } else {
+                    parallel.reshard_after_forward
+                },
                 backward: UnitBackward::NotReached,
             })
             .collect();
         for (i, p) in arch.parameters(head).iter().enumerate() {
-            let unit = p.layer.map_or(layers, |l| l as usize);
+            let unit = match (p.layer, p.module) {
+                (Some(l), _) => l as usize,
+                (None, Module::Embed) => embedding_unit
+                    .or(head_unit.filter(|_| tied))
+                    .unwrap_or(root),
+                (None, Module::FinalNorm) => head_unit.unwrap_or(root),
+                (None, Module::LmHead) => head_unit.unwrap_or(root),
+                _ => root,
+            };
             let rows = p.rows.div_ceil(ranks);
             let shard = if parallel.offload_params {
                 // On the host: a handle without device storage.
@@ -123,8 +161,9 @@ impl Fsdp {
             .into_iter()
             .map(|(n, d)| t.empty_as(n, d, Component::Weights, "rotary inv_freq (meta, to_empty)"))
             .collect();
-        if arch.tie_word_embeddings && head == Head::CausalLm && !parallel.offload_params {
-            let embed = units[layers].shards[0];
+        if tied && !parallel.offload_params {
+            let embed_unit = head_unit.unwrap_or(root);
+            let embed = units[embed_unit].shards[0];
             let numel = t.numel(t.param(embed));
             let copy = t.empty_as(
                 numel,
@@ -140,12 +179,14 @@ impl Fsdp {
         let mp = parallel.mixed_precision;
         Fsdp {
             ranks,
-            reshard_after_forward: parallel.reshard_after_forward,
             offload: parallel.offload_params,
             dtype,
             param_dtype: mp.map(|m| m.param_dtype).filter(|&d| d != dtype),
             reduce_dtype: mp.and_then(|m| m.reduce_dtype),
             units,
+            embedding: embedding_unit,
+            head: head_unit,
+            head_holds_embedding: tied && head_unit.is_some(),
             all_gather_state: None,
             prefetched: None,
             reduce_scatter_state: None,
@@ -158,11 +199,37 @@ impl Fsdp {
         (self.units.len() - 1) as u32
     }
 
-    /// The id of a unit, as nodes recorded in its forward carry it.
-    pub(crate) fn unit_index(&self, unit: Unit) -> u32 {
+    /// The unit whose hooks a part of the model runs; `None`: the root's, already running.
+    fn unit_of(&self, unit: Unit) -> Option<u32> {
         match unit {
-            Unit::Layer(layer) => layer as u32,
-            Unit::Root => self.root(),
+            Unit::Layer(layer) => Some(layer as u32),
+            Unit::Root => Some(self.root()),
+            Unit::Embedding => self.embedding.or(self.tied_in_head()).map(|u| u as u32),
+            Unit::Head => self.head.map(|u| u as u32),
+        }
+    }
+
+    /// The head's unit when it also holds the tied embedding.
+    fn tied_in_head(&self) -> Option<usize> {
+        self.head.filter(|_| self.head_holds_embedding)
+    }
+
+    /// The forward pre-hook of the unit that runs `unit`.
+    pub(crate) fn unit_pre_forward(&mut self, t: &mut Tracer, unit: Unit) {
+        if let Some(u) = self.unit_of(unit) {
+            self.pre_forward(t, u);
+        }
+    }
+
+    /// The forward post-hook of the unit that runs `unit`; a group's waits for its last
+    /// module (the tied embedding runs first of `[norm, embedding, head]`).
+    pub(crate) fn unit_post_forward(&mut self, t: &mut Tracer, unit: Unit) {
+        match self.unit_of(unit) {
+            Some(u) if unit == Unit::Embedding && self.head == Some(u as usize) => {
+                t.unit = Some(self.root());
+            }
+            Some(u) => self.post_forward(t, u),
+            None => {}
         }
     }
 
@@ -239,6 +306,10 @@ impl Fsdp {
         if self.units[unit].unsharded {
             return;
         }
+        if self.units[unit].params.is_empty() {
+            self.units[unit].unsharded = true;
+            return;
+        }
         let output = match self.prefetched.take() {
             Some((u, output)) if u == unit => output,
             other => {
@@ -274,15 +345,15 @@ impl Fsdp {
     }
 
     /// A unit's pre-forward hook; nodes recorded from here on belong to it.
-    pub(crate) fn pre_forward(&mut self, t: &mut Tracer, unit: u32) {
+    fn pre_forward(&mut self, t: &mut Tracer, unit: u32) {
         self.unshard(t, unit as usize, true);
         t.unit = Some(unit);
     }
 
     /// A unit's post-forward hook: resharded under full shard.
-    pub(crate) fn post_forward(&mut self, t: &mut Tracer, unit: u32) {
+    fn post_forward(&mut self, t: &mut Tracer, unit: u32) {
         let u = unit as usize;
-        if self.reshard_after_forward {
+        if self.units[u].reshard_after_forward {
             self.reshard(t, u);
         }
         if unit == self.root()
@@ -315,8 +386,23 @@ impl Fsdp {
         }
     }
 
+    /// Every node of a unit has run: its post-backward hook, unless it waits for the root's
+    /// final callback.
+    pub(crate) fn unit_backward_done(&mut self, t: &mut Tracer, unit: u32) {
+        if !self.hooked_at_end(unit as usize) {
+            self.post_backward(t, unit);
+        }
+    }
+
+    /// Whether a unit's post-backward hook waits for the root's final callback: FSDP2 hooks
+    /// it on the unit's forward inputs that require grad (`RegisterPostBackwardFunction`),
+    /// and the root, the embedding and a group the tied embedding starts take token ids.
+    fn hooked_at_end(&self, u: usize) -> bool {
+        u == self.units.len() - 1 || Some(u) == self.embedding || Some(u) == self.tied_in_head()
+    }
+
     /// The post-backward hook: reshard and reduce-scatter the unit's gradients.
-    pub(crate) fn post_backward(&mut self, t: &mut Tracer, unit: u32) {
+    fn post_backward(&mut self, t: &mut Tracer, unit: u32) {
         let u = unit as usize;
         self.units[u].backward = UnitBackward::Done;
         let grads: Vec<(usize, T)> = self.units[u]
@@ -342,11 +428,13 @@ impl Fsdp {
             reduce_dtype,
             "FSDP2 reduce_scatter_input",
         );
-        // `foreach_reduce` frees the gradients once copied in, but its loop variable keeps
-        // the last one until the reduce-scatter output exists.
-        let (_, last) = *grads.last().expect("a unit with gradients");
-        for &(_, g) in &grads[..grads.len() - 1] {
-            t.drop(g);
+        // `foreach_reduce` frees the gradients once copied in, but over several ranks the
+        // loop variable of its per-gradient loop keeps the last one until it returns.
+        let kept = (self.ranks > 1).then(|| grads.last().expect("a unit with gradients").1);
+        for &(_, g) in &grads {
+            if Some(g) != kept {
+                t.drop(g);
+            }
         }
         t.component = Component::Gradients;
         t.mem.stream = REDUCE_SCATTER_STREAM;
@@ -356,7 +444,6 @@ impl Fsdp {
             "FSDP2 reduce-scatter output (sharded grads)",
         );
         t.mem.stream = 0;
-        t.drop(last);
         // Reduced in another dtype than the shards', the output is cast to theirs
         // (`_to_dtype_if_needed`, on the reduce-scatter stream) and freed.
         let output = if reduce_dtype == self.dtype || self.offload {
@@ -379,13 +466,24 @@ impl Fsdp {
         }
         t.component = outer;
         t.drop(output);
+        if let Some(g) = kept {
+            t.drop(g);
+        }
         self.reduce_scatter_state = Some(input);
     }
 
     /// The root's final callback: units whose post-backward hook did not run get it now, the
     /// last `reduce_scatter_input` is freed, and the next backward starts afresh.
     pub(crate) fn finish_backward(&mut self, t: &mut Tracer) {
-        for u in 0..self.units.len() {
+        // In `all_states` order: the root, then the others as `model.modules()` meets them
+        // (the embedding, or the group the tied embedding starts, before the layers).
+        let root = self.units.len() - 1;
+        let firsts = [Some(root), self.embedding, self.tied_in_head()];
+        let order = firsts
+            .into_iter()
+            .flatten()
+            .chain((0..root).filter(|&u| !firsts.contains(&Some(u))));
+        for u in order.collect::<Vec<_>>() {
             if self.units[u].backward == UnitBackward::Running {
                 self.post_backward(t, u as u32);
             }

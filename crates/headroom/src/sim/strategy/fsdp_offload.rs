@@ -52,10 +52,11 @@ impl FsdpOffload {
             .sum()
     }
 
+    /// A unit's parameters; the embedding and the head belong to the root here.
     fn params(&self, unit: Unit) -> &[ParamId] {
         match unit {
             Unit::Layer(layer) => &self.layers[layer],
-            Unit::Root => &self.root,
+            Unit::Embedding | Unit::Head | Unit::Root => &self.root,
         }
     }
 
@@ -88,7 +89,7 @@ impl FsdpOffload {
     /// A unit's post-forward hook: a decoder layer's parameters are freed again; the root
     /// keeps its own.
     pub(crate) fn reshard(&self, t: &mut Tracer, unit: Unit) {
-        if unit == Unit::Root {
+        if !matches!(unit, Unit::Layer(_)) {
             return;
         }
         for &p in self.params(unit) {

@@ -43,10 +43,13 @@ pub(crate) enum Strategy {
     Zero3(Box<Zero3>),
 }
 
-/// A unit of FSDP2's wrapping: a decoder layer, or the root (the rest of the model).
+/// A part of the model FSDP2 may wrap as a unit of its own: a decoder layer, the input
+/// embedding, the final norm with the head, or the root (the rest of the model).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Unit {
     Layer(usize),
+    Embedding,
+    Head,
     Root,
 }
 
@@ -80,7 +83,7 @@ impl Strategy {
     pub(crate) fn unit_pre_forward(&mut self, t: &mut Tracer, unit: Unit) {
         match self {
             Strategy::FsdpOffload(offload) => offload.unshard(t, unit),
-            Strategy::Fsdp(fsdp) => fsdp.pre_forward(t, fsdp.unit_index(unit)),
+            Strategy::Fsdp(fsdp) => fsdp.unit_pre_forward(t, unit),
             _ => {}
         }
     }
@@ -89,7 +92,7 @@ impl Strategy {
     pub(crate) fn unit_post_forward(&mut self, t: &mut Tracer, unit: Unit) {
         match self {
             Strategy::FsdpOffload(offload) => offload.reshard(t, unit),
-            Strategy::Fsdp(fsdp) => fsdp.post_forward(t, fsdp.unit_index(unit)),
+            Strategy::Fsdp(fsdp) => fsdp.unit_post_forward(t, unit),
             _ => {}
         }
     }
@@ -153,7 +156,7 @@ impl Strategy {
     /// Every node of unit `unit` that this backward runs has run.
     pub(crate) fn unit_backward_done(&mut self, t: &mut Tracer, unit: u32) {
         match self {
-            Strategy::Fsdp(fsdp) => fsdp.post_backward(t, unit),
+            Strategy::Fsdp(fsdp) => fsdp.unit_backward_done(t, unit),
             Strategy::Zero3(zero3) => {
                 if let Some(g) = zero3.gathers.as_mut() {
                     g.unit_backward_done(t, unit);

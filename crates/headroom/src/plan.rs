@@ -228,6 +228,12 @@ impl Knobs {
     }
 }
 
+/// Whether the estimator runs `k`'s data parallelism (or ZeRO-Offload) as a simulation of its
+/// own, rather than computing it from an unsharded run's breakdown.
+pub fn simulates_parallel(setup: &Setup, k: &Knobs) -> bool {
+    parallel_for(&spec_for(&setup.spec, k), k, setup.gpus).is_some()
+}
+
 /// The sharding and CPU offload a spec's own data parallelism amounts to.
 fn sharding_of(p: &Parallel) -> (Sharding, bool) {
     match p.strategy {

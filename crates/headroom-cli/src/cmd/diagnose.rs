@@ -239,6 +239,9 @@ fn render(r: &Diagnosis) -> String {
             },
             c.verdict
         );
+        if let Some(words) = &r.launched_as {
+            out += &format!("As the accelerate config launches it: {words}.\n");
+        }
         let parts: Vec<String> = c
             .estimate
             .breakdown

@@ -160,6 +160,51 @@ fn fit_plans_a_sharded_spec_on_its_own_layout() {
     );
 }
 
+/// `diagnose --accelerate-config` checks the spec as the config launches it: the same estimate
+/// as the spec with the launch written into it.
+#[test]
+fn diagnose_follows_an_accelerate_fsdp2_launch() {
+    let launched = json(&[
+        "diagnose",
+        "--accelerate-config",
+        &p("accelerate/fsdp2-bf16.yaml"),
+        "--spec",
+        &p("accelerate/train.yaml"),
+        "--gpu",
+        "h100-80gb",
+        "--json",
+    ]);
+    let words = launched["launched_as"].as_str().expect("launched_as");
+    assert!(words.contains("FSDP2 over 8 GPUs"), "{words}");
+    let written = json(&[
+        "estimate",
+        &p("accelerate/train-as-launched.yaml"),
+        "--gpu",
+        "h100-80gb",
+        "--json",
+    ]);
+    assert_eq!(
+        launched["estimate"]["peak_allocated_bytes"], written["peak_allocated_bytes"],
+        "{launched}"
+    );
+    assert_eq!(
+        launched["estimate"]["peak_reserved_bytes"],
+        written["peak_reserved_bytes"]
+    );
+    // Without the config the spec is one GPU's bf16 run: another answer.
+    let alone = json(&[
+        "estimate",
+        &p("accelerate/train.yaml"),
+        "--gpu",
+        "h100-80gb",
+        "--json",
+    ]);
+    assert_ne!(
+        alone["peak_allocated_bytes"],
+        written["peak_allocated_bytes"]
+    );
+}
+
 #[test]
 fn bad_input_exits_2_and_names_the_file() {
     let missing = headroom(&["diagnose", "--oom", "/nonexistent/oom.log"]);

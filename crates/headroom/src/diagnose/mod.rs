@@ -65,6 +65,8 @@ pub struct Diagnosis {
     pub gpu: Option<Gpu>,
     pub check: Option<SpecCheck>,
     pub spec_path: Option<PathBuf>,
+    /// How the accelerate config launches the spec, when the check follows it.
+    pub launched_as: Option<String>,
 }
 
 /// A log's bytes as text: UTF-16 when it starts with a byte-order mark (PowerShell's `>`
@@ -137,6 +139,34 @@ pub fn run(inputs: &Inputs) -> Result<Diagnosis> {
         lints.extend(found);
         launch = Some(l);
     }
+    let mut launched_as = None;
+    let mut launched_spec = None;
+    if let (Some(written), Some(layout), Some(path)) = (
+        spec.as_ref(),
+        launch.as_ref().and_then(|l| l.layout.as_ref()),
+        &inputs.accelerate_config,
+    ) {
+        let source = path.display().to_string();
+        match layout.apply(written) {
+            Ok((launched, words)) => {
+                if written.parallel.is_some() && written.parallel != launched.parallel {
+                    lints.push(lint::launch_not_applied(
+                        &source,
+                        format!(
+                            "the spec's own `parallel` differs from the launch's; the check \
+                             follows the launch: {words}"
+                        ),
+                    ));
+                }
+                launched_spec = Some(launched);
+                launched_as = Some(words);
+            }
+            Err(why) => lints.push(lint::launch_not_applied(
+                &source,
+                format!("the spec is checked as written, not as launched: {why}"),
+            )),
+        }
+    }
     let ranks = inputs.gpus.unwrap_or_else(|| {
         launch
             .as_ref()
@@ -147,7 +177,8 @@ pub fn run(inputs: &Inputs) -> Result<Diagnosis> {
             .unwrap_or(1)
     });
 
-    let check = match (&spec, &gpu) {
+    let checked = launched_spec.as_ref().or(spec.as_ref());
+    let check = match (checked, &gpu) {
         (Some(spec), Some(gpu)) => {
             let mut residents = Vec::new();
             for path in &inputs.residents {
@@ -201,6 +232,7 @@ pub fn run(inputs: &Inputs) -> Result<Diagnosis> {
         gpu,
         check,
         spec_path: inputs.spec.clone(),
+        launched_as,
     })
 }
 
@@ -263,8 +295,14 @@ pub fn check_spec(setup: &Setup, message: Option<&OomMessage>) -> Result<SpecChe
         );
     }
     if setup.gpus > 1 {
+        let ddp = setup
+            .spec
+            .parallel
+            .as_ref()
+            .is_none_or(|p| p.strategy == crate::spec::Strategy::Ddp);
         parts += &format!(
-            " + DDP gradient buckets and {} of NCCL buffers per rank",
+            " + {}{} of NCCL buffers per rank",
+            if ddp { "DDP gradient buckets and " } else { "" },
             gib(plan::nccl_bytes(setup, &plan::Knobs::of(&setup.spec)))
         );
     }

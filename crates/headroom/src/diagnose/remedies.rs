@@ -82,6 +82,14 @@ pub fn remedies(setup: &Setup) -> Result<Vec<Remedy>> {
                     k: Knobs,
                     changes_data: bool|
      -> Result<()> {
+        // The spec as it is is no remedy; a sharding or offload computed off an already
+        // sharded run would take shares off shares.
+        let resharded = (k.sharding, k.cpu_offload) != (k0.sharding, k0.cpu_offload);
+        if k == k0
+            || (resharded && k0.sharding != Sharding::None && !plan::simulates_parallel(setup, &k))
+        {
+            return Ok(());
+        }
         // A change the estimator does not model for this run (sharding a trainer's run) is
         // no remedy it can vouch for.
         let evaluation = match plan::evaluate(setup, &k) {

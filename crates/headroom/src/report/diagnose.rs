@@ -29,6 +29,10 @@ pub struct DiagnoseJson<'a> {
     /// default for a spec; absent when there is none of them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu: Option<&'a Gpu>,
+    /// How the accelerate config launches the spec, when the estimate follows the launch
+    /// (its data parallelism and precision); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub launched_as: Option<&'a str>,
     /// The spec's estimate and remedies; absent without `--spec`.
     #[serde(flatten)]
     pub check: Option<CheckJson<'a>>,
@@ -205,6 +209,7 @@ impl<'a> DiagnoseJson<'a> {
                 })
                 .collect(),
             gpu: d.gpu.as_ref(),
+            launched_as: d.launched_as.as_deref(),
             check: d.check.as_ref().map(CheckJson::new),
         }
     }

@@ -451,6 +451,14 @@ impl RunSpec {
         Ok(spec)
     }
 
+    /// The spec's combinations and sizes checked again, after a change made outside the parser
+    /// (a launch config's data parallelism).
+    pub fn rechecked(self) -> Result<Self> {
+        self.check_sizes()?;
+        self.check_combinations()?;
+        Ok(self)
+    }
+
     /// Tokens per micro-batch within [`limits::MAX_TOKENS`], so that the sizes the simulator
     /// multiplies out stay representable.
     fn check_sizes(&self) -> Result<()> {

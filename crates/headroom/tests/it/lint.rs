@@ -5,8 +5,9 @@ use std::path::Path;
 use headroom::arch::Architecture;
 use headroom::catalog;
 use headroom::diagnose::lint::{self, Context, Lint, Severity};
+use headroom::dtype::DType;
 use headroom::gpu;
-use headroom::spec::RunSpec;
+use headroom::spec::{FsdpUnits, Precision, RunSpec, Strategy};
 
 fn accelerate(yaml: &str, cx: Context) -> Vec<Lint> {
     lint::accelerate(yaml, Path::new("accelerate.yaml"), cx)
@@ -112,6 +113,113 @@ fn accelerate_deepspeed_and_fsdp_sections() {
         "fsdp_activation_checkpointing",
         Severity::Warning
     ));
+}
+
+/// accelerate 1.15 reads each FSDP key only under its version; the lints say which one a
+/// config's launch ignores or refuses.
+#[test]
+fn accelerate_fsdp_keys_by_version() {
+    let rule = |lints: &[Lint], id: &str| lints.iter().find(|l| l.rule.id() == id).cloned();
+    let lints = accelerate(
+        "distributed_type: FSDP\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n  \
+         fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_reshard_after_forward: FULL_SHARD\n",
+        Context::default(),
+    );
+    assert!(rule(&lints, "HR126").is_some(), "{lints:?}");
+    let not_bool = rule(&lints, "HR127").expect("a non-boolean reshard");
+    assert_eq!(not_bool.severity, Severity::Error);
+    let missing_policy = rule(&lints, "HR128").expect("no wrap policy");
+    assert_eq!(missing_policy.severity, Severity::Warning);
+    // FSDP1 by omission, where fsdp_reshard_after_forward is dead.
+    let lints = accelerate(
+        "distributed_type: FSDP\nnum_processes: 8\nfsdp_config:\n  fsdp_auto_wrap_policy: \
+         TRANSFORMER_BASED_WRAP\n  fsdp_reshard_after_forward: false\n",
+        Context::default(),
+    );
+    assert!(rule(&lints, "HR125").is_some(), "{lints:?}");
+    assert!(rule(&lints, "HR126").is_some(), "{lints:?}");
+    assert!(rule(&lints, "HR128").is_none(), "{lints:?}");
+    // FSDP2 activation checkpointing without a policy fails at launch.
+    let lints = accelerate(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  \
+         fsdp_activation_checkpointing: true\n",
+        Context::default(),
+    );
+    assert_eq!(
+        rule(&lints, "HR128").map(|l| l.severity),
+        Some(Severity::Error)
+    );
+}
+
+/// What `accelerate launch` makes of a spec: FSDP2 with accelerate's policy over upcast fp32
+/// masters and its units; DDP with autocast; DeepSpeed's stage and offload.
+#[test]
+fn accelerate_launches_the_spec() {
+    let spec = RunSpec::from_str_at(
+        "model: qwen2.5-0.5b\nprecision: bf16\nbatch_size: 2\nseq_len: 512\n",
+        Path::new("s"),
+    )
+    .expect("spec");
+    let launch = |yaml: &str| {
+        lint::accelerate(yaml, Path::new("a.yaml"), Context::default())
+            .expect("parses")
+            .0
+            .layout
+            .expect("a layout")
+    };
+    let fsdp2 = launch(
+        "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 8\nfsdp_config:\n  \
+         fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+         fsdp_reshard_after_forward: false\n  fsdp_activation_checkpointing: true\n",
+    );
+    let (launched, words) = fsdp2.apply(&spec).expect("modelled");
+    let p = launched.parallel.as_ref().expect("parallel");
+    assert_eq!(
+        (p.strategy, p.world_size, p.reshard_after_forward, p.units),
+        (Strategy::Fsdp, 8, false, FsdpUnits::Accelerate)
+    );
+    let mp = p.mixed_precision.expect("accelerate's policy");
+    assert_eq!(
+        (mp.param_dtype, mp.reduce_dtype, mp.output_dtype),
+        (DType::BF16, Some(DType::BF16), Some(DType::BF16))
+    );
+    assert_eq!(
+        launched.precision,
+        Precision::Fp32,
+        "trainable parameters upcast"
+    );
+    assert!(launched.gradient_checkpointing);
+    assert!(words.contains("FSDP2 over 8 GPUs"), "{words}");
+
+    let ddp = launch("distributed_type: MULTI_GPU\nmixed_precision: bf16\nnum_processes: 4\n");
+    let fp32 = RunSpec::from_str_at("model: qwen2.5-0.5b\nprecision: fp32\n", Path::new("s"))
+        .expect("spec");
+    let (launched, _) = ddp.apply(&fp32).expect("modelled");
+    assert_eq!(launched.precision, Precision::AmpBf16, "native autocast");
+    assert_eq!(
+        launched.parallel.map(|p| (p.strategy, p.world_size)),
+        Some((Strategy::Ddp, 4))
+    );
+
+    let zero = launch(
+        "distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 8\n\
+         deepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n",
+    );
+    let (launched, _) = zero.apply(&spec).expect("modelled");
+    let p = launched.parallel.expect("parallel");
+    assert_eq!((p.strategy, p.offload_optimizer), (Strategy::Zero3, true));
+
+    let fp16 =
+        launch("distributed_type: FSDP\nmixed_precision: fp16\nfsdp_config:\n  fsdp_version: 2\n");
+    assert!(fp16.apply(&spec).unwrap_err().contains("fp16"));
+    // FSDP1 is not launched as anything yet.
+    let (l, _) = lint::accelerate(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n",
+        Path::new("a.yaml"),
+        Context::default(),
+    )
+    .expect("parses");
+    assert!(l.layout.is_none());
 }
 
 #[test]

@@ -7,8 +7,9 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use super::{Context, Launch, Lint, Rule, Severity, Sink, as_count};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::spec::{self, Precision, RunSpec};
+use crate::spec::{self, FsdpUnits, MixedPrecision, Parallel, Precision, RunSpec, Strategy};
 
 /// The keys `ClusterConfig` (accelerate/commands/config/config_args.py) accepts, plus the
 /// legacy ones it converts (`fp16`, `dynamo_backend`); anything else makes
@@ -97,6 +98,7 @@ pub fn accelerate(text: &str, path: &Path, cx: Context) -> Result<(Launch, Vec<L
         distributed_type: dt.clone(),
         processes: processes.or((dt.as_deref() == Some("NO")).then_some(1)),
         deepspeed_config_file: None,
+        layout: None,
     };
     let gpu_count = gpu_ids(&mut s, obj);
     let dt = dt.as_deref().unwrap_or("");
@@ -108,7 +110,12 @@ pub fn accelerate(text: &str, path: &Path, cx: Context) -> Result<(Launch, Vec<L
         processes_against_gpus(&mut s, n, k);
     }
 
-    if let Some(mp) = obj.get("mixed_precision").and_then(Value::as_str) {
+    let mp = obj
+        .get("mixed_precision")
+        .and_then(Value::as_str)
+        .unwrap_or("no");
+    // Under FSDP the precision comes with the wrapping (see `LaunchLayout::apply`).
+    if obj.contains_key("mixed_precision") && dt != "FSDP" {
         mixed_precision(&mut s, mp, cx.spec);
     }
 
@@ -124,6 +131,15 @@ pub fn accelerate(text: &str, path: &Path, cx: Context) -> Result<(Launch, Vec<L
             Some(ds) => accelerate_deepspeed(&mut s, ds, processes, &mut launch),
         }
     }
+    let world = processes.unwrap_or(1);
+    launch.layout = match dt {
+        "MULTI_GPU" => Some(LaunchLayout::plain(Strategy::Ddp, world, mp)),
+        "DEEPSPEED" if launch.deepspeed_config_file.is_none() => obj
+            .get("deepspeed_config")
+            .and_then(Value::as_object)
+            .map(|ds| LaunchLayout::deepspeed(ds, world, mp)),
+        _ => None,
+    };
     if dt == "FSDP" {
         match obj.get("fsdp_config").and_then(Value::as_object) {
             None => s.push(
@@ -135,7 +151,7 @@ pub fn accelerate(text: &str, path: &Path, cx: Context) -> Result<(Launch, Vec<L
                     .into(),
                 "set fsdp_sharding_strategy (or fsdp_reshard_after_forward with fsdp_version: 2)",
             ),
-            Some(f) => accelerate_fsdp(&mut s, f, cx.spec),
+            Some(f) => launch.layout = accelerate_fsdp(&mut s, f, cx.spec, processes, mp),
         }
     }
     Ok((launch, s.lints))
@@ -476,13 +492,56 @@ fn accelerate_deepspeed(
     }
 }
 
-/// HR122-HR124: the `fsdp_config` section of an accelerate config.
-fn accelerate_fsdp(s: &mut Sink, f: &Map<String, Value>, spec: Option<&RunSpec>) {
-    let strategy = f.get("fsdp_sharding_strategy").map(|v| match v {
-        Value::String(x) => x.clone(),
+/// HR122-HR128: the `fsdp_config` section of an accelerate config, as accelerate 1.15's
+/// `FullyShardedDataParallelPlugin` reads it; returns the FSDP2 layout it launches.
+fn accelerate_fsdp(
+    s: &mut Sink,
+    f: &Map<String, Value>,
+    spec: Option<&RunSpec>,
+    processes: Option<u64>,
+    mp: &str,
+) -> Option<LaunchLayout> {
+    // `accelerate launch` adds the `fsdp_` prefix a key lacks.
+    let get = |key: &str| {
+        f.get(key)
+            .or_else(|| f.get(key.strip_prefix("fsdp_").unwrap_or(key)))
+    };
+    let version = get("fsdp_version").map(|v| match v {
+        Value::String(x) => x.trim().to_string(),
         other => other.to_string(),
     });
-    if matches!(strategy.as_deref(), Some("NO_SHARD" | "3")) {
+    let v2 = version.as_deref() == Some("2");
+    if version.is_none() {
+        s.push(
+            Rule::AccelerateFsdpVersionUnset,
+            Severity::Warning,
+            "fsdp_config.fsdp_version",
+            "not set: `accelerate launch` runs FSDP1 (FullyShardedDataParallel), whose flat \
+             parameters and root that stays gathered after its forward need more memory than \
+             FSDP2"
+                .into(),
+            "fsdp_version: 2 (what `accelerate config` writes), or 1 to say FSDP1 is meant",
+        );
+    }
+    let strategy = get("fsdp_sharding_strategy").map(|v| match v {
+        Value::String(x) => x.to_uppercase(),
+        other => other.to_string(),
+    });
+    if v2 {
+        if let Some(x) = &strategy {
+            s.push(
+                Rule::AccelerateFsdpKeyIgnored,
+                Severity::Warning,
+                "fsdp_config.fsdp_sharding_strategy",
+                format!(
+                    "{x} is ignored under fsdp_version 2: accelerate reads only \
+                     fsdp_reshard_after_forward, so the run shards fully"
+                ),
+                "fsdp_reshard_after_forward: false for SHARD_GRAD_OP; HSDP through \
+                 parallelism_config",
+            );
+        }
+    } else if matches!(strategy.as_deref(), Some("NO_SHARD" | "3")) {
         s.push(
             Rule::AccelerateFsdpNoShard,
             Severity::Info,
@@ -490,23 +549,91 @@ fn accelerate_fsdp(s: &mut Sink, f: &Map<String, Value>, spec: Option<&RunSpec>)
             "NO_SHARD shards nothing: the same memory per GPU as DDP".into(),
             "FULL_SHARD (ZeRO-3) or SHARD_GRAD_OP (ZeRO-2)",
         );
+    } else if strategy.is_none() && get("fsdp_reshard_after_forward").is_some() {
+        s.push(
+            Rule::AccelerateFsdpKeyIgnored,
+            Severity::Warning,
+            "fsdp_config.fsdp_reshard_after_forward",
+            "ignored under FSDP1: `accelerate launch` always passes fsdp_sharding_strategy \
+             (FULL_SHARD by default), which wins"
+                .into(),
+            "fsdp_sharding_strategy: SHARD_GRAD_OP (or FULL_SHARD)",
+        );
     }
-    let fsdp_checkpointing = f
-        .get("fsdp_activation_checkpointing")
-        .and_then(Value::as_bool)
-        == Some(true);
-    if fsdp_checkpointing && spec.is_some_and(|s| s.gradient_checkpointing) {
+    let reshard = match get("fsdp_reshard_after_forward") {
+        None => Some(true),
+        Some(Value::Bool(b)) => Some(*b),
+        Some(Value::String(x)) => match x.to_lowercase().as_str() {
+            "y" | "yes" | "t" | "true" | "on" | "1" => Some(true),
+            "n" | "no" | "f" | "false" | "off" | "0" => Some(false),
+            _ => None,
+        },
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(1) => Some(true),
+            Some(0) => Some(false),
+            _ => None,
+        },
+        Some(_) => None,
+    };
+    if v2 && reshard.is_none() {
+        s.push(
+            Rule::AccelerateFsdpReshardNotBool,
+            Severity::Error,
+            "fsdp_config.fsdp_reshard_after_forward",
+            format!(
+                "{} is not a boolean: under fsdp_version 2 `Accelerator()` fails with \
+                 \"invalid truth value\"",
+                get("fsdp_reshard_after_forward").map_or(String::new(), Value::to_string)
+            ),
+            "true (FULL_SHARD) or false (SHARD_GRAD_OP)",
+        );
+    }
+    let wrap = get("fsdp_auto_wrap_policy")
+        .and_then(Value::as_str)
+        .map(str::to_uppercase);
+    let transformer_wrap = wrap.as_deref() == Some("TRANSFORMER_BASED_WRAP");
+    let checkpointing = get("fsdp_activation_checkpointing").and_then(Value::as_bool) == Some(true);
+    if !transformer_wrap {
+        let what = wrap.as_deref().unwrap_or("no policy (NO_WRAP)");
+        s.push(
+            Rule::AccelerateFsdpNotTransformerWrap,
+            if v2 && checkpointing && wrap.as_deref() != Some("SIZE_BASED_WRAP") {
+                Severity::Error
+            } else {
+                Severity::Warning
+            },
+            "fsdp_config.fsdp_auto_wrap_policy",
+            format!(
+                "{what}: {}",
+                match wrap.as_deref() {
+                    Some("SIZE_BASED_WRAP") =>
+                        "units follow fsdp_min_num_params, not the \
+                        decoder layers; the estimate assumes one unit per decoder layer",
+                    _ if v2 && checkpointing =>
+                        "the whole model is one unit, gathered at once, \
+                        and fsdp_activation_checkpointing calls the missing policy (TypeError)",
+                    _ =>
+                        "the whole model is one unit, gathered at once: no less memory than \
+                        DDP for the weights in use",
+                }
+            ),
+            "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP",
+        );
+    }
+    if checkpointing && spec.is_some_and(|s| s.gradient_checkpointing) {
         s.push(
             Rule::AccelerateDoubleCheckpointing,
             Severity::Warning,
             "fsdp_config.fsdp_activation_checkpointing",
             "FSDP activation checkpointing and the model's gradient checkpointing both wrap the \
-             layers: the forward is recomputed twice for no memory gain"
+             layers: the forward is recomputed twice for no memory gain (transformers' Trainer \
+             refuses the pair with a ValueError)"
                 .into(),
             "keep one of them",
         );
     }
-    if f.get("fsdp_offload_params").and_then(Value::as_bool) == Some(true) {
+    let offload = get("fsdp_offload_params").and_then(Value::as_bool) == Some(true);
+    if offload {
         s.push(
             Rule::AccelerateFsdpOffloadParams,
             Severity::Info,
@@ -516,6 +643,144 @@ fn accelerate_fsdp(s: &mut Sink, f: &Map<String, Value>, spec: Option<&RunSpec>)
                 .into(),
             "",
         );
+    }
+    if !v2 {
+        return None;
+    }
+    Some(LaunchLayout {
+        units: FsdpUnits::Accelerate,
+        reshard_after_forward: reshard.unwrap_or(true),
+        offload_params: offload,
+        activation_checkpointing: checkpointing,
+        ..LaunchLayout::plain(Strategy::Fsdp, processes.unwrap_or(1), mp)
+    })
+}
+
+/// The data parallelism and precision an accelerate config gives a run: what `accelerate
+/// launch` with it makes of a script that loads the spec's model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchLayout {
+    pub strategy: Strategy,
+    pub world_size: u64,
+    /// `mixed_precision`: no, bf16, fp16 or fp8.
+    pub mixed_precision: String,
+    pub reshard_after_forward: bool,
+    pub offload_params: bool,
+    pub offload_optimizer: bool,
+    pub activation_checkpointing: bool,
+    pub units: FsdpUnits,
+}
+
+impl LaunchLayout {
+    fn plain(strategy: Strategy, world_size: u64, mixed_precision: &str) -> Self {
+        LaunchLayout {
+            strategy,
+            world_size,
+            mixed_precision: mixed_precision.to_string(),
+            reshard_after_forward: true,
+            offload_params: false,
+            offload_optimizer: false,
+            activation_checkpointing: false,
+            units: FsdpUnits::Layers,
+        }
+    }
+
+    /// An inline `deepspeed_config`: its ZeRO stage (2 by default) and offload devices.
+    fn deepspeed(ds: &Map<String, Value>, world_size: u64, mixed_precision: &str) -> Self {
+        let on_cpu = |k: &str| ds.get(k).and_then(Value::as_str) == Some("cpu");
+        let strategy = match ds.get("zero_stage").and_then(as_count) {
+            Some(1) => Strategy::Zero1,
+            Some(3) => Strategy::Zero3,
+            _ => Strategy::Zero2,
+        };
+        LaunchLayout {
+            offload_optimizer: on_cpu("offload_optimizer_device"),
+            offload_params: strategy == Strategy::Zero3 && on_cpu("offload_param_device"),
+            ..LaunchLayout::plain(strategy, world_size, mixed_precision)
+        }
+    }
+
+    /// `spec` as this launch runs it, and the launch in words; an error says what of it the
+    /// estimate cannot follow.
+    pub fn apply(&self, spec: &RunSpec) -> std::result::Result<(RunSpec, String), String> {
+        let mp = self.mixed_precision.as_str();
+        let mut out = spec.clone();
+        out.gradient_checkpointing |= self.activation_checkpointing;
+        let mut policy = None;
+        out.precision = match (self.strategy, mp) {
+            (_, "fp8") => return Err("fp8 training is not modelled".into()),
+            // FSDP2: `MixedPrecisionPolicy(bf16, bf16, bf16)` over trainable parameters upcast
+            // to fp32 (`fsdp2_prepare_model`), no autocast.
+            (Strategy::Fsdp, "bf16") => {
+                policy = Some(MixedPrecision {
+                    param_dtype: DType::BF16,
+                    reduce_dtype: Some(DType::BF16),
+                    output_dtype: Some(DType::BF16),
+                    cast_forward_inputs: true,
+                });
+                Precision::Fp32
+            }
+            (Strategy::Fsdp, "fp16") => {
+                return Err("FSDP2 with an fp16 policy is not modelled".into());
+            }
+            // DeepSpeed's bf16 mode: bf16 parameters, fp32 masters of its own.
+            (s, "bf16") if s.is_deepspeed() => Precision::Bf16,
+            (s, _) if s.is_deepspeed() => {
+                return Err(format!(
+                    "DeepSpeed with mixed_precision {mp} is not modelled"
+                ));
+            }
+            // DDP: native autocast around the forward.
+            (_, "bf16") if spec.precision == Precision::Bf16 => Precision::Bf16,
+            (_, "bf16") => Precision::AmpBf16,
+            (_, "fp16") => Precision::AmpFp16,
+            // No autocast: the parameters train in the dtype the script loads.
+            (_, _) if spec.precision == Precision::Bf16 => Precision::Bf16,
+            (_, _) => Precision::Fp32,
+        };
+        out.autocast = None;
+        out.parallel = Some(Parallel {
+            strategy: self.strategy,
+            world_size: self.world_size,
+            reshard_after_forward: self.reshard_after_forward,
+            shard_size: self.world_size,
+            offload_params: self.offload_params,
+            offload_optimizer: self.offload_optimizer,
+            mixed_precision: policy,
+            units: self.units,
+        });
+        let words = self.describe(&out);
+        out.rechecked()
+            .map(|s| (s, words))
+            .map_err(|e| e.to_string())
+    }
+
+    fn describe(&self, spec: &RunSpec) -> String {
+        let mut out = match self.strategy {
+            Strategy::Ddp => format!("DDP over {} GPUs", self.world_size),
+            Strategy::Fsdp => format!(
+                "FSDP2 over {} GPUs (each decoder layer, the untied embedding, [norm, head], as \
+                 accelerate 1.15 wraps{})",
+                self.world_size,
+                if self.reshard_after_forward {
+                    ""
+                } else {
+                    "; no reshard after forward"
+                }
+            ),
+            s => format!("DeepSpeed {} over {} GPUs", s.name(), self.world_size),
+        };
+        if self.offload_params || self.offload_optimizer {
+            out += ", CPU offload";
+        }
+        out += &match spec.parallel.as_ref().and_then(|p| p.mixed_precision) {
+            Some(_) => ", fp32 masters under MixedPrecisionPolicy(bf16, bf16, bf16)".to_string(),
+            None => format!(", precision {}", spec.precision.name()),
+        };
+        if self.activation_checkpointing {
+            out += ", activation checkpointing";
+        }
+        out
     }
 }
 

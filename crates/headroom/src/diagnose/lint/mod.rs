@@ -10,7 +10,7 @@ mod accelerate;
 mod deepspeed;
 mod device_map;
 
-pub use accelerate::accelerate;
+pub use accelerate::{LaunchLayout, accelerate};
 pub use deepspeed::deepspeed;
 pub use device_map::device_map;
 
@@ -61,6 +61,18 @@ pub struct Context<'a> {
     pub gpu: Option<&'a Gpu>,
 }
 
+/// HR129: what of an accelerate launch the check of the spec does not follow, or replaces.
+pub fn launch_not_applied(source: &str, message: String) -> Lint {
+    Lint {
+        rule: Rule::AccelerateLaunchNotApplied,
+        severity: Severity::Warning,
+        source: source.to_string(),
+        key: "distributed_type".to_string(),
+        message,
+        fix: "make the spec's parallel and precision what the launch runs".to_string(),
+    }
+}
+
 /// What an accelerate config says about the launch, for the other checks.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Launch {
@@ -69,6 +81,8 @@ pub struct Launch {
     pub processes: Option<u64>,
     /// A DeepSpeed JSON the accelerate config points to.
     pub deepspeed_config_file: Option<String>,
+    /// The data parallelism and precision the config gives a run, where it decides them.
+    pub layout: Option<LaunchLayout>,
 }
 
 impl Launch {
@@ -285,8 +299,10 @@ rules! {
     }
     AccelerateFsdpConfigMissing = "HR121", "accelerate-fsdp-config-missing" {
         checks: "distributed_type FSDP without an fsdp_config section.",
-        why: "accelerate's defaults apply, which may shard differently from what was meant.",
-        fix: "Set fsdp_sharding_strategy (or fsdp_reshard_after_forward with fsdp_version: 2).",
+        why: "accelerate's defaults apply: FSDP1, FULL_SHARD and no auto-wrap policy (the \
+              whole model one unit).",
+        fix: "fsdp_version: 2, fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, and \
+              fsdp_reshard_after_forward.",
     }
     AccelerateFsdpNoShard = "HR122", "accelerate-fsdp-no-shard" {
         checks: "fsdp_sharding_strategy NO_SHARD.",
@@ -303,6 +319,40 @@ rules! {
         why: "Parameters and gradients live on the CPU between uses: the least GPU memory, the \
               slowest step.",
         fix: "None needed where the memory matters more than the speed.",
+    }
+    AccelerateFsdpVersionUnset = "HR125", "accelerate-fsdp-version-unset" {
+        checks: "An fsdp_config without fsdp_version.",
+        why: "`accelerate launch` then runs FSDP1, whose flat parameters and gathered root need \
+              more memory than FSDP2.",
+        fix: "fsdp_version: 2 (or 1, to say FSDP1 is meant).",
+    }
+    AccelerateFsdpKeyIgnored = "HR126", "accelerate-fsdp-key-ignored" {
+        checks: "fsdp_sharding_strategy under fsdp_version 2, or fsdp_reshard_after_forward \
+                 alone under FSDP1.",
+        why: "accelerate 1.15 reads only the key of its version: FSDP2 ignores the sharding \
+              strategy (it shards fully), FSDP1 always gets a sharding strategy (FULL_SHARD by \
+              default) that wins over fsdp_reshard_after_forward.",
+        fix: "fsdp_reshard_after_forward (true or false) for FSDP2, fsdp_sharding_strategy for \
+              FSDP1.",
+    }
+    AccelerateFsdpReshardNotBool = "HR127", "accelerate-fsdp-reshard-not-bool" {
+        checks: "A non-boolean fsdp_reshard_after_forward under fsdp_version 2.",
+        why: "`Accelerator()` fails with \"invalid truth value\" (FULL_SHARD and integers too).",
+        fix: "true or false.",
+    }
+    AccelerateFsdpNotTransformerWrap = "HR128", "accelerate-fsdp-not-transformer-wrap" {
+        checks: "An fsdp_config whose fsdp_auto_wrap_policy is not TRANSFORMER_BASED_WRAP.",
+        why: "Without a policy the whole model is one unit, gathered at once; size-based units \
+              follow fsdp_min_num_params; FSDP2 activation checkpointing without a policy fails \
+              (TypeError). The estimate assumes a unit per decoder layer.",
+        fix: "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP.",
+    }
+    AccelerateLaunchNotApplied = "HR129", "accelerate-launch-not-applied" {
+        checks: "A launch the estimate cannot follow, or a spec whose own `parallel` differs \
+                 from the launch's.",
+        why: "The spec is checked as the accelerate config launches it where headroom models \
+              that launch; otherwise as it is written.",
+        fix: "Make the spec's parallel and precision what the launch runs.",
     }
     DeepspeedFp16AndBf16 = "HR201", "deepspeed-fp16-and-bf16" {
         checks: "fp16.enabled and bf16.enabled both true in a DeepSpeed config.",

@@ -68,6 +68,18 @@ pub struct Setup<'a> {
     /// Data-parallel ranks, one GPU each. With more than one, the baseline is DDP.
     pub gpus: u32,
     pub residents: Vec<Resident>,
+    /// How the run is launched, which decides the words a change of sharding is said in.
+    pub launcher: Launcher,
+}
+
+/// What starts the training processes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Launcher {
+    /// `torchrun` (or `python`) running a script that wraps the model itself.
+    #[default]
+    Script,
+    /// `accelerate launch` with a config file: changes are said in its keys.
+    Accelerate,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -738,10 +750,13 @@ pub fn describe(setup: &Setup, k: &Knobs) -> Vec<String> {
         out.push(k.optimizer.name().to_string());
     }
     if k.gradient_checkpointing != base.gradient_checkpointing {
-        out.push(if k.gradient_checkpointing {
-            "gradient checkpointing".to_string()
-        } else {
-            "no gradient checkpointing".to_string()
+        out.push(match setup.launcher {
+            Launcher::Accelerate if fsdp_launch(setup, k) => format!(
+                "fsdp_activation_checkpointing: {}",
+                k.gradient_checkpointing
+            ),
+            _ if k.gradient_checkpointing => "gradient checkpointing".to_string(),
+            _ => "no gradient checkpointing".to_string(),
         });
     }
     if k.adapter != base.adapter {
@@ -821,8 +836,18 @@ fn describe_trainer(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
     out
 }
 
-/// A change of sharding or CPU offload from the spec's, in words.
+/// Whether `k` runs under FSDP.
+fn fsdp_launch(setup: &Setup, k: &Knobs) -> bool {
+    parallel_for(&spec_for(&setup.spec, k), k, setup.gpus)
+        .is_some_and(|p| p.strategy == Strategy::Fsdp)
+}
+
+/// A change of sharding or CPU offload from the spec's, in words: an accelerate config's
+/// keys when it launches the run.
 fn describe_sharding(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
+    if setup.launcher == Launcher::Accelerate {
+        return describe_accelerate_sharding(setup, base, k);
+    }
     let mut out = Vec::new();
     if k.sharding != base.sharding {
         let gpus = setup.gpus;
@@ -843,6 +868,39 @@ fn describe_sharding(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
         });
     }
     out
+}
+
+/// A change of sharding or CPU offload as the accelerate config that launches it says it.
+fn describe_accelerate_sharding(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
+    if (k.sharding, k.cpu_offload) == (base.sharding, base.cpu_offload) {
+        return Vec::new();
+    }
+    let parallel = parallel_for(&spec_for(&setup.spec, k), k, setup.gpus);
+    vec![match parallel {
+        Some(p) if p.strategy == Strategy::Ddp => "distributed_type: MULTI_GPU".to_string(),
+        Some(p) if p.strategy == Strategy::Fsdp => format!(
+            "distributed_type: FSDP (fsdp_version: 2, fsdp_offload_params: {})",
+            p.offload_params
+        ),
+        Some(p) => format!(
+            "distributed_type: DEEPSPEED (zero_stage: {}{})",
+            &p.strategy.name()[4..],
+            if p.offload_optimizer {
+                ", offload_optimizer_device: cpu"
+            } else {
+                ""
+            }
+        ),
+        None => format!(
+            "{} (computed)",
+            match k.sharding {
+                Sharding::None => "distributed_type: MULTI_GPU",
+                Sharding::Zero1 => "distributed_type: DEEPSPEED (zero_stage: 1)",
+                Sharding::Zero2 => "distributed_type: DEEPSPEED (zero_stage: 2)",
+                Sharding::Zero3 => "distributed_type: DEEPSPEED (zero_stage: 3)",
+            }
+        ),
+    }]
 }
 
 /// `TrainingArguments.optim` for an optimizer.

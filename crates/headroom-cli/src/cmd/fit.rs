@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 
 use comfy_table::{Cell, CellAlignment};
+use headroom::diagnose::lint::Severity;
 use headroom::gpu;
-use headroom::plan::{self, FitReport, Resident, Setup};
+use headroom::plan::{self, FitReport, Launcher, Resident, Setup};
 use headroom::report::fit::FitJson;
 use headroom::report::to_json;
 use headroom::spec::RunSpec;
@@ -30,6 +31,10 @@ pub struct Args {
     /// Repeatable.
     #[arg(long = "resident", alias = "reference", value_name = "SPEC")]
     pub residents: Vec<PathBuf>,
+    /// The accelerate config that launches the run: the spec is planned as it launches it,
+    /// and changes are said in its keys.
+    #[arg(long, value_name = "FILE")]
+    pub accelerate_config: Option<PathBuf>,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -39,7 +44,27 @@ pub fn run(args: Args) -> CliResult {
     if args.gpus == Some(0) {
         return Err(CliError::input("--gpus: 0 is not allowed; use 1 or more"));
     }
-    let spec = RunSpec::from_file(&args.spec)?;
+    let mut spec = RunSpec::from_file(&args.spec)?;
+    let mut launcher = Launcher::Script;
+    if let Some(path) = &args.accelerate_config {
+        let (launched, words, lints) = headroom::diagnose::launch_with_accelerate(&spec, path)?;
+        for l in lints.iter().filter(|l| l.severity != Severity::Info) {
+            eprintln!(
+                "{} {}: {}: {}",
+                l.severity.key(),
+                l.rule.id(),
+                l.key,
+                l.message
+            );
+        }
+        if let (Some(launched), Some(words)) = (launched, words) {
+            if !args.json {
+                println!("As the accelerate config launches it: {words}.");
+            }
+            spec = launched;
+            launcher = Launcher::Accelerate;
+        }
+    }
     let gpus = args.gpus.unwrap_or_else(|| spec.world_size());
     let gpu = gpu::find(&args.gpu)?;
     let mut residents = Vec::new();
@@ -53,6 +78,7 @@ pub fn run(args: Args) -> CliResult {
         gpu,
         gpus,
         residents,
+        launcher,
     };
     let progress = crate::progress::spinner(
         args.json,

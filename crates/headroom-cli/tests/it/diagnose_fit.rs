@@ -191,6 +191,27 @@ fn diagnose_follows_an_accelerate_fsdp2_launch() {
         launched["estimate"]["peak_reserved_bytes"],
         written["peak_reserved_bytes"]
     );
+    // fit plans the launched run and says its changes in the config's keys.
+    let fit = json(&[
+        "fit",
+        &p("accelerate/train.yaml"),
+        "--accelerate-config",
+        &p("accelerate/fsdp2-bf16.yaml"),
+        "--gpu",
+        "h100-80gb",
+        "--json",
+    ]);
+    assert_eq!(fit["gpus"], 8);
+    assert_eq!(
+        fit["spec"]["peak_allocated_bytes"],
+        written["peak_allocated_bytes"]
+    );
+    let changes = fit["pareto"].to_string();
+    assert!(
+        changes.contains("fsdp_activation_checkpointing: false"),
+        "{changes}"
+    );
+    assert!(!changes.contains("no gradient checkpointing"), "{changes}");
     // Without the config the spec is one GPU's bf16 run: another answer.
     let alone = json(&[
         "estimate",

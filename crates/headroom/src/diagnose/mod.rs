@@ -90,6 +90,60 @@ pub fn decode_log(bytes: &[u8]) -> String {
     }
 }
 
+/// `written` as the accelerate config at `path` launches it (`None` where the config leaves
+/// the layout to the script, or the estimate cannot follow it), the launch in words, and the
+/// lints that say what of it is not followed.
+pub fn as_launched(
+    written: &RunSpec,
+    launch: &Launch,
+    path: &Path,
+) -> (Option<RunSpec>, Option<String>, Vec<Lint>) {
+    let Some(layout) = &launch.layout else {
+        return (None, None, Vec::new());
+    };
+    let source = path.display().to_string();
+    match layout.apply(written) {
+        Ok((launched, words)) => {
+            let mut notes = Vec::new();
+            if written.parallel.is_some() && written.parallel != launched.parallel {
+                notes.push(lint::launch_not_applied(
+                    &source,
+                    format!(
+                        "the spec's own `parallel` differs from the launch's; the check follows \
+                         the launch: {words}"
+                    ),
+                ));
+            }
+            (Some(launched), Some(words), notes)
+        }
+        Err(why) => (
+            None,
+            None,
+            vec![lint::launch_not_applied(
+                &source,
+                format!("the spec is checked as written, not as launched: {why}"),
+            )],
+        ),
+    }
+}
+
+/// Read an accelerate config and apply it to `written` (see [`as_launched`]); its lints come
+/// back too.
+pub fn launch_with_accelerate(
+    written: &RunSpec,
+    path: &Path,
+) -> Result<(Option<RunSpec>, Option<String>, Vec<Lint>)> {
+    let text = read(path, "accelerate config")?;
+    let cx = Context {
+        spec: Some(written),
+        ..Context::default()
+    };
+    let (launch, mut lints) = lint::accelerate(&text, path, cx)?;
+    let (spec, words, notes) = as_launched(written, &launch, path);
+    lints.extend(notes);
+    Ok((spec, words, lints))
+}
+
 fn read(path: &Path, what: &str) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| Error::Io {
         path: path.to_path_buf(),
@@ -141,31 +195,13 @@ pub fn run(inputs: &Inputs) -> Result<Diagnosis> {
     }
     let mut launched_as = None;
     let mut launched_spec = None;
-    if let (Some(written), Some(layout), Some(path)) = (
-        spec.as_ref(),
-        launch.as_ref().and_then(|l| l.layout.as_ref()),
-        &inputs.accelerate_config,
-    ) {
-        let source = path.display().to_string();
-        match layout.apply(written) {
-            Ok((launched, words)) => {
-                if written.parallel.is_some() && written.parallel != launched.parallel {
-                    lints.push(lint::launch_not_applied(
-                        &source,
-                        format!(
-                            "the spec's own `parallel` differs from the launch's; the check \
-                             follows the launch: {words}"
-                        ),
-                    ));
-                }
-                launched_spec = Some(launched);
-                launched_as = Some(words);
-            }
-            Err(why) => lints.push(lint::launch_not_applied(
-                &source,
-                format!("the spec is checked as written, not as launched: {why}"),
-            )),
-        }
+    if let (Some(written), Some(launch), Some(path)) =
+        (spec.as_ref(), launch.as_ref(), &inputs.accelerate_config)
+    {
+        let (launched, words, notes) = as_launched(written, launch, path);
+        lints.extend(notes);
+        launched_spec = launched;
+        launched_as = words;
     }
     let ranks = inputs.gpus.unwrap_or_else(|| {
         launch
@@ -191,6 +227,11 @@ pub fn run(inputs: &Inputs) -> Result<Diagnosis> {
                 gpu: gpu.clone(),
                 gpus: ranks.max(1),
                 residents,
+                launcher: if launched_as.is_some() {
+                    plan::Launcher::Accelerate
+                } else {
+                    plan::Launcher::Script
+                },
             };
             Some(check_spec(&setup, message)?)
         }

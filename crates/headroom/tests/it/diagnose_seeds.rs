@@ -42,6 +42,7 @@ fn setup_for(oom_text: &str, train: &str, resident: &str, gpus: u32) -> Setup<'s
         gpu,
         gpus,
         residents: vec![r],
+        launcher: Default::default(),
     }
 }
 
@@ -180,6 +181,7 @@ fn sharding_savings_stay_within_the_sharded_components() {
     let setup = Setup {
         gpus: 4,
         residents: Vec::new(),
+        launcher: Default::default(),
         ..setup_for(SEED003_OOM, SEED003_TRAIN, SEED003_REF, 4)
     };
     let est = plan::simulate(&setup, &plan::Knobs::of(&setup.spec)).expect("estimates");

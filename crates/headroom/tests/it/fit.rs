@@ -34,6 +34,7 @@ fn setup(spec: RunSpec, gpu: Gpu) -> Setup<'static> {
         gpu,
         gpus: 1,
         residents: Vec::new(),
+        launcher: Default::default(),
     }
 }
 

@@ -61,6 +61,33 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
      `_optimizer` for other optimizer names). Under offload the optimizer steps on the CPU.
   The wrapped HF module is called directly (`model(input_ids=ids, labels=ids)`).
 
+* `fsdp1` (FSDP1, `torch.distributed.fsdp.FullyShardedDataParallel`, as accelerate 1.15's
+  `Accelerator.prepare_model` wraps an HF model with `fsdp_version: 1` and transformer wrapping):
+  1.-2. the model on the meta device and gradient checkpointing, as for `fsdp`.
+  3. `FullyShardedDataParallel(model, auto_wrap_policy=partial(transformer_auto_wrap_policy,
+     transformer_layer_cls={type(model.model.layers[0])}), sharding_strategy=S,
+     cpu_offload=CPUOffload(offload_params=O), mixed_precision=M, backward_prefetch=B,
+     forward_prefetch=False, limit_all_gathers=True, use_orig_params=U, device_id=<the GPU>,
+     param_init_fn=<to_empty(device=<the GPU>, recurse=False), retied>, sync_module_states=False,
+     device_mesh=<HSDP only>)`: one unit (one flat parameter) per decoder layer, then the root
+     holding the rest (embeddings, final norm, lm_head; a tied lm_head held once: the init
+     function reties it, as accelerate's `ensure_weights_retied` does). Each unit is materialised
+     on the GPU, flattened and sharded, and under offload its shard then moves to the host.
+     S: FULL_SHARD (reshard_after_forward) or SHARD_GRAD_OP; with shard_size < world_size
+     HYBRID_SHARD or _HYBRID_SHARD_ZERO2 over `init_device_mesh("cuda", (world_size // shard_size,
+     shard_size), mesh_dim_names=("replicate", "shard"))`. world_size 1 runs as NO_SHARD (FSDP1
+     switches; the spec refuses shard_size 1 in a larger world). M: None, or `MixedPrecision(param_dtype, reduce_dtype, buffer_dtype,
+     cast_forward_inputs)` from `parallel.mixed_precision`. B: `parallel.backward_prefetch`
+     (pre: BACKWARD_PRE, torch's default; post: BACKWARD_POST; none: None, accelerate's default).
+     U: `parallel.use_orig_params` (default true, as `accelerate launch` passes).
+  4. `normal_(p, std=0.02)` under no_grad for every `p` of `model.parameters()` (the flat shards,
+     or with use_orig_params the original parameters as views into them).
+  5. the rotary embedding rebuilt on the GPU, as for `fsdp` (a policy's buffer_dtype casts it at
+     the first forward).
+  6. the optimizer as for `fsdp`, over `model.parameters()` (one flat shard per unit, or the
+     original parameters' views: states sized to this rank's part of each).
+  Autocast as for `fsdp`: `autocast: bf16` on top of a policy, the precision's own without one.
+
 * `ddp`: `with torch.device("cuda"): model = cls.from_config(cfg, dtype=...)` as measure.py;
   gradient checkpointing as above; `DistributedDataParallel(model, device_ids=[local_rank])` with
   its defaults (bucket_cap_mb 25, gradient_as_bucket_view False, broadcast of rank 0's
@@ -186,6 +213,98 @@ def _build_fsdp(spec: Spec, cfg, cls, dtype, device):
     with torch.device(device):
         model.model.rotary_emb = type(old)(config=model.config)
     return model
+
+
+def _build_fsdp1(spec: Spec, cfg, cls, dtype, device):
+    """FSDP1 as accelerate 1.15 wraps an HF model; see the module docstring. Returns the wrapped
+    model and the model's (params, trainable_params), counted on the meta model: afterwards
+    `parameters()` holds this rank's flat shards or views into them."""
+    import functools
+
+    import torch
+    from torch.distributed.fsdp import (
+        BackwardPrefetch,
+        CPUOffload,
+        FullyShardedDataParallel,
+        MixedPrecision,
+        ShardingStrategy,
+    )
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    par = spec.parallel
+    with torch.device("meta"):
+        model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
+    _enable_gc(spec, model)
+    world = par.world_size
+    counts = (_count_params(model, world), _count_params(model, world, trainable_only=True))
+    mesh = None
+    if par.shard_size < world:  # HYBRID_SHARD*: shard within `shard`, all-reduce across `replicate`
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device.type, (world // par.shard_size, par.shard_size), mesh_dim_names=("replicate", "shard")
+        )
+        strategy = ShardingStrategy.HYBRID_SHARD if par.reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+    else:
+        strategy = ShardingStrategy.FULL_SHARD if par.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+    mixed = None
+    if par.mixed_precision is not None:
+        names = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
+        mp = par.mixed_precision
+        mixed = MixedPrecision(
+            param_dtype=names[mp["param_dtype"]],
+            reduce_dtype=names[mp["reduce_dtype"]],
+            buffer_dtype=names[mp["buffer_dtype"]],
+            cast_forward_inputs=mp["cast_forward_inputs"],
+        )
+    prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+    layer_cls = type(model.model.layers[0])
+    model = FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls}),
+        sharding_strategy=strategy,
+        cpu_offload=CPUOffload(offload_params=par.offload_params),
+        mixed_precision=mixed,
+        backward_prefetch=prefetch[par.backward_prefetch],
+        forward_prefetch=False,
+        limit_all_gathers=True,
+        use_orig_params=par.use_orig_params,
+        # Each unit is materialised on the device, flattened, sharded (then moved to the host under
+        # offload), as accelerate's `device_id` moves a CPU-loaded unit to the GPU first.
+        device_id=device,
+        param_init_fn=_materialize_tied(device),
+        sync_module_states=False,
+        device_mesh=mesh,
+    )
+    # parameters(): the FlatParameters (this rank's shards) with use_orig_params false, else the
+    # original parameters as views into them (empty where a parameter lies outside the shard);
+    # either way every parameter element of the shard is drawn (FSDP zero-fills the padding).
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    old = model.model.rotary_emb
+    with torch.device(device):
+        model.model.rotary_emb = type(old)(config=model.config)
+    return model, counts
+
+
+def _materialize_tied(device):
+    """FSDP1's `param_init_fn`: `module.to_empty(device=device, recurse=False)` for each module it
+    materialises. That gives each module a new Parameter, so a tied lm_head would become a second
+    copy of the embedding in the root's flat parameter; a parameter met again is set to the one
+    made the first time, as accelerate's `ensure_weights_retied` does."""
+    made: dict = {}  # id(meta parameter) -> (meta parameter, materialised one)
+
+    def init(module):
+        old = dict(module.named_parameters(recurse=False))
+        module.to_empty(device=device, recurse=False)
+        for name, p in old.items():
+            if id(p) in made:
+                setattr(module, name, made[id(p)][1])
+            else:
+                made[id(p)] = (p, getattr(module, name))
+
+    return init
 
 
 def _fully_shard_units(model, units: str, kwargs: dict) -> None:
@@ -343,9 +462,12 @@ def measure_dist(
     cls = transformers.AutoModelForSequenceClassification if spec.task == "seq-cls" else transformers.AutoModelForCausalLM
     dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
     engine = None
+    counts = None
     if par.strategy == "fsdp":
         model = _build_fsdp(spec, cfg, cls, dtype, device)
         hf_model = model
+    elif par.strategy == "fsdp1":
+        model, counts = _build_fsdp1(spec, cfg, cls, dtype, device)
     elif par.strategy == "ddp":
         model = _build_ddp(spec, cfg, cls, dtype, device, local_rank)
         hf_model = model.module
@@ -353,8 +475,9 @@ def measure_dist(
         engine = _build_zero(spec, cfg, cls, dtype, device)
         model = engine
         hf_model = engine.module
-    params = _count_params(hf_model, world)
-    trainable_params = _count_params(hf_model, world, trainable_only=True)
+    if counts is None:
+        counts = (_count_params(hf_model, world), _count_params(hf_model, world, trainable_only=True))
+    params, trainable_params = counts
     optimizer = None
     if engine is None:
         optimizer = _optimizer(spec, [p for p in model.parameters() if p.requires_grad])

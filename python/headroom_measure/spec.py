@@ -16,15 +16,19 @@ PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw-forloop", "sgd", "adafactor", "adamw-8bit", "none")
 ATTENTIONS = ("sdpa", "eager")
 QUANTIZATIONS = ("nf4",)
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+STRATEGIES = ("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3")
 PARALLEL_KEYS = (
     "strategy", "world_size", "reshard_after_forward", "shard_size", "offload_params", "offload_optimizer",
-    "mixed_precision", "units",
+    "mixed_precision", "units", "use_orig_params", "backward_prefetch",
 )
 # fsdp: which modules fully_shard makes units of (dist.py `_fully_shard_units`)
 FSDP_UNITS = ("layers", "layers-keep-root", "layers-embedding", "accelerate")
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+# fsdp1: the fields of FSDP1's MixedPrecision that the harness sets
+FSDP1_MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "buffer_dtype", "cast_forward_inputs")
 MP_DTYPES = ("bf16", "fp32")
+# fsdp1: BackwardPrefetch.BACKWARD_PRE, BACKWARD_POST, or None
+BACKWARD_PREFETCH = ("pre", "post", "none")
 
 KNOWN_KEYS = {
     "model", "model_config", "task", "mode", "precision", "optimizer", "batch_size", "seq_len",
@@ -51,13 +55,16 @@ class Parallel:
 
     strategy: str
     world_size: int
-    reshard_after_forward: bool = True  # fsdp: False = shard-grad-op
-    shard_size: int = 0  # fsdp: HSDP group size; world_size = plain full sharding
-    offload_params: bool = False  # fsdp: CPUOffloadPolicy; zero3: offload_param to cpu
+    reshard_after_forward: bool = True  # fsdp, fsdp1: False = shard-grad-op
+    shard_size: int = 0  # fsdp, fsdp1: HSDP group size; world_size = plain full sharding
+    offload_params: bool = False  # fsdp: CPUOffloadPolicy; fsdp1: CPUOffload; zero3: offload_param to cpu
     offload_optimizer: bool = False  # zero1-3: offload_optimizer to cpu
-    # fsdp: FSDP2's MixedPrecisionPolicy {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}
+    # fsdp: FSDP2's MixedPrecisionPolicy {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs};
+    # fsdp1: FSDP1's MixedPrecision {param_dtype, reduce_dtype, buffer_dtype, cast_forward_inputs}
     mixed_precision: dict | None = None
     units: str = "layers"
+    use_orig_params: bool = True  # fsdp1 (what `accelerate launch` passes)
+    backward_prefetch: str = "pre"  # fsdp1: torch's default BACKWARD_PRE
 
     def to_json(self) -> dict:
         out = {
@@ -72,6 +79,9 @@ class Parallel:
             out["mixed_precision"] = dict(self.mixed_precision)
         if self.units != "layers":
             out["units"] = self.units
+        if self.strategy == "fsdp1":
+            out["use_orig_params"] = self.use_orig_params
+            out["backward_prefetch"] = self.backward_prefetch
         return out
 
 
@@ -216,7 +226,8 @@ def parse(raw: dict, *, forward_parallel: bool = False) -> Spec:
 
 def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
     """`parallel`: {strategy, world_size, reshard_after_forward, shard_size, offload_params,
-    offload_optimizer}; each option only where its strategy has it."""
+    offload_optimizer, mixed_precision, units, use_orig_params, backward_prefetch}; each option
+    only where its strategy has it."""
     if not isinstance(raw, dict):
         raise SpecError(f"`parallel`: {raw!r} is not allowed; use a mapping {{{', '.join(PARALLEL_KEYS)}}}")
     unknown = sorted(set(raw) - set(PARALLEL_KEYS))
@@ -246,36 +257,66 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
             )
         return value
 
+    fsdps = ("fsdp", "fsdp1")
     out = Parallel(strategy=strategy, world_size=world)
-    out.reshard_after_forward = flag("reshard_after_forward", True, ("fsdp",))
-    out.offload_params = flag("offload_params", False, ("fsdp", "zero3"))
+    out.reshard_after_forward = flag("reshard_after_forward", True, fsdps)
+    out.offload_params = flag("offload_params", False, (*fsdps, "zero3"))
     out.offload_optimizer = flag("offload_optimizer", False, ("zero1", "zero2", "zero3"))
+    out.use_orig_params = flag("use_orig_params", True, ("fsdp1",))
+    prefetch = raw.get("backward_prefetch", "pre")
+    if prefetch not in BACKWARD_PREFETCH:
+        raise SpecError(
+            f"`parallel.backward_prefetch`: {prefetch!r} is not allowed; use one of {', '.join(BACKWARD_PREFETCH)}"
+        )
+    if prefetch != "pre" and strategy != "fsdp1":
+        raise SpecError(
+            f"`parallel.backward_prefetch`: {prefetch!r} applies only to strategy fsdp1, not {strategy}; "
+            "leave it out or pre"
+        )
+    out.backward_prefetch = prefetch
     shard = raw.get("shard_size", world)
     if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or world % shard:
         raise SpecError(
             f"`parallel.shard_size`: {shard!r} is not allowed; use an integer >= 1 that divides world_size ({world})"
         )
-    if shard != world and strategy != "fsdp":
+    if shard != world and strategy not in fsdps:
         raise SpecError(
-            f"`parallel.shard_size`: {shard!r} applies only to strategy fsdp, not {strategy}; "
+            f"`parallel.shard_size`: {shard!r} applies only to strategy fsdp / fsdp1, not {strategy}; "
             f"leave it out or world_size ({world})"
+        )
+    if strategy == "fsdp1" and shard == 1 < world:
+        raise SpecError(
+            f"`parallel.shard_size`: 1 is not allowed with strategy fsdp1 and world_size {world}: FSDP1 turns a "
+            "shard group of one GPU into NO_SHARD, which all-reduces within that group alone (the replicas never "
+            "sync); use an integer >= 2 that divides world_size, or strategy ddp"
         )
     out.shard_size = shard
     mp = raw.get("mixed_precision")
     if mp is not None:
-        if strategy != "fsdp":
-            raise SpecError(f"`parallel.mixed_precision` applies only to strategy fsdp, not {strategy}")
-        if not isinstance(mp, dict) or set(mp) - set(MIXED_PRECISION_KEYS):
+        if strategy not in fsdps:
+            raise SpecError(f"`parallel.mixed_precision` applies only to strategy fsdp / fsdp1, not {strategy}")
+        # FSDP2's MixedPrecisionPolicy casts the root's outputs (output_dtype) and by default the
+        # inputs of every unit; FSDP1's MixedPrecision casts buffers (buffer_dtype) and by default
+        # only the root's inputs (cast_forward_inputs false).
+        keys, other, cast_inputs = MIXED_PRECISION_KEYS, "buffer_dtype", True
+        if strategy == "fsdp1":
+            keys, other, cast_inputs = FSDP1_MIXED_PRECISION_KEYS, "output_dtype", False
+        if isinstance(mp, dict) and other in mp:
             raise SpecError(
-                f"`parallel.mixed_precision`: {mp!r} is not allowed; use a mapping of {', '.join(MIXED_PRECISION_KEYS)}"
+                f"`parallel.mixed_precision.{other}`: {mp[other]!r} does not apply to strategy {strategy}; "
+                f"leave it out (the policy's keys there: {', '.join(keys)})"
+            )
+        if not isinstance(mp, dict) or set(mp) - set(keys):
+            raise SpecError(
+                f"`parallel.mixed_precision`: {mp!r} is not allowed; use a mapping of {', '.join(keys)}"
             )
         policy = {
             "param_dtype": mp.get("param_dtype", "bf16"),
             "reduce_dtype": mp.get("reduce_dtype"),
-            "output_dtype": mp.get("output_dtype"),
-            "cast_forward_inputs": mp.get("cast_forward_inputs", True),
+            keys[2]: mp.get(keys[2]),  # output_dtype (fsdp) or buffer_dtype (fsdp1)
+            "cast_forward_inputs": mp.get("cast_forward_inputs", cast_inputs),
         }
-        for key in ("param_dtype", "reduce_dtype", "output_dtype"):
+        for key in keys[:3]:
             value = policy[key]
             if value is not None and value not in MP_DTYPES:
                 raise SpecError(f"`parallel.mixed_precision.{key}`: {value!r} is not allowed; use bf16 or fp32")
@@ -289,6 +330,11 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
         out.mixed_precision = policy
     units = raw.get("units", "layers")
     if units != "layers":
+        if strategy == "fsdp1":
+            raise SpecError(
+                f"`parallel.units`: {units!r} does not apply to strategy fsdp1 (transformer_auto_wrap_policy "
+                "over the decoder layers, then the root); leave it out or layers"
+            )
         if strategy != "fsdp":
             raise SpecError(f"`parallel.units` applies only to strategy fsdp, not {strategy}")
         if units not in FSDP_UNITS:

@@ -39,8 +39,11 @@ class ParallelSpecTest(unittest.TestCase):
         )
         self.assertEqual(specmod.parse(out).to_json(), out)
         ddp = parse({"strategy": "ddp", "world_size": 2}).to_json()["parallel"]
-        # Every key but the fsdp-only policy and units, written only when set.
-        self.assertEqual(sorted(ddp), sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units"}))
+        # Every key but the fsdp-only policy and units, written only when set, and the fsdp1-only keys.
+        self.assertEqual(
+            sorted(ddp),
+            sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units", "use_orig_params", "backward_prefetch"}),
+        )
         self.assertEqual((ddp["shard_size"], ddp["reshard_after_forward"]), (2, True))
         self.assertEqual(specmod.parse({"model": "m", "parallel": ddp}).to_json()["parallel"], ddp)
 
@@ -205,3 +208,112 @@ class UnitsAndAutocastTest(unittest.TestCase):
                 with self.assertRaises(specmod.SpecError) as err:
                     specmod.parse({"model": "m", "precision": "fp32", **raw})
                 self.assertIn(words, str(err.exception))
+
+
+class Fsdp1SpecTest(unittest.TestCase):
+    """strategy fsdp1 (FSDP1's FullyShardedDataParallel, dist.py `_build_fsdp1`)."""
+
+    def test_defaults_are_full_shard_orig_params_and_backward_pre(self):
+        self.assertEqual(parse({"strategy": "fsdp1", "world_size": 1}).parallel.shard_size, 1)  # one GPU: NO_SHARD
+        p = parse({"strategy": "fsdp1", "world_size": 8}).parallel
+        self.assertEqual(
+            (p.strategy, p.reshard_after_forward, p.shard_size, p.offload_params, p.use_orig_params,
+             p.backward_prefetch, p.mixed_precision, p.units),
+            ("fsdp1", True, 8, False, True, "pre", None, "layers"),
+        )
+        out = parse({"strategy": "fsdp1", "world_size": 8}).to_json()["parallel"]
+        self.assertEqual(sorted(out), sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units"}))
+        self.assertEqual((out["use_orig_params"], out["backward_prefetch"]), (True, "pre"))
+
+    def test_every_option_round_trips(self):
+        raw = {
+            "model": "m",
+            "precision": "fp32",
+            "gradient_checkpointing": True,
+            "autocast": "bf16",
+            "parallel": {
+                "strategy": "fsdp1", "world_size": 8, "shard_size": 4, "reshard_after_forward": False,
+                "offload_params": True, "use_orig_params": False, "backward_prefetch": "none",
+                "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "bf16", "buffer_dtype": "bf16"},
+            },
+        }
+        spec = specmod.parse(raw)
+        p = spec.parallel
+        self.assertEqual(
+            (p.shard_size, p.reshard_after_forward, p.offload_params, p.use_orig_params, p.backward_prefetch),
+            (4, False, True, False, "none"),
+        )
+        self.assertEqual(
+            p.mixed_precision,
+            {"param_dtype": "bf16", "reduce_dtype": "bf16", "buffer_dtype": "bf16", "cast_forward_inputs": False},
+        )
+        self.assertEqual(spec.autocast, "bf16")
+        out = spec.to_json()
+        self.assertEqual(out["parallel"]["mixed_precision"], p.mixed_precision)
+        self.assertEqual(specmod.parse(out).to_json(), out)
+        for prefetch in specmod.BACKWARD_PREFETCH:
+            with self.subTest(prefetch=prefetch):
+                s = parse({"strategy": "fsdp1", "world_size": 2, "backward_prefetch": prefetch})
+                self.assertEqual(specmod.parse(s.to_json()).parallel.backward_prefetch, prefetch)
+
+    def test_policy_defaults_follow_fsdp1(self):
+        """An empty policy casts parameters to bf16 (as for fsdp); reduce in the parameter dtype,
+        buffers left alone and only the root's inputs cast, as FSDP1's MixedPrecision defaults."""
+        p = parse({"strategy": "fsdp1", "world_size": 2, "mixed_precision": {}}, precision="bf16").parallel
+        self.assertEqual(
+            p.mixed_precision,
+            {"param_dtype": "bf16", "reduce_dtype": None, "buffer_dtype": None, "cast_forward_inputs": False},
+        )
+        fsdp2 = parse({"strategy": "fsdp", "world_size": 2, "mixed_precision": {}}, precision="bf16").parallel
+        self.assertNotIn("buffer_dtype", fsdp2.mixed_precision)
+        self.assertTrue(fsdp2.mixed_precision["cast_forward_inputs"])
+
+    def test_without_a_policy_any_precision(self):
+        for precision in specmod.PRECISIONS:
+            with self.subTest(precision=precision):
+                spec = parse({"strategy": "fsdp1", "world_size": 2}, precision=precision)
+                self.assertEqual(spec.precision, precision)
+
+    def test_refusals_name_the_field_the_value_and_what_is_allowed(self):
+        fsdp1 = {"strategy": "fsdp1", "world_size": 2}
+        cases = [
+            ({**fsdp1, "mixed_precision": {"output_dtype": "fp32"}}, {},
+             ["parallel.mixed_precision.output_dtype", "'fp32'", "fsdp1", "buffer_dtype"]),
+            ({"strategy": "fsdp", "world_size": 2, "mixed_precision": {"buffer_dtype": "bf16"}}, {},
+             ["parallel.mixed_precision.buffer_dtype", "'bf16'", "fsdp", "output_dtype"]),
+            ({**fsdp1, "mixed_precision": {"buffer_dtype": "fp16"}}, {},
+             ["parallel.mixed_precision.buffer_dtype", "fp16", "bf16 or fp32"]),
+            ({**fsdp1, "mixed_precision": {"keep_low_precision_grads": True}}, {},
+             ["parallel.mixed_precision", "keep_low_precision_grads", "param_dtype, reduce_dtype, buffer_dtype"]),
+            ({**fsdp1, "mixed_precision": {"cast_forward_inputs": "yes"}}, {},
+             ["parallel.mixed_precision.cast_forward_inputs", "true or false"]),
+            ({**fsdp1, "mixed_precision": {}}, {"precision": "amp-bf16"}, ["precision", "amp-bf16", "fp32 or bf16"]),
+            ({**fsdp1, "units": "accelerate"}, {}, ["parallel.units", "accelerate", "fsdp1", "layers"]),
+            ({**fsdp1, "use_orig_params": "no"}, {}, ["parallel.use_orig_params", "no", "true or false"]),
+            ({"strategy": "fsdp", "world_size": 2, "use_orig_params": False},
+             {}, ["parallel.use_orig_params", "False", "fsdp1", "not fsdp"]),
+            ({**fsdp1, "backward_prefetch": "later"}, {}, ["parallel.backward_prefetch", "later", "pre, post, none"]),
+            ({"strategy": "ddp", "world_size": 2, "backward_prefetch": "post"},
+             {}, ["parallel.backward_prefetch", "post", "fsdp1", "ddp"]),
+            ({**fsdp1, "offload_optimizer": True}, {}, ["parallel.offload_optimizer", "zero1", "fsdp1"]),
+            ({**fsdp1, "shard_size": 3}, {}, ["parallel.shard_size", "3", "divides"]),
+            ({**fsdp1, "shard_size": 1}, {}, ["parallel.shard_size", "1", "NO_SHARD", ">= 2", "ddp"]),
+            (fsdp1, {"autocast": "bf16"}, ["autocast", "mixed_precision"]),
+            (fsdp1, {"lora": {"r": 8}}, ["parallel", "lora"]),
+            (fsdp1, {"mode": "forward"}, ["parallel", "forward", "train"]),
+        ]
+        for parallel, extra, words in cases:
+            with self.subTest(parallel=parallel, extra=extra):
+                with self.assertRaises(specmod.SpecError) as ctx:
+                    specmod.parse({"model": "m", "precision": "fp32", **extra, "parallel": parallel})
+                for word in words:
+                    self.assertIn(word, str(ctx.exception))
+
+    def test_fsdp1_defaults_may_be_written_for_other_strategies(self):
+        """to_json writes use_orig_params and backward_prefetch for fsdp1 only, but their defaults
+        are accepted anywhere, as every other key's."""
+        p = parse({"strategy": "ddp", "world_size": 2, "use_orig_params": True, "backward_prefetch": "pre"}).parallel
+        self.assertNotIn("use_orig_params", p.to_json())
+        self.assertNotIn("backward_prefetch", p.to_json())
+        fsdp = parse({"strategy": "fsdp", "world_size": 4, "shard_size": 2}).to_json()["parallel"]
+        self.assertNotIn("use_orig_params", fsdp)

@@ -23,8 +23,8 @@ use crate::estimate::{self, Estimate};
 use crate::gpu::Gpu;
 use crate::sim::{Component, PhasePeak};
 use crate::spec::{
-    FsdpUnits, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision, Quantization, RunSpec,
-    Strategy, TrainerKind,
+    Fsdp1Options, FsdpUnits, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision, Quantization,
+    RunSpec, Strategy, TrainerKind,
 };
 
 /// Tokens per micro-batch at which a GPU is half as efficient as when saturated, in the
@@ -250,7 +250,7 @@ pub fn simulates_parallel(setup: &Setup, k: &Knobs) -> bool {
 fn sharding_of(p: &Parallel) -> (Sharding, bool) {
     match p.strategy {
         Strategy::Ddp => (Sharding::None, false),
-        Strategy::Fsdp => (Sharding::Zero3, p.offload_params),
+        Strategy::Fsdp | Strategy::Fsdp1 => (Sharding::Zero3, p.offload_params),
         Strategy::Zero1 => (Sharding::Zero1, p.offload_optimizer),
         Strategy::Zero2 => (Sharding::Zero2, p.offload_optimizer),
         Strategy::Zero3 => (Sharding::Zero3, p.offload_optimizer || p.offload_params),
@@ -313,6 +313,7 @@ fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
         offload_optimizer: k.cpu_offload,
         mixed_precision: None,
         units: FsdpUnits::Layers,
+        fsdp1: Fsdp1Options::default(),
     })
 }
 
@@ -423,6 +424,7 @@ pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
         offload_optimizer: false,
         mixed_precision: None,
         units: FsdpUnits::Layers,
+        fsdp1: Fsdp1Options::default(),
     };
     match parallel_for(&spec, k, setup.gpus) {
         Some(p) => estimate::nccl_bytes(Some(&p)),

@@ -241,8 +241,27 @@ pub fn load_rows(path: &Path) -> Result<Vec<Row>> {
                 .as_u64()
                 .ok_or_else(|| at(format!("row {id}: `measured.{key}` must be an integer")))
         };
+        // The estimate's peak is over the steps (loading is a phase of its own); a record
+        // with each rank's phases (`headroom_measure dist`) says its steps' peak apart.
+        let steps_peak = m["ranks"].as_array().and_then(|ranks| {
+            ranks
+                .iter()
+                .filter_map(|r| r["steps"].as_array())
+                .flatten()
+                .filter_map(Value::as_object)
+                .flat_map(|phases| {
+                    phases
+                        .iter()
+                        .filter(|(k, _)| k.ends_with("_peak"))
+                        .filter_map(|(_, v)| v.as_u64())
+                })
+                .max()
+        });
         let measured = Measured {
-            peak_allocated_bytes: int("peak_allocated_bytes")?,
+            peak_allocated_bytes: match steps_peak {
+                Some(peak) => peak,
+                None => int("peak_allocated_bytes")?,
+            },
             peak_reserved_bytes: int("peak_reserved_bytes")?,
             cuda_context_bytes: m["cuda_context_bytes"].as_u64(),
             params: int("params")?,

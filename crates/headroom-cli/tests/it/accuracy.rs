@@ -79,6 +79,7 @@ fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
         "bench/fsdp2-mp/rows-h100-torch2.11.jsonl",
         "bench/fsdp2-mp/rows-units-h100-torch2.11.jsonl",
         "bench/scale/rows-h100-torch2.11.jsonl",
+        "bench/fsdp1/rows-h100-torch2.11.jsonl",
     ] {
         within_gates(
             rows,

@@ -226,6 +226,43 @@ fn diagnose_follows_an_accelerate_fsdp2_launch() {
     );
 }
 
+/// An FSDP1 accelerate launch, checked against the run the harness made as accelerate 1.15
+/// builds it (bench/fsdp1, `fsdp1/q15/bs4/s2048/gc/w8/accelerate`).
+#[test]
+fn diagnose_follows_an_accelerate_fsdp1_launch_to_its_measurement() {
+    let launched = json(&[
+        "diagnose",
+        "--accelerate-config",
+        &p("accelerate/fsdp1-bf16.yaml"),
+        "--spec",
+        &p("accelerate/train-q15.yaml"),
+        "--gpu",
+        "h100-80gb",
+        "--json",
+    ]);
+    let words = launched["launched_as"].as_str().expect("launched_as");
+    assert!(words.contains("FSDP1 over 8 GPUs (FULL_SHARD"), "{words}");
+    let rows = std::fs::read_to_string(
+        crate::common::repo().join("bench/fsdp1/rows-h100-torch2.11.jsonl"),
+    )
+    .expect("the measured rows");
+    let row: Value = rows
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("a row"))
+        .find(|r| r["id"] == "fsdp1/q15/bs4/s2048/gc/w8/accelerate")
+        .expect("the accelerate row");
+    let measured = row["measured"]["peak_allocated_bytes"]
+        .as_f64()
+        .expect("bytes");
+    let estimated = launched["estimate"]["peak_allocated_bytes"]
+        .as_f64()
+        .expect("bytes");
+    assert!(
+        (estimated / measured - 1.0).abs() < 0.001,
+        "{estimated} against {measured}"
+    );
+}
+
 #[test]
 fn bad_input_exits_2_and_names_the_file() {
     let missing = headroom(&["diagnose", "--oom", "/nonexistent/oom.log"]);

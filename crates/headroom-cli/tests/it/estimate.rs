@@ -159,7 +159,7 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
         ),
         (
             "parallel-mixed-precision-ddp",
-            vec!["parallel.mixed_precision", "applies to fsdp"],
+            vec!["parallel.mixed_precision", "apply to fsdp and fsdp1"],
         ),
         (
             "parallel-mixed-precision-autocast",
@@ -170,6 +170,15 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
         (
             "parallel-units-unknown",
             vec!["parallel.units", "torchtitan", "layers-embedding"],
+        ),
+        ("fsdp1-one-rank", vec!["parallel.world_size", "NO_SHARD"]),
+        (
+            "fsdp1-output-dtype",
+            vec!["parallel.mixed_precision.output_dtype", "buffer_dtype"],
+        ),
+        (
+            "fsdp-use-orig-params",
+            vec!["parallel.use_orig_params", "fsdp1 only"],
         ),
         (
             "trainer-grpo-work",

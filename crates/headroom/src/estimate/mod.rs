@@ -96,8 +96,9 @@ pub fn nccl_bytes(parallel: Option<&crate::spec::Parallel>) -> u64 {
         Some(p) if p.world_size <= 1 => 0,
         Some(p) => match p.strategy {
             Strategy::Ddp => 992 * MIB,
-            Strategy::Fsdp if p.shard_size < p.world_size => 1964 * MIB,
-            Strategy::Fsdp => 992 * MIB,
+            // FSDP1's process groups are FSDP2's (carried over, not measured on their own).
+            Strategy::Fsdp | Strategy::Fsdp1 if p.shard_size < p.world_size => 1964 * MIB,
+            Strategy::Fsdp | Strategy::Fsdp1 => 992 * MIB,
             Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3 => 1480 * MIB,
         },
     }

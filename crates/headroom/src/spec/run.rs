@@ -89,6 +89,9 @@ pub enum Strategy {
     Ddp,
     /// FSDP2 `fully_shard` on every decoder layer, then on the root.
     Fsdp,
+    /// FSDP1 `FullyShardedDataParallel` with a transformer auto-wrap policy: a flat parameter
+    /// per decoder layer and one for the root (accelerate's `fsdp_version: 1`, older verl).
+    Fsdp1,
     /// DeepSpeed ZeRO stage 1, 2 or 3.
     Zero1,
     Zero2,
@@ -115,6 +118,37 @@ pub struct Parallel {
     pub mixed_precision: Option<MixedPrecision>,
     /// FSDP2: which modules `fully_shard` makes units of.
     pub units: FsdpUnits,
+    /// FSDP1's own settings.
+    pub fsdp1: Fsdp1Options,
+}
+
+/// `FullyShardedDataParallel`'s settings that change memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fsdp1Options {
+    /// The original parameters as views of the flat one (the optimizer steps them, each
+    /// aligned in the flat parameter); false: the optimizer steps the flat shards.
+    pub use_orig_params: bool,
+    pub backward_prefetch: BackwardPrefetch,
+}
+
+impl Default for Fsdp1Options {
+    fn default() -> Self {
+        Fsdp1Options {
+            use_orig_params: true,
+            backward_prefetch: BackwardPrefetch::Pre,
+        }
+    }
+}
+
+/// When FSDP1 gathers the next unit in backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackwardPrefetch {
+    /// `BACKWARD_PRE`: in a unit's pre-backward hook (torch's default).
+    Pre,
+    /// `BACKWARD_POST`: in its post-backward hook, once its own parameters are freed.
+    Post,
+    /// None: each unit is gathered when its backward starts (accelerate's default).
+    None,
 }
 
 /// The `fully_shard` calls a training framework makes on a decoder-only model; each unit is
@@ -179,6 +213,7 @@ impl Strategy {
         match self {
             Strategy::Ddp => "ddp",
             Strategy::Fsdp => "fsdp",
+            Strategy::Fsdp1 => "fsdp1",
             Strategy::Zero1 => "zero1",
             Strategy::Zero2 => "zero2",
             Strategy::Zero3 => "zero3",
@@ -252,6 +287,8 @@ const PARALLEL_KEYS: &[&str] = &[
     "offload_optimizer",
     "mixed_precision",
     "units",
+    "use_orig_params",
+    "backward_prefetch",
 ];
 
 impl RunSpec {
@@ -846,7 +883,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             return Err(Error::field(
                 "parallel.strategy",
                 "missing",
-                "use one of ddp, fsdp, zero1, zero2, zero3",
+                "use one of ddp, fsdp, fsdp1, zero1, zero2, zero3",
             ));
         }
         Some(_) => choice(
@@ -855,6 +892,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             &[
                 ("ddp", Strategy::Ddp),
                 ("fsdp", Strategy::Fsdp),
+                ("fsdp1", Strategy::Fsdp1),
                 ("zero1", Strategy::Zero1),
                 ("zero2", Strategy::Zero2),
                 ("zero3", Strategy::Zero3),
@@ -877,6 +915,8 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             "reshard_after_forward" => v != &Value::Bool(true),
             "shard_size" => v.as_u64() != Some(world_size),
             "units" => v.as_str() != Some("layers"),
+            "use_orig_params" => v != &Value::Bool(true),
+            "backward_prefetch" => v.as_str() != Some("pre"),
             _ => v != &Value::Bool(false) && !v.is_null(),
         })
     };
@@ -891,13 +931,24 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         Ok(())
     };
     let fsdp = strategy == Strategy::Fsdp;
-    only_for("reshard_after_forward", fsdp, "it applies to fsdp only")?;
-    only_for("shard_size", fsdp, "it applies to fsdp only (HSDP)")?;
+    let fsdp1 = strategy == Strategy::Fsdp1;
+    only_for(
+        "reshard_after_forward",
+        fsdp || fsdp1,
+        "it applies to fsdp and fsdp1",
+    )?;
+    only_for(
+        "shard_size",
+        fsdp || fsdp1,
+        "it applies to fsdp and fsdp1 (HSDP)",
+    )?;
     only_for(
         "offload_params",
-        fsdp || strategy == Strategy::Zero3,
-        "it applies to fsdp and zero3",
+        fsdp || fsdp1 || strategy == Strategy::Zero3,
+        "it applies to fsdp, fsdp1 and zero3",
     )?;
+    only_for("use_orig_params", fsdp1, "it applies to fsdp1 only")?;
+    only_for("backward_prefetch", fsdp1, "it applies to fsdp1 only")?;
     only_for(
         "offload_optimizer",
         strategy.is_deepspeed(),
@@ -935,17 +986,56 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
     };
     let mixed_precision = match obj.get("mixed_precision") {
         None | Some(Value::Null) => None,
-        Some(_) if !fsdp => {
+        Some(_) if !fsdp && !fsdp1 => {
             return Err(Error::field(
                 "parallel.mixed_precision",
                 "this key",
                 format!(
-                    "FSDP2's MixedPrecisionPolicy applies to fsdp; leave it out for {}",
+                    "FSDP2's MixedPrecisionPolicy and FSDP1's MixedPrecision apply to fsdp and \
+                     fsdp1; leave it out for {}",
                     strategy.name()
                 ),
             ));
         }
-        Some(v) => Some(parse_mixed_precision(v)?),
+        Some(v) => Some(parse_mixed_precision(v, strategy)?),
+    };
+    if fsdp1 && world_size == 1 {
+        return Err(Error::field(
+            "parallel.world_size",
+            1,
+            "FSDP1 over one rank is NO_SHARD, which is not modelled; use 2 or more, or strategy \
+             fsdp (FSDP2) for one GPU",
+        ));
+    }
+    if fsdp1 && world_size > 1 && shard_size == 1 {
+        return Err(Error::field(
+            "parallel.shard_size",
+            1,
+            "FSDP1 makes a shard group of one NO_SHARD, whose replicas never reduce their \
+             gradients; use shard_size >= 2, or strategy ddp",
+        ));
+    }
+    let fsdp1_options = Fsdp1Options {
+        use_orig_params: match obj.get("use_orig_params") {
+            None | Some(Value::Null) => true,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| Error::field("parallel.use_orig_params", v, "use true or false"))?,
+        },
+        backward_prefetch: match obj.get("backward_prefetch") {
+            None | Some(Value::Null) => BackwardPrefetch::Pre,
+            Some(_) => choice(
+                obj,
+                "backward_prefetch",
+                &[
+                    ("pre", BackwardPrefetch::Pre),
+                    ("post", BackwardPrefetch::Post),
+                    ("none", BackwardPrefetch::None),
+                ],
+                BackwardPrefetch::Pre,
+            )
+            .map_err(field)?,
+        },
     };
     Ok(Parallel {
         strategy,
@@ -956,12 +1046,13 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         offload_optimizer: boolean(obj, "offload_optimizer").map_err(field)?,
         mixed_precision,
         units,
+        fsdp1: fsdp1_options,
     })
 }
 
 /// `parallel.mixed_precision: {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}`,
 /// as `MixedPrecisionPolicy` defaults them (param_dtype bf16 when the mapping omits it).
-fn parse_mixed_precision(value: &Value) -> Result<MixedPrecision> {
+fn parse_mixed_precision(value: &Value, strategy: Strategy) -> Result<MixedPrecision> {
     let obj = value.as_object().ok_or_else(|| {
         Error::field(
             "parallel.mixed_precision",
@@ -969,17 +1060,23 @@ fn parse_mixed_precision(value: &Value) -> Result<MixedPrecision> {
             "use a mapping {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}",
         )
     })?;
-    unknown_key(
-        obj,
-        "parallel.mixed_precision.",
+    // FSDP1's `MixedPrecision` casts buffers, FSDP2's policy casts the root's outputs.
+    let keys: &[&str] = if strategy == Strategy::Fsdp1 {
+        &[
+            "param_dtype",
+            "reduce_dtype",
+            "buffer_dtype",
+            "cast_forward_inputs",
+        ]
+    } else {
         &[
             "param_dtype",
             "reduce_dtype",
             "output_dtype",
             "cast_forward_inputs",
-        ],
-        RUN_SPEC_KEY,
-    )?;
+        ]
+    };
+    unknown_key(obj, "parallel.mixed_precision.", keys, RUN_SPEC_KEY)?;
     let dtype = |key: &str| -> Result<Option<DType>> {
         match obj.get(key) {
             None | Some(Value::Null) => Ok(None),
@@ -992,12 +1089,13 @@ fn parse_mixed_precision(value: &Value) -> Result<MixedPrecision> {
             )),
         }
     };
+    dtype("buffer_dtype")?;
     Ok(MixedPrecision {
         param_dtype: dtype("param_dtype")?.unwrap_or(DType::BF16),
         reduce_dtype: dtype("reduce_dtype")?,
         output_dtype: dtype("output_dtype")?,
         cast_forward_inputs: match obj.get("cast_forward_inputs") {
-            None => true,
+            None => strategy != Strategy::Fsdp1,
             Some(v) => v.as_bool().ok_or_else(|| {
                 Error::field(
                     "parallel.mixed_precision.cast_forward_inputs",

@@ -7,7 +7,7 @@ use headroom::catalog;
 use headroom::diagnose::lint::{self, Context, Lint, Severity};
 use headroom::dtype::DType;
 use headroom::gpu;
-use headroom::spec::{FsdpUnits, Precision, RunSpec, Strategy};
+use headroom::spec::{BackwardPrefetch, FsdpUnits, Precision, RunSpec, Strategy};
 
 fn accelerate(yaml: &str, cx: Context) -> Vec<Lint> {
     lint::accelerate(yaml, Path::new("accelerate.yaml"), cx)
@@ -212,14 +212,43 @@ fn accelerate_launches_the_spec() {
     let fp16 =
         launch("distributed_type: FSDP\nmixed_precision: fp16\nfsdp_config:\n  fsdp_version: 2\n");
     assert!(fp16.apply(&spec).unwrap_err().contains("fp16"));
-    // FSDP1 is not launched as anything yet.
-    let (l, _) = lint::accelerate(
-        "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n",
-        Path::new("a.yaml"),
-        Context::default(),
-    )
-    .expect("parses");
-    assert!(l.layout.is_none());
+    // FSDP1: MixedPrecision(bf16, bf16) over upcast flat parameters, autocast, and no
+    // backward prefetch unless the config asks; HYBRID_SHARD shards within a machine.
+    let fsdp1 = launch(
+        "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 16\nnum_machines: 2\n\
+         fsdp_config:\n  fsdp_version: 1\n  fsdp_sharding_strategy: HYBRID_SHARD\n  \
+         fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n",
+    );
+    let (launched, words) = fsdp1.apply(&spec).expect("modelled");
+    let p = launched.parallel.as_ref().expect("parallel");
+    assert_eq!(
+        (
+            p.strategy,
+            p.world_size,
+            p.shard_size,
+            p.fsdp1.backward_prefetch
+        ),
+        (Strategy::Fsdp1, 16, 8, BackwardPrefetch::None)
+    );
+    assert_eq!(launched.autocast, Some(DType::BF16));
+    assert_eq!(launched.precision, Precision::Fp32);
+    assert!(
+        words.contains("FSDP1 over 16 GPUs (HYBRID over groups of 8"),
+        "{words}"
+    );
+    let no_shard = launch(
+        "distributed_type: FSDP\nnum_processes: 4\nfsdp_config:\n  fsdp_sharding_strategy: \
+         NO_SHARD\n",
+    );
+    assert_eq!(
+        no_shard
+            .apply(&spec)
+            .expect("modelled")
+            .0
+            .parallel
+            .map(|p| p.strategy),
+        Some(Strategy::Ddp)
+    );
 }
 
 #[test]

@@ -9,7 +9,10 @@ use serde_json::{Map, Value};
 use super::{Context, Launch, Lint, Rule, Severity, Sink, as_count};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::spec::{self, FsdpUnits, MixedPrecision, Parallel, Precision, RunSpec, Strategy};
+use crate::spec::{
+    self, BackwardPrefetch, Fsdp1Options, FsdpUnits, MixedPrecision, Parallel, Precision, RunSpec,
+    Strategy,
+};
 
 /// The keys `ClusterConfig` (accelerate/commands/config/config_args.py) accepts, plus the
 /// legacy ones it converts (`fp16`, `dynamo_backend`); anything else makes
@@ -151,7 +154,10 @@ pub fn accelerate(text: &str, path: &Path, cx: Context) -> Result<(Launch, Vec<L
                     .into(),
                 "set fsdp_sharding_strategy (or fsdp_reshard_after_forward with fsdp_version: 2)",
             ),
-            Some(f) => launch.layout = accelerate_fsdp(&mut s, f, cx.spec, processes, mp),
+            Some(f) => {
+                let machines = obj.get("num_machines").and_then(as_count).unwrap_or(1);
+                launch.layout = accelerate_fsdp(&mut s, f, cx.spec, processes, machines, mp);
+            }
         }
     }
     Ok((launch, s.lints))
@@ -499,6 +505,7 @@ fn accelerate_fsdp(
     f: &Map<String, Value>,
     spec: Option<&RunSpec>,
     processes: Option<u64>,
+    machines: u64,
     mp: &str,
 ) -> Option<LaunchLayout> {
     // `accelerate launch` adds the `fsdp_` prefix a key lacks.
@@ -644,15 +651,42 @@ fn accelerate_fsdp(
             "",
         );
     }
+    let world = processes.unwrap_or(1);
     if !v2 {
-        return None;
+        // FSDP1: the sharding strategy alone decides (FULL_SHARD by default); HYBRID shards
+        // within a node. accelerate passes no backward prefetch unless it is set.
+        let (strategy, reshard, hybrid) = match strategy.as_deref() {
+            None | Some("FULL_SHARD" | "1") => (Strategy::Fsdp1, true, false),
+            Some("SHARD_GRAD_OP" | "2") => (Strategy::Fsdp1, false, false),
+            Some("NO_SHARD" | "3") => (Strategy::Ddp, true, false),
+            Some("HYBRID_SHARD" | "4") => (Strategy::Fsdp1, true, true),
+            Some("HYBRID_SHARD_ZERO2" | "5") => (Strategy::Fsdp1, false, true),
+            Some(_) => return None,
+        };
+        let prefetch = match get("fsdp_backward_prefetch").and_then(Value::as_str) {
+            Some("BACKWARD_PRE" | "1") => BackwardPrefetch::Pre,
+            Some("BACKWARD_POST" | "2") => BackwardPrefetch::Post,
+            _ => BackwardPrefetch::None,
+        };
+        return Some(LaunchLayout {
+            reshard_after_forward: reshard,
+            shard_size: hybrid.then(|| world / machines.max(1)),
+            offload_params: offload && strategy == Strategy::Fsdp1,
+            activation_checkpointing: checkpointing,
+            fsdp1: Fsdp1Options {
+                use_orig_params: get("fsdp_use_orig_params").and_then(Value::as_bool)
+                    != Some(false),
+                backward_prefetch: prefetch,
+            },
+            ..LaunchLayout::plain(strategy, world, mp)
+        });
     }
     Some(LaunchLayout {
         units: FsdpUnits::Accelerate,
         reshard_after_forward: reshard.unwrap_or(true),
         offload_params: offload,
         activation_checkpointing: checkpointing,
-        ..LaunchLayout::plain(Strategy::Fsdp, processes.unwrap_or(1), mp)
+        ..LaunchLayout::plain(Strategy::Fsdp, world, mp)
     })
 }
 
@@ -669,6 +703,9 @@ pub struct LaunchLayout {
     pub offload_optimizer: bool,
     pub activation_checkpointing: bool,
     pub units: FsdpUnits,
+    pub fsdp1: Fsdp1Options,
+    /// FSDP1's HYBRID_SHARD: the GPUs of a node, which shard one copy.
+    pub shard_size: Option<u64>,
 }
 
 impl LaunchLayout {
@@ -682,6 +719,8 @@ impl LaunchLayout {
             offload_optimizer: false,
             activation_checkpointing: false,
             units: FsdpUnits::Layers,
+            fsdp1: Fsdp1Options::default(),
+            shard_size: None,
         }
     }
 
@@ -707,6 +746,7 @@ impl LaunchLayout {
         let mut out = spec.clone();
         out.gradient_checkpointing |= self.activation_checkpointing;
         let mut policy = None;
+        let mut autocast = None;
         out.precision = match (self.strategy, mp) {
             (_, "fp8") => return Err("fp8 training is not modelled".into()),
             // FSDP2: `MixedPrecisionPolicy(bf16, bf16, bf16)` over trainable parameters upcast
@@ -723,6 +763,21 @@ impl LaunchLayout {
             (Strategy::Fsdp, "fp16") => {
                 return Err("FSDP2 with an fp16 policy is not modelled".into());
             }
+            // FSDP1: `MixedPrecision(bf16, bf16, bf16)` over flat parameters upcast to fp32,
+            // and native autocast around the forward.
+            (Strategy::Fsdp1, "bf16") => {
+                policy = Some(MixedPrecision {
+                    param_dtype: DType::BF16,
+                    reduce_dtype: Some(DType::BF16),
+                    output_dtype: None,
+                    cast_forward_inputs: false,
+                });
+                autocast = Some(DType::BF16);
+                Precision::Fp32
+            }
+            (Strategy::Fsdp1, "fp16") => {
+                return Err("FSDP1 with an fp16 policy is not modelled".into());
+            }
             // DeepSpeed's bf16 mode: bf16 parameters, fp32 masters of its own.
             (s, "bf16") if s.is_deepspeed() => Precision::Bf16,
             (s, _) if s.is_deepspeed() => {
@@ -738,16 +793,17 @@ impl LaunchLayout {
             (_, _) if spec.precision == Precision::Bf16 => Precision::Bf16,
             (_, _) => Precision::Fp32,
         };
-        out.autocast = None;
+        out.autocast = autocast;
         out.parallel = Some(Parallel {
             strategy: self.strategy,
             world_size: self.world_size,
             reshard_after_forward: self.reshard_after_forward,
-            shard_size: self.world_size,
+            shard_size: self.shard_size.unwrap_or(self.world_size),
             offload_params: self.offload_params,
             offload_optimizer: self.offload_optimizer,
             mixed_precision: policy,
             units: self.units,
+            fsdp1: self.fsdp1,
         });
         let words = self.describe(&out);
         out.rechecked()
@@ -758,6 +814,25 @@ impl LaunchLayout {
     fn describe(&self, spec: &RunSpec) -> String {
         let mut out = match self.strategy {
             Strategy::Ddp => format!("DDP over {} GPUs", self.world_size),
+            Strategy::Fsdp1 => format!(
+                "FSDP1 over {} GPUs ({}{}, a flat parameter per decoder layer and the root{})",
+                self.world_size,
+                match (self.reshard_after_forward, self.shard_size) {
+                    (true, None) => "FULL_SHARD".to_string(),
+                    (false, None) => "SHARD_GRAD_OP".to_string(),
+                    (_, Some(n)) => format!("HYBRID over groups of {n}"),
+                },
+                if self.fsdp1.use_orig_params {
+                    ", use_orig_params"
+                } else {
+                    ""
+                },
+                match self.fsdp1.backward_prefetch {
+                    BackwardPrefetch::Pre => ", backward prefetch BACKWARD_PRE",
+                    BackwardPrefetch::Post => ", backward prefetch BACKWARD_POST",
+                    BackwardPrefetch::None => ", no backward prefetch",
+                }
+            ),
             Strategy::Fsdp => format!(
                 "FSDP2 over {} GPUs (each decoder layer, the untied embedding, [norm, head], as \
                  accelerate 1.15 wraps{})",
@@ -774,6 +849,10 @@ impl LaunchLayout {
             out += ", CPU offload";
         }
         out += &match spec.parallel.as_ref().and_then(|p| p.mixed_precision) {
+            Some(_) if self.strategy == Strategy::Fsdp1 => {
+                ", fp32 flat parameters under MixedPrecision(bf16, bf16, bf16) and autocast"
+                    .to_string()
+            }
             Some(_) => ", fp32 masters under MixedPrecisionPolicy(bf16, bf16, bf16)".to_string(),
             None => format!(", precision {}", spec.precision.name()),
         };

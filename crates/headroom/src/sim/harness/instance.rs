@@ -19,6 +19,7 @@ use crate::sim::strategy::Strategy;
 use crate::sim::strategy::ddp::Ddp;
 use crate::sim::strategy::fsdp::Fsdp;
 use crate::sim::strategy::fsdp_offload::FsdpOffload;
+use crate::sim::strategy::fsdp1::Fsdp1;
 use crate::sim::strategy::zero::Zero;
 use crate::sim::strategy::zero3::Zero3;
 use crate::spec::{
@@ -94,7 +95,11 @@ impl Instance {
             None if home == Home::Cpu || offloaded_unsharded => {
                 Model::build_on_meta(t, arch, head, dtype, &trainable, attention)
             }
-            None if matches!(strategy, Some(spec::Strategy::Fsdp | spec::Strategy::Zero3)) => {
+            None if matches!(
+                strategy,
+                Some(spec::Strategy::Fsdp | spec::Strategy::Fsdp1 | spec::Strategy::Zero3)
+            ) =>
+            {
                 Model::build_on_meta(t, arch, head, compute_dtype, &trainable, attention)
             }
             None => Model::build(t, arch, head, dtype, &trainable, attention),
@@ -105,7 +110,10 @@ impl Instance {
         model.materializes_causal_mask = transformers_4_57;
         let on_gpu = home == Home::Gpu
             && !offloaded_unsharded
-            && !matches!(strategy, Some(spec::Strategy::Fsdp | spec::Strategy::Zero3));
+            && !matches!(
+                strategy,
+                Some(spec::Strategy::Fsdp | spec::Strategy::Fsdp1 | spec::Strategy::Zero3)
+            );
         if transformers_4_57 && arch.family == crate::arch::Family::Gpt2 && on_gpu {
             Model::gpt2_causal_buffers(t, arch);
         }
@@ -114,6 +122,8 @@ impl Instance {
             wrapper = Strategy::FsdpOffload(FsdpOffload::units(arch, head, first));
         } else if let Some(parallel) = parallel.filter(|p| p.strategy == spec::Strategy::Fsdp) {
             wrapper = Strategy::Fsdp(Fsdp::shard(t, arch, head, first, dtype, parallel));
+        } else if let Some(parallel) = parallel.filter(|p| p.strategy == spec::Strategy::Fsdp1) {
+            wrapper = Strategy::Fsdp1(Fsdp1::wrap(t, arch, head, first, dtype, parallel));
         }
         let model_params = first..first + arch.parameters(head).len();
         let all_model_params: Vec<ParamId> = model_params.clone().collect();
@@ -139,7 +149,7 @@ impl Instance {
             install_lora(t, &mut model, model_params.clone(), lora, spec.task);
         }
         // Adapters follow the model's parameters; FSDP2's shards are not the model's.
-        let params = if matches!(wrapper, Strategy::Fsdp(_)) {
+        let params = if matches!(wrapper, Strategy::Fsdp(_) | Strategy::Fsdp1(_)) {
             model_params
         } else {
             first..t.params.len()
@@ -161,6 +171,7 @@ impl Instance {
         let trainable_count = trainable_ids.iter().map(|&p| t.numel(t.param(p))).sum();
         let trainable_ids = match &wrapper {
             Strategy::Fsdp(fsdp) => fsdp.device_shards(),
+            Strategy::Fsdp1(fsdp1) => fsdp1.device_params(),
             _ => trainable_ids,
         };
         if strategy == Some(spec::Strategy::Ddp) {

@@ -4,6 +4,7 @@
 //! library's wrapper as rank 0 (or the rank that needs most) sees it:
 //! - [`ddp`]: `DistributedDataParallel` (gradient buckets, buffer broadcasts);
 //! - [`fsdp`]: FSDP2's `fully_shard` over several ranks, CPU offload included;
+//! - [`fsdp1`]: FSDP1's `FullyShardedDataParallel` (flat parameters per unit);
 //! - [`fsdp_offload`]: FSDP2 with `CPUOffloadPolicy` on one rank, for a no-grad pass;
 //! - [`zero`]: DeepSpeed ZeRO stages 1 and 2;
 //! - [`zero3`] and [`zero3_gather`]: DeepSpeed ZeRO stage 3 and its per-module gathers.
@@ -13,6 +14,7 @@
 
 pub(crate) mod ddp;
 pub(crate) mod fsdp;
+pub(crate) mod fsdp1;
 pub(crate) mod fsdp_offload;
 pub(crate) mod zero;
 pub(crate) mod zero3;
@@ -23,6 +25,7 @@ use crate::sim::optim::OptimizerState;
 use ddp::Ddp;
 use fsdp::Fsdp;
 use fsdp_offload::FsdpOffload;
+use fsdp1::Fsdp1;
 use zero::Zero;
 use zero3::Zero3;
 
@@ -39,6 +42,7 @@ pub(crate) enum Strategy {
     Ddp(Ddp),
     FsdpOffload(FsdpOffload),
     Fsdp(Fsdp),
+    Fsdp1(Fsdp1),
     Zero(Zero),
     Zero3(Box<Zero3>),
 }
@@ -84,6 +88,7 @@ impl Strategy {
         match self {
             Strategy::FsdpOffload(offload) => offload.unshard(t, unit),
             Strategy::Fsdp(fsdp) => fsdp.unit_pre_forward(t, unit),
+            Strategy::Fsdp1(fsdp1) => fsdp1.unit_pre_forward(t, unit),
             _ => {}
         }
     }
@@ -93,6 +98,7 @@ impl Strategy {
         match self {
             Strategy::FsdpOffload(offload) => offload.reshard(t, unit),
             Strategy::Fsdp(fsdp) => fsdp.unit_post_forward(t, unit),
+            Strategy::Fsdp1(fsdp1) => fsdp1.unit_post_forward(t, unit),
             _ => {}
         }
     }
@@ -144,6 +150,7 @@ impl Strategy {
     pub(crate) fn unit_backward_begins(&mut self, t: &mut Tracer, unit: u32) {
         match self {
             Strategy::Fsdp(fsdp) => fsdp.pre_backward(t, unit),
+            Strategy::Fsdp1(fsdp1) => fsdp1.pre_backward(t, unit),
             Strategy::Zero3(zero3) => {
                 if let Some(g) = zero3.gathers.as_mut() {
                     g.unit_backward_begins(t, unit);
@@ -157,6 +164,7 @@ impl Strategy {
     pub(crate) fn unit_backward_done(&mut self, t: &mut Tracer, unit: u32) {
         match self {
             Strategy::Fsdp(fsdp) => fsdp.unit_backward_done(t, unit),
+            Strategy::Fsdp1(fsdp1) => fsdp1.post_backward(t, unit),
             Strategy::Zero3(zero3) => {
                 if let Some(g) = zero3.gathers.as_mut() {
                     g.unit_backward_done(t, unit);
@@ -181,6 +189,7 @@ impl Strategy {
         match self {
             Strategy::Ddp(ddp) => ddp.learn_ready_order(t),
             Strategy::Fsdp(fsdp) => fsdp.finish_backward(t),
+            Strategy::Fsdp1(fsdp1) => fsdp1.finish_backward(t),
             Strategy::Zero(zero) => zero.finish_backward(t),
             Strategy::Zero3(zero3) => zero3.finish_backward(t),
             _ => {}
@@ -203,6 +212,7 @@ impl Strategy {
     pub(crate) fn host_bytes(&self, t: &Tracer) -> Option<u64> {
         match self {
             Strategy::Fsdp(fsdp) => Some(fsdp.host_bytes(t)),
+            Strategy::Fsdp1(fsdp1) => Some(fsdp1.host_bytes()),
             Strategy::Zero(zero) => Some(zero.host_bytes()),
             Strategy::Zero3(zero3) => Some(zero3.host_bytes()),
             _ => None,

@@ -224,6 +224,9 @@ pub(crate) struct ParamRec {
     node: Option<NodeId>,
     /// The autocast cache's entry for this parameter's tensor: (tensor, its cast).
     autocast: Option<(T, T)>,
+    /// Where a second gradient of this parameter is summed out of place (a tied weight whose
+    /// uses are views of an FSDP1 flat parameter, on the unshard stream); `None`: in place.
+    pub(crate) grad_sum_stream: Option<u32>,
 }
 
 /// A checkpointed region (one decoder layer under `gradient_checkpointing_enable()`): its
@@ -521,6 +524,7 @@ impl Tracer {
             matrix: None,
             node: None,
             autocast: None,
+            grad_sum_stream: None,
         });
         id
     }
@@ -552,6 +556,7 @@ impl Tracer {
             matrix: None,
             node: None,
             autocast: None,
+            grad_sum_stream: None,
         });
         self.params.len() - 1
     }
@@ -565,6 +570,40 @@ impl Tracer {
         let label = rec.label;
         let allocation = self.mem.malloc(bytes, Component::Weights, label);
         self.rec_mut(t).allocation = Some(allocation);
+    }
+
+    /// A tensor whose storage is resized to 0 (`_free_storage`): it exists, holds nothing, and
+    /// views of it stay valid across [`Tracer::alloc_storage`] and [`Tracer::free_storage`].
+    pub(crate) fn storageless(&mut self, numel: u64, dtype: DType, label: &'static str) -> T {
+        self.new_tensor(TensorRec {
+            numel,
+            dtype,
+            allocation: None,
+            refs: 1,
+            requires_grad: false,
+            grad_fn: None,
+            param: None,
+            view_of_temporary: false,
+            base: None,
+            label,
+        })
+    }
+
+    /// `_alloc_storage(t)`: its storage grows back to its size.
+    pub(crate) fn alloc_storage(&mut self, t: T) {
+        let rec = self.rec(t);
+        debug_assert!(rec.allocation.is_none(), "storage allocated twice");
+        let (bytes, label) = (rec.numel * rec.dtype.bytes(), rec.label);
+        let allocation = self.mem.malloc(bytes, self.component, label);
+        self.rec_mut(t).allocation = Some(allocation);
+    }
+
+    /// `_free_storage(t)`: its storage is resized to 0, whoever views it.
+    pub(crate) fn free_storage(&mut self, t: T) {
+        let label = self.rec(t).label;
+        if let Some(allocation) = self.rec_mut(t).allocation.take() {
+            self.mem.free(allocation, label);
+        }
     }
 
     /// `param.data = base[...]`: the parameter becomes a view of `base`'s storage (a slice of
@@ -639,6 +678,7 @@ impl Tracer {
             matrix: None,
             node: None,
             autocast: None,
+            grad_sum_stream: None,
         });
         let rec = self.rec_mut(x);
         rec.requires_grad = true;
@@ -1040,8 +1080,20 @@ impl Tracer {
     /// summed into a new tensor.
     fn accumulate_into(&mut self, node: NodeId, slot: u8, grad: T) {
         let current = self.nodes[node.0 as usize].buffer[slot as usize];
+        let sum_stream = match self.nodes[node.0 as usize].op {
+            Bwd::AccumulateGrad(param) => self.params[param].grad_sum_stream,
+            _ => None,
+        };
         let merged = match current {
             None => grad,
+            Some(old) if sum_stream.is_some() => {
+                let stream = std::mem::replace(&mut self.mem.stream, sum_stream.unwrap_or(0));
+                let sum = self.empty(self.numel(old), self.dtype(old), "grad sum (tied views)");
+                self.mem.stream = stream;
+                self.drop(old);
+                self.drop(grad);
+                sum
+            }
             Some(old) => {
                 let rec = self.rec(old);
                 if rec.refs == 1 && !rec.view_of_temporary {

@@ -233,3 +233,38 @@ fn every_phase_of_the_deepspeed_pipelines() {
     }
     assert_eq!(checked, 35, "{checked} phases checked");
 }
+
+/// `offload:` moves a sharded instance's shards off the GPU for the phase (`model.cpu()` on an
+/// FSDP2 model moves its DTensor shards): the phase's peak falls by the shards' bytes.
+#[test]
+fn offloading_an_fsdp_instance_moves_its_shards() {
+    let doc = |offload: &str| {
+        format!(
+            "instances:\n  - {{name: actor, model: qwen2.5-1.5b, precision: fp32, batch_size: 2, \
+             seq_len: 512, gradient_checkpointing: true, parallel: {{strategy: fsdp, world_size: \
+             8, mixed_precision: {{param_dtype: bf16, reduce_dtype: fp32}}}}}}\n  - {{name: ref, \
+             model: qwen2.5-1.5b, precision: bf16, mode: forward, batch_size: 2, seq_len: \
+             512}}\nphases:\n  - {{name: train, run: [actor]}}\n  - {{name: score, run: [ref]{offload}}}\n"
+        )
+    };
+    let h100 = gpu::find("h100-80gb").expect("gpu");
+    let score = |text: &str| {
+        estimate_pipeline(&pipeline(text), None, &h100, Limit::None)
+            .expect("estimate")
+            .phases
+            .into_iter()
+            .find(|p| p.name == "score")
+            .expect("score")
+            .peak_allocated
+    };
+    let kept = score(&doc(""));
+    let moved = score(&doc(", offload: [actor]"));
+    // The fp32 shards of 1,543,714,304 parameters over 8 ranks (dim-0 padded).
+    let shards = 1_543_714_304u64 * 4 / 8;
+    assert!(kept > moved, "{kept} vs {moved}");
+    assert!(
+        (kept - moved).abs_diff(shards) < shards / 50,
+        "{} moved, {shards} of shards",
+        kept - moved
+    );
+}

@@ -509,7 +509,17 @@ impl Instance {
 
     /// Parameter bytes of the model (what `model.cpu()` moves).
     pub(crate) fn param_bytes(&self, t: &Tracer) -> u64 {
-        self.params.clone().map(|p| t.bytes(t.param(p))).sum()
+        self.placed().into_iter().map(|p| t.bytes(t.param(p))).sum()
+    }
+
+    /// The parameter tensors that live on a device: the model's, or a sharding wrapper's
+    /// shards.
+    pub(crate) fn placed(&self) -> Vec<ParamId> {
+        self.model
+            .strategy
+            .borrow()
+            .shards()
+            .unwrap_or_else(|| self.params.clone().collect())
     }
 
     /// Parameter bytes on the host: a model moved or built there, FSDP2 CPU offload's shards
@@ -532,7 +542,7 @@ impl Instance {
     /// `model.cpu()`: each parameter's storage is copied out and freed, in parameter order
     /// (optimizer states stay). Returns the bytes moved.
     pub(crate) fn to_cpu(&self, t: &mut Tracer) -> u64 {
-        for p in self.params.clone() {
+        for p in self.placed() {
             t.offload(p);
         }
         self.param_bytes(t)
@@ -540,7 +550,7 @@ impl Instance {
 
     /// `model.cuda()`: each parameter is allocated again, in parameter order.
     pub(crate) fn to_gpu(&self, t: &mut Tracer) -> u64 {
-        for p in self.params.clone() {
+        for p in self.placed() {
             t.materialize(p);
         }
         self.param_bytes(t)

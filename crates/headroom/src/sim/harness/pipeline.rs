@@ -177,7 +177,7 @@ pub fn simulate_pipeline(
             let mut evicted = Vec::new();
             for &i in &phase.offload {
                 let Some(m) = &models[i] else { continue };
-                if m.params.clone().any(|p| t.is_materialized(p)) {
+                if m.placed().into_iter().any(|p| t.is_materialized(p)) {
                     pageable += m.to_cpu(&mut t);
                     evicted.push(i);
                 }

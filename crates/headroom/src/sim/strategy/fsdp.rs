@@ -239,20 +239,22 @@ impl Fsdp {
         if self.offload {
             return Vec::new();
         }
+        self.shards()
+    }
+
+    /// Every shard, in parameter order: what `model.cpu()` and `model.cuda()` move.
+    pub(crate) fn shards(&self) -> Vec<ParamId> {
         let mut all: Vec<ParamId> = self.units.iter().flat_map(|u| u.shards.clone()).collect();
         all.sort_unstable();
         all
     }
 
-    /// Shard bytes held on the host (CPU offload).
+    /// Shard bytes held on the host (CPU offload, or the model moved there).
     pub(crate) fn host_bytes(&self, t: &Tracer) -> u64 {
-        if !self.offload {
-            return 0;
-        }
-        self.units
-            .iter()
-            .flat_map(|u| &u.shards)
-            .map(|&s| t.bytes(t.param(s)))
+        self.shards()
+            .into_iter()
+            .filter(|&s| !t.is_materialized(s))
+            .map(|s| t.bytes(t.param(s)))
             .sum()
     }
 

@@ -234,12 +234,21 @@ impl Fsdp1 {
         self.units.iter().map(|u| u.shard).collect()
     }
 
-    /// Bytes pinned on the host under CPU offload: each shard and its `_cpu_grad`.
-    pub(crate) fn host_bytes(&self) -> u64 {
-        if !self.offload {
-            return 0;
-        }
-        2 * self.units.iter().map(|u| u.shard_numel).sum::<u64>() * self.dtype.bytes()
+    /// The flat shards: what `model.cpu()` and `model.cuda()` move.
+    pub(crate) fn shards(&self) -> Vec<ParamId> {
+        self.units.iter().map(|u| u.shard).collect()
+    }
+
+    /// Bytes on the host: shards not on the device (and under CPU offload each one's pinned
+    /// `_cpu_grad`).
+    pub(crate) fn host_bytes(&self, t: &Tracer) -> u64 {
+        let away: u64 = self
+            .units
+            .iter()
+            .filter(|u| !t.is_materialized(u.shard))
+            .map(|u| u.shard_numel * self.dtype.bytes())
+            .sum();
+        if self.offload { 2 * away } else { away }
     }
 
     /// `_lazy_init` at the first forward: each handle's buffers are made and freed, root

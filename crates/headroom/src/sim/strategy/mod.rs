@@ -212,9 +212,19 @@ impl Strategy {
     pub(crate) fn host_bytes(&self, t: &Tracer) -> Option<u64> {
         match self {
             Strategy::Fsdp(fsdp) => Some(fsdp.host_bytes(t)),
-            Strategy::Fsdp1(fsdp1) => Some(fsdp1.host_bytes()),
+            Strategy::Fsdp1(fsdp1) => Some(fsdp1.host_bytes(t)),
             Strategy::Zero(zero) => Some(zero.host_bytes()),
             Strategy::Zero3(zero3) => Some(zero3.host_bytes()),
+            _ => None,
+        }
+    }
+
+    /// The tensors `model.cpu()` moves where the strategy holds the model's parameters as
+    /// shards of its own; `None`: the model's parameters.
+    pub(crate) fn shards(&self) -> Option<Vec<ParamId>> {
+        match self {
+            Strategy::Fsdp(fsdp) => Some(fsdp.shards()),
+            Strategy::Fsdp1(fsdp1) => Some(fsdp1.shards()),
             _ => None,
         }
     }

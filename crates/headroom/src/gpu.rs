@@ -299,6 +299,13 @@ pub fn find(name: &str) -> Result<Gpu> {
     if let Some(gpu) = all.iter().find(|g| g.name.replace('-', "") == key) {
         return Ok(gpu.clone());
     }
+    // A name as people say it (`h100`, `rtx4090`): the one entry it begins.
+    let mut begun = all
+        .iter()
+        .filter(|g| !key.is_empty() && g.name.replace('-', "").starts_with(&key));
+    if let (Some(gpu), None) = (begun.next(), begun.next()) {
+        return Ok(gpu.clone());
+    }
     if let Some(bytes) = parse_size(name) {
         return Ok(Gpu {
             name: "custom",

@@ -163,3 +163,13 @@ fn pipelines_assume_their_instances_versions_and_their_engines_contract() {
         "{w:?}"
     );
 }
+
+/// A GPU is found by the name people use when only one catalog entry begins with it; an
+/// ambiguous one is refused with the choices.
+#[test]
+fn gpus_are_found_by_the_names_people_use() {
+    assert_eq!(gpu::find("H100").expect("h100").name, "h100-80gb");
+    assert_eq!(gpu::find("rtx 4090").expect("4090").name, "rtx-4090");
+    let ambiguous = gpu::find("a100").expect_err("two A100s").to_string();
+    assert!(ambiguous.contains("a100-40gb"), "{ambiguous}");
+}

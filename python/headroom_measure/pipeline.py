@@ -115,7 +115,7 @@ TOP_KEYS = ("instances", "phases", "iterations")
 LEGACY_KEYS = ("policy", "reference", "placement", "iterations")
 PHASE_KEYS = ("name", "run", "offload")
 RUN_KEYS = ("instance", "pass", "repeat", "new_tokens")
-PIPELINE_STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+PIPELINE_STRATEGIES = ("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3")
 SNAPSHOT_ENTRIES = 10_000_000
 
 
@@ -152,7 +152,8 @@ class PassDef:
 class Phase:
     name: str
     passes: list[PassDef]
-    offload: list[int]
+    offload: list[int]  # instances whose parameters leave the GPU for the phase (`model.cpu()`)
+    offload_optimizer: list[int] = field(default_factory=list)  # whose optimizer states do
 
 
 @dataclass
@@ -351,17 +352,35 @@ def _parse_phase(pipe: Pipeline, item, at: str) -> Phase:
         passes.append(PassDef(instance=k, kind=kind, repeat=repeat, new_tokens=new_tokens or 0, name=target))
     offload_raw = item.get("offload", [])
     if not isinstance(offload_raw, list):
-        raise _err(f"{at}.offload", offload_raw, "use a list of instance names")
-    offload = []
+        raise _err(f"{at}.offload", offload_raw, "use a list of instance names or {instance, params, optimizer}")
+    offload, offload_optimizer = [], []
     for j, target in enumerate(offload_raw):
         oat = f"{at}.offload[{j}]"
+        moves_params, moves_optimizer = True, False
+        if isinstance(target, dict):
+            extra = sorted(set(target) - {"instance", "params", "optimizer"})
+            if extra:
+                raise _err(f"{oat}.{extra[0]}", target[extra[0]], "use instance, params, optimizer")
+            moves_params, moves_optimizer = target.get("params", True), target.get("optimizer", False)
+            for key, value in (("params", moves_params), ("optimizer", moves_optimizer)):
+                if not isinstance(value, bool):
+                    raise _err(f"{oat}.{key}", value, "use true or false")
+            if not (moves_params or moves_optimizer):
+                raise _err(oat, target, "offload the parameters, the optimizer states or both")
+            target = target.get("instance")
+            oat = f"{oat}.instance"
         k = pipe.find(target) if isinstance(target, str) else None
         if k is None:
             raise _err(oat, target, f"use an instance name: {names}")
         if any(p.instance == k for p in passes):
             raise _err(oat, target, "an instance the phase runs cannot be offloaded in it")
-        offload.append(k)
-    return Phase(name=name, passes=passes, offload=offload)
+        if moves_optimizer and pipe.instances[k].spec.mode != "train":
+            raise _err(oat, target, "only a training instance has optimizer states")
+        if moves_params:
+            offload.append(k)
+        if moves_optimizer:
+            offload_optimizer.append(k)
+    return Phase(name=name, passes=passes, offload=offload, offload_optimizer=offload_optimizer)
 
 
 def _parse_legacy(raw: dict) -> Pipeline:
@@ -514,7 +533,17 @@ def measure_pipeline(
     world = pipe.world_size
     rank = local_rank = 0
     dist = None
-    if world:
+    fake_world = int(os.environ.get("HEADROOM_FAKE_WORLD", 0))
+    if world and fake_world:
+        # Rank 0 of a world of `world` on one GPU: torch's fake process group (see dist.py).
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if fake_world != world:
+            raise RuntimeError(f"HEADROOM_FAKE_WORLD is {fake_world} but the instances span {world} ranks")
+        torch.cuda.set_device(0)
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    elif world:
         import torch.distributed as dist
 
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -539,7 +568,7 @@ def measure_pipeline(
 
     def sync() -> None:
         torch.cuda.synchronize()
-        if dist is not None:
+        if dist is not None and not fake_world:
             dist.barrier(device_ids=[local_rank])
             torch.cuda.synchronize()
 
@@ -547,6 +576,8 @@ def measure_pipeline(
 
     def autocast_of(spec: Spec):
         dtype = autocast_dtypes.get(spec.precision)
+        if spec.parallel is not None and spec.parallel.mixed_precision is not None:
+            dtype = torch.bfloat16 if spec.autocast == "bf16" else None  # the policy casts
 
         def autocast():
             if dtype is None:
@@ -576,6 +607,9 @@ def measure_pipeline(
             elif spec.parallel is not None and spec.parallel.strategy == "fsdp":
                 model = distmod._build_fsdp(spec, cfg, cls, dtype, device)
                 module = model
+            elif spec.parallel is not None and spec.parallel.strategy == "fsdp1":
+                model, _ = distmod._build_fsdp1(spec, cfg, cls, dtype, device)
+                module = model.module
             elif spec.parallel is not None and spec.parallel.strategy.startswith("zero"):
                 model = distmod._build_zero(spec, cfg, cls, dtype, device)
                 module = model.module
@@ -671,11 +705,22 @@ def measure_pipeline(
         rec["peak_reserved"] = r
         return rec
 
+    def move_states(k: int, where) -> bool:
+        # verl's offload_fsdp_optimizer / slime's move_torch_optimizer: each state tensor moved
+        moved = False
+        for state in opts[k].state.values() if opts[k] is not None else ():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device != torch.device(where) and value.numel() > 1:
+                    state[key] = value.to(where)
+                    moved = True
+        return moved
+
     def run_phase(phase: Phase) -> dict:
         moved_out = [k for k in phase.offload if on_gpu(k)]
         for k in moved_out:
             models[k].cpu()
-        if moved_out:
+        states_out = [k for k in phase.offload_optimizer if move_states(k, "cpu")]
+        if moved_out or states_out:
             torch.cuda.empty_cache()
         moved_in: list[int] = []
         for pd in phase.passes:
@@ -690,12 +735,15 @@ def measure_pipeline(
                 passes.append(run_pass(pd, peaks_now))
         for k in moved_in:
             models[k].cpu()
-        if moved_in or moved_out:
+        if moved_in or moved_out or states_out:
             torch.cuda.empty_cache()
         for k in moved_out:
             models[k].cuda()
+        for k in states_out:
+            move_states(k, device)
         return {
             "moved_out": [pipe.instances[k].name for k in moved_out],
+            "optimizer_out": [pipe.instances[k].name for k in states_out],
             "moved_in": [pipe.instances[k].name for k in moved_in],
             "passes": passes,
         }
@@ -754,7 +802,9 @@ def measure_pipeline(
         "host_rss_peak_bytes": distmod._host_rss_peak(),
     }
     ranks = [mine]
-    if dist is not None:
+    if dist is not None and fake_world:
+        ranks = [mine]  # only rank 0 exists; the fake group moves no data
+    elif dist is not None:
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
     record = None
@@ -768,7 +818,10 @@ def measure_pipeline(
         if dist is not None:
             env.update(
                 world_size=dist.get_world_size(),
-                launcher="torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none",
+                launcher="fake process group (one process, rank 0)"
+                if fake_world
+                else ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "none"),
+                process_group="fake" if fake_world else "nccl",
                 nccl=".".join(map(str, torch.cuda.nccl.version())),
                 nccl_env={k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM"))},
             )
@@ -778,7 +831,8 @@ def measure_pipeline(
             measured_out["ranks"] = ranks
         record = {"id": row_id, "pipeline": raw, "measured": measured_out, "env": env}
     if dist is not None:
-        dist.barrier()
+        if not fake_world:
+            dist.barrier()
         dist.destroy_process_group()
     gc.collect()
     return record

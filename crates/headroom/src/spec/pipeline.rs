@@ -62,8 +62,11 @@ pub struct PassDef {
 pub struct PhaseDef {
     pub name: String,
     pub passes: Vec<PassDef>,
-    /// Instances moved to the host for the phase (and back after it).
+    /// Instances whose parameters move to the host for the phase (and back after it).
     pub offload: Vec<usize>,
+    /// Training instances whose optimizer states move to the host for the phase (verl's
+    /// `optimizer_offload`, slime's `move_torch_optimizer`).
+    pub offload_optimizer: Vec<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -436,27 +439,60 @@ impl PipelineSpec {
                     repeat,
                 });
             }
-            let mut offload = Vec::new();
+            let (mut offload, mut offload_optimizer) = (Vec::new(), Vec::new());
             let offloads = match p.get("offload").and_then(Value::as_array) {
                 Some(items) => at_most(items, &format!("{at}.offload"), limits::MAX_PHASES)?,
                 None => &[],
             };
             for (j, v) in offloads.iter().enumerate() {
-                let name = v.as_str().unwrap_or_default();
-                let i = find(name).ok_or_else(|| unknown(format!("{at}.offload[{j}]"), name))?;
+                let oat = format!("{at}.offload[{j}]");
+                let (name, params, optimizer) = match v {
+                    Value::Object(o) => {
+                        unknown_key(o, &format!("{oat}."), &["instance", "params", "optimizer"], "a key of an offload")?;
+                        let flag = |key: &str, default: bool| match o.get(key) {
+                            None => Ok(default),
+                            Some(Value::Bool(b)) => Ok(*b),
+                            Some(other) => Err(Error::field(format!("{oat}.{key}"), other, "use true or false")),
+                        };
+                        let (params, optimizer) = (flag("params", true)?, flag("optimizer", false)?);
+                        if !params && !optimizer {
+                            return Err(Error::field(
+                                oat,
+                                v,
+                                "offload the parameters, the optimizer states or both",
+                            ));
+                        }
+                        (o.get("instance").and_then(Value::as_str).unwrap_or_default(), params, optimizer)
+                    }
+                    other => (other.as_str().unwrap_or_default(), true, false),
+                };
+                let i = find(name).ok_or_else(|| unknown(oat.clone(), name))?;
                 if passes.iter().any(|x| x.instance == i) {
                     return Err(Error::field(
-                        format!("{at}.offload[{j}]"),
+                        oat,
                         name,
                         "an instance the phase runs cannot be offloaded in it",
                     ));
                 }
-                offload.push(i);
+                if optimizer && instances[i].spec.mode != Mode::Train {
+                    return Err(Error::field(
+                        format!("{oat}.optimizer"),
+                        true,
+                        format!("{name} is not trained: it has no optimizer states"),
+                    ));
+                }
+                if params {
+                    offload.push(i);
+                }
+                if optimizer {
+                    offload_optimizer.push(i);
+                }
             }
             phases.push(PhaseDef {
                 name,
                 passes,
                 offload,
+                offload_optimizer,
             });
         }
         Ok(PipelineSpec {
@@ -563,6 +599,7 @@ impl PipelineSpec {
                         repeat: 1,
                     }],
                     offload,
+                    offload_optimizer: vec![],
                 },
                 PhaseDef {
                     name: "train".into(),
@@ -572,6 +609,7 @@ impl PipelineSpec {
                         repeat: 1,
                     }],
                     offload: vec![],
+                    offload_optimizer: vec![],
                 },
             ],
             iterations: iterations(obj)?,

@@ -556,6 +556,23 @@ impl Instance {
         self.param_bytes(t)
     }
 
+    /// Each optimizer state tensor moved to the host (`state[k] = v.to("cpu")`, as verl's
+    /// `offload_fsdp_optimizer` and slime's `move_torch_optimizer` do). Returns the bytes moved.
+    pub(crate) fn optimizer_to_cpu(&self, t: &mut Tracer) -> u64 {
+        let states: Vec<T> = self.optimizer.tensors().collect();
+        states.iter().for_each(|&s| t.free_storage(s));
+        states.iter().map(|&s| t.bytes(s)).sum()
+    }
+
+    /// The optimizer states back on the GPU, in state order.
+    pub(crate) fn optimizer_to_gpu(&self, t: &mut Tracer) -> u64 {
+        let outer = std::mem::replace(&mut t.component, Component::OptimizerStates);
+        let states: Vec<T> = self.optimizer.tensors().collect();
+        states.iter().for_each(|&s| t.alloc_storage(s));
+        t.component = outer;
+        states.iter().map(|&s| t.bytes(s)).sum()
+    }
+
     /// What a pass copies in from host memory: the FSDP2-offloaded units not on the GPU.
     pub(crate) fn streamed_bytes(&self, t: &Tracer) -> u64 {
         self.model.strategy.borrow().streamed_bytes(t)

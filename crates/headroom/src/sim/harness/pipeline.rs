@@ -182,9 +182,18 @@ pub fn simulate_pipeline(
                     evicted.push(i);
                 }
             }
+            let mut states_out = Vec::new();
+            for &i in &phase.offload_optimizer {
+                let Some(m) = &models[i] else { continue };
+                let moved = m.optimizer_to_cpu(&mut t);
+                if moved > 0 {
+                    pageable += moved;
+                    states_out.push(i);
+                }
+            }
             // The evicted and the host-homed models are all on the host now.
-            host_peak = host_peak.max(host(&t, &models, &engines));
-            if !evicted.is_empty() {
+            host_peak = host_peak.max(host(&t, &models, &engines) + optimizer_host(&t, &models, &states_out));
+            if !evicted.is_empty() || !states_out.is_empty() {
                 t.mem.allocator.empty_cache();
             }
             let mut brought = Vec::new();
@@ -225,11 +234,14 @@ pub fn simulate_pipeline(
             for &i in &brought {
                 pageable += models[i].as_ref().map_or(0, |m| m.to_cpu(&mut t));
             }
-            if !brought.is_empty() || !evicted.is_empty() {
+            if !brought.is_empty() || !evicted.is_empty() || !states_out.is_empty() {
                 t.mem.allocator.empty_cache();
             }
             for &i in &evicted {
                 pageable += models[i].as_ref().map_or(0, |m| m.to_gpu(&mut t));
+            }
+            for &i in &states_out {
+                pageable += models[i].as_ref().map_or(0, |m| m.optimizer_to_gpu(&mut t));
             }
             let transfer = (pageable + streamed, pageable);
             let mut record = end(&t, &phase.name, iteration, transfer, host_peak);
@@ -244,6 +256,15 @@ pub fn simulate_pipeline(
         oom: t.mem.oom().cloned(),
         refused: t.mem.refused().cloned(),
     }
+}
+
+/// Optimizer-state bytes of the instances `moved` to the host.
+fn optimizer_host(t: &Tracer, models: &[Option<Instance>], moved: &[usize]) -> u64 {
+    moved
+        .iter()
+        .filter_map(|&i| models[i].as_ref())
+        .map(|m| m.optimizer.tensors().map(|s| t.bytes(s)).sum::<u64>())
+        .sum()
 }
 
 /// The rollout engines of a pipeline and whether each is awake; the caching allocator gets the

@@ -192,6 +192,35 @@ class GeneralFormTest(unittest.TestCase):
                 self.assertTrue(pipe.phases)
         raw, pipe = load_pipeline(str(REPO / "examples" / "seed000-reuse.yaml"))
         self.assertEqual((pipe.world_size, pipe.instances[0].aliases), (2, ["mi_model"]))
+        for f in sorted((REPO / "bench" / "pipelines" / "frameworks").glob("*.yaml")):
+            with self.subTest(file=f.name):
+                raw, pipe = load_pipeline(str(f))
+                self.assertEqual(pipe.world_size, 8)
+
+    def test_offload_items_move_parameters_optimizer_states_or_both(self):
+        def phases(*items):
+            raw = {
+                "instances": [
+                    {"name": "actor", "model": "m", "batch_size": 1, "seq_len": 64},
+                    {"name": "ref", "model": "m", "mode": "forward", "batch_size": 1, "seq_len": 64},
+                ],
+                "phases": [{"name": "score", "run": ["ref"], "offload": list(items)}],
+            }
+            return parse_pipeline(raw).phases[0]
+
+        both = phases({"instance": "actor", "optimizer": True})
+        self.assertEqual((both.offload, both.offload_optimizer), ([0], [0]))
+        states = phases({"instance": "actor", "params": False, "optimizer": True})
+        self.assertEqual((states.offload, states.offload_optimizer), ([], [0]))
+        for item, words in [
+            ({"instance": "actor", "params": False}, "or both"),
+            ({"instance": "actor", "grads": True}, "grads"),
+            ({"instance": "actor", "optimizer": "yes"}, "true or false"),
+        ]:
+            with self.subTest(item=item):
+                with self.assertRaises(SpecError) as ctx:
+                    phases(item)
+                self.assertIn(words, str(ctx.exception))
 
 
 if __name__ == "__main__":

@@ -448,13 +448,23 @@ impl PipelineSpec {
                 let oat = format!("{at}.offload[{j}]");
                 let (name, params, optimizer) = match v {
                     Value::Object(o) => {
-                        unknown_key(o, &format!("{oat}."), &["instance", "params", "optimizer"], "a key of an offload")?;
+                        unknown_key(
+                            o,
+                            &format!("{oat}."),
+                            &["instance", "params", "optimizer"],
+                            "a key of an offload",
+                        )?;
                         let flag = |key: &str, default: bool| match o.get(key) {
                             None => Ok(default),
                             Some(Value::Bool(b)) => Ok(*b),
-                            Some(other) => Err(Error::field(format!("{oat}.{key}"), other, "use true or false")),
+                            Some(other) => Err(Error::field(
+                                format!("{oat}.{key}"),
+                                other,
+                                "use true or false",
+                            )),
                         };
-                        let (params, optimizer) = (flag("params", true)?, flag("optimizer", false)?);
+                        let (params, optimizer) =
+                            (flag("params", true)?, flag("optimizer", false)?);
                         if !params && !optimizer {
                             return Err(Error::field(
                                 oat,
@@ -462,7 +472,13 @@ impl PipelineSpec {
                                 "offload the parameters, the optimizer states or both",
                             ));
                         }
-                        (o.get("instance").and_then(Value::as_str).unwrap_or_default(), params, optimizer)
+                        (
+                            o.get("instance")
+                                .and_then(Value::as_str)
+                                .unwrap_or_default(),
+                            params,
+                            optimizer,
+                        )
                     }
                     other => (other.as_str().unwrap_or_default(), true, false),
                 };

@@ -293,10 +293,49 @@ fn every_phase_of_the_verl_and_slime_trainer_sides() {
                 m["iteration"].as_u64().unwrap(),
             );
             let (a, r) = phase_errors(id, &est, m, name, iteration);
-            assert!(a.abs() < 0.005, "{id} {name} {iteration}: allocated {a:+.4}");
+            assert!(
+                a.abs() < 0.005,
+                "{id} {name} {iteration}: allocated {a:+.4}"
+            );
             assert!(r.abs() < 0.02, "{id} {name} {iteration}: reserved {r:+.4}");
             checked += 1;
         }
     }
     assert_eq!(checked, 14, "{checked} phases checked");
+}
+
+/// An offload names what moves: the states of a model that does not train, nothing at all, or
+/// a key of its own are refused with the field.
+#[test]
+fn offload_items_are_checked() {
+    let doc = |item: &str| {
+        format!(
+            "instances:\n  - {{name: actor, model: qwen2.5-0.5b, batch_size: 1, seq_len: 64}}\n  \
+             - {{name: ref, model: qwen2.5-0.5b, mode: forward, batch_size: 1, seq_len: 64}}\n\
+             phases:\n  - {{name: train, run: [actor], offload: [{item}]}}\n  - {{name: score, \
+             run: [ref], offload: [{{instance: actor, optimizer: true}}]}}\n"
+        )
+    };
+    let refused = |item: &str| {
+        let value: Value = yaml_serde::from_str(&doc(item)).expect("yaml");
+        PipelineSpec::from_value(&value)
+            .expect_err(item)
+            .to_string()
+    };
+    let e = refused("{instance: ref, optimizer: true}");
+    assert!(
+        e.contains("phases[0].offload[0].optimizer") && e.contains("no optimizer states"),
+        "{e}"
+    );
+    let e = refused("{instance: ref, params: false, optimizer: false}");
+    assert!(
+        e.contains("phases[0].offload[0]") && e.contains("or both"),
+        "{e}"
+    );
+    let e = refused("{instance: ref, grads: true}");
+    assert!(e.contains("grads"), "{e}");
+    let value: Value = yaml_serde::from_str(&doc("{instance: ref}")).expect("yaml");
+    let spec = PipelineSpec::from_value(&value).expect("valid");
+    assert_eq!(spec.phases[1].offload_optimizer, vec![0]);
+    assert_eq!(spec.phases[0].offload, vec![1]);
 }

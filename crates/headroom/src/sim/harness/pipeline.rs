@@ -192,7 +192,8 @@ pub fn simulate_pipeline(
                 }
             }
             // The evicted and the host-homed models are all on the host now.
-            host_peak = host_peak.max(host(&t, &models, &engines) + optimizer_host(&t, &models, &states_out));
+            host_peak = host_peak
+                .max(host(&t, &models, &engines) + optimizer_host(&t, &models, &states_out));
             if !evicted.is_empty() || !states_out.is_empty() {
                 t.mem.allocator.empty_cache();
             }

@@ -206,13 +206,21 @@ def _build_fsdp(spec: Spec, cfg, cls, dtype, device):
         )
     _fully_shard_units(model, par.units, kwargs)
     model.to_empty(device="cpu" if par.offload_params else device)
+    _initialize(model, device)
+    return model
+
+
+def _initialize(model, device) -> None:
+    """Random weights in every parameter a rank holds (the shards, or views into them), and the
+    rotary module built again on the device (its `inv_freq` is computed, not initialised)."""
+    import torch
+
     with torch.no_grad():
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
     old = model.model.rotary_emb
     with torch.device(device):
         model.model.rotary_emb = type(old)(config=model.config)
-    return model
 
 
 def _build_fsdp1(spec: Spec, cfg, cls, dtype, device):
@@ -279,12 +287,7 @@ def _build_fsdp1(spec: Spec, cfg, cls, dtype, device):
     # parameters(): the FlatParameters (this rank's shards) with use_orig_params false, else the
     # original parameters as views into them (empty where a parameter lies outside the shard);
     # either way every parameter element of the shard is drawn (FSDP zero-fills the padding).
-    with torch.no_grad():
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.02)
-    old = model.model.rotary_emb
-    with torch.device(device):
-        model.model.rotary_emb = type(old)(config=model.config)
+    _initialize(model, device)
     return model, counts
 
 

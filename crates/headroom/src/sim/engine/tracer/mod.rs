@@ -487,6 +487,18 @@ impl Tracer {
     pub(crate) fn view(&mut self, x: T, numel: u64, label: &'static str) -> T {
         let base = self.share(x);
         let dtype = self.dtype(x);
+        self.without_storage(numel, dtype, Some(base), label)
+    }
+
+    /// A tensor record that owns no allocation: a view of `base`, or one whose storage is
+    /// resized to 0.
+    fn without_storage(
+        &mut self,
+        numel: u64,
+        dtype: DType,
+        base: Option<T>,
+        label: &'static str,
+    ) -> T {
         self.new_tensor(TensorRec {
             numel,
             dtype,
@@ -496,7 +508,7 @@ impl Tracer {
             grad_fn: None,
             param: None,
             view_of_temporary: false,
-            base: Some(base),
+            base,
             label,
         })
     }
@@ -575,18 +587,7 @@ impl Tracer {
     /// A tensor whose storage is resized to 0 (`_free_storage`): it exists, holds nothing, and
     /// views of it stay valid across [`Tracer::alloc_storage`] and [`Tracer::free_storage`].
     pub(crate) fn storageless(&mut self, numel: u64, dtype: DType, label: &'static str) -> T {
-        self.new_tensor(TensorRec {
-            numel,
-            dtype,
-            allocation: None,
-            refs: 1,
-            requires_grad: false,
-            grad_fn: None,
-            param: None,
-            view_of_temporary: false,
-            base: None,
-            label,
-        })
+        self.without_storage(numel, dtype, None, label)
     }
 
     /// `_alloc_storage(t)`: its storage grows back to its size.

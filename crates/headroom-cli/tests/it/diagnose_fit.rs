@@ -263,6 +263,23 @@ fn diagnose_follows_an_accelerate_fsdp1_launch_to_its_measurement() {
     );
 }
 
+/// Shorter sequences change the data: a remedy only for a run that does not fit as it is.
+#[test]
+fn shorter_sequences_are_offered_only_to_a_run_that_does_not_fit() {
+    let keys = |spec: &str, gpu: &str| -> Vec<String> {
+        json(&["diagnose", "--spec", spec, "--gpu", gpu, "--json"])["remedies"]
+            .as_array()
+            .expect("remedies")
+            .iter()
+            .map(|r| r["key"].as_str().expect("key").to_string())
+            .collect()
+    };
+    let fits = keys("examples/qwen2.5-7b-lora.yaml", "h200");
+    assert!(!fits.iter().any(|k| k == "shorter-sequences"), "{fits:?}");
+    let short = keys("examples/llama-3.1-8b-full.yaml", "h100");
+    assert!(short.iter().any(|k| k == "shorter-sequences"), "{short:?}");
+}
+
 #[test]
 fn bad_input_exits_2_and_names_the_file() {
     let missing = headroom(&["diagnose", "--oom", "/nonexistent/oom.log"]);

@@ -259,7 +259,8 @@ pub fn remedies(setup: &Setup) -> Result<Vec<Remedy>> {
             )?;
         }
     }
-    if k0.seq_len > 1 {
+    // Shortening the data is a remedy only for a run that does not fit as it is.
+    if k0.seq_len > 1 && !base.fits {
         // The longest shorter sequence that fits; half when none does (to show the trend).
         let shorter = plan::max_seq_len(setup, k0.seq_len - 1)?
             .unwrap_or(k0.seq_len / 2)

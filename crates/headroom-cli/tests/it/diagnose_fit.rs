@@ -263,6 +263,18 @@ fn diagnose_follows_an_accelerate_fsdp1_launch_to_its_measurement() {
     );
 }
 
+/// `fit --json` says whether a configuration precomputes DPO's reference log-probs.
+#[test]
+fn fit_json_says_whether_reference_log_probs_are_precomputed() {
+    let knob = |spec: &str| {
+        json(&["fit", &p(spec), "--gpu", "h100", "--json"])["spec"]["knobs"]
+            ["precompute_ref_log_probs"]
+            .clone()
+    };
+    assert_eq!(knob("dpo-precompute.yaml"), true);
+    assert_eq!(knob("seed003/train.yaml"), false);
+}
+
 /// Shorter sequences change the data: a remedy only for a run that does not fit as it is.
 #[test]
 fn shorter_sequences_are_offered_only_to_a_run_that_does_not_fit() {

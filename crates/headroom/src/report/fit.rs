@@ -68,6 +68,9 @@ pub struct KnobsJson {
     pub sharding: &'static str,
     pub cpu_offload: bool,
     pub fused_loss: bool,
+    /// DPO's reference log-probs computed once before training (TRL's
+    /// `precompute_ref_log_probs`).
+    pub precompute_ref_log_probs: bool,
     pub residents_off_gpu: bool,
 }
 
@@ -123,6 +126,7 @@ impl KnobsJson {
             sharding: k.sharding.key(),
             cpu_offload: k.cpu_offload,
             fused_loss: k.fused_loss,
+            precompute_ref_log_probs: k.precompute_ref_log_probs,
             residents_off_gpu: k.residents_off_gpu,
         }
     }

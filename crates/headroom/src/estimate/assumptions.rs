@@ -30,6 +30,8 @@ struct Uses {
     trainer_under_ddp: bool,
     /// GRPO generates with vLLM on this GPU.
     vllm_colocated: bool,
+    /// FSDP1 over several ranks.
+    fsdp1: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -56,6 +58,10 @@ impl Uses {
             .as_ref()
             .is_some_and(|p| p.strategy.is_deepspeed());
         self.sdpa |= spec.attention == Attention::Sdpa;
+        self.fsdp1 |= spec
+            .parallel
+            .as_ref()
+            .is_some_and(|p| p.strategy == crate::spec::Strategy::Fsdp1);
     }
 
     /// Whether the estimate depends on `library`'s version. A TRL version given always counts:
@@ -139,6 +145,13 @@ impl Assumptions {
             warnings.push(
                 "the colocated vLLM engine's share is vLLM's contract (gpu_memory_utilization of \
                  the total), not a measurement: vLLM is not on the measuring machines"
+                    .to_string(),
+            );
+        }
+        if uses.fsdp1 {
+            warnings.push(
+                "FSDP1 is measured as rank 0 of a fake process group (bench/fsdp1): its NCCL \
+                 communicators are carried over from FSDP2's, measured on real NCCL"
                     .to_string(),
             );
         }

@@ -27,9 +27,10 @@ reference is built on the GPU. `manual-offload`: it is built on the host (`home:
 
 Exactly what the harness does, in this order (the estimator's simulator copies it):
 
-* Process: with a sharded instance (`parallel`: ddp, fsdp or zero1-3) the pipeline runs under `torchrun
-  --nproc-per-node world_size`, every rank running all of it: `torch.cuda.set_device(LOCAL_RANK)`,
-  `dist.init_process_group("nccl", device_id=...)` as dist.py does. Then `torch.zeros(1)` on the
+* Process: with a sharded instance (`parallel`: ddp, fsdp, fsdp1 or zero1-3) the pipeline runs under
+  `torchrun --nproc-per-node world_size`, every rank running all of it: `torch.cuda.set_device(LOCAL_RANK)`,
+  `dist.init_process_group("nccl", device_id=...)` as dist.py does. With `HEADROOM_FAKE_WORLD=W` (and
+  WORLD_SIZE=W) one process runs rank 0 of a world of W under torch's fake process group instead. Then `torch.zeros(1)` on the
   device; `cuda_context_bytes` is total - free after it. With --snapshot,
   `torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")` next
   (rank 0 only, or every rank when the path holds `{rank}`).
@@ -58,8 +59,10 @@ Exactly what the harness does, in this order (the estimator's simulator copies i
 * Each iteration runs the phases in order; each phase is one measured record. At its start
   `torch.cuda.synchronize()` (and `dist.barrier()` under torchrun), `reset_peak_memory_stats()`.
   1. The `offload` instances whose parameters are on the GPU go out, in the listed order:
-     `model.cpu()` (parameters and buffers; optimizer states and gradients stay where they are);
-     then `torch.cuda.empty_cache()` if any moved.
+     `model.cpu()` (parameters and buffers; gradients stay where they are); an item
+     `{instance, optimizer: true}` also moves each optimizer state tensor (`state[k] =
+     v.to("cpu")`, as verl's `offload_fsdp_optimizer` and slime's `move_torch_optimizer` do;
+     `params: false` moves the states alone); then `torch.cuda.empty_cache()` if any moved.
   2. The `home: cpu` instances that the phase runs come in, in the order of their first pass:
      `model.cuda()` (not the FSDP2-offloaded one: its layers come in one by one by themselves).
   3. The passes in order, each `repeat` times:
@@ -80,7 +83,7 @@ Exactly what the harness does, in this order (the estimator's simulator copies i
        `logits_to_keep=1`.
      The default pass is the instance's mode (train, or forward).
   4. The instances brought in go back out (`model.cpu()`), `empty_cache()` if anything moved in
-     1. or 2., then the offloaded ones come back in (`model.cuda()`).
+     1. or 2., then the offloaded ones come back in (`model.cuda()`, then their states).
   5. `torch.cuda.synchronize()` (and `dist.barrier(); torch.cuda.synchronize()` under torchrun),
      then the phase's counters are read.
   Peak counters are also read and reset between the parts of a pass (a train pass's forward,

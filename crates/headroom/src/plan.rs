@@ -461,7 +461,13 @@ pub fn simulate(setup: &Setup, k: &Knobs) -> Result<Estimate> {
         ..setup.gpu.clone()
     };
     if parallel.is_some() {
+        // Over other ranks, or another strategy, than the spec's, a layout may not hold
+        // (FSDP1 over one rank, autocast meant for a policy the strategy lacks): no answer.
         spec.parallel = parallel;
+        spec = spec.rechecked().map_err(|e| Error::Unsupported {
+            what: format!("this configuration over {} GPUs ({e})", setup.gpus),
+            supported: "the layouts a spec can say".into(),
+        })?;
     }
     ESTIMATES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut est = estimate::estimate(&spec, setup.spec_dir, &gpu)?;
@@ -878,31 +884,36 @@ fn describe_accelerate_sharding(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<S
         return Vec::new();
     }
     let parallel = parallel_for(&spec_for(&setup.spec, k), k, setup.gpus);
-    vec![match parallel {
-        Some(p) if p.strategy == Strategy::Ddp => "distributed_type: MULTI_GPU".to_string(),
-        Some(p) if p.strategy == Strategy::Fsdp => format!(
-            "distributed_type: FSDP (fsdp_version: 2, fsdp_offload_params: {})",
-            p.offload_params
-        ),
-        Some(p) => format!(
-            "distributed_type: DEEPSPEED (zero_stage: {}{})",
-            &p.strategy.name()[4..],
-            if p.offload_optimizer {
+    let zero = |stage: u8, offload: bool| {
+        format!(
+            "distributed_type: DEEPSPEED (zero_stage: {stage}{})",
+            if offload {
                 ", offload_optimizer_device: cpu"
             } else {
                 ""
             }
-        ),
-        None => format!(
-            "{} (computed)",
-            match k.sharding {
-                Sharding::None => "distributed_type: MULTI_GPU",
-                Sharding::Zero1 => "distributed_type: DEEPSPEED (zero_stage: 1)",
-                Sharding::Zero2 => "distributed_type: DEEPSPEED (zero_stage: 2)",
-                Sharding::Zero3 => "distributed_type: DEEPSPEED (zero_stage: 3)",
+        )
+    };
+    vec![
+        match parallel.map(|p| (p.strategy, p.offload_params, p.offload_optimizer)) {
+            Some((Strategy::Ddp, ..)) => "distributed_type: MULTI_GPU".to_string(),
+            Some((Strategy::Fsdp, offload, _)) => {
+                format!("distributed_type: FSDP (fsdp_version: 2, fsdp_offload_params: {offload})")
             }
-        ),
-    }]
+            Some((Strategy::Fsdp1, offload, _)) => {
+                format!("distributed_type: FSDP (fsdp_version: 1, fsdp_offload_params: {offload})")
+            }
+            Some((Strategy::Zero1, _, offload)) => zero(1, offload),
+            Some((Strategy::Zero2, _, offload)) => zero(2, offload),
+            Some((Strategy::Zero3, _, offload)) => zero(3, offload),
+            None => match k.sharding {
+                Sharding::None => "distributed_type: MULTI_GPU (computed)".to_string(),
+                Sharding::Zero1 => format!("{} (computed)", zero(1, k.cpu_offload)),
+                Sharding::Zero2 => format!("{} (computed)", zero(2, k.cpu_offload)),
+                Sharding::Zero3 => format!("{} (computed)", zero(3, k.cpu_offload)),
+            },
+        },
+    ]
 }
 
 /// `TrainingArguments.optim` for an optimizer.

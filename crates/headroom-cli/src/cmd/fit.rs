@@ -41,8 +41,10 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> CliResult {
-    if args.gpus == Some(0) {
-        return Err(CliError::input("--gpus: 0 is not allowed; use 1 or more"));
+    if let Some(n) = args.gpus.filter(|n| !(1..=65536).contains(n)) {
+        return Err(CliError::input(format!(
+            "--gpus: {n} is not allowed; use 1 to 65536"
+        )));
     }
     let mut spec = RunSpec::from_file(&args.spec)?;
     let mut launcher = Launcher::Script;

@@ -152,6 +152,12 @@ fn fit_plans_a_sharded_spec_on_its_own_layout() {
             "{e}"
         );
     }
+    // GPUs past the limits are refused by name.
+    let refused = crate::common::bad_input(&["fit", spec, "--gpu", "h100", "--gpus", "100000"]);
+    assert!(
+        refused.contains("--gpus") && refused.contains("65536"),
+        "{refused}"
+    );
     // Over 16 GPUs the shards halve: less memory than over 8.
     let wider = json(&["fit", spec, "--gpu", "h100-80gb", "--gpus", "16", "--json"]);
     assert!(

@@ -490,7 +490,8 @@ impl RunSpec {
 
     /// The spec's combinations and sizes checked again, after a change made outside the parser
     /// (a launch config's data parallelism).
-    pub fn rechecked(self) -> Result<Self> {
+    pub fn rechecked(mut self) -> Result<Self> {
+        self.parallel = self.parallel.map(Parallel::checked).transpose()?;
         self.check_sizes()?;
         self.check_combinations()?;
         Ok(self)
@@ -902,13 +903,6 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         .map_err(field)?,
     };
     let world_size = positive(obj, "world_size", 1).map_err(field)?;
-    if world_size > 65536 {
-        return Err(Error::field(
-            "parallel.world_size",
-            world_size,
-            "use an integer from 1 to 65536",
-        ));
-    }
     // The harness writes every key; a key that does not apply is accepted at its default.
     let set = |key: &str| {
         obj.get(key).is_some_and(|v| match key {
@@ -961,13 +955,6 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         })?,
     };
     let shard_size = positive(obj, "shard_size", world_size).map_err(field)?;
-    if world_size % shard_size != 0 {
-        return Err(Error::field(
-            "parallel.shard_size",
-            shard_size,
-            format!("it must divide world_size ({world_size})"),
-        ));
-    }
     only_for("units", fsdp, "it applies to fsdp only")?;
     let units = match obj.get("units") {
         None | Some(Value::Null) => FsdpUnits::Layers,
@@ -999,22 +986,6 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         }
         Some(v) => Some(parse_mixed_precision(v, strategy)?),
     };
-    if fsdp1 && world_size == 1 {
-        return Err(Error::field(
-            "parallel.world_size",
-            1,
-            "FSDP1 over one rank is NO_SHARD, which is not modelled; use 2 or more, or strategy \
-             fsdp (FSDP2) for one GPU",
-        ));
-    }
-    if fsdp1 && world_size > 1 && shard_size == 1 {
-        return Err(Error::field(
-            "parallel.shard_size",
-            1,
-            "FSDP1 makes a shard group of one NO_SHARD, whose replicas never reduce their \
-             gradients; use shard_size >= 2, or strategy ddp",
-        ));
-    }
     let fsdp1_options = Fsdp1Options {
         use_orig_params: match obj.get("use_orig_params") {
             None | Some(Value::Null) => true,
@@ -1037,7 +1008,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             .map_err(field)?,
         },
     };
-    Ok(Parallel {
+    Parallel {
         strategy,
         world_size,
         reshard_after_forward,
@@ -1047,7 +1018,47 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         mixed_precision,
         units,
         fsdp1: fsdp1_options,
-    })
+    }
+    .checked()
+}
+
+impl Parallel {
+    /// The layout checked: ranks within bounds, a shard group that divides them, and FSDP1's
+    /// groups of one refused (both where a spec is parsed and where a launch config makes one).
+    fn checked(self) -> Result<Self> {
+        let (world_size, shard_size) = (self.world_size, self.shard_size);
+        if !(1..=65536).contains(&world_size) {
+            return Err(Error::field(
+                "parallel.world_size",
+                world_size,
+                "use an integer from 1 to 65536",
+            ));
+        }
+        if shard_size == 0 || world_size % shard_size != 0 {
+            return Err(Error::field(
+                "parallel.shard_size",
+                shard_size,
+                format!("it must divide world_size ({world_size})"),
+            ));
+        }
+        if self.strategy == Strategy::Fsdp1 && world_size == 1 {
+            return Err(Error::field(
+                "parallel.world_size",
+                1,
+                "FSDP1 over one rank is NO_SHARD, which is not modelled; use 2 or more, or \
+                 strategy fsdp (FSDP2) for one GPU",
+            ));
+        }
+        if self.strategy == Strategy::Fsdp1 && shard_size == 1 {
+            return Err(Error::field(
+                "parallel.shard_size",
+                1,
+                "FSDP1 makes a shard group of one NO_SHARD, whose replicas never reduce their \
+                 gradients; use shard_size >= 2, or strategy ddp",
+            ));
+        }
+        Ok(self)
+    }
 }
 
 /// `parallel.mixed_precision: {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}`,

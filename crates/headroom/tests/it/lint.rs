@@ -249,6 +249,17 @@ fn accelerate_launches_the_spec() {
             .map(|p| p.strategy),
         Some(Strategy::Ddp)
     );
+    // A layout no spec could say is not followed (nor simulated): no ranks, more machines
+    // than processes, a world past the limits.
+    for yaml in [
+        "distributed_type: MULTI_GPU\nnum_processes: 0\n",
+        "distributed_type: FSDP\nnum_processes: 2\nnum_machines: 4\nfsdp_config:\n  \
+         fsdp_sharding_strategy: HYBRID_SHARD\n",
+        "distributed_type: FSDP\nnum_processes: 99999999\nfsdp_config:\n  fsdp_version: 2\n",
+    ] {
+        let why = launch(yaml).apply(&spec).expect_err(yaml);
+        assert!(why.contains("parallel."), "{why}");
+    }
 }
 
 #[test]

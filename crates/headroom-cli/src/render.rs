@@ -200,15 +200,29 @@ fn verdict_text(
 
 pub fn models(rows: &[(&String, headroom::arch::Architecture)]) -> String {
     let mut t = table();
-    t.set_header(vec![
-        "model", "type", "params", "layers", "hidden", "heads", "kv", "vocab", "context",
-    ]);
+    let moe = rows.iter().any(|(_, a)| a.moe.is_some());
+    let mut header = vec!["model", "type", "params"];
+    if moe {
+        header.extend(["active", "experts"]);
+    }
+    header.extend(["layers", "hidden", "heads", "kv", "vocab", "context"]);
+    t.set_header(header);
     for (name, a) in rows {
         let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
-        t.add_row(vec![
+        let mut row = vec![
             Cell::new(name),
             Cell::new(&a.model_type),
             right(count(a.param_count(headroom::arch::Head::CausalLm))),
+        ];
+        if moe {
+            row.push(right(count(
+                a.active_param_count(headroom::arch::Head::CausalLm),
+            )));
+            row.push(right(a.moe.as_ref().map_or("-".to_string(), |m| {
+                format!("{} / {}", m.top_k, m.experts)
+            })));
+        }
+        row.extend([
             right(a.layers.to_string()),
             right(a.hidden.to_string()),
             right(a.heads.to_string()),
@@ -216,6 +230,7 @@ pub fn models(rows: &[(&String, headroom::arch::Architecture)]) -> String {
             right(count(a.vocab)),
             right(count(a.max_positions)),
         ]);
+        t.add_row(row);
     }
     format!(
         "{t}\n{} models. `model:` also takes a hub id (Qwen/Qwen2.5-7B-Instruct), an HF config.json or a model folder.\n",

@@ -35,6 +35,9 @@ pub struct Workspaces {
     /// `getCUDABlasLtWorkspaceSize()`: cuBLASLt's (hipBLASLt's), for `addmm` with a bias
     /// epilogue.
     pub cublaslt_bytes: u64,
+    /// Streaming multiprocessors: how many blocks a reduction kernel aims for
+    /// (`setReduceConfig`'s `target_grid_size`), which sizes its global staging buffer.
+    pub multiprocessors: u64,
 }
 
 /// PyTorch 2.11's default cuBLAS workspace off sm90 (`parseChosenWorkspaceSize`: the
@@ -75,19 +78,29 @@ impl GpuArch {
     pub fn workspaces(self) -> Workspaces {
         match self {
             // `parseChosenWorkspaceSize`: 32 MiB when `major == 9 && minor == 0`.
+            // H100 SXM and H200: 132 SMs.
             GpuArch::Hopper => Workspaces {
                 cublas_bytes: 32 << 20,
                 cublaslt_bytes: CUBLASLT_DEFAULT,
+                multiprocessors: 132,
             },
+            // V100 80, A100 108, L40S 142.
             GpuArch::Volta | GpuArch::Ampere | GpuArch::Ada => Workspaces {
                 cublas_bytes: CUBLAS_DEFAULT,
                 cublaslt_bytes: CUBLASLT_DEFAULT,
+                multiprocessors: match self {
+                    GpuArch::Volta => 80,
+                    GpuArch::Ampere => 108,
+                    _ => 142,
+                },
             },
             // ROCm: 128 MiB of hipBLAS workspace on gfx94x/gfx95x (32 MiB elsewhere), and
             // `parseCUDABlasLtWorkspaceSize`'s 76 MiB for hipBLASLt, not capped.
+            // MI300X: 304 compute units.
             GpuArch::Cdna3 => Workspaces {
                 cublas_bytes: 128 << 20,
                 cublaslt_bytes: 76 << 20,
+                multiprocessors: 304,
             },
         }
     }

@@ -42,6 +42,9 @@ pub const MAX_HIDDEN: u64 = 1 << 17;
 /// `intermediate_size` (`n_inner`): real ones reach 73,728.
 pub const MAX_INTERMEDIATE: u64 = 1 << 19;
 
+/// Routed experts per MoE layer: real models have up to 384 (Kimi K2).
+pub const MAX_EXPERTS: u64 = 4096;
+
 /// Attention heads (query and key/value): real models have up to 128.
 pub const MAX_HEADS: u64 = 1024;
 

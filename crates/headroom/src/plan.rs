@@ -332,6 +332,7 @@ pub fn default_lora() -> Lora {
         alpha: 32.0,
         targets: LoraTargets::AllLinear,
         dropout: 0.05,
+        target_parameters: Vec::new(),
     }
 }
 

@@ -28,6 +28,9 @@ pub struct Row {
     pub spec: RunSpec,
     pub measured: Measured,
     pub gpu: Gpu,
+    /// The one rank measured (rank 0 of a fake process group); `None`: every rank was, and
+    /// the worst is compared.
+    pub rank: Option<u64>,
 }
 
 /// One row's comparison. Errors are signed fractions: (estimate - measured) / measured.
@@ -269,7 +272,12 @@ pub fn load_rows(path: &Path) -> Result<Vec<Row>> {
         };
         let gpu_name = v["env"]["gpu"].as_str().unwrap_or("NVIDIA H200");
         let gpu = gpu::from_device_name(gpu_name).map_err(|e| at(format!("row {id}: {e}")))?;
+        let rank = (v["env"]["process_group"].as_str() == Some("fake"))
+            .then(|| m["ranks"].as_array().filter(|r| r.len() == 1))
+            .flatten()
+            .and_then(|r| r[0]["rank"].as_u64());
         rows.push(Row {
+            rank,
             id,
             spec,
             measured,
@@ -281,7 +289,10 @@ pub fn load_rows(path: &Path) -> Result<Vec<Row>> {
 
 /// Estimate one row. Relative model paths resolve against `base_dir`.
 pub fn check(row: Row, base_dir: Option<&Path>) -> Result<RowResult> {
-    let estimate = estimate::estimate(&row.spec, base_dir, &row.gpu)?;
+    let estimate = match row.rank {
+        Some(rank) => estimate::estimate_rank(&row.spec, base_dir, &row.gpu, rank)?,
+        None => estimate::estimate(&row.spec, base_dir, &row.gpu)?,
+    };
     Ok(RowResult {
         alloc_error: relative_error(
             estimate.peak_allocated_bytes,

@@ -10,7 +10,8 @@ use crate::render;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Only the names that contain this text (case-insensitive), e.g. `qwen3` or `7b`.
+    /// Only the names that contain this text (case-insensitive), e.g. `qwen3` or `7b`;
+    /// `moe` lists the mixture-of-experts models, `dense` the others.
     pub filter: Option<String>,
     /// Print one JSON array instead of a table.
     #[arg(long)]
@@ -21,19 +22,25 @@ pub fn run(args: Args) -> CliResult {
     let filter = args.filter.as_deref().map(str::to_ascii_lowercase);
     let mut rows = Vec::new();
     for (name, config) in catalog::catalog() {
-        if filter.as_ref().is_some_and(|f| !name.contains(f.as_str())) {
-            continue;
-        }
         // The catalog is tested to parse; a failure here is a bug, not bad input.
         let arch = Architecture::from_hf_config(config)
             .map_err(|e| CliError::failure(format!("catalog model {name}: {e}")))?;
-        rows.push((name, arch));
+        let keep = match filter.as_deref() {
+            None => true,
+            Some("moe") => arch.moe.is_some(),
+            Some("dense") => arch.moe.is_none(),
+            Some(f) => name.contains(f),
+        };
+        if keep {
+            rows.push((name, arch));
+        }
     }
     if rows.is_empty() {
         let f = args.filter.unwrap_or_default();
         return Err(CliError::input(format!(
-            "no catalog model name contains `{f}`; run `headroom models` for the full list, or \
-             point `model:` at an HF config.json"
+            "no catalog model name contains `{f}`; run `headroom models` for the full list, \
+             `headroom models moe` for the mixture-of-experts ones, or point `model:` at an HF \
+             config.json"
         )));
     }
     if args.json {

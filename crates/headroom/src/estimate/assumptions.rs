@@ -4,9 +4,11 @@
 //! version the spec gives that is not the modelled one, a GPU whose context and kernels are
 //! carried over from Hopper, a rollout engine whose share is vLLM's contract.
 
+use crate::arch::{Architecture, Family};
 use crate::gpu::{Gpu, GpuArch};
 use crate::spec::{
-    Attention, Library, Optimizer, PipelineSpec, Quantization, RunSpec, Version, Versions,
+    Attention, ExpertsImpl, Library, Optimizer, PipelineSpec, Quantization, RunSpec, Version,
+    Versions,
 };
 
 /// An estimate's assumptions beyond the GPU's constants (those are `Gpu::constants`).
@@ -171,6 +173,44 @@ impl Assumptions {
             ));
         }
         Assumptions { given, warnings }
+    }
+}
+
+impl Assumptions {
+    /// What the estimate assumes about the model itself: how an MoE model's tokens are
+    /// routed, and the attention transformers runs where the spec's is not available.
+    pub fn with_model(mut self, spec: &RunSpec, arch: &Architecture) -> Self {
+        if let Some(moe) = &arch.moe {
+            let routing = match spec.experts {
+                ExpertsImpl::Eager if spec.routing_factor > 1.0 => format!(
+                    "its loop over experts gives the busiest {}x an even share of the \
+                     {} (token, expert) pairs",
+                    spec.routing_factor, moe.top_k
+                ),
+                ExpertsImpl::Eager => {
+                    "its loop over experts assumes the router spreads tokens evenly \
+                     (set routing.max_tokens_per_expert_factor for a busier expert)"
+                        .to_string()
+                }
+                _ => "its memory depends only on tokens x top_k, not on which experts the \
+                      router picks"
+                    .to_string(),
+            };
+            self.warnings.push(format!(
+                "experts run as transformers' {} ({} of {} per token): {routing}",
+                spec.experts.name(),
+                moe.top_k,
+                moe.experts
+            ));
+        }
+        if arch.family == Family::GptOss && spec.attention == Attention::Sdpa {
+            self.warnings.push(
+                "gpt-oss has no SDPA: transformers runs eager attention with sinks (and raises \
+                 if sdpa is requested explicitly); the estimate runs eager"
+                    .to_string(),
+            );
+        }
+        self
     }
 }
 

@@ -120,6 +120,17 @@ pub enum Limit {
     None,
 }
 
+/// Like [`estimate`], for one rank of a layout whose ranks differ (DeepSpeed ZeRO's
+/// partitions): what a measurement of that rank alone is compared with.
+pub fn estimate_rank(
+    spec: &RunSpec,
+    spec_dir: Option<&Path>,
+    gpu: &Gpu,
+    rank: u64,
+) -> Result<Estimate> {
+    Ok(estimate_ranks(spec, spec_dir, gpu, Limit::Gpu, false, Some(rank))?.0)
+}
+
 /// Like [`estimate`], with the limit chosen, also returning every allocation and free of the
 /// simulated run (when `trace`).
 pub fn estimate_with_trace(
@@ -128,6 +139,18 @@ pub fn estimate_with_trace(
     gpu: &Gpu,
     limit: Limit,
     trace: bool,
+) -> Result<(Estimate, Vec<SimulatedEvent>)> {
+    estimate_ranks(spec, spec_dir, gpu, limit, trace, None)
+}
+
+/// The estimate of the worst rank, or of `rank` alone.
+fn estimate_ranks(
+    spec: &RunSpec,
+    spec_dir: Option<&Path>,
+    gpu: &Gpu,
+    limit: Limit,
+    trace: bool,
+    rank: Option<u64>,
 ) -> Result<(Estimate, Vec<SimulatedEvent>)> {
     spec.check_simulated()?;
     let (model, arch) = spec.architecture(spec_dir, "")?;
@@ -160,6 +183,7 @@ pub fn estimate_with_trace(
         device_total: gpu.total_bytes,
         after_oom: sim::AfterOom::StopUnlessUnlimited,
         record_trace: trace,
+        only_rank: rank,
         ..sim::Options::new(allocator)
     };
     let mut sim = sim::simulate(spec, &arch, &options);
@@ -185,6 +209,7 @@ pub fn estimate_with_trace(
         .map(|&c| (c, sim.peak.breakdown[c.index()]))
         .filter(|&(_, bytes)| bytes > 0)
         .collect();
+    let assumptions = Assumptions::run(spec, gpu).with_model(spec, &arch);
     let estimate = Estimate {
         model: model.name,
         parallel: spec.parallel.clone(),
@@ -205,7 +230,7 @@ pub fn estimate_with_trace(
         gpu: gpu.clone(),
         capacity_bytes: capacity,
         oom,
-        assumptions: Assumptions::run(spec, gpu),
+        assumptions,
     };
     Ok((estimate, sim.trace))
 }

@@ -284,6 +284,8 @@ pub struct TimelineEventJson {
     /// True for an allocation, false for a free.
     pub alloc: bool,
     pub bytes: u64,
+    /// The simulated block's address: a free names the allocation it returns.
+    pub address: u64,
     pub component: &'static str,
     /// What the tensor is, as the timeline names it.
     pub label: &'static str,
@@ -294,6 +296,7 @@ impl TimelineEventJson {
         Self {
             alloc: e.alloc,
             bytes: e.bytes,
+            address: e.address,
             component: e.component.key(),
             label: e.label,
         }

@@ -22,6 +22,11 @@ pub struct ModelJson<'a> {
     pub vocab: u64,
     pub max_positions: u64,
     pub tie_word_embeddings: bool,
+    /// Routed experts per MoE layer and experts per token; absent for dense models.
+    pub experts: Option<u64>,
+    pub experts_per_token: Option<u64>,
+    /// Parameters one token runs through (the total less the experts it skips).
+    pub active_params: u64,
 }
 
 impl<'a> ModelJson<'a> {
@@ -39,6 +44,9 @@ impl<'a> ModelJson<'a> {
             vocab: a.vocab,
             max_positions: a.max_positions,
             tie_word_embeddings: a.tie_word_embeddings,
+            experts: a.moe.as_ref().map(|m| m.experts),
+            experts_per_token: a.moe.as_ref().map(|m| m.top_k),
+            active_params: a.active_param_count(Head::CausalLm),
         }
     }
 }

@@ -74,12 +74,158 @@ pub enum LoraTargets {
     Modules(Vec<String>),
 }
 
+/// `config._experts_implementation`: which function runs the experts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertsImpl {
+    /// `torch._grouped_mm` over tokens sorted by expert (transformers' default).
+    #[default]
+    GroupedMm,
+    /// `bmm` over each (token, expert) pair with the expert's weights gathered per pair.
+    BatchedMm,
+    /// The class's own loop over the experts that received tokens.
+    Eager,
+}
+
+impl ExpertsImpl {
+    pub const NAMES: &'static str = "grouped_mm, batched_mm, eager";
+
+    pub fn parse(name: &str) -> Option<ExpertsImpl> {
+        match name {
+            "grouped_mm" => Some(ExpertsImpl::GroupedMm),
+            "batched_mm" => Some(ExpertsImpl::BatchedMm),
+            "eager" => Some(ExpertsImpl::Eager),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertsImpl::GroupedMm => "grouped_mm",
+            ExpertsImpl::BatchedMm => "batched_mm",
+            ExpertsImpl::Eager => "eager",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Lora {
     pub r: u64,
     pub alpha: f64,
     pub targets: LoraTargets,
     pub dropout: f64,
+    /// peft's `target_parameters`: the fused expert weights it wraps (`ExpertsGateUp`,
+    /// `ExpertsDown`), and the router (`Router`) after peft's conversion.
+    pub target_parameters: Vec<Module>,
+}
+
+/// What peft 0.21 calls the modules its transformers-v5 conversion
+/// (`_convert_peft_config_moe`) moves from `target_modules` to `target_parameters` for the
+/// families whose experts transformers 5 fused: the v4 names of the experts' projections and
+/// the router.
+struct V4ExpertNames {
+    gate_up: [&'static str; 2],
+    down: &'static str,
+    router: &'static str,
+}
+
+fn v4_expert_names(family: crate::arch::Family) -> Option<V4ExpertNames> {
+    use crate::arch::Family;
+    match family {
+        // `_MODEL_TO_CONVERSION_PATTERN` maps these to the qwen2_moe pattern; qwen2_moe itself
+        // and gpt_oss are not in it, so peft leaves their configs alone.
+        Family::Qwen3Moe | Family::Olmoe | Family::DeepseekV2 | Family::DeepseekV3 => {
+            Some(V4ExpertNames {
+                gate_up: ["gate_proj", "up_proj"],
+                down: "down_proj",
+                router: "gate",
+            })
+        }
+        Family::Mixtral => Some(V4ExpertNames {
+            gate_up: ["w1", "w3"],
+            down: "w2",
+            router: "gate",
+        }),
+        _ => None,
+    }
+}
+
+impl Lora {
+    /// The adapter as peft 0.21 builds it on `arch` under transformers 5: for MoE families
+    /// whose experts were fused, names of the old per-expert projections and the router move
+    /// from the modules to the parameters (both halves of gate_up or neither), `all-linear`
+    /// included; the fused gate_up then gets twice the rank (`rank_pattern`).
+    pub fn as_built_for(&self, arch: &Architecture) -> Result<BuiltLora> {
+        let Some(names) = v4_expert_names(arch.family) else {
+            return Ok(BuiltLora {
+                lora: self.clone(),
+                gate_up_rank: self.r,
+            });
+        };
+        let mut modules: Vec<String> = match &self.targets {
+            LoraTargets::AllLinear => {
+                let mut all: Vec<String> = arch
+                    .parameters(Head::CausalLm)
+                    .iter()
+                    .filter(|p| p.module.is_linear() && p.module != Module::LmHead)
+                    .map(|p| p.module.hf_name().to_string())
+                    .collect();
+                all.extend(names.gate_up.iter().map(|n| n.to_string()));
+                all.extend([names.down.to_string(), names.router.to_string()]);
+                all.sort();
+                all.dedup();
+                all
+            }
+            LoraTargets::Modules(list) => list.clone(),
+        };
+        let mut parameters = self.target_parameters.clone();
+        let mut add = |m: Module| {
+            if !parameters.contains(&m) {
+                parameters.push(m);
+            }
+        };
+        let halves = names
+            .gate_up
+            .iter()
+            .filter(|n| modules.iter().any(|m| m == *n))
+            .count();
+        if halves == 1 {
+            return Err(Error::field(
+                "lora.targets",
+                format!("{:?}", modules),
+                format!(
+                    "peft fuses {} and {} into gate_up_proj on {}: target both or neither",
+                    names.gate_up[0], names.gate_up[1], arch.model_type
+                ),
+            ));
+        }
+        if halves == 2 {
+            add(Module::ExpertsGateUp);
+        }
+        if modules.iter().any(|m| m == names.down) {
+            add(Module::ExpertsDown);
+        }
+        if modules.iter().any(|m| m == names.router) {
+            add(Module::Router);
+        }
+        let moved = [names.gate_up[0], names.gate_up[1], names.down, names.router];
+        modules.retain(|m| !moved.contains(&m.as_str()));
+        Ok(BuiltLora {
+            lora: Lora {
+                targets: LoraTargets::Modules(modules),
+                target_parameters: parameters,
+                ..self.clone()
+            },
+            gate_up_rank: if halves == 2 { 2 * self.r } else { self.r },
+        })
+    }
+}
+
+/// A LoRA config as peft applies it to one model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BuiltLora {
+    pub lora: Lora,
+    /// The rank of the fused experts' gate_up adapter (doubled when peft fused two targets).
+    pub gate_up_rank: u64,
 }
 
 /// How training is spread over GPUs; each rank runs the same step on its own micro-batch.
@@ -253,6 +399,10 @@ pub struct RunSpec {
     pub versions: Versions,
     /// The training loop that runs the step (`trainer:` and that trainer's keys).
     pub trainer: TrainerSpec,
+    /// Which function runs an MoE model's experts (`experts_implementation`).
+    pub experts: ExpertsImpl,
+    /// The busiest expert's tokens over an even share (`routing.max_tokens_per_expert_factor`).
+    pub routing_factor: f64,
 }
 
 const KEYS: &[&str] = &[
@@ -273,6 +423,8 @@ const KEYS: &[&str] = &[
     "autocast",
     "model_config",
     "versions",
+    "experts_implementation",
+    "routing",
 ];
 
 /// What an unknown key in a run spec (or its sections) is not.
@@ -429,6 +581,17 @@ impl RunSpec {
                 Attention::Sdpa,
             )?,
             lora: obj.get("lora").map(parse_lora).transpose()?,
+            experts: match obj.get("experts_implementation") {
+                None | Some(Value::Null) => ExpertsImpl::default(),
+                Some(v) => v.as_str().and_then(ExpertsImpl::parse).ok_or_else(|| {
+                    Error::field(
+                        "experts_implementation",
+                        v,
+                        format!("use one of {}", ExpertsImpl::NAMES),
+                    )
+                })?,
+            },
+            routing_factor: parse_routing(obj.get("routing"))?,
             quantization: match obj.get("quantization") {
                 None | Some(Value::Null) => None,
                 Some(Value::String(s)) if s == "nf4" => Some(Quantization::Nf4),
@@ -772,6 +935,16 @@ impl RunSpec {
         Ok((model, arch))
     }
 
+    /// The attention transformers runs: what the spec names, eager for models without SDPA
+    /// (gpt-oss).
+    pub fn attention_for(&self, arch: &Architecture) -> Attention {
+        if arch.family == crate::arch::Family::GptOss {
+            Attention::Eager
+        } else {
+            self.attention
+        }
+    }
+
     pub fn head(&self) -> Head {
         match self.task {
             Task::CausalLm => Head::CausalLm,
@@ -812,9 +985,44 @@ impl RunSpec {
                 ));
             }
         }
+        if self.task == Task::SeqCls && arch.family == Family::Olmoe {
+            return Err(Error::Unsupported {
+                what: "task seq-cls with an olmoe model".into(),
+                supported: "causal-lm (transformers 5.17 has no OlmoeForSequenceClassification)"
+                    .into(),
+            });
+        }
+        if arch.moe.is_none() {
+            if self.experts != ExpertsImpl::default() {
+                return Err(Error::field(
+                    "experts_implementation",
+                    self.experts.name(),
+                    format!("{} has no experts; leave it out", self.model),
+                ));
+            }
+            if self.routing_factor != 1.0 {
+                return Err(Error::field(
+                    "routing",
+                    self.routing_factor,
+                    format!("{} has no experts; leave it out", self.model),
+                ));
+            }
+        }
         let Some(lora) = &self.lora else {
             return Ok(());
         };
+        let built = lora.as_built_for(arch)?;
+        let lora = &built.lora;
+        if !lora.target_parameters.is_empty() && arch.moe.is_none() {
+            return Err(Error::field(
+                "lora.target_parameters",
+                "[...]",
+                format!(
+                    "{} has no fused expert weights; use lora.targets",
+                    self.model
+                ),
+            ));
+        }
         let params = arch.parameters(self.head());
         let linears: Vec<_> = params
             .iter()
@@ -1118,16 +1326,95 @@ fn parse_mixed_precision(value: &Value, strategy: Strategy) -> Result<MixedPreci
     })
 }
 
+/// `routing: {max_tokens_per_expert_factor: F}`: how much more than an even share of the
+/// (token, expert) pairs the busiest expert receives (1 = even).
+fn parse_routing(value: Option<&Value>) -> Result<f64> {
+    let obj = match value {
+        None | Some(Value::Null) => return Ok(1.0),
+        Some(Value::Object(obj)) => obj,
+        Some(v) => {
+            return Err(Error::field(
+                "routing",
+                v,
+                "use a mapping {max_tokens_per_expert_factor: F}",
+            ));
+        }
+    };
+    unknown_key(
+        obj,
+        "routing.",
+        &["max_tokens_per_expert_factor"],
+        RUN_SPEC_KEY,
+    )?;
+    match obj.get("max_tokens_per_expert_factor") {
+        None => Ok(1.0),
+        Some(v) => v
+            .as_f64()
+            .filter(|f| (1.0..=4096.0).contains(f))
+            .ok_or_else(|| {
+                Error::field(
+                    "routing.max_tokens_per_expert_factor",
+                    v,
+                    "use a number from 1 (even routing) to the number of experts",
+                )
+            }),
+    }
+}
+
+/// The expert parameters peft's `target_parameters` can name, by the suffix it matches.
+const EXPERT_PARAMETERS: &[(&str, Module)] = &[
+    ("experts.gate_up_proj", Module::ExpertsGateUp),
+    ("experts.down_proj", Module::ExpertsDown),
+];
+
 fn parse_lora(value: &Value) -> Result<Lora> {
-    let obj = value
-        .as_object()
-        .ok_or_else(|| Error::field("lora", value, "use a mapping {r, alpha, targets, dropout}"))?;
+    let obj = value.as_object().ok_or_else(|| {
+        Error::field(
+            "lora",
+            value,
+            "use a mapping {r, alpha, targets, dropout, target_parameters}",
+        )
+    })?;
     unknown_key(
         obj,
         "lora.",
-        &["r", "alpha", "targets", "dropout"],
+        &["r", "alpha", "targets", "dropout", "target_parameters"],
         RUN_SPEC_KEY,
     )?;
+    let target_parameters = match obj.get("target_parameters") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) if !items.is_empty() => {
+            let mut out = Vec::new();
+            for item in items {
+                let module = item.as_str().and_then(|name| {
+                    EXPERT_PARAMETERS
+                        .iter()
+                        .find(|(suffix, _)| name.ends_with(suffix))
+                        .map(|&(_, m)| m)
+                });
+                match module {
+                    Some(m) if !out.contains(&m) => out.push(m),
+                    Some(_) => {}
+                    None => {
+                        return Err(Error::field(
+                            "lora.target_parameters",
+                            item,
+                            "name fused expert weights: mlp.experts.gate_up_proj, \
+                             mlp.experts.down_proj",
+                        ));
+                    }
+                }
+            }
+            out
+        }
+        Some(v) => {
+            return Err(Error::field(
+                "lora.target_parameters",
+                v,
+                "use a list such as [mlp.experts.gate_up_proj, mlp.experts.down_proj]",
+            ));
+        }
+    };
     let r = positive(obj, "r", 8)
         .map_err(|_| Error::field("lora.r", &obj["r"], "use an integer >= 1"))?;
     let number = |key: &str, default: f64, ok: fn(f64) -> bool, allowed: &str| -> Result<f64> {
@@ -1146,8 +1433,19 @@ fn parse_lora(value: &Value) -> Result<Lora> {
         |x| (0.0..1.0).contains(&x),
         "use a number in [0, 1)",
     )?;
+    if !target_parameters.is_empty() && dropout > 0.0 {
+        return Err(Error::field(
+            "lora.dropout",
+            dropout,
+            "peft wraps target_parameters only without dropout; use 0",
+        ));
+    }
     let targets = match obj.get("targets") {
+        None if !target_parameters.is_empty() => LoraTargets::Modules(Vec::new()),
         None => LoraTargets::AllLinear,
+        Some(Value::Array(items)) if items.is_empty() && !target_parameters.is_empty() => {
+            LoraTargets::Modules(Vec::new())
+        }
         Some(Value::String(s)) if s == "all-linear" => LoraTargets::AllLinear,
         Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_string) => {
             LoraTargets::Modules(
@@ -1170,6 +1468,7 @@ fn parse_lora(value: &Value) -> Result<Lora> {
         alpha,
         targets,
         dropout,
+        target_parameters,
     })
 }
 

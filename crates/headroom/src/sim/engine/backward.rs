@@ -22,12 +22,16 @@ impl Tracer {
         let outer = std::mem::replace(&mut self.component, component);
         let raw = self.raw_grads(node, op, &inputs, &saved);
         let mut out = Grads::new();
-        for (grad, meta) in raw
+        for (slot, (grad, meta)) in raw
             .into_iter()
             .zip(inputs.iter().copied().chain(std::iter::repeat(None)))
+            .enumerate()
         {
             out.push(match (grad, meta) {
-                (Some(grad), Some((numel, dtype))) => Some(self.validate(grad, numel, dtype)),
+                (Some(grad), Some((numel, dtype))) => {
+                    let outer = self.input_is_parameter(node, slot);
+                    Some(self.validate(grad, numel, dtype, outer))
+                }
                 (Some(grad), None) => {
                     self.drop(grad);
                     None
@@ -39,9 +43,10 @@ impl Tracer {
         out
     }
 
-    /// `validate_outputs`: sum a broadcast gradient back to the input's shape, then cast it to
-    /// the input's dtype.
-    fn validate(&mut self, grad: T, numel: u64, dtype: DType) -> T {
+    /// `validate_outputs`: sum a broadcast gradient back to the input's shape (over the outer
+    /// dimensions for a parameter, the inner ones for an activation), then cast it to the
+    /// input's dtype.
+    fn validate(&mut self, grad: T, numel: u64, dtype: DType, outer: bool) -> T {
         let mut grad = grad;
         if self.numel(grad) != numel {
             let reduced = self.empty(
@@ -49,6 +54,9 @@ impl Tracer {
                 self.dtype(grad),
                 "grad reduced to input shape (sum_to)",
             );
+            if outer {
+                self.reduction_staging(numel, self.numel(grad) / numel.max(1));
+            }
             self.drop(grad);
             grad = reduced;
         }
@@ -102,11 +110,21 @@ impl Tracer {
                 }
             }
             Bwd::Mul => {
-                for i in 0..2 {
-                    out.push(needs(i).map(|_| self.like_grad(g, "grad of mul")));
-                }
+                // `MulBackward0` computes `other`'s gradient before `self`'s.
+                let other = needs(1).map(|_| self.like_grad(g, "grad of mul"));
+                let this = needs(0).map(|_| self.like_grad(g, "grad of mul"));
+                out.push(this);
+                out.push(other);
             }
-            Bwd::MulScalar | Bwd::Neg | Bwd::Silu | Bwd::GeluTanh | Bwd::Tanh | Bwd::Dropout => {
+            Bwd::MulScalar
+            | Bwd::Neg
+            | Bwd::Silu
+            | Bwd::GeluTanh
+            | Bwd::Tanh
+            | Bwd::Dropout
+            | Bwd::Sigmoid
+            | Bwd::Clamp
+            | Bwd::MaskedFill => {
                 out.push(Some(self.like_grad(g, "grad of pointwise op")));
             }
             Bwd::Add => {
@@ -133,6 +151,12 @@ impl Tracer {
                 self.drop(t2);
                 self.drop(t1);
                 out.push(Some(t3));
+            }
+            Bwd::SumDim => {
+                // `grad.unsqueeze(dim).expand(sizes)`: a view (cast by validate_outputs when
+                // autocast summed in fp32).
+                let (numel, _) = needs(0).expect("a sum's input needs grad");
+                out.push(Some(self.view(g, numel, "grad of sum(dim) (expand)")));
             }
             Bwd::MeanLastDim | Bwd::Reduce => {
                 let (numel, _) = needs(0).expect("a mean's input needs grad");
@@ -352,6 +376,61 @@ impl Tracer {
                 out.push(input);
                 out.push(needs(1).and_then(|_| saved.next()).map(|&w| self.share(w)));
             }
+            Bwd::IndexRows { indices } => {
+                let (numel, dtype) = needs(0).expect("an index's input needs grad");
+                let grad = self.empty(numel, dtype, "grad of x[index] (zeros, index_put_)");
+                self.index_sort_temporaries(indices);
+                out.push(Some(grad));
+            }
+            Bwd::GroupedMm => {
+                let weight = needs(1).map(|(numel, _)| {
+                    self.empty(numel, self.dtype(g), "grad of expert weights (_grouped_mm)")
+                });
+                let input = needs(0).map(|(numel, _)| {
+                    self.empty(numel, self.dtype(g), "grad of _grouped_mm input")
+                });
+                out.push(input);
+                out.push(weight);
+            }
+            Bwd::SelectScatter => {
+                out.push(needs(0).map(|(numel, _)| {
+                    self.empty(
+                        numel,
+                        self.dtype(g),
+                        "grad scattered into zeros (topk/gather)",
+                    )
+                }));
+            }
+            Bwd::SliceCopies => {
+                let copy = self.like_grad(g, "CopySlices: grad copy");
+                for i in 0..inputs.len() {
+                    out.push(needs(i).map(|(numel, _)| {
+                        self.empty(numel, self.dtype(g), "CopySlices: slice of grad (clone)")
+                    }));
+                }
+                self.drop(copy);
+            }
+            Bwd::IndexAdd => {
+                out.push(needs(0).map(|_| self.share(g)));
+                out.push(needs(1).map(|(numel, _)| {
+                    self.empty(
+                        numel,
+                        self.dtype(g),
+                        "grad of index_add_ source (index_select)",
+                    )
+                }));
+            }
+            Bwd::Baddbmm => {
+                out.push(None);
+                for i in 1..3 {
+                    out.push(needs(i).map(|(numel, _)| {
+                        let product = self.empty(numel, self.dtype(g), "baddbmm backward: bmm");
+                        let scaled = self.empty(numel, self.dtype(g), "baddbmm backward: * alpha");
+                        self.drop(product);
+                        scaled
+                    }));
+                }
+            }
             Bwd::NllLoss => {
                 out.push(needs(0).map(|(numel, dtype)| {
                     self.empty(numel, dtype, "grad of nll_loss (zeros + scatter)")
@@ -388,6 +467,16 @@ impl Tracer {
         let arange = self.empty(selected, DType::I64, "index_put: arange");
         let scratch = self.empty(2 * selected, DType::I64, "index_put: cub sort scratch");
         self.drop_all(&[scratch, arange, order, sorted, linear]);
+    }
+
+    /// `index_put_(indices, values, accumulate=True)` with an integer index of `indices`
+    /// elements: the linearised index and its sort (`index_put_with_sort_kernel`), all freed.
+    fn index_sort_temporaries(&mut self, indices: u64) {
+        let linear = self.empty(indices, DType::I64, "index_put: linear index");
+        let sorted = self.empty(indices, DType::I64, "index_put: sorted index");
+        let order = self.empty(indices, DType::I64, "index_put: sort order");
+        let scratch = self.empty(2 * indices, DType::I64, "index_put: cub sort scratch");
+        self.drop_all(&[scratch, order, sorted, linear]);
     }
 
     /// `_ChunkedLogProbFunction.backward`: fp32 accumulators for the hidden states' and (when

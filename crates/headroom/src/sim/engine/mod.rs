@@ -1,5 +1,6 @@
 //! Eager PyTorch as the model code sees it. [`tracer`] holds tensors, parameters and the
-//! autograd graph; [`ops`] gives each kernel its allocations; [`backward`] runs the graph as
+//! autograd graph; [`ops`] gives each kernel its allocations ([`ops_routing`] those of
+//! mixture-of-experts routing); [`backward`] runs the graph as
 //! `torch/csrc/autograd/engine.cpp` does; [`memory`] serves every allocation through the
 //! caching-allocator simulator and keeps the peak and what it is made of ([`component`]).
 
@@ -7,4 +8,5 @@ pub(crate) mod backward;
 pub mod component;
 pub mod memory;
 pub(crate) mod ops;
+pub(crate) mod ops_routing;
 pub(crate) mod tracer;

@@ -6,12 +6,12 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use crate::arch::{Architecture, Param};
+use crate::arch::{Architecture, Module, Param};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{BackwardHooks, ParamId, T, Tracer};
 use crate::sim::model::heads::{lm_head, logprob_forward, train_forward};
-use crate::sim::model::transformer::{LoraAdapter, Model};
+use crate::sim::model::transformer::{ExpertLora, LoraAdapter, Model};
 use crate::sim::model::{AttentionImpl, Batch};
 use crate::sim::model::{liger, load, quant, trl};
 use crate::sim::optim::OptimizerState;
@@ -23,8 +23,8 @@ use crate::sim::strategy::fsdp1::Fsdp1;
 use crate::sim::strategy::zero::Zero;
 use crate::sim::strategy::zero3::Zero3;
 use crate::spec::{
-    self, Attention, Home, Lora, Mode, Optimizer, Precision, Quantization, RunSpec, Task,
-    lora_targets_module,
+    self, Attention, BuiltLora, Home, Lora, Mode, Optimizer, Precision, Quantization, RunSpec,
+    Task, lora_targets_module,
 };
 
 pub(crate) struct Instance {
@@ -61,7 +61,7 @@ impl Instance {
         let head = spec.head();
         let train = spec.mode == Mode::Train;
         let trainable = |_: &Param| train;
-        let attention = match spec.attention {
+        let attention = match spec.attention_for(arch) {
             Attention::Sdpa => AttentionImpl::Sdpa,
             Attention::Eager => AttentionImpl::Eager,
         };
@@ -163,6 +163,8 @@ impl Instance {
             };
         }
         model.checkpointing = spec.gradient_checkpointing && train;
+        model.experts_impl = spec.experts;
+        model.routing_factor = spec.routing_factor;
         model.inputs_require_grads = model.checkpointing;
         let trainable_ids: Vec<ParamId> = params
             .clone()
@@ -669,6 +671,10 @@ fn install_lora(
     for p in params {
         t.set_trainable(p, false);
     }
+    let built = lora
+        .as_built_for(&model.arch)
+        .expect("the spec's LoRA targets were checked against the model");
+    let lora = &built.lora;
     let dtype = model.dtype;
     let mut adapters = Vec::new();
     for (module, linear) in model.linears_mut() {
@@ -687,6 +693,7 @@ fn install_lora(
         });
         adapters.extend([a, b]);
     }
+    install_expert_lora(t, model, &built, dtype, &mut adapters);
     for p in adapters {
         t.cast_parameter(p, DType::F32);
     }
@@ -696,5 +703,49 @@ fn install_lora(
         let n = score.out_features * score.in_features;
         score.weight = t.parameter(n, dtype, true, "score (modules_to_save copy)");
         t.set_matrix(score.weight, score.out_features, score.in_features);
+    }
+}
+
+/// peft's `target_parameters`: a `ParamWrapper` per targeted 3-D expert weight of each MoE
+/// layer (`lora_A` (r·E, in), `lora_B` (out, r·E)), gate_up before down, and on the router's
+/// 2-D weight (`lora_A` (r, H), `lora_B` (E, r)).
+fn install_expert_lora(
+    t: &mut Tracer,
+    model: &mut Model,
+    built: &BuiltLora,
+    dtype: DType,
+    adapters: &mut Vec<ParamId>,
+) {
+    let Some(moe) = model.arch.moe.clone() else {
+        return;
+    };
+    let lora = &built.lora;
+    let (h, i, e) = (model.arch.hidden, moe.intermediate, moe.experts);
+    for layer in &mut model.layers {
+        if lora.target_parameters.contains(&Module::Router) && layer.router.is_some() {
+            let a = t.parameter(lora.r * h, dtype, true, "lora_A (router)");
+            let b = t.parameter(e * lora.r, dtype, true, "lora_B (router)");
+            adapters.extend([a, b]);
+        }
+        let Some(experts) = layer.experts.as_mut() else {
+            continue;
+        };
+        for module in [Module::ExpertsGateUp, Module::ExpertsDown] {
+            if !lora.target_parameters.contains(&module) {
+                continue;
+            }
+            let (inputs, outputs, r) = match module {
+                Module::ExpertsGateUp => (h, 2 * i, built.gate_up_rank),
+                _ => (i, h, lora.r),
+            };
+            let a = t.parameter(r * e * inputs, dtype, true, "lora_A (experts)");
+            let b = t.parameter(outputs * r * e, dtype, true, "lora_B (experts)");
+            adapters.extend([a, b]);
+            let adapter = Some(ExpertLora { a, b });
+            match module {
+                Module::ExpertsGateUp => experts.gate_up_lora = adapter,
+                _ => experts.down_lora = adapter,
+            }
+        }
     }
 }

@@ -41,6 +41,9 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
         }
         simulate_rank(spec, arch, t, options.repeat_steps, rank)
     };
+    if let Some(rank) = options.only_rank.filter(|_| ranks_differ) {
+        return run(Some(rank));
+    }
     let last = run(None);
     if !ranks_differ {
         return last;

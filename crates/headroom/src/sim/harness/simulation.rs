@@ -28,6 +28,8 @@ pub struct Options {
     /// Take a step that provably repeats the previous one from it instead of simulating it
     /// again (see `sim::memo`); tests turn it off to check that.
     pub repeat_steps: bool,
+    /// Where ranks differ, simulate this one instead of the worst of the first and last.
+    pub only_rank: Option<u64>,
 }
 
 /// What a run does after its first out-of-memory error, which is recorded in
@@ -54,6 +56,7 @@ impl Options {
             device_total: Gpu::default().total_bytes,
             after_oom: AfterOom::GoOn,
             record_trace: false,
+            only_rank: None,
             repeat_steps: true,
         }
     }

@@ -38,7 +38,7 @@ pub(crate) fn simulate(
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);
     if kind.is_trl() {
-        load::save_random_model(&mut t, arch, spec.head(), attention(spec));
+        load::save_random_model(&mut t, arch, spec.head(), attention(spec, arch));
     }
     let mut policy = Instance::build(&mut t, spec, arch, Home::Gpu, None);
     let mut reference = reference_model(&mut t, spec, arch);
@@ -553,8 +553,8 @@ fn precompute_ref_log_probs(
     t.drop_all(&inputs);
 }
 
-fn attention(spec: &RunSpec) -> AttentionImpl {
-    match spec.attention {
+fn attention(spec: &RunSpec, arch: &Architecture) -> AttentionImpl {
+    match spec.attention_for(arch) {
         Attention::Sdpa => AttentionImpl::Sdpa,
         Attention::Eager => AttentionImpl::Eager,
     }

@@ -53,8 +53,9 @@ impl Masks {
     ) -> Masks {
         let outer = std::mem::replace(&mut t.component, Component::Activations);
         let window = a.sliding_window.filter(|_| a.family != Family::Gpt2);
-        // Mistral and Phi-3 use one sliding-window mask for every layer; Gemma 2 alternates.
-        let needs_full = window.is_none() || a.family == Family::Gemma2;
+        // Mistral and Phi-3 use one sliding-window mask for every layer; Gemma 2 and 3 and
+        // gpt-oss mix sliding and full layers.
+        let needs_full = window.is_none() || a.sliding_pattern.is_some();
         let needs_sliding = window.is_some();
         let build = |t: &mut Tracer, sliding: bool| -> Option<T> {
             match attention {
@@ -101,8 +102,8 @@ impl Masks {
     pub(crate) fn for_layer(&self, a: &Architecture, layer: usize) -> Option<T> {
         match a.family {
             // `layer_types`: sliding, full, sliding, ...
-            Family::Gemma2 if layer.is_multiple_of(2) => self.sliding,
-            Family::Gemma2 => self.full,
+            _ if a.sliding_pattern.is_some() && a.is_sliding(layer as u64) => self.sliding,
+            _ if a.sliding_pattern.is_some() => self.full,
             _ => self.sliding.or(self.full),
         }
     }
@@ -181,6 +182,45 @@ fn batch_mask(t: &mut Tracer, batch: Batch, sliding: bool) -> T {
     mask
 }
 
+/// The shapes attention runs on: query heads, key/value heads, the query/key and value head
+/// widths (they differ in MLA).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Heads {
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub qk_dim: u64,
+    pub v_dim: u64,
+    /// The query is a contiguous head-major tensor (MLA concatenates it): fused kernels then
+    /// write their output head-major too, and `.transpose(1, 2).contiguous()` copies it.
+    pub head_major_query: bool,
+}
+
+impl Heads {
+    pub(crate) fn of(a: &Architecture) -> Heads {
+        match a.mla {
+            Some(mla) => Heads {
+                heads: a.heads,
+                kv_heads: a.heads,
+                qk_dim: mla.qk_head_dim(),
+                v_dim: mla.v_head_dim,
+                head_major_query: true,
+            },
+            None => Heads {
+                heads: a.heads,
+                kv_heads: a.kv_heads,
+                qk_dim: a.head_dim,
+                v_dim: a.head_dim,
+                head_major_query: false,
+            },
+        }
+    }
+
+    /// Elements of the attention output, (b, s, heads * v_dim).
+    fn out_numel(&self, batch: Batch) -> u64 {
+        batch.n() * self.heads * self.v_dim
+    }
+}
+
 /// `repeat_kv`: `x[:, :, None].expand(...).reshape(...)`, a copy whose backward sums the
 /// groups back.
 fn repeat_kv(t: &mut Tracer, x: T, groups: u64) -> T {
@@ -192,12 +232,14 @@ fn repeat_kv(t: &mut Tracer, x: T, groups: u64) -> T {
     out
 }
 
-/// The attention of one layer: q (b, heads, s, d), k and v (b, kv_heads, s, d) after rotary
-/// embeddings. Returns the output as (b, s, heads * d), ready for `o_proj`.
+/// The attention of one layer: q (b, heads, s, qk), k (b, kv_heads, s, qk) and v
+/// (b, kv_heads, s, v) after rotary embeddings. Returns the output as (b, s, heads * v),
+/// ready for `o_proj`. `sinks`: gpt-oss's per-head sink logits.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
     t: &mut Tracer,
     a: &Architecture,
+    hd: Heads,
     implementation: AttentionImpl,
     q: T,
     k: T,
@@ -205,21 +247,23 @@ pub(crate) fn attention(
     mask: Option<T>,
     batch: Batch,
     dropout: bool,
+    sinks: Option<T>,
 ) -> T {
-    match implementation {
-        AttentionImpl::Sdpa => sdpa(t, a, q, k, v, mask, batch, dropout),
-        AttentionImpl::Eager => eager(t, a, q, k, v, mask, batch, dropout),
+    match (implementation, sinks) {
+        (AttentionImpl::Eager, Some(sinks)) => eager_with_sinks(t, hd, q, k, v, mask, batch, sinks),
+        (AttentionImpl::Sdpa, _) => sdpa(t, hd, q, k, v, mask, batch, dropout),
+        (AttentionImpl::Eager, None) => eager(t, a, hd, q, k, v, mask, batch, dropout),
     }
 }
 
 /// `sdpa_attention_forward`: grouped-query attention goes to SDPA with `enable_gqa` unless a
 /// mask is given (then `repeat_kv` in Python); autocast casts fp32 operands (value, key, query:
-/// C++ argument order); the output's `.transpose(1, 2).contiguous()` copies only what the math
-/// backend returns head-major.
+/// C++ argument order); the output's `.transpose(1, 2).contiguous()` copies what the kernel
+/// returns head-major.
 #[allow(clippy::too_many_arguments)]
 fn sdpa(
     t: &mut Tracer,
-    a: &Architecture,
+    hd: Heads,
     q: T,
     k: T,
     v: T,
@@ -227,8 +271,8 @@ fn sdpa(
     batch: Batch,
     dropout: bool,
 ) -> T {
-    let groups = a.heads / a.kv_heads;
-    let enable_gqa = groups > 1 && mask.is_none() && a.head_dim <= 256;
+    let groups = hd.heads / hd.kv_heads;
+    let enable_gqa = groups > 1 && mask.is_none() && hd.qk_dim <= 256;
     let (k, v) = if enable_gqa {
         (t.share(k), t.share(v))
     } else {
@@ -251,14 +295,21 @@ fn sdpa(
         t.drop_all(&[zero, ninf]);
         bias
     });
-    let kernel = select_kernel(dtype, a.head_dim, mask.is_some(), enable_gqa);
+    let kernel = select_kernel(dtype, hd.qk_dim, mask.is_some(), enable_gqa);
     let out = match kernel {
         Kernel::Flash | Kernel::Cudnn => {
-            fused(t, a, kernel, q_c, k_c, v_c, bias, batch, enable_gqa)
+            let out = fused(t, hd, kernel, q_c, k_c, v_c, bias, batch, enable_gqa);
+            if hd.head_major_query {
+                let copy = t.contiguous_copy(out);
+                t.drop(out);
+                copy
+            } else {
+                out
+            }
         }
-        Kernel::Efficient => efficient(t, a, q_c, k_c, v_c, bias, batch, dropout),
+        Kernel::Efficient => efficient(t, hd, q_c, k_c, v_c, bias, batch, dropout),
         Kernel::Math => {
-            let out = math(t, a, q_c, k_c, v_c, bias, batch, enable_gqa);
+            let out = math(t, hd, q_c, k_c, v_c, bias, batch, enable_gqa);
             // `attn_output.transpose(1, 2).contiguous()`
             let copy = t.contiguous_copy(out);
             t.drop(out);
@@ -272,13 +323,13 @@ fn sdpa(
     out
 }
 
-/// Flash attention and cuDNN attention: output in the (b, s, heads, d) layout, fp32
-/// log-sum-exp per row, a philox seed and offset. Backward: dq, dk, dv and one workspace
-/// (`softmax_d` and an fp32 `dq_accum`, plus head-expanded dk/dv under GQA).
+/// Flash attention and cuDNN attention: output in the query's layout, fp32 log-sum-exp per
+/// row, a philox seed and offset. Backward: dq, dk, dv and one workspace (`softmax_d` and an
+/// fp32 `dq_accum`, plus head-expanded dk/dv under GQA).
 #[allow(clippy::too_many_arguments)]
 fn fused(
     t: &mut Tracer,
-    a: &Architecture,
+    hd: Heads,
     kernel: Kernel,
     q: T,
     k: T,
@@ -292,20 +343,20 @@ fn fused(
         t.empty(1, DType::I64, "philox seed"),
         t.empty(1, DType::I64, "philox offset"),
     ];
-    let out = t.empty(t.numel(q), dtype, "attention output");
+    let out = t.empty(hd.out_numel(batch), dtype, "attention output");
     let lse = t.empty(
-        batch.b * a.heads * batch.s,
+        batch.b * hd.heads * batch.s,
         DType::F32,
         "attention logsumexp",
     );
     let scratch = t.empty(256, DType::U8, "attention forward scratch");
     t.drop(scratch);
     let round = |x: u64, m: u64| x.div_ceil(m) * m;
-    let (s_round, d_round) = (round(batch.s, 128), round(a.head_dim, 32));
+    let (s_round, d_round) = (round(batch.s, 128), round(hd.qk_dim, 32));
     let mut workspace =
-        batch.b * a.heads * s_round * 4 + batch.b * s_round * a.heads * d_round * 4 + 256;
+        batch.b * hd.heads * s_round * 4 + batch.b * s_round * hd.heads * d_round * 4 + 256;
     if gqa {
-        workspace += 2 * batch.b * batch.s * a.heads * a.head_dim * dtype.bytes();
+        workspace += 2 * batch.b * batch.s * hd.heads * hd.qk_dim * dtype.bytes();
     }
     // Saved in the order the backward nodes release them.
     let mut saved = Vec::with_capacity(8);
@@ -328,7 +379,7 @@ fn fused(
 #[allow(clippy::too_many_arguments)]
 fn efficient(
     t: &mut Tracer,
-    a: &Architecture,
+    hd: Heads,
     q: T,
     k: T,
     v: T,
@@ -336,10 +387,10 @@ fn efficient(
     batch: Batch,
     _dropout: bool,
 ) -> T {
-    let out = t.empty(t.numel(q), t.dtype(q), "attention output");
-    let lse_numel = batch.b * a.heads * batch.s.div_ceil(32) * 32;
+    let out = t.empty(hd.out_numel(batch), t.dtype(q), "attention output");
+    let lse_numel = batch.b * hd.heads * batch.s.div_ceil(32) * 32;
     let lse = t.empty(lse_numel, DType::F32, "attention logsumexp");
-    let workspace = batch.b * a.heads * batch.s * a.head_dim.div_ceil(128) * 128 * 4 + 4096;
+    let workspace = batch.b * hd.heads * batch.s * hd.qk_dim.div_ceil(128) * 128 * 4 + 4096;
     let mut saved = Vec::with_capacity(6);
     saved.extend(bias);
     saved.extend([q, k, v, lse, out]);
@@ -361,7 +412,7 @@ fn efficient(
 #[allow(clippy::too_many_arguments)]
 fn math(
     t: &mut Tracer,
-    a: &Architecture,
+    hd: Heads,
     q: T,
     k: T,
     v: T,
@@ -369,7 +420,7 @@ fn math(
     batch: Batch,
     gqa: bool,
 ) -> T {
-    let groups = a.heads / a.kv_heads;
+    let groups = hd.heads / hd.kv_heads;
     let q_scaled = t.mul_scalar(q);
     // is_causal: `ones(L, S).tril()` made additive with `where`.
     let causal = bias.is_none().then(|| {
@@ -390,7 +441,7 @@ fn math(
     // `key.transpose(-2, -1) * scaling_factor`, made contiguous by matmul's reshape.
     let k_scaled = t.mul_scalar(k_exp);
     let k_copy = t.contiguous_copy(k_scaled);
-    let scores_numel = batch.b * a.heads * batch.s * batch.s;
+    let scores_numel = batch.b * hd.heads * batch.s * batch.s;
     let scores = t.bmm(q_scaled, k_copy, scores_numel);
     t.drop_all(&[k_copy, q_scaled]);
     // `_safe_softmax`: softmax, then rows that were all -inf set to 0 (small temporaries).
@@ -398,13 +449,13 @@ fn math(
     t.record(Bwd::SafeSoftmax, &[Some(scores)], &[probs], &[probs]);
     let all_masked = t.empty(scores_numel, DType::Bool, "safe_softmax: == -inf");
     let rows = t.empty(
-        batch.b * a.heads * batch.s,
+        batch.b * hd.heads * batch.s,
         DType::Bool,
         "safe_softmax: all()",
     );
     let zero = t.empty(1, t.dtype(scores), "safe_softmax: 0");
     t.drop_all(&[zero, rows, all_masked, scores]);
-    let out = t.bmm(probs, v_exp, t.numel(q));
+    let out = t.bmm(probs, v_exp, hd.out_numel(batch));
     t.drop_all(&[probs, k_scaled, k_exp, v_exp]);
     if let Some(mask) = causal {
         t.drop(mask);
@@ -418,6 +469,7 @@ fn math(
 fn eager(
     t: &mut Tracer,
     a: &Architecture,
+    hd: Heads,
     q: T,
     k: T,
     v: T,
@@ -425,11 +477,11 @@ fn eager(
     batch: Batch,
     dropout: bool,
 ) -> T {
-    let groups = a.heads / a.kv_heads;
+    let groups = hd.heads / hd.kv_heads;
     let k_rep = repeat_kv(t, k, groups);
     let v_rep = repeat_kv(t, v, groups);
     let k_t = t.contiguous_copy(k_rep);
-    let scores_numel = batch.b * a.heads * batch.s * batch.s;
+    let scores_numel = batch.b * hd.heads * batch.s * batch.s;
     let scores = t.bmm(q, k_t, scores_numel);
     t.drop(k_t);
     let mut logits = t.mul_scalar(scores);
@@ -456,8 +508,55 @@ fn eager(
         t.drop(probs);
         probs = dropped;
     }
-    let out_bhsd = t.bmm(probs, v_rep, t.numel(q));
+    let out_bhsd = t.bmm(probs, v_rep, hd.out_numel(batch));
     t.drop(probs);
+    let out = t.contiguous_copy(out_bhsd);
+    t.drop_all(&[out_bhsd, k_rep, v_rep]);
+    out
+}
+
+/// gpt-oss's `eager_attention_forward`: the scores gain a sink column per head
+/// (`cat([scores, sinks])`, (b, h, s, s + 1)), the row maximum is subtracted, and the softmax
+/// runs in the scores' dtype; the sink column is sliced off before the product with v.
+#[allow(clippy::too_many_arguments)]
+fn eager_with_sinks(
+    t: &mut Tracer,
+    hd: Heads,
+    q: T,
+    k: T,
+    v: T,
+    mask: Option<T>,
+    batch: Batch,
+    sinks: T,
+) -> T {
+    let groups = hd.heads / hd.kv_heads;
+    let k_rep = repeat_kv(t, k, groups);
+    let v_rep = repeat_kv(t, v, groups);
+    let k_t = t.contiguous_copy(k_rep);
+    let rows = batch.b * hd.heads * batch.s;
+    let scores = t.bmm(q, k_t, rows * batch.s);
+    t.drop(k_t);
+    let mut logits = t.mul_scalar(scores);
+    t.drop(scores);
+    if let Some(mask) = mask {
+        let masked = t.add(logits, mask);
+        t.drop(logits);
+        logits = masked;
+    }
+    // sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)
+    let sink_column = t.view(sinks, rows, "sinks.expand(b, h, s, 1)");
+    t.record(Bwd::Reduce, &[Some(sinks)], &[sink_column], &[]);
+    let combined = t.cat2(logits, sink_column);
+    t.drop_all(&[logits, sink_column]);
+    let (max_values, max_indices) = t.max_last(combined, rows);
+    let shifted = t.add(combined, max_values);
+    t.drop_all(&[combined, max_values, max_indices]);
+    let probs = t.softmax(shifted);
+    t.drop(shifted);
+    let scores = t.slice(probs, rows * batch.s);
+    t.drop(probs);
+    let out_bhsd = t.bmm(scores, v_rep, hd.out_numel(batch));
+    t.drop(scores);
     let out = t.contiguous_copy(out_bhsd);
     t.drop_all(&[out_bhsd, k_rep, v_rep]);
     out

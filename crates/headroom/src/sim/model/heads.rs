@@ -30,7 +30,14 @@ pub(crate) fn train_forward(
             loss
         }
         Task::CausalLm => {
-            let (loss, logits) = causal_lm_loss(t, model, hidden, batch);
+            let (mut loss, logits) = causal_lm_loss(t, model, hidden, batch);
+            // `loss += router_aux_loss_coef * load_balancing_loss_func(router_logits, ...)`
+            if let Some(aux) = model.load_balancing_loss(t, batch.n()) {
+                let scaled = t.mul_scalar(aux);
+                let total = t.add(loss, scaled);
+                t.drop_all(&[aux, scaled, loss]);
+                loss = total;
+            }
             model.forward_done(t);
             t.drop(hidden);
             t.drop(logits);

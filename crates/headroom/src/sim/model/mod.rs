@@ -1,6 +1,6 @@
 //! The HF models as engine ops: each function names the transformers function it mirrors.
 //! [`transformer`] builds the parameters and runs the decoder stack, [`attention`] its
-//! attention kernels and masks, [`heads`] the output heads and losses, [`liger`]
+//! attention kernels and masks, [`mla`] DeepSeek's latent attention, [`moe`] routed experts, [`heads`] the output heads and losses, [`liger`]
 //! liger-kernel's replacements for some of them, [`load`]
 //! `from_pretrained`, [`quant`] the bitsandbytes 4-bit weights and peft's k-bit preparation, [`trl`] TRL's fused LM head
 //! and its trainers' losses.
@@ -9,6 +9,8 @@ pub(crate) mod attention;
 pub(crate) mod heads;
 pub(crate) mod liger;
 pub(crate) mod load;
+pub(crate) mod mla;
+pub(crate) mod moe;
 pub(crate) mod quant;
 pub(crate) mod transformer;
 pub(crate) mod trl;

@@ -4,13 +4,14 @@
 
 use std::cell::RefCell;
 
-use super::attention::{self, Masks};
+use super::attention::{self, Heads, Masks};
 use super::{AttentionImpl, Batch, liger};
 use crate::arch::{Architecture, Family, Head, Module, NormKind, Param};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{Bwd, ParamId, T, Tracer};
 use crate::sim::strategy::{ModuleKey, Strategy, Unit};
+use crate::spec::ExpertsImpl;
 
 /// A linear layer's parameters, with its LoRA adapter when peft wrapped it.
 #[derive(Clone, Copy, Debug)]
@@ -112,6 +113,46 @@ impl Linear {
     }
 }
 
+/// A router's parameters (`mlp.gate.weight`; gpt-oss's router has a bias).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RouterParams {
+    pub weight: ParamId,
+    pub bias: Option<ParamId>,
+}
+
+/// peft's `ParamWrapper` on one 3-D expert parameter: `lora_A` is (r·E, in), `lora_B`
+/// (out, r·E), fp32.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ExpertLora {
+    pub a: ParamId,
+    pub b: ParamId,
+}
+
+/// The experts module's parameters.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Experts {
+    pub gate_up: ParamId,
+    pub gate_up_bias: Option<ParamId>,
+    pub down: ParamId,
+    pub down_bias: Option<ParamId>,
+    pub gate_up_lora: Option<ExpertLora>,
+    pub down_lora: Option<ExpertLora>,
+}
+
+impl Experts {
+    pub(crate) fn params(&self) -> Vec<ParamId> {
+        [
+            Some(self.gate_up),
+            self.gate_up_bias,
+            Some(self.down),
+            self.down_bias,
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+}
+
 /// A norm's parameters (LayerNorm has a bias).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Norm {
@@ -134,8 +175,27 @@ pub(crate) struct Layer {
     pub post_attn_norm: Option<Norm>,
     pub pre_ffn_norm: Option<Norm>,
     pub post_ffn_norm: Option<Norm>,
+    pub post_self_attn_norm: Option<Norm>,
+    pub post_mlp_norm: Option<Norm>,
     pub q_norm: Option<Norm>,
     pub k_norm: Option<Norm>,
+    /// MLA's low-rank query and key/value projections and their norms.
+    pub q_a: Option<Linear>,
+    pub q_a_norm: Option<Norm>,
+    pub q_b: Option<Linear>,
+    pub kv_a: Option<Linear>,
+    pub kv_a_norm: Option<Norm>,
+    pub kv_b: Option<Linear>,
+    /// gpt-oss's attention sinks.
+    pub sinks: Option<ParamId>,
+    /// A routed MoE block's router and experts.
+    pub router: Option<RouterParams>,
+    pub experts: Option<Experts>,
+    /// The shared expert's MLP and Qwen2-MoE's gate on it.
+    pub shared_gate: Option<Linear>,
+    pub shared_up: Option<Linear>,
+    pub shared_down: Option<Linear>,
+    pub shared_expert_gate: Option<Linear>,
 }
 
 /// The model as built on the GPU: its architecture and parameter handles.
@@ -170,6 +230,12 @@ pub(crate) struct Model {
     pub adapters_disabled: bool,
     /// liger-kernel's replacements this model runs (`use_liger_kernel`).
     pub liger: liger::Kernels,
+    /// Which function runs the experts of MoE layers.
+    pub experts_impl: ExpertsImpl,
+    /// The busiest expert's tokens over an even share (the per-expert loop's largest tensors).
+    pub routing_factor: f64,
+    /// Router logits kept for the load-balancing loss (`output_router_logits`).
+    pub router_logits: RefCell<Vec<T>>,
 }
 
 impl Model {
@@ -297,8 +363,40 @@ impl Model {
                         Module::PostAttnNorm => layer.post_attn_norm = Some(norm),
                         Module::PreFfnNorm => layer.pre_ffn_norm = Some(norm),
                         Module::PostFfnNorm => layer.post_ffn_norm = Some(norm),
+                        Module::PostSelfAttnNorm => layer.post_self_attn_norm = Some(norm),
+                        Module::PostMlpNorm => layer.post_mlp_norm = Some(norm),
                         Module::QNorm => layer.q_norm = Some(norm),
                         Module::KNorm => layer.k_norm = Some(norm),
+                        Module::QA => layer.q_a = Some(linear),
+                        Module::QANorm => layer.q_a_norm = Some(norm),
+                        Module::QB => layer.q_b = Some(linear),
+                        Module::KvA => layer.kv_a = Some(linear),
+                        Module::KvANorm => layer.kv_a_norm = Some(norm),
+                        Module::KvB => layer.kv_b = Some(linear),
+                        Module::Sinks => layer.sinks = Some(id),
+                        Module::Router => layer.router = Some(RouterParams { weight: id, bias }),
+                        Module::ExpertsGateUp => {
+                            layer.experts = Some(Experts {
+                                gate_up: id,
+                                gate_up_bias: bias,
+                                down: id,
+                                down_bias: None,
+                                gate_up_lora: None,
+                                down_lora: None,
+                            })
+                        }
+                        Module::ExpertsDown => {
+                            let experts = layer
+                                .experts
+                                .as_mut()
+                                .expect("gate_up_proj is created before down_proj");
+                            experts.down = id;
+                            experts.down_bias = bias;
+                        }
+                        Module::SharedGate => layer.shared_gate = Some(linear),
+                        Module::SharedUp => layer.shared_up = Some(linear),
+                        Module::SharedDown => layer.shared_down = Some(linear),
+                        Module::SharedExpertGate => layer.shared_expert_gate = Some(linear),
                         _ => unreachable!("handled above"),
                     }
                 }
@@ -338,6 +436,9 @@ impl Model {
             kv_cache: None,
             adapters_disabled: false,
             liger: liger::Kernels::default(),
+            experts_impl: ExpertsImpl::default(),
+            routing_factor: 1.0,
+            router_logits: RefCell::new(Vec::new()),
         }
     }
 
@@ -358,6 +459,9 @@ impl Model {
     pub(crate) fn linears_mut(&mut self) -> Vec<(Module, &mut Linear)> {
         let gpt2 = self.arch.family == Family::Gpt2;
         let phi3 = self.arch.family == Family::Phi3;
+        let mla = self.arch.mla.is_some();
+        let moe = self.arch.moe.is_some();
+        let glm4 = self.arch.family == Family::Glm4;
         let mut out = Vec::new();
         for layer in &mut self.layers {
             let Layer {
@@ -370,9 +474,55 @@ impl Model {
                 up,
                 gate_up,
                 down,
+                q_a,
+                q_b,
+                kv_a,
+                kv_b,
+                shared_gate,
+                shared_up,
+                shared_down,
+                shared_expert_gate,
                 ..
             } = layer;
-            let ordered: Vec<(Module, &mut Option<Linear>)> = if gpt2 {
+            let ordered: Vec<(Module, &mut Option<Linear>)> = if mla {
+                vec![
+                    (Module::Q, q),
+                    (Module::QA, q_a),
+                    (Module::QB, q_b),
+                    (Module::KvA, kv_a),
+                    (Module::KvB, kv_b),
+                    (Module::O, o),
+                    (Module::Gate, gate),
+                    (Module::Up, up),
+                    (Module::Down, down),
+                    (Module::SharedGate, shared_gate),
+                    (Module::SharedUp, shared_up),
+                    (Module::SharedDown, shared_down),
+                ]
+            } else if moe {
+                vec![
+                    (Module::Q, q),
+                    (Module::K, k),
+                    (Module::V, v),
+                    (Module::O, o),
+                    (Module::Gate, gate),
+                    (Module::Up, up),
+                    (Module::Down, down),
+                    (Module::SharedGate, shared_gate),
+                    (Module::SharedUp, shared_up),
+                    (Module::SharedDown, shared_down),
+                    (Module::SharedExpertGate, shared_expert_gate),
+                ]
+            } else if glm4 {
+                vec![
+                    (Module::Q, q),
+                    (Module::K, k),
+                    (Module::V, v),
+                    (Module::O, o),
+                    (Module::GateUp, gate_up),
+                    (Module::Down, down),
+                ]
+            } else if gpt2 {
                 vec![
                     (Module::CAttn, qkv),
                     (Module::CProjAttn, o),
@@ -425,7 +575,7 @@ impl Model {
         let mut inputs_embeds = t.embedding(self.embed, ids, n, a.hidden);
         self.module_post_forward(t);
         self.unit_post_forward(t, Unit::Embedding);
-        if a.family == Family::Gemma2 {
+        if matches!(a.family, Family::Gemma2 | Family::Gemma3) {
             // `Gemma2TextScaledWordEmbedding`: `* embed_scale.to(weight.dtype)`.
             let scaled = t.mul_scalar(inputs_embeds);
             t.drop(inputs_embeds);
@@ -469,15 +619,26 @@ impl Model {
             self.module_post_forward(t);
             rope
         };
+        // Gemma 3 computes a table per layer type (full first, then sliding).
+        let local_rope = (a.family == Family::Gemma3).then(|| {
+            self.module_pre_forward(t, ModuleKey::Rotary, &[], false);
+            let rope = Rope::compute(t, a, batch, self.activation_dtype());
+            self.module_post_forward(t);
+            rope
+        });
         if a.embedding_dropout > 0.0 {
             let dropped = t.dropout(h);
             t.drop(h);
             h = dropped;
         }
         for layer in 0..self.layers.len() {
+            let table = match &local_rope {
+                Some(local) if a.is_sliding(layer as u64) => local,
+                _ => &rope,
+            };
             let ctx = LayerContext {
-                cos: rope.cos,
-                sin: rope.sin,
+                cos: table.cos,
+                sin: table.sin,
                 mask: masks.for_layer(a, layer),
             };
             // The checkpoint keeps the layer's arguments to recompute it; FSDP's hooks run
@@ -509,6 +670,9 @@ impl Model {
         }
         masks.release(t);
         rope.release(t);
+        if let Some(local) = local_rope {
+            local.release(t);
+        }
         self.module_post_forward(t);
         out
     }
@@ -541,7 +705,7 @@ impl Model {
     }
 
     /// A linear layer's forward inside its module's ZeRO-3 hooks.
-    fn hooked_linear(&self, t: &mut Tracer, linear: Linear, x: T) -> T {
+    pub(crate) fn hooked_linear(&self, t: &mut Tracer, linear: Linear, x: T) -> T {
         self.linear_pre_forward(t, linear);
         let out = self.active(linear).forward(t, x);
         self.module_post_forward(t);
@@ -549,7 +713,7 @@ impl Model {
     }
 
     /// The linear as it runs now: without its adapter while adapters are disabled.
-    fn active(&self, linear: Linear) -> Linear {
+    pub(crate) fn active(&self, linear: Linear) -> Linear {
         if self.adapters_disabled {
             Linear {
                 lora: None,
@@ -566,7 +730,7 @@ impl Model {
     }
 
     /// A norm inside its module's ZeRO-3 hooks.
-    fn hooked_norm(&self, t: &mut Tracer, x: T, norm: Norm) -> T {
+    pub(crate) fn hooked_norm(&self, t: &mut Tracer, x: T, norm: Norm) -> T {
         let params: Vec<ParamId> = std::iter::once(norm.weight).chain(norm.bias).collect();
         self.module_pre_forward(t, ModuleKey::Params(norm.weight), &params, true);
         let out = self.norm(t, x, norm);
@@ -615,17 +779,23 @@ impl Model {
         batch: Batch,
     ) -> T {
         let layer = &self.layers[index];
+        let family = self.arch.family;
         self.module_pre_forward(t, ModuleKey::Layer(index), &[], true);
         let residual = t.share(h);
-        let x = self.hooked_norm(t, h, layer.input_norm.expect("input norm"));
+        // OLMo 2 has no norm before attention.
+        let x = match layer.input_norm {
+            Some(norm) => self.hooked_norm(t, h, norm),
+            None => t.share(h),
+        };
         self.module_pre_forward(t, ModuleKey::Attention(index), &[], true);
         let mut attn = self.attention_block(t, layer, x, ctx, batch);
         self.module_post_forward(t);
         t.drop(x);
-        if let Some(norm) = layer
-            .post_attn_norm
-            .filter(|_| self.arch.family == Family::Gemma2)
-        {
+        let attn_out_norm = match family {
+            Family::Gemma2 | Family::Gemma3 | Family::Olmo2 => layer.post_attn_norm,
+            _ => layer.post_self_attn_norm,
+        };
+        if let Some(norm) = attn_out_norm {
             let normed = self.hooked_norm(t, attn, norm);
             t.drop(attn);
             attn = normed;
@@ -636,17 +806,29 @@ impl Model {
         let h2 = t.add(residual, attn);
         t.drop_all(&[attn, residual]);
         let residual = t.share(h2);
-        let ffn_norm = if self.arch.family == Family::Gemma2 {
-            layer.pre_ffn_norm
-        } else {
-            layer.post_attn_norm
+        let ffn_norm = match family {
+            Family::Gemma2 | Family::Gemma3 => layer.pre_ffn_norm,
+            Family::Olmo2 => None,
+            _ => layer.post_attn_norm,
         };
-        let x = self.hooked_norm(t, h2, ffn_norm.expect("pre-MLP norm"));
+        let x = match ffn_norm {
+            Some(norm) => self.hooked_norm(t, h2, norm),
+            None => t.share(h2),
+        };
         self.module_pre_forward(t, ModuleKey::Mlp(index), &[], true);
-        let mut m = self.mlp(t, index, x);
+        let routes = self
+            .arch
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.routes(index as u64));
+        let mut m = if routes {
+            self.moe_block(t, index, x)
+        } else {
+            self.mlp(t, index, x)
+        };
         self.module_post_forward(t);
         t.drop(x);
-        if let Some(norm) = layer.post_ffn_norm {
+        if let Some(norm) = layer.post_ffn_norm.or(layer.post_mlp_norm) {
             let normed = self.hooked_norm(t, m, norm);
             t.drop(m);
             m = normed;
@@ -673,6 +855,7 @@ impl Model {
             NormKind::Rms => rms_norm(t, x, norm.weight),
             NormKind::RmsOnePlus => rms_norm_one_plus(t, x, norm.weight),
             NormKind::LayerNorm => layer_norm(t, x, norm, self.arch.hidden),
+            NormKind::RmsWeightFirst => rms_norm_weight_first(t, x, norm.weight),
         }
     }
 
@@ -685,6 +868,9 @@ impl Model {
         batch: Batch,
     ) -> T {
         let a = &self.arch;
+        if a.mla.is_some() {
+            return self.mla_attention(t, layer, x, ctx, batch);
+        }
         let (q, k, v) = match (layer.qkv, a.family) {
             (Some(qkv), Family::Phi3) => {
                 // qkv = qkv_proj(x); q, k, v = slices of it (views).
@@ -712,12 +898,39 @@ impl Model {
                     self.active(layer.k.expect("k_proj")),
                     self.active(layer.v.expect("v_proj")),
                 );
-                self.linear_pre_forward(t, ql);
-                let q = projection_heads(t, x, ql, rotary_copy);
-                self.module_post_forward(t);
-                self.linear_pre_forward(t, kl);
-                let k = projection_heads(t, x, kl, rotary_copy);
-                self.module_post_forward(t);
+                let (q, k) = if matches!(a.family, Family::Olmoe | Family::Olmo2) {
+                    // OLMoE normalises the whole q and k projections before the head split.
+                    let olmoe_heads = |t: &mut Tracer, proj: Linear, norm: Option<Norm>| {
+                        let out = self.hooked_linear(t, proj, x);
+                        let normed = self.hooked_norm(t, out, norm.expect("q/k norm"));
+                        t.drop(out);
+                        let heads = heads_view(t, normed, rotary_copy);
+                        t.drop(normed);
+                        heads
+                    };
+                    (
+                        olmoe_heads(t, ql, layer.q_norm),
+                        olmoe_heads(t, kl, layer.k_norm),
+                    )
+                } else {
+                    // Qwen3 normalises each projection's heads before the next projection
+                    // (`q_norm(q_proj(x).view(...))`); Gemma 3 after all three.
+                    let norm_at_once = matches!(a.family, Family::Qwen3 | Family::Qwen3Moe);
+                    let heads = |t: &mut Tracer, proj: Linear, norm: Option<Norm>| {
+                        self.linear_pre_forward(t, proj);
+                        let out = projection_heads(t, x, proj, rotary_copy);
+                        self.module_post_forward(t);
+                        match norm.filter(|_| norm_at_once) {
+                            Some(norm) => {
+                                let normed = self.hooked_norm(t, out, norm);
+                                t.drop(out);
+                                normed
+                            }
+                            None => out,
+                        }
+                    };
+                    (heads(t, ql, layer.q_norm), heads(t, kl, layer.k_norm))
+                };
                 self.linear_pre_forward(t, vl);
                 let v = projection_heads(t, x, vl, value_copy);
                 self.module_post_forward(t);
@@ -725,8 +938,8 @@ impl Model {
             }
         };
         let (mut q, mut k) = (q, k);
-        if let (Some(qn), Some(kn)) = (layer.q_norm, layer.k_norm) {
-            // Qwen3: q_norm / k_norm over head_dim, before the transpose.
+        if let (Some(qn), Some(kn), Family::Gemma3) = (layer.q_norm, layer.k_norm, a.family) {
+            // Gemma 3: q_norm / k_norm over head_dim, after the three projections.
             let qq = self.hooked_norm(t, q, qn);
             t.drop(q);
             q = qq;
@@ -740,6 +953,8 @@ impl Model {
             let (qr, kr) = if self.liger.rope {
                 let (cos, sin) = ctx.rotary_tables();
                 (liger::rotate(t, q, cos, sin), liger::rotate(t, k, cos, sin))
+            } else if a.rotary_dim < a.head_dim {
+                ctx.apply_partial_rotary(t, q, k, a.rotary_dim, a.head_dim)
             } else {
                 ctx.apply_rotary(t, q, k)
             };
@@ -750,9 +965,11 @@ impl Model {
             let entry = (t.share(k), t.share(v));
             cache.borrow_mut().push(entry);
         }
+        let sinks = layer.sinks.map(|p| t.param(p));
         let out = attention::attention(
             t,
             a,
+            Heads::of(a),
             self.attention,
             q,
             k,
@@ -760,6 +977,7 @@ impl Model {
             ctx.mask,
             batch,
             self.dropout_in_attention(),
+            sinks,
         );
         t.drop_all(&[q, k, v]);
         let o = layer.o.expect("o_proj");
@@ -778,7 +996,7 @@ impl Model {
         let layer = &self.layers[index];
         let down = layer.down.expect("down_proj");
         let hidden = match a.family {
-            Family::Phi3 => {
+            Family::Phi3 | Family::Glm4 => {
                 let gu = layer.gate_up.expect("gate_up_proj");
                 let fused = self.hooked_linear(t, gu, x);
                 let half = t.numel(fused) / 2;
@@ -815,7 +1033,7 @@ impl Model {
                 let gate = self.hooked_linear(t, g, x);
                 self.module_pre_forward(t, ModuleKey::Activation(index), &[], true);
                 let act = match a.family {
-                    Family::Gemma2 => t.gelu_tanh(gate),
+                    Family::Gemma2 | Family::Gemma3 => t.gelu_tanh(gate),
                     _ => t.silu(gate),
                 };
                 self.module_post_forward(t);
@@ -835,6 +1053,13 @@ impl Model {
 /// `proj(x).view(hidden_shape).transpose(1, 2)`.
 fn projection_heads(t: &mut Tracer, x: T, proj: Linear, copy_in_backward: bool) -> T {
     let out = proj.forward(t, x);
+    let heads = heads_view(t, out, copy_in_backward);
+    t.drop(out);
+    heads
+}
+
+/// `x.view(hidden_shape).transpose(1, 2)`: a view whose backward reshapes the gradient back.
+pub(crate) fn heads_view(t: &mut Tracer, out: T, copy_in_backward: bool) -> T {
     let heads = t.view(out, t.numel(out), "view(b, s, heads, d).transpose(1, 2)");
     t.record(
         Bwd::HeadSplit {
@@ -844,7 +1069,6 @@ fn projection_heads(t: &mut Tracer, x: T, proj: Linear, copy_in_backward: bool) 
         &[heads],
         &[],
     );
-    t.drop(out);
     heads
 }
 
@@ -866,6 +1090,28 @@ fn rms_norm(t: &mut Tracer, x: T, weight: ParamId) -> T {
     let out = t.mul(w, yb);
     t.drop(yb);
     t.drop_all(&[y, variance]);
+    out
+}
+
+/// `GptOssRMSNorm.forward`: `(weight * normed_fp32).to(input_dtype)`, so the product is fp32
+/// and the weight's gradient keeps the fp32 normalised rows.
+fn rms_norm_weight_first(t: &mut Tracer, x: T, weight: ParamId) -> T {
+    let input_dtype = t.dtype(x);
+    let x32 = t.to(x, DType::F32);
+    let width = norm_width(t, weight);
+    let sq = t.pow2(x32);
+    let variance = t.mean_last(sq, width);
+    t.drop(sq);
+    let v_eps = t.add_scalar(variance);
+    let r = t.rsqrt(v_eps);
+    t.drop(v_eps);
+    let y = t.mul(x32, r);
+    t.drop_all(&[r, x32]);
+    let w = t.param(weight);
+    let product = t.mul(w, y);
+    t.drop_all(&[y, variance]);
+    let out = t.to(product, input_dtype);
+    t.drop(product);
     out
 }
 
@@ -966,22 +1212,30 @@ impl Rope {
 
     /// `Qwen2RotaryEmbedding.forward` (no grad, fp32, then cast to the activations' dtype).
     fn compute(t: &mut Tracer, a: &Architecture, batch: Batch, dtype: DType) -> Rope {
-        let half = a.head_dim / 2;
+        let half = a.rotary_dim / 2;
         let grad = t.set_grad_enabled(false);
         let autocast = t.enter_autocast(None);
         let pos_f = t.empty(batch.s, DType::F32, "rotary position_ids.float()");
         let freqs = t.empty(half * batch.s, DType::F32, "rotary freqs (matmul)");
         t.ensure_cublas_workspace();
         let emb = t.empty(
-            a.head_dim * batch.s,
+            a.rotary_dim * batch.s,
             DType::F32,
             "rotary emb = cat(freqs, freqs)",
         );
-        let cos_raw = t.empty(a.head_dim * batch.s, DType::F32, "emb.cos()");
-        let cos = t.empty(a.head_dim * batch.s, DType::F32, "cos * attention_scaling");
+        let cos_raw = t.empty(a.rotary_dim * batch.s, DType::F32, "emb.cos()");
+        let cos = t.empty(
+            a.rotary_dim * batch.s,
+            DType::F32,
+            "cos * attention_scaling",
+        );
         t.drop(cos_raw);
-        let sin_raw = t.empty(a.head_dim * batch.s, DType::F32, "emb.sin()");
-        let sin = t.empty(a.head_dim * batch.s, DType::F32, "sin * attention_scaling");
+        let sin_raw = t.empty(a.rotary_dim * batch.s, DType::F32, "emb.sin()");
+        let sin = t.empty(
+            a.rotary_dim * batch.s,
+            DType::F32,
+            "sin * attention_scaling",
+        );
         t.drop(sin_raw);
         let cos_out = t.to(cos, dtype);
         let sin_out = t.to(sin, dtype);
@@ -1009,7 +1263,7 @@ impl Rope {
 pub(crate) struct LayerContext {
     cos: Option<T>,
     sin: Option<T>,
-    mask: Option<T>,
+    pub(crate) mask: Option<T>,
 }
 
 impl LayerContext {
@@ -1034,17 +1288,58 @@ impl LayerContext {
 
     /// `apply_rotary_pos_emb`: `q * cos + rotate_half(q) * sin`, same for k.
     /// `cos` and `sin`.
-    fn rotary_tables(&self) -> (T, T) {
+    pub(crate) fn rotary_tables(&self) -> (T, T) {
         (
             self.cos.expect("rotary tables"),
             self.sin.expect("rotary tables"),
         )
     }
 
-    fn apply_rotary(&self, t: &mut Tracer, q: T, k: T) -> (T, T) {
+    pub(crate) fn apply_rotary(&self, t: &mut Tracer, q: T, k: T) -> (T, T) {
         let (cos, sin) = self.rotary_tables();
         let qe = rotate(t, q, cos, sin);
         let ke = rotate(t, k, cos, sin);
+        (qe, ke)
+    }
+}
+
+impl LayerContext {
+    /// GLM-4's `apply_rotary_pos_emb`: the first half of the tables repeated pairwise, the
+    /// first `rotary` dims of each head turned (`rotate_half` stacks the negated odd and the
+    /// even elements), then concatenated with the rest.
+    pub(crate) fn apply_partial_rotary(
+        &self,
+        t: &mut Tracer,
+        q: T,
+        k: T,
+        rotary: u64,
+        head_dim: u64,
+    ) -> (T, T) {
+        let (cos, sin) = self.rotary_tables();
+        let tables = t.numel(cos);
+        let cos_r = t.empty(tables, t.dtype(cos), "cos[..., :d/2].repeat_interleave(2)");
+        let sin_r = t.empty(tables, t.dtype(sin), "sin[..., :d/2].repeat_interleave(2)");
+        let turn = |t: &mut Tracer, x: T| {
+            let rot_numel = t.numel(x) / head_dim * rotary;
+            let [x_rot, x_pass] = t.split_at(x, rot_numel);
+            let xc = t.mul(x_rot, cos_r);
+            let half = rot_numel / 2;
+            let odd = t.slice(x_rot, half);
+            let even = t.slice(x_rot, half);
+            let neg = t.neg(odd);
+            let stacked = t.cat2(neg, even);
+            t.drop_all(&[neg, odd, even]);
+            let rs = t.mul(stacked, sin_r);
+            t.drop(stacked);
+            let embedded = t.add(xc, rs);
+            t.drop_all(&[xc, rs]);
+            let out = t.cat2(embedded, x_pass);
+            t.drop_all(&[embedded, x_rot, x_pass]);
+            out
+        };
+        let qe = turn(t, q);
+        let ke = turn(t, k);
+        t.drop_all(&[cos_r, sin_r]);
         (qe, ke)
     }
 }
@@ -1062,6 +1357,7 @@ fn rotate(t: &mut Tracer, x: T, cos: T, sin: T) -> T {
     let rs = t.mul(rot, sin);
     t.drop(rot);
     let out = t.add(xc, rs);
-    t.drop_all(&[rs, xc]);
+    // `BINARY_OP` releases its left operand first.
+    t.drop_all(&[xc, rs]);
     out
 }

@@ -53,8 +53,7 @@
 //!   buffer (freed at once). `step()` runs on the host and copies the updated partition into
 //!   the flat buffer: nothing on the GPU.
 //!
-//! Not modelled: a parameter larger than the bucket is reduced from its own gradient without
-//! being copied into the bucket (its flatten is simulated at its full size); a few tiny
+//! Not modelled: a few tiny
 //! allocations (the 128-byte broadcasts of engine construction, the norms' reduction
 //! workspaces, the zero padding of the last partition's gradient list).
 
@@ -84,6 +83,9 @@ pub(crate) struct Zero {
     /// Elements of the parameters that touch the partition, whole.
     in_partition_numel: u64,
     partition_numel: u64,
+    /// Per parameter: its offset in the flat buffer and its elements.
+    offsets: Vec<u64>,
+    numels: Vec<u64>,
     /// The fp32 master partition (a parameter of its own, what AdamW steps); `None` under
     /// `offload_optimizer` (on the host).
     pub(crate) master: Option<ParamId>,
@@ -200,6 +202,15 @@ impl Zero {
             slices,
             in_partition_numel,
             partition_numel,
+            offsets: numels
+                .iter()
+                .scan(0, |offset, &n| {
+                    let start = *offset;
+                    *offset += n;
+                    Some(start)
+                })
+                .collect(),
+            numels,
             master,
             ipg: None,
             bucket: Vec::new(),
@@ -262,11 +273,7 @@ impl Zero {
     /// `reduce_ipg_grads`: the all-reduce's flat copy, then the partition's gradients out.
     fn reduce_ipg_grads(&mut self, t: &mut Tracer) {
         let outer = std::mem::replace(&mut t.component, Component::Communication);
-        let elements = match &self.extra_large {
-            Some((_, g)) => t.numel(*g),
-            None => self.bucket_elements,
-        };
-        if elements > 0 {
+        for elements in self.flatten_copies() {
             let flat = t.empty(elements, self.dtype, "allreduce_bucket flatten");
             t.drop(flat);
         }
@@ -312,6 +319,46 @@ impl Zero {
         self.bucket.clear();
         self.bucket_elements = 0;
         t.component = outer;
+    }
+
+    /// The copies `average_tensor` makes of the bucket (`use_multi_rank_bucket_allreduce`):
+    /// its gradients cut at partition boundaries, consecutive pieces of one rank merged, then
+    /// `allreduce_and_scatter` flattens them in groups that pass `reduce_bucket_size`; one
+    /// piece flattens to a view of itself, several are concatenated.
+    fn flatten_copies(&self) -> Vec<u64> {
+        let partition = self.partition_numel.max(1);
+        let mut pieces: Vec<(u64, u64)> = Vec::new();
+        for &index in &self.bucket {
+            let (mut at, end) = (
+                self.offsets[index],
+                self.offsets[index] + self.numels[index],
+            );
+            while at < end {
+                let rank = at / partition;
+                let piece = end.min((rank + 1) * partition) - at;
+                match pieces.last_mut() {
+                    Some((last, numel)) if *last == rank => *numel += piece,
+                    _ => pieces.push((rank, piece)),
+                }
+                at += piece;
+            }
+        }
+        let mut copies = Vec::new();
+        let (mut count, mut numel) = (0, 0);
+        for (_, piece) in pieces {
+            count += 1;
+            numel += piece;
+            if numel > REDUCE_BUCKET_ELEMENTS {
+                if count > 1 {
+                    copies.push(numel);
+                }
+                (count, numel) = (0, 0);
+            }
+        }
+        if count > 1 {
+            copies.push(numel);
+        }
+        copies
     }
 
     /// After `loss.backward()`: stage 1's `reduce_gradients`, then the epilogue of both.

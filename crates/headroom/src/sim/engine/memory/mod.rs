@@ -25,6 +25,8 @@ pub(crate) struct Allocation {
 pub struct SimulatedEvent {
     pub alloc: bool,
     pub bytes: u64,
+    /// The simulated block's address (frees name the block they return).
+    pub address: u64,
     pub component: Component,
     pub label: &'static str,
 }
@@ -218,6 +220,7 @@ impl Memory {
             trace.push(SimulatedEvent {
                 alloc: true,
                 bytes,
+                address: self.allocator.block_address(block),
                 component,
                 label,
             });
@@ -260,6 +263,7 @@ impl Memory {
             r.free(a.block, label);
         }
         let block_size = self.allocator.block_size(a.block);
+        let address = self.allocator.block_address(a.block);
         self.allocator.free(a.block);
         self.live[a.component.index()] -= a.requested;
         self.live[Component::AllocatorRounding.index()] -= block_size - a.requested;
@@ -267,6 +271,7 @@ impl Memory {
             trace.push(SimulatedEvent {
                 alloc: false,
                 bytes: a.requested,
+                address,
                 component: a.component,
                 label,
             });

@@ -170,6 +170,33 @@ pub(crate) enum Bwd {
     /// liger's `LigerFusedLinearCrossEntropyFunction`: the gradients were computed in the
     /// forward and saved; backward scales them in place.
     LigerFusedLinearCrossEntropy,
+    /// `x[index]` with an integer index of `indices` elements (`IndexBackward0`): zeros of the
+    /// input's size, the gradient put into them (`index_put_`, accumulating), sorting the index.
+    IndexRows {
+        indices: u64,
+    },
+    /// `torch._grouped_mm(x, w, offs)`: the weight's full-size gradient first (every expert,
+    /// routed to or not), then the input's.
+    GroupedMm,
+    /// `masked_fill(mask, value)`: the gradient masked into a new tensor.
+    MaskedFill,
+    /// `topk`, `max(dim)`, `gather`: the gradient scattered into zeros of the input's size.
+    SelectScatter,
+    /// `x.sum(dim)`: the gradient expanded back (a view).
+    SumDim,
+    /// `torch.sigmoid`: saves its result.
+    Sigmoid,
+    /// `clamp`: saves its input.
+    Clamp,
+    /// A tensor made by copying its inputs into slices of a `new_empty` (MLA's key states):
+    /// backward copies the gradient once, then clones each slice's part.
+    SliceCopies,
+    /// `out.index_add_(0, index, source)`: `out`'s gradient passes through; the source's is
+    /// `grad.index_select(0, index)`.
+    IndexAdd,
+    /// `baddbmm(W, B, A)` with a frozen `W`: each factor's gradient is a `bmm` scaled by
+    /// alpha.
+    Baddbmm,
 }
 
 /// What the backward of TRL's chunked log-prob function needs to know
@@ -1210,6 +1237,27 @@ impl Tracer {
             .iter()
             .map(|e| e.map(|e| (e.numel, e.dtype)))
             .collect()
+    }
+
+    /// Whether forward input `slot` of `node` is a parameter (or autocast's cast of one):
+    /// broadcasting repeats such a tensor over leading dimensions, so its gradient is summed
+    /// over the outer ones; an activation broadcasts along a kept dimension of its own.
+    pub(crate) fn input_is_parameter(&self, node: NodeId, slot: usize) -> bool {
+        let (first, _) = self.nodes[node.0 as usize].inputs;
+        let Some(edge) = self.edges[first as usize + slot] else {
+            return false;
+        };
+        match self.nodes[edge.target.0 as usize].op {
+            Bwd::AccumulateGrad(_) => true,
+            Bwd::ToCopy => {
+                let (first, count) = self.nodes[edge.target.0 as usize].inputs;
+                count > 0
+                    && self.edges[first as usize].is_some_and(|e| {
+                        matches!(self.nodes[e.target.0 as usize].op, Bwd::AccumulateGrad(_))
+                    })
+            }
+            _ => false,
+        }
     }
 
     pub(crate) fn store_param_grad(&mut self, param: ParamId, grad: T) {

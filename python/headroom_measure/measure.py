@@ -52,7 +52,50 @@ def _hf_config(spec: Spec, fields: dict):
     if spec.task == "seq-cls":
         fields["num_labels"] = 1
         fields["pad_token_id"] = 0
-    return AutoConfig.for_model(model_type, **fields)
+    cfg = AutoConfig.for_model(model_type, **fields)
+    if spec.experts_implementation is not None:
+        # The property setter (configuration_utils.py) sets it on every sub-config too; the model's
+        # __init__ checks it, and each `@use_experts_implementation` forward reads it at every call.
+        # Set on the config (not passed to from_config) so that dist.py and pipeline.py, which
+        # build from this config, get it too.
+        cfg._experts_implementation = spec.experts_implementation
+    return cfg
+
+
+def _experts_kwargs(spec: Spec) -> dict:
+    """`from_pretrained` reads the saved config.json, which does not keep `_experts_implementation`."""
+    if spec.experts_implementation is None:
+        return {}
+    return {"experts_implementation": spec.experts_implementation}
+
+
+def experts_implementation_in_use(model) -> str | None:
+    """The experts path transformers resolved (None for a model without `@use_experts_implementation`)."""
+    core = getattr(model, "get_base_model", lambda: model)()
+    can_set = getattr(core, "_can_set_experts_implementation", None)
+    if can_set is None or not can_set():
+        return None
+    return core.config._experts_implementation
+
+
+def lora_targets_in_use(model) -> dict | None:
+    """What peft made of the LoRA config: on transformers 5, peft 0.21 rewrites the targets of the
+    MoE families whose experts were fused (`convert_peft_config_for_transformers`): `all-linear`
+    and the names gate_proj / up_proj / down_proj / gate become `target_parameters` on the expert
+    stacks and the router, with rank and alpha doubled on gate_up_proj."""
+    cfg = getattr(model, "peft_config", {}).get("default")
+    if cfg is None:
+        return None
+
+    def names(value):
+        return sorted(value) if isinstance(value, (set, list, tuple)) else value
+
+    return {
+        "target_modules": names(cfg.target_modules),
+        "target_parameters": names(cfg.target_parameters),
+        "rank_pattern": dict(cfg.rank_pattern or {}),
+        "alpha_pattern": dict(cfg.alpha_pattern or {}),
+    }
 
 
 def _auto_class(spec: Spec):
@@ -89,6 +132,7 @@ def _build(spec: Spec, cfg):
             dtype=torch.bfloat16,
             device_map={"": 0},
             attn_implementation=spec.attention,
+            **_experts_kwargs(spec),
         )
         shutil.rmtree(tmp, ignore_errors=True)
         return model
@@ -111,12 +155,18 @@ def _prepare(spec: Spec, model):
     if spec.lora is not None:
         from peft import LoraConfig, get_peft_model
 
+        extra = {}
+        if spec.lora.target_parameters is not None:
+            # nn.Parameters, such as the fused 3-D expert stacks, that target_modules cannot reach
+            # (peft's lora.ParamWrapper); `targets` may then be [] (no module at all)
+            extra["target_parameters"] = list(spec.lora.target_parameters)
         lcfg = LoraConfig(
             r=spec.lora.r,
             lora_alpha=spec.lora.alpha,
             target_modules=spec.lora.targets,
             lora_dropout=spec.lora.dropout,
             task_type="SEQ_CLS" if spec.task == "seq-cls" else "CAUSAL_LM",
+            **extra,
         )
         model = get_peft_model(model, lcfg)
     if spec.gradient_checkpointing:
@@ -195,8 +245,10 @@ def measure(
     model = _build(spec, cfg)
     weights_loaded = torch.cuda.memory_allocated()
     params = sum(p.numel() for p in model.parameters())
+    experts_impl = experts_implementation_in_use(model)
 
     model = _prepare(spec, model)
+    lora_resolved = lora_targets_in_use(model) if spec.lora is not None else None
 
     # `params` counts the base model as transformers built it (before adapters); LoRA and
     # modules_to_save copies show only in `trainable_params`.
@@ -282,6 +334,9 @@ def measure(
             **_versions(),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "wall_s": round(time.time() - t0, 2),
+            # MoE models only: the path transformers resolved (grouped_mm when the spec gave none)
+            **({"experts_implementation": experts_impl} if experts_impl is not None else {}),
+            **({"lora_resolved": lora_resolved} if lora_resolved is not None else {}),
         },
     )
 
@@ -304,9 +359,13 @@ def make_record(
     phase_peaks = [v for rec in steps for k, v in rec.items() if k.endswith("_peak")]
     if not phase_peaks:
         raise ValueError("no phase was measured")
+    spec_json = spec.to_json()
+    if spec.model_config is not None:
+        # An inline config is the model: the row must carry it (as dist.py's records do).
+        spec_json["model_config"] = dict(spec.model_config)
     return {
         "id": row_id,
-        "spec": spec.to_json(),
+        "spec": spec_json,
         "measured": {
             "peak_allocated_bytes": max(phase_peaks),
             "peak_reserved_bytes": peak_reserved,
@@ -360,6 +419,10 @@ def default_id(spec: Spec) -> str:
         parts.append("gc")
     if spec.lora is not None:
         parts.append(f"lora{spec.lora.r}")
+        if spec.lora.target_parameters:
+            parts.append("loraparams")
+    if spec.experts_implementation is not None:
+        parts.append(f"experts_{spec.experts_implementation}")
     if spec.kbit_prepare:
         parts.append("kbitprep")
     if spec.expandable_segments:

@@ -15,6 +15,18 @@ MODES = ("train", "forward")
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16")
 OPTIMIZERS = ("adamw", "adamw-fused", "adamw-forloop", "sgd", "adafactor", "adamw-8bit", "none")
 ATTENTIONS = ("sdpa", "eager")
+# transformers 5.17's experts paths (`config._experts_implementation`; None = its default, grouped_mm)
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
+ROUTING_KEYS = ("max_tokens_per_expert_factor",)
+# Model types whose experts module carries `@use_experts_implementation` in transformers 5.17; a
+# config with an expert count (EXPERT_COUNT_FIELDS) counts as mixture-of-experts too.
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+# Model types transformers builds with eager attention only: asking for sdpa raises there.
+EAGER_ONLY_MODEL_TYPES = {
+    "gpt_oss": "gpt_oss runs eager attention only (transformers 5.17: GptOssPreTrainedModel._supports_sdpa "
+    "is False, and attn_implementation='sdpa' raises)",
+}
 QUANTIZATIONS = ("nf4",)
 STRATEGIES = ("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3")
 PARALLEL_KEYS = (
@@ -33,8 +45,9 @@ BACKWARD_PREFETCH = ("pre", "post", "none")
 KNOWN_KEYS = {
     "model", "model_config", "task", "mode", "precision", "optimizer", "batch_size", "seq_len",
     "gradient_checkpointing", "attention", "lora", "quantization", "kbit_prepare", "allocator",
-    "parallel", "autocast",
+    "parallel", "autocast", "experts_implementation", "routing",
 }
+LORA_KEYS = ("r", "alpha", "targets", "dropout", "target_parameters")
 
 
 class SpecError(ValueError):
@@ -45,8 +58,11 @@ class SpecError(ValueError):
 class Lora:
     r: int
     alpha: float
-    targets: Any  # "all-linear" or a list of module names
+    targets: Any  # "all-linear" or a list of module names ([] with target_parameters)
     dropout: float
+    # peft's LoraConfig(target_parameters=...): names of nn.Parameters (e.g. the fused 3-D expert
+    # stacks "mlp.experts.gate_up_proj"), wrapped by lora.ParamWrapper; None = none
+    target_parameters: list[str] | None = None
 
 
 @dataclass
@@ -103,6 +119,10 @@ class Spec:
     model_config: dict | None = None
     parallel: Parallel | None = None
     autocast: str | None = None  # "bf16": torch.autocast on top of the mixed-precision policy
+    # set on the HF config before the build (measure._hf_config); None = transformers' default (grouped_mm)
+    experts_implementation: str | None = None
+    # {max_tokens_per_expert_factor}: recorded only; the harness does not control routing
+    routing: dict | None = None
     raw: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -125,6 +145,8 @@ class Spec:
                 "targets": self.lora.targets,
                 "dropout": self.lora.dropout,
             }
+            if self.lora.target_parameters is not None:
+                out["lora"]["target_parameters"] = list(self.lora.target_parameters)
         if self.quantization:
             out["quantization"] = self.quantization
             out["kbit_prepare"] = self.kbit_prepare
@@ -134,6 +156,10 @@ class Spec:
             out["parallel"] = self.parallel.to_json()
         if self.autocast:
             out["autocast"] = self.autocast
+        if self.experts_implementation is not None:
+            out["experts_implementation"] = self.experts_implementation
+        if self.routing is not None:
+            out["routing"] = dict(self.routing)
         return out
 
 
@@ -186,19 +212,11 @@ def parse(raw: dict, *, forward_parallel: bool = False) -> Spec:
         spec.optimizer = "none"
     lora = raw.get("lora")
     if lora is not None:
-        if not isinstance(lora, dict):
-            raise SpecError("`lora`: use a mapping {r, alpha, targets, dropout}")
-        targets = lora.get("targets", "all-linear")
-        if targets != "all-linear" and not (
-            isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)
-        ):
-            raise SpecError(f"`lora.targets`: {targets!r} is not allowed; use all-linear or a list of module names")
-        spec.lora = Lora(
-            r=_positive_int(lora, "r", 8),
-            alpha=float(lora.get("alpha", 8)),
-            targets=targets,
-            dropout=float(lora.get("dropout", 0.0)),
-        )
+        spec.lora = _lora(lora)
+    if raw.get("experts_implementation") is not None:
+        spec.experts_implementation = _choice(raw, "experts_implementation", EXPERTS_IMPLEMENTATIONS, "grouped_mm")
+    if raw.get("routing") is not None:
+        spec.routing = _routing(raw["routing"])
     quant = raw.get("quantization")
     if quant is not None:
         if quant not in QUANTIZATIONS:
@@ -222,6 +240,62 @@ def parse(raw: dict, *, forward_parallel: bool = False) -> Spec:
                             "precision: amp-bf16")
         spec.autocast = autocast
     return spec
+
+
+def _lora(lora: Any) -> Lora:
+    """`lora`: {r, alpha, targets, dropout, target_parameters}. With target_parameters, `targets`
+    defaults to [] (no module) and may be []; peft 0.21's ParamWrapper refuses lora_dropout != 0."""
+    if not isinstance(lora, dict):
+        raise SpecError(f"`lora`: use a mapping {{{', '.join(LORA_KEYS)}}}")
+    unknown = sorted(set(lora) - set(LORA_KEYS))
+    if unknown:
+        raise SpecError(f"`lora.{unknown[0]}` is not a lora key; known keys: {', '.join(LORA_KEYS)}")
+    params = lora.get("target_parameters")
+    if params is not None and not (
+        isinstance(params, list) and params and all(isinstance(t, str) and t for t in params)
+    ):
+        raise SpecError(
+            f"`lora.target_parameters`: {params!r} is not allowed; use a list of parameter names, "
+            "e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]"
+        )
+    targets = lora.get("targets", "all-linear" if params is None else [])
+    if targets != "all-linear" and not (
+        isinstance(targets, list) and (targets or params is not None) and all(isinstance(t, str) for t in targets)
+    ):
+        raise SpecError(
+            f"`lora.targets`: {targets!r} is not allowed; use all-linear or a list of module names "
+            "([] only with lora.target_parameters)"
+        )
+    dropout = lora.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise SpecError(f"`lora.dropout`: {dropout!r} is not allowed; use a number >= 0 and < 1")
+    if params is not None and dropout != 0:
+        raise SpecError(
+            f"`lora.dropout`: {dropout!r} is not allowed with lora.target_parameters; use 0 "
+            "(peft 0.21's lora.ParamWrapper refuses lora_dropout != 0)"
+        )
+    return Lora(
+        r=_positive_int(lora, "r", 8),
+        alpha=float(lora.get("alpha", 8)),
+        targets=targets,
+        dropout=float(dropout),
+        target_parameters=list(params) if params is not None else None,
+    )
+
+
+def _routing(raw: Any) -> dict:
+    """`routing`: {max_tokens_per_expert_factor: a number >= 1.0}. Recorded only: the harness
+    builds random weights and cannot steer the router."""
+    if not isinstance(raw, dict) or set(raw) != set(ROUTING_KEYS):
+        raise SpecError(
+            f"`routing`: {raw!r} is not allowed; use a mapping {{max_tokens_per_expert_factor: a number >= 1.0}}"
+        )
+    factor = raw["max_tokens_per_expert_factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
+        raise SpecError(
+            f"`routing.max_tokens_per_expert_factor`: {factor!r} is not allowed; use a number >= 1.0"
+        )
+    return {"max_tokens_per_expert_factor": float(factor)}
 
 
 def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
@@ -373,7 +447,44 @@ def load(path: str | Path) -> Spec:
 
 
 def resolve_model_config(spec: Spec, catalog: dict | None) -> dict:
-    """The HF config fields of the spec's model: inline, a catalog name, or a config.json path."""
+    """The HF config fields of the spec's model: inline, a catalog name, or a config.json path;
+    checked against the spec where the model type decides (`check_model_fields`)."""
+    fields = _model_config(spec, catalog)
+    check_model_fields(spec, fields)
+    return fields
+
+
+def is_moe(fields: dict) -> bool:
+    """Whether the config is a mixture-of-experts one: a known MoE model type or an expert count."""
+    if fields.get("model_type") in MOE_MODEL_TYPES:
+        return True
+    return any(isinstance(fields.get(k), int) and fields[k] > 0 for k in EXPERT_COUNT_FIELDS)
+
+
+def check_model_fields(spec: Spec, fields: dict) -> None:
+    """What only the model type can refuse: sdpa on an eager-only model (the spec's default
+    attention is sdpa, so it must say eager), and the MoE keys on a dense model. A config without
+    `model_type` is let through (transformers decides)."""
+    model_type = fields.get("model_type")
+    if not isinstance(model_type, str):
+        return
+    if spec.attention == "sdpa" and model_type in EAGER_ONLY_MODEL_TYPES:
+        given = "`attention`: 'sdpa'" if "attention" in spec.raw else "`attention`: 'sdpa' (the default)"
+        raise SpecError(
+            f"{given} is not allowed for model_type {model_type}: {EAGER_ONLY_MODEL_TYPES[model_type]}; "
+            "use attention: eager"
+        )
+    if not is_moe(fields):
+        for key in ("experts_implementation", "routing"):
+            if getattr(spec, key) is not None:
+                raise SpecError(
+                    f"`{key}`: {spec.raw.get(key)!r} applies only to mixture-of-experts models "
+                    f"({', '.join(MOE_MODEL_TYPES)}, or a config with {' / '.join(EXPERT_COUNT_FIELDS)}); "
+                    f"model_type {model_type} has no experts: leave it out"
+                )
+
+
+def _model_config(spec: Spec, catalog: dict | None) -> dict:
     if spec.model_config is not None:
         return dict(spec.model_config)
     if catalog and spec.model in catalog:

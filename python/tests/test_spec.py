@@ -53,6 +53,13 @@ class ParseTest(unittest.TestCase):
             ({"model": "m", "allocator": {"garbage": 1}}, ["allocator", "expandable_segments"]),
             ({"model": "m", "gradient_checkpointing": "yes"}, ["gradient_checkpointing", "yes", "true"]),
             ({"model": "m", "batchsize": 2}, ["batchsize", "batch_size"]),
+            ({"model": "m", "experts_implementation": "fast"}, ["experts_implementation", "fast", "grouped_mm"]),
+            ({"model": "m", "routing": {"max_tokens_per_expert_factor": 0}}, ["routing", "0", ">= 1.0"]),
+            (
+                {"model": "m", "lora": {"target_parameters": ["mlp.experts.down_proj"], "dropout": 0.1}},
+                ["lora.dropout", "0.1", "target_parameters"],
+            ),
+            ({"model": "m", "lora": {"targets": []}}, ["lora.targets", "[]", "target_parameters"]),
             ({"precision": "bf16"}, ["model"]),
         ]
         for raw, words in cases:
@@ -76,6 +83,21 @@ class ParseTest(unittest.TestCase):
         once = specmod.parse(raw).to_json()
         self.assertEqual(specmod.parse(once).to_json(), once)
         self.assertEqual(once["allocator"], {"expandable_segments": True})
+
+    def test_moe_keys_round_trip(self):
+        raw = {
+            "model": "m",
+            "precision": "bf16",
+            "experts_implementation": "eager",
+            "routing": {"max_tokens_per_expert_factor": 1.5},
+            "lora": {"r": 8, "alpha": 16, "targets": [], "target_parameters": ["mlp.experts.gate_up_proj"]},
+        }
+        once = specmod.parse(raw).to_json()
+        self.assertEqual(
+            (once["experts_implementation"], once["routing"], once["lora"]["target_parameters"]),
+            ("eager", {"max_tokens_per_expert_factor": 1.5}, ["mlp.experts.gate_up_proj"]),
+        )
+        self.assertEqual(specmod.parse(once).to_json(), once)
 
     def test_every_committed_corpus_spec_parses(self):
         # The corpus was measured by this harness: its specs must still be accepted.
@@ -102,6 +124,14 @@ class ModelConfigTest(unittest.TestCase):
             for model in (d, str(Path(d) / "config.json")):
                 s = specmod.parse({"model": model})
                 self.assertEqual(specmod.resolve_model_config(s, {})["hidden_size"], 128)
+
+    def test_gpt_oss_needs_eager_attention(self):
+        catalog = load_catalog(None)
+        with self.assertRaises(specmod.SpecError) as ctx:
+            specmod.resolve_model_config(specmod.parse({"model": "gpt-oss-20b", "attention": "sdpa"}), catalog)
+        self.assertIn("gpt_oss runs eager attention only", str(ctx.exception))
+        s = specmod.parse({"model": "gpt-oss-20b", "attention": "eager"})
+        self.assertEqual(specmod.resolve_model_config(s, catalog)["num_local_experts"], 32)
 
     def test_unknown_model(self):
         with self.assertRaises(specmod.SpecError) as ctx:

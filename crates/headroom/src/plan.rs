@@ -17,7 +17,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::arch::Architecture;
+use crate::arch::{Architecture, Module};
 use crate::error::{Error, Result};
 use crate::estimate::{self, Estimate};
 use crate::gpu::Gpu;
@@ -336,6 +336,48 @@ pub fn default_lora() -> Lora {
     }
 }
 
+/// The LoRA a remedy proposes for `spec`'s model: peft's usual recipe, except on an MoE model
+/// whose experts peft would wrap (`all-linear` reaches the fused stacks there, rebuilding
+/// each as a full `W + BA` every forward and keeping it for backward): the attention
+/// projections only, the experts frozen.
+pub fn remedy_lora(spec: &RunSpec) -> Lora {
+    let lora = default_lora();
+    let Ok((_, arch)) = spec.architecture(None, "") else {
+        return lora;
+    };
+    if arch.moe.is_none() {
+        return lora;
+    }
+    let attention = [
+        Module::Q,
+        Module::K,
+        Module::V,
+        Module::QA,
+        Module::QB,
+        Module::KvA,
+        Module::KvB,
+        Module::O,
+    ];
+    let mut names: Vec<String> = Vec::new();
+    for p in arch.parameters(spec.head()) {
+        if attention.contains(&p.module) && !names.iter().any(|n| n == p.module.hf_name()) {
+            names.push(p.module.hf_name().to_string());
+        }
+    }
+    Lora {
+        targets: LoraTargets::Modules(names),
+        ..lora
+    }
+}
+
+/// How a remedy's LoRA is said: `all-linear`, or the modules it adapts.
+fn lora_targets_words(spec: &RunSpec) -> String {
+    match remedy_lora(spec).targets {
+        LoraTargets::AllLinear => "\"all-linear\"".to_string(),
+        LoraTargets::Modules(names) => format!("{names:?}"),
+    }
+}
+
 /// The spec the simulated knobs describe.
 pub fn spec_for(base: &RunSpec, k: &Knobs) -> RunSpec {
     let mut spec = base.clone();
@@ -374,12 +416,12 @@ pub fn spec_for(base: &RunSpec, k: &Knobs) -> RunSpec {
                 spec.kbit_prepare = false;
             }
             Adapter::Lora => {
-                spec.lora = Some(base.lora.clone().unwrap_or_else(default_lora));
+                spec.lora = Some(base.lora.clone().unwrap_or_else(|| remedy_lora(base)));
                 spec.quantization = None;
                 spec.kbit_prepare = false;
             }
             Adapter::Qlora => {
-                spec.lora = Some(base.lora.clone().unwrap_or_else(default_lora));
+                spec.lora = Some(base.lora.clone().unwrap_or_else(|| remedy_lora(base)));
                 spec.quantization = Some(Quantization::Nf4);
                 spec.kbit_prepare = true;
                 spec.precision = Precision::Bf16;
@@ -769,10 +811,14 @@ pub fn describe(setup: &Setup, k: &Knobs) -> Vec<String> {
         });
     }
     if k.adapter != base.adapter {
+        let experts_frozen = match remedy_lora(&setup.spec).targets {
+            LoraTargets::Modules(_) => " on attention, experts frozen",
+            LoraTargets::AllLinear => "",
+        };
         out.push(match k.adapter {
             Adapter::Full => "full fine-tuning".to_string(),
-            Adapter::Lora => "LoRA r=16".to_string(),
-            Adapter::Qlora => "QLoRA (nf4 + LoRA r=16)".to_string(),
+            Adapter::Lora => format!("LoRA r=16{experts_frozen}"),
+            Adapter::Qlora => format!("QLoRA (nf4 + LoRA r=16{experts_frozen})"),
         });
     }
     if k.micro_batch != base.micro_batch {
@@ -814,9 +860,10 @@ fn describe_trainer(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
     if k.adapter != base.adapter {
         out.push(match k.adapter {
             Adapter::Full => "no peft_config (full fine-tuning)".to_string(),
-            Adapter::Lora => {
-                "peft_config=LoraConfig(r=16, target_modules=\"all-linear\")".to_string()
-            }
+            Adapter::Lora => format!(
+                "peft_config=LoraConfig(r=16, target_modules={})",
+                lora_targets_words(&setup.spec)
+            ),
             Adapter::Qlora => "4-bit NF4 base (BitsAndBytesConfig) + LoRA r=16".to_string(),
         });
     }

@@ -97,6 +97,23 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
         ("negative-seq", vec!["seq_len", "-5", ">= 1"]),
         ("lora-rank", vec!["lora.r", "4096", "r <= 128"]),
         ("lora-target", vec!["lora.targets", "nope_proj", "q_proj"]),
+        (
+            "moe-experts-implementation",
+            vec!["experts_implementation", "megablocks", "grouped_mm"],
+        ),
+        (
+            "moe-experts-on-dense",
+            vec!["experts_implementation", "eager", "no experts"],
+        ),
+        (
+            "moe-routing",
+            vec!["routing.max_tokens_per_expert_factor", "0.5", "from 1"],
+        ),
+        ("moe-lora-dropout", vec!["lora.dropout", "0.1", "use 0"]),
+        (
+            "moe-lora-half-fused",
+            vec!["lora.targets", "gate_proj", "both or neither"],
+        ),
         ("bad-enum", vec!["precision", "fp8", "amp-bf16"]),
         (
             "unknown-key",
@@ -216,6 +233,47 @@ fn bad_files_and_flags() {
     // clap's own usage errors exit 2 as well.
     bad_input(&["estimate"]);
     bad_input(&["estimate", "examples/qwen2.5-7b-lora.yaml", "--bogus"]);
+}
+
+#[test]
+fn models_moe_lists_the_mixture_of_experts_models_with_their_active_parameters() {
+    let moe = json(&["models", "moe", "--json"]);
+    let moe = moe.as_array().expect("array");
+    let names: Vec<&str> = moe.iter().map(|m| m["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "deepseek-v2-lite",
+            "deepseek-v3",
+            "gpt-oss-120b",
+            "gpt-oss-20b",
+            "mixtral-8x22b",
+            "mixtral-8x7b",
+            "olmoe-1b-7b",
+            "qwen2-57b-a14b",
+            "qwen3-235b-a22b",
+            "qwen3-30b-a3b",
+        ]
+    );
+    for m in moe {
+        let (total, active) = (
+            m["params"].as_u64().unwrap(),
+            m["active_params"].as_u64().unwrap(),
+        );
+        assert!(active < total / 2, "{m}");
+        assert!(m["experts"].as_u64().unwrap() > m["experts_per_token"].as_u64().unwrap());
+    }
+    // Qwen3-30B-A3B activates 3.3B of its 30.5B parameters (its name says A3B).
+    let q = moe.iter().find(|m| m["name"] == "qwen3-30b-a3b").unwrap();
+    assert_eq!(q["active_params"].as_u64(), Some(3_353_032_704));
+    let dense = json(&["models", "dense", "--json"]);
+    assert!(
+        dense
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["experts"].is_null())
+    );
 }
 
 #[test]

@@ -351,3 +351,34 @@ fn zero_offload_on_one_gpu_is_the_measured_run() {
         plan::describe(&s, &k)
     );
 }
+
+/// On an MoE model whose experts peft would wrap, the LoRA a remedy proposes adapts the
+/// attention only: peft's `all-linear` there rebuilds every expert stack as `W + BA` and keeps
+/// it for backward, which costs more than the adapters save.
+#[test]
+fn a_lora_remedy_on_moe_leaves_the_experts_frozen() {
+    use headroom::spec::LoraTargets;
+    let base = spec(
+        "model: qwen3-30b-a3b\nprecision: bf16\noptimizer: adamw\nbatch_size: 2\nseq_len: 2048\n\
+         gradient_checkpointing: true\n",
+    );
+    let lora = plan::remedy_lora(&base);
+    let LoraTargets::Modules(names) = &lora.targets else {
+        panic!("all-linear proposed for an MoE model");
+    };
+    assert_eq!(names, &["q_proj", "k_proj", "v_proj", "o_proj"]);
+    assert!(lora.target_parameters.is_empty());
+    // The same adapter on every linear layer, as peft builds it there, needs more.
+    let gpu = gpu::find("h100").unwrap();
+    let peak = |lora: headroom::spec::Lora| {
+        let mut s = base.clone();
+        s.lora = Some(lora);
+        estimate::estimate(&s, None, &gpu)
+            .unwrap()
+            .peak_allocated_bytes
+    };
+    assert!(peak(lora) < peak(plan::default_lora()));
+    // A dense model keeps peft's usual recipe.
+    let dense = spec("model: qwen3-8b\nprecision: bf16\n");
+    assert_eq!(plan::remedy_lora(&dense).targets, LoraTargets::AllLinear);
+}

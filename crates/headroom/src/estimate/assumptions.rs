@@ -180,28 +180,34 @@ impl Assumptions {
     /// What the estimate assumes about the model itself: how an MoE model's tokens are
     /// routed, and the attention transformers runs where the spec's is not available.
     pub fn with_model(mut self, spec: &RunSpec, arch: &Architecture) -> Self {
-        if let Some(moe) = &arch.moe {
-            let routing = match spec.experts {
-                ExpertsImpl::Eager if spec.routing_factor > 1.0 => format!(
-                    "its loop over experts gives the busiest {}x an even share of the \
-                     {} (token, expert) pairs",
-                    spec.routing_factor, moe.top_k
-                ),
-                ExpertsImpl::Eager => {
-                    "its loop over experts assumes the router spreads tokens evenly \
-                     (set routing.max_tokens_per_expert_factor for a busier expert)"
-                        .to_string()
-                }
-                _ => "its memory depends only on tokens x top_k, not on which experts the \
-                      router picks"
+        // grouped_mm and batched_mm allocate by tokens x top_k alone; only the per-expert loop
+        // depends on how the router spreads tokens.
+        if let Some(moe) = arch
+            .moe
+            .as_ref()
+            .filter(|_| spec.experts == ExpertsImpl::Eager)
+        {
+            self.warnings.push(if spec.routing_factor > 1.0 {
+                format!(
+                    "the experts' loop gives the busiest of {} experts {}x an even share of the \
+                     (token, expert) pairs (routing.max_tokens_per_expert_factor)",
+                    moe.experts, spec.routing_factor
+                )
+            } else {
+                format!(
+                    "the experts' loop assumes the router spreads tokens evenly over the {} \
+                     experts; set routing.max_tokens_per_expert_factor for a busier expert",
+                    moe.experts
+                )
+            });
+        }
+        if arch.family == Family::GptOss {
+            self.warnings.push(
+                "gpt-oss's MXFP4 checkpoint is taken as the bf16 weights transformers \
+                 dequantizes it to on load (always for training, and without the `kernels` \
+                 package); the transient buffers of that dequantization are not simulated"
                     .to_string(),
-            };
-            self.warnings.push(format!(
-                "experts run as transformers' {} ({} of {} per token): {routing}",
-                spec.experts.name(),
-                moe.top_k,
-                moe.experts
-            ));
+            );
         }
         if arch.family == Family::GptOss && spec.attention == Attention::Sdpa {
             self.warnings.push(

@@ -173,3 +173,28 @@ fn gpus_are_found_by_the_names_people_use() {
     let ambiguous = gpu::find("a100").expect_err("two A100s").to_string();
     assert!(ambiguous.contains("a100-40gb"), "{ambiguous}");
 }
+
+/// An MoE estimate says what it assumes about routing only where routing changes it (the
+/// per-expert loop), and gpt-oss's says its MXFP4 checkpoint is taken as bf16.
+#[test]
+fn moe_estimates_state_their_routing_and_checkpoint_assumptions() {
+    let h100 = gpu::find("h100").unwrap();
+    let moe = "model: qwen3-30b-a3b\nmodel_config: {model_type: qwen3_moe, hidden_size: 2048, \
+               moe_intermediate_size: 768, num_hidden_layers: 2, num_attention_heads: 32, \
+               num_key_value_heads: 4, head_dim: 128, num_experts: 128, num_experts_per_tok: 8, \
+               vocab_size: 151936}\nprecision: bf16\nbatch_size: 1\nseq_len: 512\n";
+    let warnings = |yaml: &str| demand(&spec(yaml), &h100).assumptions.warnings;
+    assert!(warnings(moe).is_empty(), "{:?}", warnings(moe));
+    let eager = warnings(&format!("{moe}experts_implementation: eager\n"));
+    assert!(eager.iter().any(|w| w.contains("evenly")), "{eager:?}");
+    let busy = warnings(&format!(
+        "{moe}experts_implementation: eager\nrouting: {{max_tokens_per_expert_factor: 2}}\n"
+    ));
+    assert!(busy.iter().any(|w| w.contains("2x")), "{busy:?}");
+    let oss = warnings(
+        "model: gpt-oss-20b\nmodel_config: {model_type: gpt_oss, hidden_size: 2880, \
+         num_hidden_layers: 2, num_attention_heads: 64, vocab_size: 201088}\nprecision: bf16\n\
+         mode: forward\nbatch_size: 1\nseq_len: 256\n",
+    );
+    assert!(oss.iter().any(|w| w.contains("MXFP4")), "{oss:?}");
+}

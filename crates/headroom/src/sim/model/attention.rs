@@ -463,6 +463,31 @@ fn math(
     out
 }
 
+/// The scaled scores of eager attention, with the repeated keys and values the rest uses.
+struct Scores {
+    logits: T,
+    k_rep: T,
+    v_rep: T,
+}
+
+/// `repeat_kv` of keys and values, then `matmul(q, k.transpose) * scaling` (matmul copies the
+/// transposed keys).
+fn scaled_scores(t: &mut Tracer, hd: Heads, q: T, k: T, v: T, batch: Batch) -> Scores {
+    let groups = hd.heads / hd.kv_heads;
+    let k_rep = repeat_kv(t, k, groups);
+    let v_rep = repeat_kv(t, v, groups);
+    let k_t = t.contiguous_copy(k_rep);
+    let scores = t.bmm(q, k_t, batch.b * hd.heads * batch.s * batch.s);
+    t.drop(k_t);
+    let logits = t.mul_scalar(scores);
+    t.drop(scores);
+    Scores {
+        logits,
+        k_rep,
+        v_rep,
+    }
+}
+
 /// `eager_attention_forward`: `repeat_kv`, scores (matmul copies the transposed keys), scale,
 /// soft-cap, additive mask, fp32 softmax cast back, dropout, matmul, transpose-contiguous.
 #[allow(clippy::too_many_arguments)]
@@ -477,15 +502,11 @@ fn eager(
     batch: Batch,
     dropout: bool,
 ) -> T {
-    let groups = hd.heads / hd.kv_heads;
-    let k_rep = repeat_kv(t, k, groups);
-    let v_rep = repeat_kv(t, v, groups);
-    let k_t = t.contiguous_copy(k_rep);
-    let scores_numel = batch.b * hd.heads * batch.s * batch.s;
-    let scores = t.bmm(q, k_t, scores_numel);
-    t.drop(k_t);
-    let mut logits = t.mul_scalar(scores);
-    t.drop(scores);
+    let Scores {
+        mut logits,
+        k_rep,
+        v_rep,
+    } = scaled_scores(t, hd, q, k, v, batch);
     if a.attn_logit_softcapping.is_some() {
         let div = t.mul_scalar(logits);
         t.drop(logits);
@@ -529,15 +550,12 @@ fn eager_with_sinks(
     batch: Batch,
     sinks: T,
 ) -> T {
-    let groups = hd.heads / hd.kv_heads;
-    let k_rep = repeat_kv(t, k, groups);
-    let v_rep = repeat_kv(t, v, groups);
-    let k_t = t.contiguous_copy(k_rep);
     let rows = batch.b * hd.heads * batch.s;
-    let scores = t.bmm(q, k_t, rows * batch.s);
-    t.drop(k_t);
-    let mut logits = t.mul_scalar(scores);
-    t.drop(scores);
+    let Scores {
+        mut logits,
+        k_rep,
+        v_rep,
+    } = scaled_scores(t, hd, q, k, v, batch);
     if let Some(mask) = mask {
         let masked = t.add(logits, mask);
         t.drop(logits);

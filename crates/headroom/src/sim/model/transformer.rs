@@ -455,15 +455,17 @@ impl Model {
         }
     }
 
-    /// Every linear layer in `named_modules()` order (the order peft wraps them in).
+    /// Every linear layer in `named_modules()` order (the order peft wraps them in): each
+    /// layer's in the order its parameters are created.
     pub(crate) fn linears_mut(&mut self) -> Vec<(Module, &mut Linear)> {
-        let gpt2 = self.arch.family == Family::Gpt2;
-        let phi3 = self.arch.family == Family::Phi3;
-        let mla = self.arch.mla.is_some();
-        let moe = self.arch.moe.is_some();
-        let glm4 = self.arch.family == Family::Glm4;
+        let mut order: Vec<Vec<Module>> = vec![Vec::new(); self.layers.len()];
+        for p in self.arch.parameters(Head::CausalLm) {
+            if let Some(l) = p.layer.filter(|_| p.module.is_linear() && !p.is_bias) {
+                order[l as usize].push(p.module);
+            }
+        }
         let mut out = Vec::new();
-        for layer in &mut self.layers {
+        for (layer, modules) in self.layers.iter_mut().zip(order) {
             let Layer {
                 q,
                 k,
@@ -484,71 +486,47 @@ impl Model {
                 shared_expert_gate,
                 ..
             } = layer;
-            let ordered: Vec<(Module, &mut Option<Linear>)> = if mla {
-                vec![
-                    (Module::Q, q),
-                    (Module::QA, q_a),
-                    (Module::QB, q_b),
-                    (Module::KvA, kv_a),
-                    (Module::KvB, kv_b),
-                    (Module::O, o),
-                    (Module::Gate, gate),
-                    (Module::Up, up),
-                    (Module::Down, down),
-                    (Module::SharedGate, shared_gate),
-                    (Module::SharedUp, shared_up),
-                    (Module::SharedDown, shared_down),
-                ]
-            } else if moe {
-                vec![
-                    (Module::Q, q),
-                    (Module::K, k),
-                    (Module::V, v),
-                    (Module::O, o),
-                    (Module::Gate, gate),
-                    (Module::Up, up),
-                    (Module::Down, down),
-                    (Module::SharedGate, shared_gate),
-                    (Module::SharedUp, shared_up),
-                    (Module::SharedDown, shared_down),
-                    (Module::SharedExpertGate, shared_expert_gate),
-                ]
-            } else if glm4 {
-                vec![
-                    (Module::Q, q),
-                    (Module::K, k),
-                    (Module::V, v),
-                    (Module::O, o),
-                    (Module::GateUp, gate_up),
-                    (Module::Down, down),
-                ]
-            } else if gpt2 {
-                vec![
-                    (Module::CAttn, qkv),
-                    (Module::CProjAttn, o),
-                    (Module::CFc, up),
-                    (Module::CProjMlp, down),
-                ]
-            } else if phi3 {
-                vec![
-                    (Module::O, o),
-                    (Module::Qkv, qkv),
-                    (Module::GateUp, gate_up),
-                    (Module::Down, down),
-                ]
-            } else {
-                vec![
-                    (Module::Q, q),
-                    (Module::K, k),
-                    (Module::V, v),
-                    (Module::O, o),
-                    (Module::Gate, gate),
-                    (Module::Up, up),
-                    (Module::Down, down),
-                ]
-            };
-            for (module, linear) in ordered {
-                if let Some(linear) = linear.as_mut() {
+            let mut slots = [
+                Some(q),
+                Some(k),
+                Some(v),
+                Some(qkv),
+                Some(o),
+                Some(gate),
+                Some(up),
+                Some(gate_up),
+                Some(down),
+                Some(q_a),
+                Some(q_b),
+                Some(kv_a),
+                Some(kv_b),
+                Some(shared_gate),
+                Some(shared_up),
+                Some(shared_down),
+                Some(shared_expert_gate),
+            ];
+            for module in modules {
+                let slot = match module {
+                    Module::Q => 0,
+                    Module::K => 1,
+                    Module::V => 2,
+                    Module::Qkv | Module::CAttn => 3,
+                    Module::O | Module::CProjAttn => 4,
+                    Module::Gate => 5,
+                    Module::Up | Module::CFc => 6,
+                    Module::GateUp => 7,
+                    Module::Down | Module::CProjMlp => 8,
+                    Module::QA => 9,
+                    Module::QB => 10,
+                    Module::KvA => 11,
+                    Module::KvB => 12,
+                    Module::SharedGate => 13,
+                    Module::SharedUp => 14,
+                    Module::SharedDown => 15,
+                    Module::SharedExpertGate => 16,
+                    _ => continue,
+                };
+                if let Some(linear) = slots[slot].take().and_then(Option::as_mut) {
                     out.push((module, linear));
                 }
             }

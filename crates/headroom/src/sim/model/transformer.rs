@@ -1050,9 +1050,9 @@ pub(crate) fn heads_view(t: &mut Tracer, out: T, copy_in_backward: bool) -> T {
     heads
 }
 
-/// `Qwen2RMSNorm.forward`.
-fn rms_norm(t: &mut Tracer, x: T, weight: ParamId) -> T {
-    let input_dtype = t.dtype(x);
+/// The fp32 rows of an RMSNorm, `x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)`, and the
+/// variance (saved by its backward) for the caller to release.
+fn rms_normalised(t: &mut Tracer, x: T, weight: ParamId) -> (T, T) {
     let x32 = t.to(x, DType::F32);
     let width = norm_width(t, weight);
     let sq = t.pow2(x32);
@@ -1063,6 +1063,13 @@ fn rms_norm(t: &mut Tracer, x: T, weight: ParamId) -> T {
     t.drop(v_eps);
     let y = t.mul(x32, r);
     t.drop_all(&[r, x32]);
+    (y, variance)
+}
+
+/// `Qwen2RMSNorm.forward`: `weight * normed.to(input_dtype)`.
+fn rms_norm(t: &mut Tracer, x: T, weight: ParamId) -> T {
+    let input_dtype = t.dtype(x);
+    let (y, variance) = rms_normalised(t, x, weight);
     let yb = t.to(y, input_dtype);
     let w = t.param(weight);
     let out = t.mul(w, yb);
@@ -1071,20 +1078,11 @@ fn rms_norm(t: &mut Tracer, x: T, weight: ParamId) -> T {
     out
 }
 
-/// `GptOssRMSNorm.forward`: `(weight * normed_fp32).to(input_dtype)`, so the product is fp32
-/// and the weight's gradient keeps the fp32 normalised rows.
+/// `GptOssRMSNorm.forward` (and OLMo 2's): `(weight * normed_fp32).to(input_dtype)`, so the
+/// product is fp32 and the weight's gradient keeps the fp32 normalised rows.
 fn rms_norm_weight_first(t: &mut Tracer, x: T, weight: ParamId) -> T {
     let input_dtype = t.dtype(x);
-    let x32 = t.to(x, DType::F32);
-    let width = norm_width(t, weight);
-    let sq = t.pow2(x32);
-    let variance = t.mean_last(sq, width);
-    t.drop(sq);
-    let v_eps = t.add_scalar(variance);
-    let r = t.rsqrt(v_eps);
-    t.drop(v_eps);
-    let y = t.mul(x32, r);
-    t.drop_all(&[r, x32]);
+    let (y, variance) = rms_normalised(t, x, weight);
     let w = t.param(weight);
     let product = t.mul(w, y);
     t.drop_all(&[y, variance]);

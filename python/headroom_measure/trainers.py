@@ -503,12 +503,14 @@ def _lora_config(ts: TrainerSpec):
     from peft import LoraConfig
 
     lo = ts.base.lora
+    extra = {"target_parameters": list(lo.target_parameters)} if lo.target_parameters else {}
     return LoraConfig(
         r=lo.r,
         lora_alpha=lo.alpha,
         target_modules=lo.targets,
         lora_dropout=lo.dropout,
         task_type="SEQ_CLS" if ts.trainer == "trl-reward" else "CAUSAL_LM",
+        **extra,
     )
 
 
@@ -546,11 +548,16 @@ def build_trainer(ts: TrainerSpec, fields: dict, ckpt: str, tokenizer, callbacks
     data = _dataset(ts, vocab, rows)
     common = _common_args(ts, outdir)
     init_kwargs = {"dtype": dtype_name, "attn_implementation": b.attention}
+    if b.experts_implementation is not None:
+        # `from_pretrained` takes it as a keyword; the config built here carries it too.
+        init_kwargs["experts_implementation"] = b.experts_implementation
     peft_config = _lora_config(ts) if b.lora is not None else None
     if ts.trainer == "hf":
         from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
         cfg = _hf_config(ts, fields)
+        if b.experts_implementation is not None:
+            cfg._experts_implementation = b.experts_implementation
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(
                 cfg, dtype=getattr(torch, dtype_name), attn_implementation=b.attention

@@ -487,3 +487,19 @@ class MetaBuildTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipUnless(_have("peft"), "peft is not installed")
+class TrainerLoraTest(unittest.TestCase):
+    """The trainers' harness hands target_parameters to peft as the loop does."""
+
+    def test_target_parameters_reach_the_lora_config(self):
+        from headroom_measure import trainers
+
+        ts = trainers.parse({
+            "trainer": "hf", "model": "qwen3-30b-a3b", "experts_implementation": "eager",
+            "lora": {"r": 8, "targets": [], "target_parameters": ["mlp.experts.gate_up_proj"]},
+        })
+        cfg = trainers._lora_config(ts)
+        self.assertEqual(set(cfg.target_parameters), {"mlp.experts.gate_up_proj"})
+        self.assertEqual(ts.base.experts_implementation, "eager")

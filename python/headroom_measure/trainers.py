@@ -104,6 +104,8 @@ class TrainerSpec:
         if self.trainer == "trl-grpo":
             base.pop("seq_len", None)
         out.update(base)
+        if self.base.model_config is not None:
+            out["model_config"] = dict(self.base.model_config)
         out["max_steps"] = self.max_steps
         out["gradient_accumulation_steps"] = self.gradient_accumulation_steps
         if self.max_grad_norm != 1.0:

@@ -503,3 +503,14 @@ class TrainerLoraTest(unittest.TestCase):
         cfg = trainers._lora_config(ts)
         self.assertEqual(set(cfg.target_parameters), {"mlp.experts.gate_up_proj"})
         self.assertEqual(ts.base.experts_implementation, "eager")
+
+
+class TrainerRecordTest(unittest.TestCase):
+    """A trainer row keeps its inline model_config, so the row can be estimated again."""
+
+    def test_model_config_is_recorded(self):
+        from headroom_measure import trainers
+
+        config = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 2}
+        ts = trainers.parse({"trainer": "hf", "model": "qwen3-30b-a3b", "model_config": config})
+        self.assertEqual(ts.to_json()["model_config"], config)

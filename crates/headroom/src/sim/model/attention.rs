@@ -470,15 +470,20 @@ struct Scores {
     v_rep: T,
 }
 
-/// `repeat_kv` of keys and values, then `matmul(q, k.transpose) * scaling` (matmul copies the
-/// transposed keys).
+/// `repeat_kv` of keys and values, then `matmul(q, k.transpose) * scaling`. matmul copies an
+/// operand whose batch dimensions do not fold into one stride: the rotated query of the usual
+/// `(b, s, heads, d)` layout; MLA's concatenated query and fresh keys are contiguous.
 fn scaled_scores(t: &mut Tracer, hd: Heads, q: T, k: T, v: T, batch: Batch) -> Scores {
     let groups = hd.heads / hd.kv_heads;
     let k_rep = repeat_kv(t, k, groups);
     let v_rep = repeat_kv(t, v, groups);
-    let k_t = t.contiguous_copy(k_rep);
-    let scores = t.bmm(q, k_t, batch.b * hd.heads * batch.s * batch.s);
-    t.drop(k_t);
+    let operand = if hd.head_major_query {
+        t.share(k_rep)
+    } else {
+        t.contiguous_copy(k_rep)
+    };
+    let scores = t.bmm(q, operand, batch.b * hd.heads * batch.s * batch.s);
+    t.drop(operand);
     let logits = t.mul_scalar(scores);
     t.drop(scores);
     Scores {
@@ -520,17 +525,24 @@ fn eager(
         t.drop(logits);
         logits = masked;
     }
+    // `attn_weights = softmax(attn_weights, dtype=float32).to(query.dtype)`: the name lets go
+    // of the scores once the cast exists.
     let probs32 = t.softmax_f32(logits);
-    t.drop(logits);
     let mut probs = t.to(probs32, t.dtype(q));
-    t.drop(probs32);
+    t.drop_all(&[probs32, logits]);
     if dropout {
         let dropped = t.dropout(probs);
         t.drop(probs);
         probs = dropped;
     }
-    let out_bhsd = t.bmm(probs, v_rep, hd.out_numel(batch));
-    t.drop(probs);
+    // MLA's values are a strided slice of the expanded latent: matmul copies them.
+    let values = if hd.head_major_query {
+        t.contiguous_copy(v_rep)
+    } else {
+        t.share(v_rep)
+    };
+    let out_bhsd = t.bmm(probs, values, hd.out_numel(batch));
+    t.drop_all(&[probs, values]);
     let out = t.contiguous_copy(out_bhsd);
     t.drop_all(&[out_bhsd, k_rep, v_rep]);
     out

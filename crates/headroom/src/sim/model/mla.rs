@@ -36,25 +36,22 @@ impl Model {
             }
         };
         let q_heads = heads_view(t, q, true);
-        t.drop(q);
         let [q_pass, q_rot] = t.split_at(q_heads, n * heads * nope);
         t.drop(q_heads);
         // compressed_kv = kv_a_proj_with_mqa(x); k_pass, k_rot = split(...)
         let kv_a = self.hooked_linear(t, self.active(layer.kv_a.expect("kv_a_proj_with_mqa")), x);
         let [k_latent, k_rot] = t.split_at(kv_a, n * mla.kv_lora_rank);
-        t.drop(kv_a);
         let latent = self.hooked_norm(t, k_latent, layer.kv_a_norm.expect("kv_a_layernorm"));
         t.drop(k_latent);
+        let (q_rot, k_rot) = self.mla_rotary(t, ctx, q_rot, k_rot);
+        // query_states = cat(q_pass, q_rot); then `expand_kv` of the latent
+        let query = t.cat2(q_pass, q_rot);
+        t.drop(q_pass);
         let kv = self.hooked_linear(t, self.active(layer.kv_b.expect("kv_b_proj")), latent);
         t.drop(latent);
         let kv_heads = heads_view(t, kv, true);
-        t.drop(kv);
         let [k_nope, v] = t.split_at(kv_heads, n * heads * nope);
         t.drop(kv_heads);
-        let (q_rot, k_rot) = self.mla_rotary(t, ctx, q_rot, k_rot);
-        // query_states = cat(q_pass, q_rot)
-        let query = t.cat2(q_pass, q_rot);
-        t.drop_all(&[q_pass, q_rot]);
         // key_states = k_pass.new_empty(...); its two slices copied in
         let k_rot_heads = t.view(k_rot, n * heads * rope, "k_rot.expand(-1, heads, -1, -1)");
         t.record(Bwd::Reduce, &[Some(k_rot)], &[k_rot_heads], &[]);
@@ -83,6 +80,9 @@ impl Model {
         t.drop_all(&[query, key, v]);
         let proj = self.hooked_linear(t, self.active(layer.o.expect("o_proj")), out);
         t.drop(out);
+        // The forward's locals (`q`, the rotated `q_pe`, `compressed_kv`, the expanded
+        // `kv`) go at its return.
+        t.drop_all(&[q, q_rot, kv_a, kv]);
         proj
     }
 
@@ -95,18 +95,17 @@ impl Model {
             return out;
         }
         let (freqs, _) = ctx.rotary_tables();
-        let rotate = |t: &mut Tracer, x: T| {
-            let dtype = t.dtype(x);
-            let x32 = t.to(x, DType::F32);
+        // xq_ = view_as_complex(xq.float()); out = view_as_real(xq_ * freqs).type_as(xq):
+        // the product goes with its expression, the fp32 copies at the function's return.
+        let x32: Vec<T> = [q, k].iter().map(|&x| t.to(x, DType::F32)).collect();
+        let mut rotated = Vec::new();
+        for (&x, &x32) in [q, k].iter().zip(&x32) {
             let product = t.mul(x32, freqs);
-            t.drop(x32);
-            let out = t.to(product, dtype);
+            rotated.push(t.to(product, t.dtype(x)));
             t.drop(product);
-            out
-        };
-        let qr = rotate(t, q);
-        let kr = rotate(t, k);
+        }
+        t.drop_all(&x32);
         t.drop_all(&[q, k]);
-        (qr, kr)
+        (rotated[0], rotated[1])
     }
 }

@@ -111,6 +111,18 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
         ),
         ("moe-lora-dropout", vec!["lora.dropout", "0.1", "use 0"]),
         (
+            "moe-eager-work",
+            vec![
+                "experts_implementation",
+                "4096000 expert calls",
+                "grouped_mm",
+            ],
+        ),
+        (
+            "moe-batched-overflow",
+            vec!["experts_implementation", "batched_mm", "beyond any device"],
+        ),
+        (
             "moe-lora-half-fused",
             vec!["lora.targets", "gate_proj", "both or neither"],
         ),

@@ -935,6 +935,51 @@ impl RunSpec {
         Ok((model, arch))
     }
 
+    /// Bounds on what the experts path makes the simulator do: the per-expert loop's calls,
+    /// and `batched_mm`'s per-pair copies of the expert weights, which must be countable.
+    fn check_experts_work(&self, arch: &Architecture, moe: &crate::arch::Moe) -> Result<()> {
+        let pairs = self
+            .batch_size
+            .saturating_mul(self.seq_len)
+            .saturating_mul(moe.top_k);
+        match self.experts {
+            ExpertsImpl::Eager => {
+                let routed = (0..arch.layers).filter(|&l| moe.routes(l)).count() as u64;
+                let calls = routed.saturating_mul(moe.experts.min(pairs));
+                if calls > limits::MAX_EXPERT_LOOP_CALLS {
+                    return Err(Error::field(
+                        "experts_implementation",
+                        "eager",
+                        format!(
+                            "{routed} routed layers × {} experts is {calls} expert calls a \
+                             forward, more than the estimate simulates ({}); use grouped_mm",
+                            moe.experts,
+                            limits::MAX_EXPERT_LOOP_CALLS
+                        ),
+                    ));
+                }
+            }
+            ExpertsImpl::BatchedMm => {
+                let gathered = (2 * moe.intermediate)
+                    .checked_mul(arch.hidden)
+                    .and_then(|w| w.checked_mul(pairs))
+                    .and_then(|n| n.checked_mul(4));
+                if gathered.is_none() {
+                    return Err(Error::field(
+                        "experts_implementation",
+                        "batched_mm",
+                        format!(
+                            "it copies an expert's weights for each of {pairs} (token, expert) \
+                             pairs, beyond any device; use grouped_mm or fewer tokens"
+                        ),
+                    ));
+                }
+            }
+            ExpertsImpl::GroupedMm => {}
+        }
+        Ok(())
+    }
+
     /// The attention transformers runs: what the spec names, eager for models without SDPA
     /// (gpt-oss).
     pub fn attention_for(&self, arch: &Architecture) -> Attention {
@@ -991,6 +1036,9 @@ impl RunSpec {
                 supported: "causal-lm (transformers 5.17 has no OlmoeForSequenceClassification)"
                     .into(),
             });
+        }
+        if let Some(moe) = &arch.moe {
+            self.check_experts_work(arch, moe)?;
         }
         if arch.moe.is_none() {
             if self.experts != ExpertsImpl::default() {

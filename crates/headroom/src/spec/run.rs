@@ -13,7 +13,7 @@ use super::versions::Versions;
 use crate::arch::{Architecture, Head, Module};
 use crate::catalog::{self, ResolvedModel};
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SHOWN_CHARS, shown};
 use crate::limits;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1045,14 +1045,14 @@ impl RunSpec {
                 return Err(Error::field(
                     "experts_implementation",
                     self.experts.name(),
-                    format!("{} has no experts; leave it out", self.model),
+                    format!("{} models have no experts; leave it out", arch.model_type),
                 ));
             }
             if self.routing_factor != 1.0 {
                 return Err(Error::field(
                     "routing",
                     self.routing_factor,
-                    format!("{} has no experts; leave it out", self.model),
+                    format!("{} models have no experts; leave it out", arch.model_type),
                 ));
             }
         }
@@ -1067,7 +1067,7 @@ impl RunSpec {
                 "[...]",
                 format!(
                     "{} has no fused expert weights; use lora.targets",
-                    self.model
+                    shown(&self.model, SHOWN_CHARS)
                 ),
             ));
         }
@@ -1088,7 +1088,7 @@ impl RunSpec {
                         format!("{name:?}"),
                         format!(
                             "{} has no such linear layer; its linear layers: {}",
-                            self.model,
+                            shown(&self.model, SHOWN_CHARS),
                             known.join(", ")
                         ),
                     ));

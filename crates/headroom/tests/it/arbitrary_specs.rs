@@ -41,6 +41,8 @@ fn scalar() -> impl Strategy<Value = String> {
             "qwen2.5-0.5b", "gpt2", "custom", "llama", "gpt2", "qwen3", "bf16", "fp32",
             "amp-fp16", "adamw", "sgd", "none", "forward", "train", "generate", "fsdp", "ddp",
             "zero2", "zero3", "eager", "nf4", "all-linear", "vllm", "cpu", "a", "b",
+            "qwen3_moe", "deepseek_v3", "gpt_oss", "olmoe-1b-7b", "grouped_mm", "batched_mm",
+            "mlp.experts.gate_up_proj", "gate_proj",
         ])
         .prop_map(str::to_string),
         1 => "[a-z_]{0,12}".prop_map(|s| format!("\"{s}\"")),
@@ -62,7 +64,10 @@ fn key() -> impl Strategy<Value = String> {
             "expandable_segments", "model_type", "hidden_size", "intermediate_size",
             "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
             "head_dim", "max_position_embeddings", "n_embd", "n_inner", "n_layer", "n_head",
-            "sliding_window", "tie_word_embeddings",
+            "sliding_window", "tie_word_embeddings", "experts_implementation", "routing",
+            "max_tokens_per_expert_factor", "target_parameters", "num_experts",
+            "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "kv_lora_rank", "q_lora_rank", "first_k_dense_replace",
         ])
         .prop_map(str::to_string),
         1 => "[a-z]{1,8}",

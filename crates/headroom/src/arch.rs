@@ -454,10 +454,10 @@ impl Architecture {
             // DeepSeek's `head_dim` is the rotary width (`__post_init__`).
             (_, Some(mla)) => mla.qk_rope_head_dim,
             (Some(d), None) => d,
-            (None, None) if matches!(family, Family::GptOss) => 64,
-            (None, None) if matches!(family, Family::Glm4 | Family::Gemma3) => {
-                if family == Family::Glm4 { 128 } else { 256 }
-            }
+            // The config classes' defaults.
+            (None, None) if family == Family::GptOss => 64,
+            (None, None) if family == Family::Glm4 => 128,
+            (None, None) if family == Family::Gemma3 => 256,
             (None, None) => {
                 if hidden % heads != 0 {
                     return Err(Error::field(

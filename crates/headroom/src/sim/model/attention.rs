@@ -100,11 +100,11 @@ impl Masks {
 
     /// The mask of decoder layer `layer`.
     pub(crate) fn for_layer(&self, a: &Architecture, layer: usize) -> Option<T> {
-        match a.family {
-            // `layer_types`: sliding, full, sliding, ...
-            _ if a.sliding_pattern.is_some() && a.is_sliding(layer as u64) => self.sliding,
-            _ if a.sliding_pattern.is_some() => self.full,
-            _ => self.sliding.or(self.full),
+        match a.sliding_pattern {
+            // `layer_types`: sliding and full layers mixed.
+            Some(_) if a.is_sliding(layer as u64) => self.sliding,
+            Some(_) => self.full,
+            None => self.sliding.or(self.full),
         }
     }
 

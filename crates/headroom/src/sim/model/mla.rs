@@ -25,12 +25,12 @@ impl Model {
         let (heads, nope, rope) = (a.heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim);
         // q = q_proj(x), or q_b_proj(q_a_layernorm(q_a_proj(x)))
         let q = match mla.q_lora_rank {
-            None => self.hooked_linear(t, self.active(layer.q.expect("q_proj")), x),
+            None => self.hooked_linear(t, layer.q.expect("q_proj"), x),
             Some(_) => {
-                let qa = self.hooked_linear(t, self.active(layer.q_a.expect("q_a_proj")), x);
+                let qa = self.hooked_linear(t, layer.q_a.expect("q_a_proj"), x);
                 let normed = self.hooked_norm(t, qa, layer.q_a_norm.expect("q_a_layernorm"));
                 t.drop(qa);
-                let qb = self.hooked_linear(t, self.active(layer.q_b.expect("q_b_proj")), normed);
+                let qb = self.hooked_linear(t, layer.q_b.expect("q_b_proj"), normed);
                 t.drop(normed);
                 qb
             }
@@ -39,7 +39,7 @@ impl Model {
         let [q_pass, q_rot] = t.split_at(q_heads, n * heads * nope);
         t.drop(q_heads);
         // compressed_kv = kv_a_proj_with_mqa(x); k_pass, k_rot = split(...)
-        let kv_a = self.hooked_linear(t, self.active(layer.kv_a.expect("kv_a_proj_with_mqa")), x);
+        let kv_a = self.hooked_linear(t, layer.kv_a.expect("kv_a_proj_with_mqa"), x);
         let [k_latent, k_rot] = t.split_at(kv_a, n * mla.kv_lora_rank);
         let latent = self.hooked_norm(t, k_latent, layer.kv_a_norm.expect("kv_a_layernorm"));
         t.drop(k_latent);
@@ -47,7 +47,7 @@ impl Model {
         // query_states = cat(q_pass, q_rot); then `expand_kv` of the latent
         let query = t.cat2(q_pass, q_rot);
         t.drop(q_pass);
-        let kv = self.hooked_linear(t, self.active(layer.kv_b.expect("kv_b_proj")), latent);
+        let kv = self.hooked_linear(t, layer.kv_b.expect("kv_b_proj"), latent);
         t.drop(latent);
         let kv_heads = heads_view(t, kv, true);
         let [k_nope, v] = t.split_at(kv_heads, n * heads * nope);
@@ -78,7 +78,7 @@ impl Model {
             None,
         );
         t.drop_all(&[query, key, v]);
-        let proj = self.hooked_linear(t, self.active(layer.o.expect("o_proj")), out);
+        let proj = self.hooked_linear(t, layer.o.expect("o_proj"), out);
         t.drop(out);
         // The forward's locals (`q`, the rotated `q_pe`, `compressed_kv`, the expanded
         // `kv`) go at its return.

@@ -9,7 +9,7 @@
 //! how tokens spread; it assumes an even spread, or the spec's `max_tokens_per_expert_factor`
 //! for the busiest expert.
 
-use super::transformer::{ExpertLora, Experts, Layer, Linear, Model};
+use super::transformer::{ExpertLora, Experts, Layer, Model};
 use crate::arch::{Family, Moe, Router};
 use crate::dtype::DType;
 use crate::sim::engine::tracer::{Bwd, ParamId, T, Tracer};
@@ -40,7 +40,8 @@ impl Model {
                 let shared = self.shared_expert(t, layer, x);
                 let (w, idx) = self.route(t, layer, x, tokens);
                 let routed = self.experts(t, layer, Routed { x, idx, w }, tokens);
-                let gate = self.hooked(t, layer.shared_expert_gate.expect("shared_expert_gate"), x);
+                let gate =
+                    self.hooked_linear(t, layer.shared_expert_gate.expect("shared_expert_gate"), x);
                 let sig = t.sigmoid(gate);
                 t.drop(gate);
                 let scaled = t.mul(sig, shared);
@@ -64,19 +65,15 @@ impl Model {
         }
     }
 
-    fn hooked(&self, t: &mut Tracer, linear: Linear, x: T) -> T {
-        self.hooked_linear(t, linear, x)
-    }
-
     /// The shared expert, a dense SwiGLU MLP (`Qwen2MoeMLP`, `DeepseekV2MLP`).
     fn shared_expert(&self, t: &mut Tracer, layer: &Layer, x: T) -> T {
-        let gate = self.hooked(t, layer.shared_gate.expect("shared gate_proj"), x);
+        let gate = self.hooked_linear(t, layer.shared_gate.expect("shared gate_proj"), x);
         let act = t.silu(gate);
         t.drop(gate);
-        let up = self.hooked(t, layer.shared_up.expect("shared up_proj"), x);
+        let up = self.hooked_linear(t, layer.shared_up.expect("shared up_proj"), x);
         let prod = t.mul(act, up);
         t.drop_all(&[act, up]);
-        let out = self.hooked(t, layer.shared_down.expect("shared down_proj"), prod);
+        let out = self.hooked_linear(t, layer.shared_down.expect("shared down_proj"), prod);
         t.drop(prod);
         out
     }

@@ -243,7 +243,7 @@ impl Knobs {
 /// Whether the estimator runs `k`'s data parallelism (or ZeRO-Offload) as a simulation of its
 /// own, rather than computing it from an unsharded run's breakdown.
 pub fn simulates_parallel(setup: &Setup, k: &Knobs) -> bool {
-    parallel_for(&spec_for(&setup.spec, k), k, setup.gpus).is_some()
+    parallel_for(&spec_for(setup, k), k, setup.gpus).is_some()
 }
 
 /// The sharding and CPU offload a spec's own data parallelism amounts to.
@@ -340,9 +340,9 @@ pub fn default_lora() -> Lora {
 /// whose experts peft would wrap (`all-linear` reaches the fused stacks there, rebuilding
 /// each as a full `W + BA` every forward and keeping it for backward): the attention
 /// projections only, the experts frozen.
-pub fn remedy_lora(spec: &RunSpec) -> Lora {
+pub fn remedy_lora(spec: &RunSpec, spec_dir: Option<&Path>) -> Lora {
     let lora = default_lora();
-    let Ok((_, arch)) = spec.architecture(None, "") else {
+    let Ok((_, arch)) = spec.architecture(spec_dir, "") else {
         return lora;
     };
     if arch.moe.is_none() {
@@ -371,15 +371,16 @@ pub fn remedy_lora(spec: &RunSpec) -> Lora {
 }
 
 /// How a remedy's LoRA is said: `all-linear`, or the modules it adapts.
-fn lora_targets_words(spec: &RunSpec) -> String {
-    match remedy_lora(spec).targets {
+fn lora_targets_words(setup: &Setup) -> String {
+    match remedy_lora(&setup.spec, setup.spec_dir).targets {
         LoraTargets::AllLinear => "\"all-linear\"".to_string(),
         LoraTargets::Modules(names) => format!("{names:?}"),
     }
 }
 
 /// The spec the simulated knobs describe.
-pub fn spec_for(base: &RunSpec, k: &Knobs) -> RunSpec {
+pub fn spec_for(setup: &Setup, k: &Knobs) -> RunSpec {
+    let base = &setup.spec;
     let mut spec = base.clone();
     spec.optimizer = k.optimizer;
     spec.gradient_checkpointing = k.gradient_checkpointing;
@@ -416,12 +417,20 @@ pub fn spec_for(base: &RunSpec, k: &Knobs) -> RunSpec {
                 spec.kbit_prepare = false;
             }
             Adapter::Lora => {
-                spec.lora = Some(base.lora.clone().unwrap_or_else(|| remedy_lora(base)));
+                spec.lora = Some(
+                    base.lora
+                        .clone()
+                        .unwrap_or_else(|| remedy_lora(base, setup.spec_dir)),
+                );
                 spec.quantization = None;
                 spec.kbit_prepare = false;
             }
             Adapter::Qlora => {
-                spec.lora = Some(base.lora.clone().unwrap_or_else(|| remedy_lora(base)));
+                spec.lora = Some(
+                    base.lora
+                        .clone()
+                        .unwrap_or_else(|| remedy_lora(base, setup.spec_dir)),
+                );
                 spec.quantization = Some(Quantization::Nf4);
                 spec.kbit_prepare = true;
                 spec.precision = Precision::Bf16;
@@ -457,7 +466,7 @@ impl Evaluation {
 /// What NCCL (DeepSpeed's groups, on one rank too) holds on each rank of `k` over the setup's
 /// GPUs (measured per strategy; a computed sharding is charged DDP's single communicator).
 pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
-    let spec = spec_for(&setup.spec, k);
+    let spec = spec_for(setup, k);
     let ddp = Parallel {
         strategy: Strategy::Ddp,
         world_size: u64::from(setup.gpus),
@@ -489,7 +498,7 @@ pub fn estimates_made() -> u64 {
 /// of the device outside the simulated run, so its allocator gets what they leave (the
 /// estimator takes NCCL off itself when the run it simulates is data parallel).
 pub fn simulate(setup: &Setup, k: &Knobs) -> Result<Estimate> {
-    let mut spec = spec_for(&setup.spec, k);
+    let mut spec = spec_for(setup, k);
     let parallel = parallel_for(&spec, k, setup.gpus);
     let mut outside = if parallel.is_none() {
         nccl_bytes(setup, k)
@@ -634,7 +643,7 @@ fn computed_peaks(setup: &Setup, k: &Knobs, est: &Estimate) -> (u64, u64, bool) 
         && setup.spec.mode == Mode::Train
         && !simulated
     {
-        added += ddp_bucket_bytes(est, &spec_for(&setup.spec, k));
+        added += ddp_bucket_bytes(est, &spec_for(setup, k));
     }
     if !k.residents_off_gpu {
         added += setup.residents.iter().map(|r| r.weights_bytes).sum::<u64>();
@@ -811,7 +820,7 @@ pub fn describe(setup: &Setup, k: &Knobs) -> Vec<String> {
         });
     }
     if k.adapter != base.adapter {
-        let experts_frozen = match remedy_lora(&setup.spec).targets {
+        let experts_frozen = match remedy_lora(&setup.spec, setup.spec_dir).targets {
             LoraTargets::Modules(_) => " on attention, experts frozen",
             LoraTargets::AllLinear => "",
         };
@@ -846,7 +855,7 @@ pub fn describe(setup: &Setup, k: &Knobs) -> Vec<String> {
 /// The changes `k` makes to a trainer's run, in the settings of `TrainingArguments` and TRL's
 /// configs.
 fn describe_trainer(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
-    let spec = spec_for(&setup.spec, k);
+    let spec = spec_for(setup, k);
     let mut out = Vec::new();
     if k.optimizer != base.optimizer {
         out.push(format!("optim=\"{}\"", optim_name(k.optimizer)));
@@ -862,7 +871,7 @@ fn describe_trainer(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
             Adapter::Full => "no peft_config (full fine-tuning)".to_string(),
             Adapter::Lora => format!(
                 "peft_config=LoraConfig(r=16, target_modules={})",
-                lora_targets_words(&setup.spec)
+                lora_targets_words(setup)
             ),
             Adapter::Qlora => "4-bit NF4 base (BitsAndBytesConfig) + LoRA r=16".to_string(),
         });
@@ -894,8 +903,7 @@ fn describe_trainer(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<String> {
 
 /// Whether `k` runs under FSDP.
 fn fsdp_launch(setup: &Setup, k: &Knobs) -> bool {
-    parallel_for(&spec_for(&setup.spec, k), k, setup.gpus)
-        .is_some_and(|p| p.strategy == Strategy::Fsdp)
+    parallel_for(&spec_for(setup, k), k, setup.gpus).is_some_and(|p| p.strategy == Strategy::Fsdp)
 }
 
 /// A change of sharding or CPU offload from the spec's, in words: an accelerate config's
@@ -931,7 +939,7 @@ fn describe_accelerate_sharding(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<S
     if (k.sharding, k.cpu_offload) == (base.sharding, base.cpu_offload) {
         return Vec::new();
     }
-    let parallel = parallel_for(&spec_for(&setup.spec, k), k, setup.gpus);
+    let parallel = parallel_for(&spec_for(setup, k), k, setup.gpus);
     let zero = |stage: u8, offload: bool| {
         format!(
             "distributed_type: DEEPSPEED (zero_stage: {stage}{})",

@@ -232,7 +232,7 @@ pub fn remedies(setup: &Setup) -> Result<Vec<Remedy>> {
             }
         }
         if let Some(k) = chosen {
-            let changed = plan::spec_for(&setup.spec, &k);
+            let changed = plan::spec_for(setup, &k);
             let mb = changed.batch_size;
             let acc = if trainer == TrainerKind::Loop {
                 k.accumulation

@@ -362,7 +362,7 @@ fn a_lora_remedy_on_moe_leaves_the_experts_frozen() {
         "model: qwen3-30b-a3b\nprecision: bf16\noptimizer: adamw\nbatch_size: 2\nseq_len: 2048\n\
          gradient_checkpointing: true\n",
     );
-    let lora = plan::remedy_lora(&base);
+    let lora = plan::remedy_lora(&base, None);
     let LoraTargets::Modules(names) = &lora.targets else {
         panic!("all-linear proposed for an MoE model");
     };
@@ -377,8 +377,24 @@ fn a_lora_remedy_on_moe_leaves_the_experts_frozen() {
             .unwrap()
             .peak_allocated_bytes
     };
-    assert!(peak(lora) < peak(plan::default_lora()));
+    assert!(peak(lora.clone()) < peak(plan::default_lora()));
+    // A model given by a config.json beside the spec is read from there too.
+    let dir = std::env::temp_dir().join(format!("headroom-remedy-lora-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = headroom::catalog::resolve("qwen3-30b-a3b", None)
+        .unwrap()
+        .config;
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let relative = RunSpec::from_str_at("model: ./config.json\n", &dir.join("spec.yaml")).unwrap();
+    assert_eq!(
+        plan::remedy_lora(&relative, Some(&dir)).targets,
+        lora.targets
+    );
+    std::fs::remove_dir_all(&dir).ok();
     // A dense model keeps peft's usual recipe.
     let dense = spec("model: qwen3-8b\nprecision: bf16\n");
-    assert_eq!(plan::remedy_lora(&dense).targets, LoraTargets::AllLinear);
+    assert_eq!(
+        plan::remedy_lora(&dense, None).targets,
+        LoraTargets::AllLinear
+    );
 }

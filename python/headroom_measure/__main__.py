@@ -2,6 +2,7 @@
 
     python -m headroom_measure run SPEC [--catalog FILE] [--snapshot FILE] [--id ID]
     python -m headroom_measure batch SPECS.jsonl --out RESULTS.jsonl [--catalog FILE] [--jobs N]
+    python -m headroom_measure trace SPEC --out TRACE.json[.gz] [--catalog FILE]
     python -m headroom_measure pipeline PIPELINE.yaml [--id ID] [--out FILE] [--snapshot FILE]
     torchrun --nproc-per-node N -m headroom_measure pipeline PIPELINE.yaml ...  (sharded instances)
     torchrun --nproc-per-node N -m headroom_measure dist SPEC --out FILE.jsonl [--id ID] [--snapshot FILE]
@@ -11,6 +12,8 @@
 generate passes, host offload (see pipeline.py); it prints the record (rank 0 under torchrun).
 `dist` measures a spec with a `parallel` block on N GPUs, one process each (see dist.py); rank 0
 appends the record to --out and prints it.
+`trace` runs the spec's steps under fake tensors on the CPU (no GPU needed) and writes a headroom
+trace file (docs/trace-format.md) for `headroom trace` to replay through the allocator.
 `batch` runs every line of SPECS.jsonl ({"id", "spec", optional "hint_bytes"}) in a fresh process
 each, up to --jobs at once while their hinted peaks fit the GPU, and appends the records to --out.
 Exit code 2 on a bad spec or a missing dependency, with a message saying what is missing.
@@ -80,6 +83,41 @@ def cmd_run(args) -> int:
 
     record = measure(spec, fields, snapshot=args.snapshot, row_id=args.id, stacks=args.stacks)
     print(json.dumps(record), flush=True)
+    return 0
+
+
+def cmd_trace(args) -> int:
+    try:
+        spec = specmod.parse(json.loads(args.spec_json)) if args.spec_json else specmod.load(args.spec)
+        fields = specmod.resolve_model_config(spec, load_catalog(args.catalog))
+    except (specmod.SpecError, OSError, json.JSONDecodeError) as err:
+        return _fail(str(err))
+    from .trace import TraceError, refuse_untraceable, trace
+
+    try:
+        refuse_untraceable(spec)
+    except TraceError as err:
+        return _fail(str(err))
+    missing = missing_dependencies()
+    if missing:
+        return _fail(
+            f"{', '.join(missing)} not installed; `headroom trace` runs the real model code under fake tensors: "
+            "`pip install torch transformers peft` in this Python (or pass --python PATH to one that has them)"
+        )
+    def progress(step):
+        print(f"tracing step {step} of 3", file=sys.stderr, flush=True)
+
+    try:
+        trace(spec, fields, args.out, progress=progress)
+    except TraceError as err:
+        return _fail(str(err))
+    except Exception as err:  # noqa: BLE001 - the model's own code failed on fake tensors
+        first_line = (str(err).strip().splitlines() or [""])[0][:300]
+        return _fail(
+            f"the run's code failed under fake tensors ({type(err).__name__}: {first_line}); an operator whose "
+            "output shape depends on tensor values (nonzero, bincount) or a kernel without a fake implementation "
+            "cannot be traced; `headroom estimate` models supported model types natively"
+        )
     return 0
 
 
@@ -263,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         "--stacks", default="python", choices=["python", "all", "none"], help="frames kept in the snapshot"
     )
     dst.add_argument("--id")
+    trc = sub.add_parser("trace", help="trace a spec's steps under fake tensors on the CPU")
+    trc.add_argument("spec", nargs="?")
+    trc.add_argument("--spec-json", help="the spec inline, as JSON")
+    trc.add_argument("--out", required=True, help="the trace file to write (.json or .json.gz)")
+    trc.add_argument("--catalog")
     batch = sub.add_parser("batch", help="measure many specs, a fresh process each")
     batch.add_argument("specs")
     batch.add_argument("--out", required=True)
@@ -277,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(args)
     if args.command == "pipeline":
         return cmd_pipeline(args)
+    if args.command == "trace":
+        if not args.spec and not args.spec_json:
+            parser.error("trace needs SPEC or --spec-json")
+        return cmd_trace(args)
     if args.command == "dist":
         if not args.spec and not args.spec_json:
             parser.error("dist needs SPEC or --spec-json")

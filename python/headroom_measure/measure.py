@@ -106,7 +106,8 @@ def _auto_class(spec: Spec):
     return transformers.AutoModelForCausalLM
 
 
-def _build(spec: Spec, cfg):
+def _build(spec: Spec, cfg, device: str = "cuda"):
+    """The model as the spec builds it, on `device` (the tracer builds on its fake device)."""
     import torch
 
     cls = _auto_class(spec)
@@ -137,7 +138,7 @@ def _build(spec: Spec, cfg):
         shutil.rmtree(tmp, ignore_errors=True)
         return model
     dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
-    with torch.device("cuda"):
+    with torch.device(device):
         return cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
 
 

@@ -1,0 +1,314 @@
+"""What the real code decides because its tensors are on a CUDA GPU, reproduced for fake tensors
+on the CPU.
+
+PyTorch's autograd engine cannot run a backward over fake CUDA tensors on a machine without a
+GPU (`GraphTask::stash_current_streams` asks the CUDA driver for a primary context), so the
+tracer keeps its fake tensors on the CPU device and makes the three decisions that would differ
+take CUDA's branch:
+
+- **Autocast.** `torch.autocast("cuda", ...)` enables CPU autocast with the same dtype, and every
+  operator with a CPU autocast kernel gets CUDA's policy instead (`autocast_mode.cpp`): lower
+  precision for GEMMs and attention, fp32 for the numerically sensitive ops, an fp32 `dtype`
+  for reductions and softmax, the widest type for the promoting ops, pass-through for operators
+  only CPU autocast lists (`cat`, `stack`, `cross_entropy_loss`, ...). Leaf fp32 weights cast to
+  the lower precision are cached until the outermost autocast region exits, as
+  `cached_cast` does.
+- **Attention.** `F.scaled_dot_product_attention` picks the kernel an sm90 GPU would (flash,
+  cuDNN, memory-efficient or math, as `select_sdp_backend` does in torch 2.11) and calls that
+  kernel's operator, whose fake implementation gives CUDA's outputs and whose backward is
+  CUDA's.
+- **Optimizers.** `torch.optim` takes its foreach and fused paths for fake CPU tensors as for
+  CUDA ones (the per-parameter loop allocates different temporaries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+LOWER_PRECISION = {
+    "_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc",
+    "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "convolution",
+    "cudnn_convolution", "cudnn_convolution_transpose", "_cudnn_rnn", "prelu", "addmm", "addmv",
+    "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm",
+    "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+    "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+}  # fmt: skip
+FP32 = {
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+    "reciprocal", "rsqrt", "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar",
+    "softplus", "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm.dim",
+    "nuclear_norm", "nuclear_norm.dim", "cosine_similarity", "poisson_nll_loss",
+    "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div",
+    "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d",
+    "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d",
+    "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    # `norm` appends an fp32 dtype (fp32_append_dtype); casting its input to fp32 first is the
+    # same memory to within the input's fp32 copy, and no traced model calls it.
+    "norm.Scalar", "norm.ScalarOpt_dim", "norm.names_ScalarOpt_dim",
+}  # fmt: skip
+FP32_SET_OPT_DTYPE = {
+    "prod", "prod.dim_int", "prod.dim_Dimname", "softmax.int", "softmax.Dimname",
+    "log_softmax.int", "log_softmax.Dimname", "cumprod", "cumprod.dimname", "cumsum",
+    "cumsum.dimname", "linalg_vector_norm", "linalg_matrix_norm", "linalg_matrix_norm.str_ord",
+    "sum", "sum.dim_IntList", "sum.dim_DimnameList",
+}  # fmt: skip
+PROMOTE = {
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
+    "index_put", "tensordot", "scatter_add",
+}  # fmt: skip
+BANNED = {"binary_cross_entropy"}
+
+
+class EmulationError(RuntimeError):
+    """This torch's CUDA autocast lists an operator the emulation has no policy for."""
+
+
+def _policies() -> dict[str, str]:
+    table = {}
+    for names, policy in (
+        (LOWER_PRECISION, "lower"),
+        (FP32, "fp32"),
+        (FP32_SET_OPT_DTYPE, "set_opt_dtype"),
+        (PROMOTE, "promote"),
+        (BANNED, "banned"),
+    ):
+        for name in names:
+            table[name] = policy
+    return table
+
+
+class _CastCache:
+    """`cached_cast`'s cache: a leaf fp32 tensor that requires grad is cast once per autocast
+    region; the cast lives until the outermost region exits."""
+
+    def __init__(self):
+        self.casts: dict[int, tuple] = {}
+
+    def cast(self, torch, t, dtype):
+        cacheable = (
+            dtype != torch.float32
+            and t.dtype == torch.float32
+            and t.requires_grad
+            and t.is_leaf
+            and not t._is_view()
+            and torch.is_autocast_cache_enabled()
+        )
+        if not cacheable:
+            return t.to(dtype)
+        key = id(t)
+        hit = self.casts.get(key)
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        import weakref
+
+        out = t.to(dtype)
+        self.casts[key] = (weakref.ref(t), out)
+        return out
+
+    def clear(self):
+        self.casts.clear()
+
+
+def _eligible(torch, x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+
+
+class CudaEmulation:
+    """Installs the three CUDA decisions for the life of a `with` block."""
+
+    def __init__(self):
+        self._stack = contextlib.ExitStack()
+        self.cache = _CastCache()
+
+    def __enter__(self):
+        import torch
+
+        self._install_autocast(torch)
+        self._install_optimizer_defaults(torch)
+        self._stack.enter_context(_SdpaPatch())
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+    # -- autocast ---------------------------------------------------------------------------
+
+    def _install_autocast(self, torch):
+        policies = _policies()
+        cuda_ops = torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
+        unknown = sorted(n.removeprefix("aten::") for n in cuda_ops if n.removeprefix("aten::") not in policies)
+        if unknown:
+            raise EmulationError(
+                f"torch {torch.__version__}'s CUDA autocast lists operators headroom's tracer has no policy for: "
+                f"{', '.join(unknown)}"
+            )
+        cuda_names = {n.removeprefix("aten::") for n in cuda_ops}
+        cpu_names = {n.removeprefix("aten::") for n in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")}
+        lib = torch.library.Library("aten", "IMPL")
+        self._stack.callback(lib._destroy)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+            for name in sorted(cuda_names | cpu_names):
+                policy = policies.get(name) if name in cuda_names else "pass"
+                lib.impl(name, self._kernel(torch, name, policy), "AutocastCPU")
+
+        real_init = torch.amp.autocast_mode.autocast.__init__
+        real_clear = torch.clear_autocast_cache
+        cache = self.cache
+
+        def init(self_, device_type, *args, **kwargs):
+            if device_type == "cuda":
+                device_type = "cpu"
+            real_init(self_, device_type, *args, **kwargs)
+
+        def clear():
+            cache.clear()
+            real_clear()
+
+        torch.amp.autocast_mode.autocast.__init__ = init
+        torch.clear_autocast_cache = clear
+        self._stack.callback(setattr, torch.amp.autocast_mode.autocast, "__init__", real_init)
+        self._stack.callback(setattr, torch, "clear_autocast_cache", real_clear)
+
+    def _kernel(self, torch, name: str, policy: str):
+        base, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, base), overload or "default")
+        exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+        cache = self.cache
+        from torch.utils._pytree import tree_map
+
+        names = [a.name for a in op._schema.arguments]
+        dtype_at = names.index("dtype") if "dtype" in names else len(names)
+
+        def below(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                return op(*args, **kwargs)
+
+        if policy == "pass":
+            return below
+        if policy == "banned":
+
+            def banned(*args, **kwargs):
+                raise RuntimeError(f"{name} is unsafe to autocast (torch raises the same on CUDA)")
+
+            return banned
+
+        def kernel(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                if policy == "set_opt_dtype":
+                    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                    if first is not None and _eligible(torch, first):
+                        if dtype_at < len(args):
+                            if args[dtype_at] is None:
+                                args = (*args[:dtype_at], torch.float32, *args[dtype_at + 1 :])
+                        elif kwargs.get("dtype") is None:
+                            kwargs = {**kwargs, "dtype": torch.float32}
+                    return op(*args, **kwargs)
+                if policy == "lower":
+                    target = torch.get_autocast_dtype("cpu")
+                elif policy == "fp32":
+                    target = torch.float32
+                else:  # promote: the widest eligible floating type
+                    lower = torch.get_autocast_dtype("cpu")
+                    tensors = [a for a in (*args, *kwargs.values()) if _eligible(torch, a)]
+                    target = torch.float32 if any(t.dtype == torch.float32 for t in tensors) else lower
+
+                def cast(x):
+                    if _eligible(torch, x) and x.dtype != target:
+                        return cache.cast(torch, x, target)
+                    return x
+
+                return op(*tree_map(cast, args), **tree_map(cast, kwargs))
+
+        return kernel
+
+    # -- optimizers -------------------------------------------------------------------------
+
+    def _install_optimizer_defaults(self, torch):
+        import torch.optim.optimizer as optimizer
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        # Parameters over fake tensors are of the subclass's type, which `torch.optim` does not
+        # take for its foreach and fused kernels.
+        optimizer._foreach_supported_types.append(FakeTensor)
+        self._stack.callback(optimizer._foreach_supported_types.remove, FakeTensor)
+        for attr in ("_get_foreach_kernels_supported_devices", "_get_fused_kernels_supported_devices"):
+            real = getattr(optimizer, attr)
+            setattr(optimizer, attr, lambda real=real: [*real(), "cpu"])
+            self._stack.callback(setattr, optimizer, attr, real)
+
+
+def select_attention_kernel(query, key, value, attn_mask, enable_gqa: bool) -> str:
+    """The kernel torch 2.11's `select_sdp_backend` picks on an sm90 GPU: flash for half
+    precision without a mask (head dim a multiple of 8 up to 256), cuDNN for half precision with
+    one, memory-efficient for the rest it supports, math otherwise. Flash and cuDNN need one
+    head dim for queries, keys and values (latent attention's values are narrower)."""
+    import torch
+
+    head_dim = query.shape[-1]
+    half = query.dtype in (torch.float16, torch.bfloat16) and value.shape[-1] == head_dim
+    masked = attn_mask is not None
+    gqa = enable_gqa and key.shape[-3] != query.shape[-3]
+    if half and not masked and head_dim <= 256 and head_dim % 8 == 0:
+        return "flash"
+    if half and masked and head_dim <= 256:
+        return "cudnn"
+    if not gqa and head_dim % 4 == 0:
+        return "efficient"
+    return "math"
+
+
+def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """`F.scaled_dot_product_attention` as CUDA's composite runs it: autocast's cast, then the
+    chosen kernel's operator (which autograd records with CUDA's backward)."""
+    import torch
+
+    if torch.is_autocast_enabled("cpu"):
+        lower = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(lower) if t.dtype == torch.float32 else t for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype == torch.float32:
+            attn_mask = attn_mask.to(lower)
+    kernel = select_attention_kernel(query, key, value, attn_mask, enable_gqa)
+    with torch.autocast("cpu", enabled=False):
+        if kernel == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )[0]
+        needs_grad = any(t.requires_grad for t in (query, key, value))
+        if kernel == "cudnn":
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                query, key, value, attn_mask, needs_grad, dropout_p, is_causal, False, scale=scale
+            )[0]
+        if kernel == "efficient":
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, needs_grad, dropout_p, is_causal, scale=scale
+            )[0]
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )[0]
+
+
+class _SdpaPatch:
+    """Routes `F.scaled_dot_product_attention` to `cuda_sdpa`. A patch rather than a
+    `TorchFunctionMode`: the autograd engine does not carry function modes into the backward,
+    where checkpointing recomputes the forward."""
+
+    def __enter__(self):
+        import torch.nn.functional as F
+
+        self._real = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = cuda_sdpa
+        return self
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+
+        F.scaled_dot_product_attention = self._real
+        return False

@@ -1,0 +1,430 @@
+"""Trace a spec's steps under fake tensors on the CPU: every storage the caching allocator would
+be asked for, in order, written as a headroom trace file (docs/trace-format.md).
+
+The real modeling, peft and optimizer code runs as `headroom measure` runs it (the same build,
+prepare, forward, backward and step functions), but on `FakeTensorMode` tensors that have
+shapes and no data, with CUDA's decisions emulated (`cuda_emulation.py`). A dispatch mode below
+autograd sees each operator's outputs: a storage it has not seen is an allocation, and a weak
+reference to it reports the free when the storage dies, exactly when the real one would be
+returned to the allocator. Operators whose CUDA kernels allocate inside themselves (GEMMs,
+reductions, fused attention backward) leave a marker for the Rust side to expand.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import time
+import weakref
+
+from .spec import Spec
+
+STEPS = 3
+KERNEL_MARKERS_GEMM = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_grouped_mm", "_addmm_activation"}
+ATTENTION_BACKWARD = {
+    "_scaled_dot_product_flash_attention_backward": "flash",
+    "_scaled_dot_product_cudnn_attention_backward": "cudnn",
+    "_scaled_dot_product_efficient_attention_backward": "efficient",
+}
+
+
+class TraceError(RuntimeError):
+    """The spec asks for something the tracer cannot run under fake tensors."""
+
+
+def refuse_untraceable(spec: Spec):
+    if spec.quantization:
+        raise TraceError(
+            f"`quantization: {spec.quantization}`: bitsandbytes kernels do not run on fake tensors; "
+            "`headroom estimate` models 4-bit runs natively"
+        )
+    if spec.optimizer == "adamw-8bit":
+        raise TraceError("`optimizer: adamw-8bit`: bitsandbytes does not run on fake tensors")
+    if spec.experts_implementation == "eager":
+        raise TraceError(
+            "`experts_implementation: eager`: the per-expert loop's shapes depend on the router's "
+            "choices, which fake tensors do not have; trace grouped_mm or batched_mm"
+        )
+    if spec.parallel is not None:
+        raise TraceError("`parallel`: the tracer runs one process; `headroom estimate` models sharded runs")
+
+
+class Recorder:
+    """A `TorchDispatchMode` that records storage allocations and frees, and kernel markers."""
+
+    def __init__(self):
+        self.storages: list[dict] = []
+        self.events: list[list] = []
+        self.phases: list[dict] = []
+        self.live: dict[int, int] = {}  # storage address (`_cdata`) -> storage id
+        self.modules: list[str] = []
+        # Between a backward node's return and the next node's start: the engine is adding the
+        # node's gradients into the buffers of the nodes they flow to.
+        self.accumulating = False
+        self.scalar_reads = 0
+
+    # -- what the step loop calls ------------------------------------------------------------
+
+    def phase(self, name: str):
+        self.phases.append({"name": name, "event": len(self.events)})
+
+    def empty_cache(self):
+        self.events.append(["empty_cache"])
+
+    def classify(self, tensors, kind: str):
+        """Mark the storages of `tensors` (still alive) as holding `kind`."""
+        for t in tensors:
+            sid = self._id_of(t)
+            if sid is not None:
+                self.storages[sid]["kind"] = kind
+
+    def classify_phase(self, kind: str, since_event: int):
+        """Storages allocated since `since_event`, alive now and not yet classified: `kind`."""
+        for sid in self.live.values():
+            s = self.storages[sid]
+            if s["kind"] == "temporary" and s["first_event"] >= since_event:
+                s["kind"] = kind
+
+    def watch_accumulation(self, root):
+        """Hooks on every node of the graph behind `root`: after a node returns, the engine
+        accumulates its gradients; when the next node starts, that is over."""
+        recorder = self
+
+        def after(*_):
+            recorder.accumulating = True
+
+        def before(*_):
+            recorder.accumulating = False
+
+        seen, todo = set(), [root]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            node.register_hook(after)
+            node.register_prehook(before)
+            todo.extend(fn for fn, _ in node.next_functions)
+
+    def _id_of(self, t):
+        import torch
+
+        if not isinstance(t, torch.Tensor):
+            return None
+        try:
+            return self.live.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    # -- the dispatch mode -------------------------------------------------------------------
+
+    def mode(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recorder = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is local_scalar:
+                    return recorder._scalar(args[0])
+                out = func(*args, **(kwargs or {}))
+                recorder._after(func, args, out)
+                return out
+
+        import torch
+
+        local_scalar = torch.ops.aten._local_scalar_dense.default
+
+        return Mode()
+
+    def _scalar(self, t):
+        """A value read back to Python (`.item()`, `bool(t)`), which fake tensors do not have.
+        The reads the traced code makes decide no allocation: transformers' masking asks "is
+        every row unpacked / unpadded" (true of the harness's dense batch) and the optimizers
+        read their step counter for the bias correction (any positive value)."""
+        import torch
+
+        self.scalar_reads += 1
+        return True if t.dtype == torch.bool else 1
+
+    def _after(self, func, args, out):
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        name = func._schema.name.removeprefix("aten::")
+        if self.accumulating and func is torch.ops.aten.add.Tensor and self._accumulate_in_place(args, out):
+            return
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._maybe_alloc(t, str(func))
+        if name in KERNEL_MARKERS_GEMM:
+            bias_epilogue = name == "addmm" and isinstance(args[0], torch.Tensor) and args[0].dim() == 1
+            # The autograd engine runs the backward on its own thread, whose cuBLAS handle has
+            # its own workspace.
+            thread = 0 if torch._C._current_autograd_node() is None else 1
+            self.events.append(["gemm", bias_epilogue, thread])
+        elif name == "sum" and func._overloadname == "dim_IntList":
+            self._outer_sum(args)
+        elif name in ATTENTION_BACKWARD:
+            self._attention_backward(ATTENTION_BACKWARD[name], args)
+
+    def _accumulate_in_place(self, args, out) -> bool:
+        """The autograd engine sums two gradients of one input in place into the first when it
+        holds the only reference to it (`InputBuffer::accumulate`); fake tensors are tensor
+        subclasses, which it always sums out of place. Where the real engine would have summed in
+        place, the sum's storage takes over the first's id and nothing is allocated or freed."""
+        import torch
+
+        old = args[0]
+        if not (isinstance(old, torch.Tensor) and isinstance(out, torch.Tensor)):
+            return False
+        key = old.untyped_storage()._cdata
+        sid = self.live.get(key)
+        if (
+            sid is None
+            or old.shape != out.shape
+            or old.dtype != out.dtype
+            or not old.is_contiguous()
+            or torch._C._storage_Use_Count(key) > 2  # the fake tensor and its meta tensor
+        ):
+            return False
+        st = out.untyped_storage()
+        del self.live[key]
+        self.live[st._cdata] = sid
+        weakref.finalize(st, self._free, st._cdata, sid)
+        return True
+
+    def _maybe_alloc(self, t, op: str):
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = st._cdata
+        if key in self.live:
+            return
+        size = st.nbytes()
+        if size == 0:
+            return
+        sid = len(self.storages)
+        self.storages.append(
+            {
+                "bytes": int(size),
+                "kind": "temporary",
+                "op": op,
+                "module": self.modules[-1] if self.modules else "",
+                "first_event": len(self.events),
+            }
+        )
+        self.live[key] = sid
+        self.events.append(["alloc", sid])
+        weakref.finalize(st, self._free, key, sid)
+
+    def _free(self, key: int, sid: int):
+        if self.live.get(key) == sid:
+            del self.live[key]
+            self.events.append(["free", sid])
+
+    def _outer_sum(self, args):
+        """`sum(x, dims)` over x's leading dimensions of a contiguous x (`sum_to_size` of a
+        broadcast gradient): CUDA's outer reduction, which may stage partial sums."""
+        x, dims = args[0], args[1]
+        if not x.is_contiguous() or not dims:
+            return
+        dims = sorted(d % x.dim() for d in dims)
+        if dims != list(range(len(dims))):
+            return
+        inputs = math.prod(x.shape[: len(dims)])
+        outputs = math.prod(x.shape[len(dims) :])
+        if outputs and inputs > 1:
+            self.events.append(["reduce", int(outputs), int(inputs)])
+
+    def _attention_backward(self, kernel: str, args):
+        # (grad_out, query, key, ...): query (b, heads, s, head_dim), key (b, kv_heads, s, d)
+        q, k = args[1], args[2]
+        b, heads, s, head_dim = (int(x) for x in q.shape)
+        gqa = int(k.shape[1]) != heads
+        self.events.append(["attention_backward", kernel, b, heads, s, head_dim, gqa, q.element_size()])
+
+
+def trace(spec: Spec, fields: dict, out_path: str, progress=None) -> dict:
+    """Run the spec's steps under fake tensors and write the trace to `out_path`."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from . import measure as m
+    from .cuda_emulation import CudaEmulation
+
+    refuse_untraceable(spec)
+    t0 = time.time()
+    rec = Recorder()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with CudaEmulation(), _RealCodePaths(), fake, rec.mode(), _ModuleNames(rec):
+        rec.phase("load")
+        cfg = m._hf_config(spec, fields)
+        model = m._build(spec, cfg, device="cpu")
+        model = m._prepare(spec, model)
+        _ModuleNames.current.name(model)
+        rec.classify(model.parameters(), "parameter")
+        rec.classify(model.buffers(), "buffer")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        train = spec.mode == "train"
+        optimizer = m._optimizer(spec, trainable) if train else None
+        autocast_dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(
+            spec.precision
+        )
+        model.train() if train else model.eval()
+        ids = torch.randint(0, fields.get("vocab_size"), (spec.batch_size, spec.seq_len), device="cpu")
+        rec.classify([ids], "input")
+
+        def autocast():
+            if autocast_dtype is None:
+                return torch.autocast("cuda", enabled=False)
+            return torch.autocast("cuda", dtype=autocast_dtype)
+
+        for step in range(1, STEPS + 1):
+            if progress:
+                progress(step)
+            if train:
+                rec.phase(f"step {step} forward")
+                start = len(rec.events)
+                loss = m._train_forward(spec, model, ids, autocast)
+                rec.classify_phase("activation", start)
+                rec.classify([loss], "temporary")
+                rec.phase(f"step {step} backward")
+                rec.watch_accumulation(loss.grad_fn)
+                loss.backward()
+                rec.accumulating = False
+                del loss
+                rec.classify([p.grad for p in trainable if p.grad is not None], "gradient")
+                if optimizer is not None:
+                    rec.phase(f"step {step} optimizer")
+                    optimizer.step()
+                    _classify_optimizer_state(rec, optimizer)
+                    optimizer.zero_grad(set_to_none=True)
+                else:
+                    model.zero_grad(set_to_none=True)
+            else:
+                rec.phase(f"step {step} forward")
+                with torch.no_grad():
+                    m._logprob_forward(model, ids, autocast)
+        del model, optimizer, trainable, ids
+    for s in rec.storages:
+        s.pop("first_event", None)
+    doc = {
+        "format": "headroom-trace",
+        "version": 1,
+        "spec": spec.to_json() | ({"model_config": dict(spec.model_config)} if spec.model_config else {}),
+        "env": {**m._versions(), "device": "cpu (fake tensors, CUDA emulated)",
+            "scalar_reads": rec.scalar_reads, "wall_s": round(time.time() - t0, 2)},
+        "phases": rec.phases,
+        "storages": rec.storages,
+        "events": rec.events,
+    }
+    opener = gzip.open if out_path.endswith(".gz") else open
+    with opener(out_path, "wt") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    return doc
+
+
+def _classify_optimizer_state(rec: Recorder, optimizer):
+    """The optimizer's state tensors; `step` counters live on the host unless the optimizer is
+    fused or capturable (`torch.optim`'s `_get_scalar_dtype` tensors), so the GPU never sees them."""
+    import torch
+
+    for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            for name, t in optimizer.state.get(p, {}).items():
+                if isinstance(t, torch.Tensor):
+                    host = name == "step" and not on_device
+                    rec.classify([t], "host" if host else "optimizer_state")
+
+
+class _RealCodePaths:
+    """transformers takes its compile-friendly branches for fake tensors (`is_tracing` counts
+    them as tracing), materialising masks a real run never builds; the tracer wants the branches
+    a real run takes.
+
+
+    Also: `Module.to()` swaps each parameter with its converted self when the tensor is a
+    subclass, and `swap_tensors` refuses a tensor that has a weak reference, which
+    `FakeTensorMode` keeps to every fake tensor; swapping a parameter with a parameter over the
+    same tensor (a conversion to the device and dtype it has) is a no-op, and is made one; any
+    other conversion sets the parameter's data, as `Module.to()` does for a plain tensor."""
+
+    def __enter__(self):
+        import torch.utils
+        from transformers.utils import import_utils
+
+        self._fake = import_utils.is_fake_tensor
+        import_utils.is_fake_tensor = lambda tensor: False
+        self._swap = real_swap = torch.utils.swap_tensors
+
+        def swap(t1, t2):
+            if _same_tensor(t1, t2):
+                return None
+            if weakref.getweakrefcount(t1):
+                # What `Module.to()` does for a plain tensor: the parameter object stays, its
+                # data becomes the converted tensor.
+                t1.data = t2.data
+                return None
+            return real_swap(t1, t2)
+
+        torch.utils.swap_tensors = swap
+        return self
+
+    def __exit__(self, *exc):
+        import torch.utils
+        from transformers.utils import import_utils
+
+        import_utils.is_fake_tensor = self._fake
+        torch.utils.swap_tensors = self._swap
+        return False
+
+
+def _same_tensor(a, b) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    )
+
+
+class _ModuleNames:
+    """Forward pre- and post-hooks on every module name the innermost one running."""
+
+    current: "_ModuleNames"
+
+    def __init__(self, rec: Recorder):
+        self.rec = rec
+        self.handles = []
+
+    def __enter__(self):
+        import torch
+
+        _ModuleNames.current = self
+        rec = self.rec
+
+        def pre(module, args):
+            rec.modules.append(getattr(module, "_headroom_name", type(module).__name__))
+
+        def post(module, args, out):
+            if rec.modules:
+                rec.modules.pop()
+
+        self.handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(pre),
+            torch.nn.modules.module.register_module_forward_hook(post, always_call=True),
+        ]
+        return self
+
+    def name(self, model):
+        for name, module in model.named_modules():
+            module._headroom_name = name
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False

@@ -1,0 +1,114 @@
+"""The tracer: without torch it says what to install; with torch (and transformers) it traces a
+small model under fake tensors and the trace obeys the format (docs/trace-format.md)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+PYTHON_DIR = Path(__file__).resolve().parents[1]
+TINY = {
+    "model": "tiny-llama",
+    "model_config": {
+        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 2048,
+    },
+    "precision": "bf16", "optimizer": "adamw", "batch_size": 2, "seq_len": 128,
+}  # fmt: skip
+
+
+def run(*args, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]))
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "headroom_measure", *args], capture_output=True, text=True, env=env)
+
+
+def has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class TraceCliTest(unittest.TestCase):
+    def test_without_torch_exits_2_saying_what_to_install(self):
+        stub = PYTHON_DIR / "tests" / "no_torch"
+        with tempfile.TemporaryDirectory() as tmp:
+            out = run(
+                "trace", "--spec-json", json.dumps(TINY), "--out", f"{tmp}/t.json",
+                env_extra={"PYTHONPATH": f"{stub}{os.pathsep}{PYTHON_DIR}"},
+            )  # fmt: skip
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn("pip install torch transformers", out.stderr)
+            self.assertNotIn("Traceback", out.stderr)
+            self.assertFalse(Path(f"{tmp}/t.json").exists())
+
+    def test_quantized_spec_is_refused_by_name(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = run("trace", "--spec-json", json.dumps({**TINY, "quantization": "nf4"}), "--out", f"{tmp}/t.json")
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn("quantization", out.stderr)
+
+
+@unittest.skipUnless(has_torch(), "torch and transformers are not installed")
+class TraceTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        out = run("trace", "--spec-json", json.dumps(TINY), "--out", f"{cls.tmp.name}/t.json.gz")
+        assert out.returncode == 0, out.stderr
+        import gzip
+
+        with gzip.open(f"{cls.tmp.name}/t.json.gz", "rt") as f:
+            cls.trace = json.load(f)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def test_every_alloc_is_freed_once_and_sizes_are_the_storages(self):
+        live = set()
+        for event in self.trace["events"]:
+            if event[0] == "alloc":
+                self.assertNotIn(event[1], live)
+                live.add(event[1])
+            elif event[0] == "free":
+                live.remove(event[1])
+        self.assertEqual(live, set(), "the model and optimizer are deleted at the end")
+
+    def test_parameters_are_the_models_bytes(self):
+        params = sum(s["bytes"] for s in self.trace["storages"] if s["kind"] == "parameter")
+        cfg = TINY["model_config"]
+        h, i, v, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+        kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+        self.assertEqual(params, 2 * (2 * v * h + layers * per_layer + h))
+
+    def test_optimizer_states_are_two_fp32_copies_and_step_counters_stay_on_the_host(self):
+        kinds = {}
+        for s in self.trace["storages"]:
+            kinds.setdefault(s["kind"], []).append(s["bytes"])
+        params = sum(kinds["parameter"])
+        # bf16 parameters: exp_avg and exp_avg_sq in bf16 too (torch.optim keeps the param dtype)
+        self.assertEqual(sum(kinds["optimizer_state"]), 2 * params)
+        self.assertEqual(len(kinds["host"]), len(kinds["parameter"]))
+
+    def test_phases_and_markers(self):
+        names = [p["name"] for p in self.trace["phases"]]
+        self.assertEqual(names[0], "load")
+        self.assertIn("step 3 optimizer", names)
+        kinds = {e[0] for e in self.trace["events"]}
+        self.assertTrue({"gemm", "reduce", "attention_backward"} <= kinds)
+        # the backward's GEMMs run on the autograd engine's thread
+        self.assertEqual({e[2] for e in self.trace["events"] if e[0] == "gemm"}, {0, 1})
+        flash = [e for e in self.trace["events"] if e[0] == "attention_backward"]
+        self.assertEqual(flash[0][1:], ["flash", 2, 4, 128, 64, True, 2])
+
+
+if __name__ == "__main__":
+    unittest.main()

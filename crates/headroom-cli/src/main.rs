@@ -26,7 +26,7 @@ enum Command {
     Validate(cmd::validate::Args),
     /// Read a torch.cuda.memory snapshot: reserved, allocated, fragmentation, peak and its owners.
     Snapshot(cmd::snapshot::Args),
-    /// Replay a snapshot's trace through the allocator simulator and report its fidelity.
+    /// Replay a snapshot's trace (or a `headroom trace` file) through the allocator simulator.
     Replay(cmd::replay::Args),
     /// Explain a CUDA/HIP out-of-memory error, check launch configs, and rank remedies.
     Diagnose(cmd::diagnose::Args),
@@ -34,6 +34,8 @@ enum Command {
     Fit(cmd::fit::Args),
     /// Run the spec's steps on this machine's GPU and compare with the estimate.
     Measure(cmd::measure::Args),
+    /// Trace the spec's steps with the real model code under fake tensors (no GPU), and replay them.
+    Trace(cmd::trace::Args),
     /// List the built-in models a spec's `model:` can name.
     Models(cmd::models::Args),
     /// List the launch-config lint rules `diagnose` runs, or explain one by its id.
@@ -57,6 +59,7 @@ fn main() -> ExitCode {
         Command::Diagnose(args) => cmd::diagnose::run(args),
         Command::Fit(args) => cmd::fit::run(args),
         Command::Measure(args) => cmd::measure::run(args),
+        Command::Trace(args) => cmd::trace::run(args),
         Command::Models(args) => cmd::models::run(args),
         Command::Rules(args) => cmd::rules::run(args),
     };

@@ -459,3 +459,117 @@ pub fn pipeline(
     }
     out + &assumptions(&est.assumptions, &est.gpu)
 }
+
+/// `headroom trace`: where the numbers come from, the breakdown at the peak, the phases, and
+/// the verdict at `--gpu`.
+pub fn trace(
+    trace: &headroom::trace::Trace,
+    est: &headroom::trace::TraceEstimate,
+    file: Option<&str>,
+    alloc_conf: Option<&str>,
+    verdict: bool,
+) -> String {
+    let versions: Vec<String> = ["torch", "transformers", "peft", "python"]
+        .iter()
+        .filter_map(|key| {
+            trace.env.get(*key).and_then(|v| v.as_str()).map(|v| {
+                format!(
+                    "{key} {}",
+                    headroom::error::shown(v, headroom::error::SHOWN_CHARS)
+                )
+            })
+        })
+        .collect();
+    let versions = if versions.is_empty() {
+        "versions not recorded".to_string()
+    } else {
+        versions.join(", ")
+    };
+    let mut out = format!(
+        "{}: traced from the real model code under fake tensors ({versions})\n",
+        trace.model().map_or("the run".to_string(), |m| {
+            headroom::error::shown(m, headroom::error::SHOWN_CHARS)
+        })
+    );
+    if let Some(file) = file {
+        out += &format!("trace file: {file}\n");
+    }
+    out += &format!(
+        "{} trace events; {} allocations and frees replayed with the CUDA kernels' own buffers \
+         sized for the {} ({}), under {}\n\n",
+        count(trace.events.len() as u64),
+        count(est.timeline_events),
+        est.gpu.name,
+        est.gpu.arch.key(),
+        alloc_conf.map_or("the spec's allocator setting".to_string(), |c| {
+            format!("--alloc-conf {c}")
+        })
+    );
+    let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
+    let mut t = table();
+    t.set_header(vec![
+        format!("at the peak ({})", est.peak_phase),
+        "bytes".into(),
+        "share".into(),
+    ]);
+    for &(component, bytes) in &est.breakdown {
+        t.add_row(vec![
+            Cell::new(component.replace('_', " ")),
+            right(gib(bytes)),
+            right(format!(
+                "{:.1}%",
+                100.0 * bytes as f64 / est.peak_allocated_bytes as f64
+            )),
+        ]);
+    }
+    for (what, bytes) in [
+        ("peak allocated", est.peak_allocated_bytes),
+        (
+            "reserved but unallocated at the peak (fragmentation)",
+            est.fragmentation_bytes,
+        ),
+        ("peak reserved", est.peak_reserved_bytes),
+        ("CUDA context", est.cuda_context_bytes),
+        ("device total (nvidia-smi)", est.device_bytes()),
+    ] {
+        t.add_row(vec![Cell::new(what), right(gib(bytes)), Cell::new("")]);
+    }
+    out += &format!("{t}\n\n");
+    let mut p = table();
+    p.set_header(vec!["phase", "peak allocated", "peak reserved"]);
+    for ph in &est.phases {
+        p.add_row(vec![
+            Cell::new(headroom::error::shown(
+                &ph.name,
+                headroom::error::SHOWN_CHARS,
+            )),
+            right(gib(ph.peak_allocated)),
+            right(gib(ph.peak_reserved)),
+        ]);
+    }
+    out += &format!("{p}\n");
+    if verdict {
+        out += &format!(
+            "\n{} ({} usable): {} — headroom {}\n",
+            est.gpu.name,
+            gib(est.gpu.total_bytes),
+            if est.fits() { "fits" } else { "does NOT fit" },
+            signed_gib(est.headroom_bytes())
+        );
+        if let Some(oom) = &est.oom {
+            out += &format!(
+                "PyTorch runs out at trace event {} ({}), allocating {} ({}) with {} allocated \
+                 and {} reserved; the tables show what the run would need. Its message would \
+                 read:\n  {}\n",
+                oom.event,
+                oom.phase,
+                oom.tensor,
+                gib(oom.requested_bytes),
+                gib(oom.allocated_bytes),
+                gib(oom.reserved_bytes),
+                oom.error
+            );
+        }
+    }
+    out
+}

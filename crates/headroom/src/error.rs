@@ -49,6 +49,12 @@ pub enum Error {
 }
 
 impl Error {
+    /// A model type the native simulator does not build, which `headroom trace` can still
+    /// answer by running the model's own code.
+    pub fn is_unmodelled_model_type(&self) -> bool {
+        matches!(self, Error::Unsupported { what, .. } if what.starts_with("model_type "))
+    }
+
     /// The same error with its field named inside `prefix` (`lora.r`, `instances[0].model`).
     pub fn prefixed(self, prefix: &str) -> Self {
         self.under(prefix, ".")

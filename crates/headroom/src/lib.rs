@@ -9,6 +9,8 @@
 //! - [`estimate`]: a run spec, or a pipeline of several models in one process, on a GPU (at
 //!   its capacity, or unlimited);
 //! - [`validate`]: estimates against measured rows;
+//! - [`trace`]: trace files of the real model code under fake tensors, replayed through the
+//!   allocator simulator with the kernels' own buffers added;
 //! - [`gpu`]: the GPU catalog;
 //! - [`diagnose`] and [`plan`]: out-of-memory messages, config lint rules, remedies and `fit`;
 //! - [`report`]: the typed JSON contract of every command;
@@ -29,6 +31,7 @@ pub mod plan;
 pub mod report;
 pub mod sim;
 pub mod spec;
+pub mod trace;
 pub mod units;
 pub mod validate;
 

@@ -86,6 +86,29 @@ pub const MAX_PIPELINE_WORK: u64 = 1 << 19;
 /// simulated tensors, so 2^16 keeps an estimate within seconds and a few GB.
 pub const MAX_EXPERT_LOOP_CALLS: u64 = 1 << 16;
 
+/// Bytes of a trace file's JSON (after gunzip; a larger file is refused unread). A traced
+/// step writes about 100 bytes per storage and 12 per event: a 70B model's three steps take a
+/// few MiB, a 128-expert MoE's per-expert loop about 50 MiB. Parsed, a trace takes at most a
+/// few times its text.
+pub const MAX_TRACE_BYTES: u64 = 1 << 28;
+
+/// Events of a trace: 8M, about eight times the per-expert loop of the largest MoE models.
+pub const MAX_TRACE_EVENTS: usize = 1 << 23;
+
+/// Storages of a trace: each is allocated once, so at most about half its events.
+pub const MAX_TRACE_STORAGES: usize = 1 << 22;
+
+/// Phases of a trace: a load and three per step.
+pub const MAX_TRACE_PHASES: usize = 1 << 12;
+
+/// Bytes of one storage of a trace: 1 PiB, thousands of times any GPU. The allocator
+/// simulator refuses what exceeds its 64-bit address space before live bytes could overflow.
+pub const MAX_TRACE_STORAGE_BYTES: u64 = 1 << 50;
+
+/// Elements of a tensor a trace's `reduce` event sums: the native model's largest tensors
+/// (logits) reach 2^48.
+pub const MAX_TRACE_ELEMENTS: u64 = 1 << 48;
+
 /// Read the text of a spec or config file, refusing one larger than [`MAX_FILE_BYTES`]
 /// before reading it.
 pub fn read_text(path: &Path) -> Result<String> {

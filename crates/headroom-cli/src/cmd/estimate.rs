@@ -25,6 +25,35 @@ pub struct Args {
     /// with a real trace.
     #[arg(long, hide = true)]
     pub timeline: Option<PathBuf>,
+    /// For a model type headroom does not model natively, trace the real model code under
+    /// fake tensors instead (`headroom trace`; needs torch, transformers and peft).
+    #[arg(long)]
+    pub trace: bool,
+    /// The Python that has torch, for --trace.
+    #[arg(long, default_value = "python3", env = "HEADROOM_PYTHON")]
+    pub python: String,
+}
+
+/// A model type the native simulator does not build: `--trace` traces it, otherwise the error
+/// says how to.
+fn unmodelled(args: &Args, err: headroom::Error) -> CliResult {
+    if args.trace {
+        return super::trace::run(super::trace::Args {
+            spec: Some(args.spec.clone()),
+            from: None,
+            python: args.python.clone(),
+            gpu: args.gpu.clone(),
+            json: args.json,
+            save: None,
+            alloc_conf: None,
+        });
+    }
+    Err(CliError::input(format!(
+        "{err}. `headroom trace {spec}` (or `headroom estimate {spec} --trace`) answers it by \
+         running transformers' own code for this model under fake tensors on the CPU (needs \
+         torch, transformers and peft)",
+        spec = args.spec.display()
+    )))
 }
 
 pub fn run(args: Args) -> CliResult {
@@ -60,7 +89,10 @@ pub fn run(args: Args) -> CliResult {
         }
     };
     let (est, trace) =
-        estimate::estimate_with_trace(&spec, dir, &gpu, limit, args.timeline.is_some())?;
+        match estimate::estimate_with_trace(&spec, dir, &gpu, limit, args.timeline.is_some()) {
+            Err(e) if e.is_unmodelled_model_type() => return unmodelled(&args, e),
+            other => other?,
+        };
     if let Some(path) = &args.timeline {
         let mut out = std::io::BufWriter::new(
             std::fs::File::create(path)

@@ -21,8 +21,9 @@ use serde_json::Value;
 use crate::error::{CliError, CliResult};
 use crate::render;
 
-/// The harness sources, as `python -m headroom_measure` expects them.
-const HARNESS: [(&str, &str); 5] = [
+/// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
+/// the same package).
+const HARNESS: [(&str, &str); 7] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -42,6 +43,14 @@ const HARNESS: [(&str, &str); 5] = [
     (
         "trainers.py",
         include_str!("../../../../python/headroom_measure/trainers.py"),
+    ),
+    (
+        "trace.py",
+        include_str!("../../../../python/headroom_measure/trace.py"),
+    ),
+    (
+        "cuda_emulation.py",
+        include_str!("../../../../python/headroom_measure/cuda_emulation.py"),
     ),
 ];
 
@@ -104,7 +113,7 @@ pub fn run(args: Args) -> CliResult {
 
 /// The spec for the estimator, and the same document with the model's config inlined for the
 /// harness.
-fn read_spec(path: &Path) -> CliResult<(RunSpec, Value)> {
+pub(crate) fn read_spec(path: &Path) -> CliResult<(RunSpec, Value)> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
     let mut doc = parse_document(&text, path)?;
@@ -115,7 +124,8 @@ fn read_spec(path: &Path) -> CliResult<(RunSpec, Value)> {
     Ok((spec, doc))
 }
 
-fn run_harness(args: &Args, harness_spec: &Value) -> CliResult<Value> {
+/// A temporary folder holding the harness package, to put on `PYTHONPATH`.
+pub(crate) fn harness_dir() -> CliResult<tempfile::TempDir> {
     let dir =
         tempfile::tempdir().map_err(|e| CliError::failure(format!("temporary folder: {e}")))?;
     let package = dir.path().join("headroom_measure");
@@ -123,6 +133,21 @@ fn run_harness(args: &Args, harness_spec: &Value) -> CliResult<Value> {
     for (name, source) in HARNESS {
         std::fs::write(package.join(name), source).map_err(|e| CliError::failure(e.to_string()))?;
     }
+    Ok(dir)
+}
+
+/// `PYTHONPATH` with the harness first and the user's own entries after it, where their
+/// packages (a peft checkout, say) may be.
+pub(crate) fn python_path(harness: &Path) -> std::ffi::OsString {
+    let mut paths = vec![harness.to_path_buf()];
+    if let Some(existing) = std::env::var_os("PYTHONPATH") {
+        paths.extend(std::env::split_paths(&existing));
+    }
+    std::env::join_paths(paths).unwrap_or_else(|_| harness.as_os_str().to_os_string())
+}
+
+fn run_harness(args: &Args, harness_spec: &Value) -> CliResult<Value> {
+    let dir = harness_dir()?;
     // A spec naming a trainer runs that trainer (transformers, TRL) for three steps.
     let module = match harness_spec.get("trainer").and_then(Value::as_str) {
         Some(kind) if kind != "loop" => "headroom_measure.trainers",
@@ -138,7 +163,7 @@ fn run_harness(args: &Args, harness_spec: &Value) -> CliResult<Value> {
     command
         .args(["-m", module, "run", "--spec-json"])
         .arg(spec.to_string())
-        .env("PYTHONPATH", dir.path())
+        .env("PYTHONPATH", python_path(dir.path()))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

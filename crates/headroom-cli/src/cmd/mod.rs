@@ -8,4 +8,5 @@ pub mod models;
 pub mod replay;
 pub mod rules;
 pub mod snapshot;
+pub mod trace;
 pub mod validate;

@@ -1,10 +1,14 @@
 //! `headroom replay`: the snapshot's trace through the allocator simulator, and how much of the
 //! recorded device activity it reproduces; with `--alloc-conf`, what another allocator config
-//! would have reserved for the same calls.
+//! would have reserved for the same calls. A `headroom trace` file (JSON, where a snapshot is a
+//! pickle) is replayed too: it recorded nothing on a device, so there is no fidelity to report.
 
 use std::path::PathBuf;
 
+use headroom::estimate::Limit;
+use headroom::gpu::Gpu;
 use headroom::report::to_json;
+use headroom::report::trace::TraceReplayJson;
 use headroom::units::format_size;
 use headroom_alloc::{AllocatorConfig, Backend};
 use headroom_snapshot::report::ReplayJson;
@@ -14,7 +18,8 @@ use crate::error::{CliError, CliResult};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A torch.cuda.memory._dump_snapshot file (.pickle or .pickle.gz).
+    /// A torch.cuda.memory._dump_snapshot file (.pickle or .pickle.gz), or a trace file of
+    /// `headroom trace --save` (.json or .json.gz).
     pub file: PathBuf,
     /// Print the report as JSON (sizes in bytes).
     #[arg(long)]
@@ -31,6 +36,9 @@ pub fn run(args: Args) -> CliResult {
         .as_deref()
         .map(parse_alloc_conf)
         .transpose()?;
+    if headroom::trace::is_json(&args.file) {
+        return replay_trace(&args, config);
+    }
     let snapshot = super::snapshot::load(&args.file)?;
     if snapshot.device_traces.iter().all(Vec::is_empty) {
         return Err(CliError::input(format!(
@@ -57,7 +65,58 @@ pub fn run(args: Args) -> CliResult {
     Ok(())
 }
 
-fn parse_alloc_conf(conf: &str) -> CliResult<AllocatorConfig> {
+/// A trace's calls under the allocator config of its spec, and under `what_if`
+/// (`--alloc-conf`), without a device limit; kernel buffers are sized for the H200.
+fn replay_trace(args: &Args, what_if: Option<AllocatorConfig>) -> CliResult {
+    let trace = headroom::trace::read(&args.file)?;
+    let recorded = trace.allocator_config()?;
+    let gpu = Gpu::default();
+    let replay =
+        |config: &AllocatorConfig| headroom::trace::estimate(&trace, &gpu, Limit::None, config);
+    let baseline = replay(&recorded)?;
+    let what_if = what_if.as_ref().map(replay).transpose()?;
+    if args.json {
+        let report = TraceReplayJson::new(
+            args.file.display().to_string(),
+            &trace,
+            recorded.expandable_segments,
+            &baseline,
+            args.alloc_conf.as_deref(),
+            what_if.as_ref(),
+        );
+        println!("{}", to_json(&report));
+        return Ok(());
+    }
+    println!(
+        "{} (a headroom trace, {} events)",
+        args.file.display(),
+        trace.events.len()
+    );
+    println!(
+        "fidelity: none (a trace records no device activity to compare with; `headroom trace` \
+         shows its estimate)"
+    );
+    let line = |under: &str, est: &headroom::trace::TraceEstimate| {
+        println!(
+            "under {under}: simulated peak allocated {}, peak reserved {}",
+            format_size(est.peak_allocated_bytes),
+            format_size(est.peak_reserved_bytes)
+        );
+    };
+    line(
+        &format!(
+            "the spec's allocator setting (expandable_segments: {})",
+            recorded.expandable_segments
+        ),
+        &baseline,
+    );
+    if let (Some(conf), Some(est)) = (&args.alloc_conf, &what_if) {
+        line(&format!("--alloc-conf {conf}"), est);
+    }
+    Ok(())
+}
+
+pub(crate) fn parse_alloc_conf(conf: &str) -> CliResult<AllocatorConfig> {
     let config =
         AllocatorConfig::parse(conf).map_err(|e| CliError::input(format!("--alloc-conf: {e}")))?;
     if config.backend == Backend::CudaMallocAsync {

@@ -8,3 +8,4 @@ mod diagnose_fit;
 mod estimate;
 mod rules;
 mod totality;
+mod trace;

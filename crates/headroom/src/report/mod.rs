@@ -28,6 +28,7 @@ pub mod fit;
 pub mod measure;
 pub mod models;
 pub mod rules;
+pub mod trace;
 pub mod validate;
 
 use serde::Serialize;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 /// The library's top-level modules, lowest first: each may name those of its own rank or
 /// below.
-const LIBRARY: [(&str, u32); 15] = [
+const LIBRARY: [(&str, u32); 16] = [
     ("dtype", 0),
     ("error", 0),
     ("limits", 0),
@@ -21,6 +21,7 @@ const LIBRARY: [(&str, u32); 15] = [
     ("estimate", 5),
     ("validate", 6),
     ("plan", 6),
+    ("trace", 6),
     ("diagnose", 7),
     ("report", 8),
     ("lib", 9),

@@ -432,9 +432,10 @@ impl Tracer {
 /// `setReduceConfig` for a sum over the outer dimensions of a contiguous tensor (the output's
 /// elements are the innermost, vectorised by up to 4): its block shape and how many blocks
 /// share each output (`ctas_per_output`). `None`: one block per output, no staging buffer.
-struct OuterReduction {
-    buffer_bytes: u64,
-    semaphore_bytes: u64,
+/// Shared with `headroom::trace`, whose `reduce` events stage through the same buffer.
+pub(crate) struct OuterReduction {
+    pub(crate) buffer_bytes: u64,
+    pub(crate) semaphore_bytes: u64,
 }
 
 impl OuterReduction {
@@ -447,7 +448,11 @@ impl OuterReduction {
     /// `sizeof(arg_t)`: sums accumulate in fp32.
     const ACCUMULATOR_BYTES: u64 = 4;
 
-    fn config(outputs: u64, inputs: u64, multiprocessors: u64) -> Option<OuterReduction> {
+    pub(crate) fn config(
+        outputs: u64,
+        inputs: u64,
+        multiprocessors: u64,
+    ) -> Option<OuterReduction> {
         if outputs == 0 || inputs <= 1 {
             return None;
         }

@@ -221,6 +221,72 @@ impl Heads {
     }
 }
 
+/// The query of a fused attention kernel, (batch, heads, seq, head_dim): what its backward
+/// sizes its own buffers by. Shared with `headroom::trace`, whose `attention_backward` events
+/// carry these four numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct QueryShape {
+    pub batch: u64,
+    pub heads: u64,
+    pub seq: u64,
+    pub head_dim: u64,
+}
+
+/// What the memory-efficient backward allocates beside the gradients, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct EfficientBackward {
+    /// Key blocks of 128 head-dim columns in fp32, and 4 KiB.
+    pub workspace: u64,
+    /// An fp32 accumulator the size of q.
+    pub accumulator: u64,
+    /// `delta` (and the contiguous log-sum-exp, of the same size): fp32 per padded row.
+    pub delta: u64,
+}
+
+impl QueryShape {
+    fn of(hd: Heads, batch: Batch) -> Self {
+        QueryShape {
+            batch: batch.b,
+            heads: hd.heads,
+            seq: batch.s,
+            head_dim: hd.qk_dim,
+        }
+    }
+
+    fn numel(&self) -> u64 {
+        self.batch * self.heads * self.seq * self.head_dim
+    }
+
+    /// The one workspace of the flash and cuDNN backward: `softmax_d` (fp32 per row, rows
+    /// rounded to 128), an fp32 `dq_accum` (head dim rounded to 32) and 256 bytes; under
+    /// grouped-query attention also dk and dv expanded to the query's heads, in the inputs'
+    /// dtype of `dtype_bytes`.
+    pub(crate) fn fused_backward_workspace(&self, gqa: bool, dtype_bytes: u64) -> u64 {
+        let round = |x: u64, m: u64| x.div_ceil(m) * m;
+        let (b, h) = (self.batch, self.heads);
+        let (s_round, d_round) = (round(self.seq, 128), round(self.head_dim, 32));
+        let mut workspace = b * h * s_round * 4 + b * s_round * h * d_round * 4 + 256;
+        if gqa {
+            workspace += 2 * b * self.seq * h * self.head_dim * dtype_bytes;
+        }
+        workspace
+    }
+
+    /// Elements of the memory-efficient kernel's log-sum-exp: rows padded to 32.
+    pub(crate) fn efficient_lse_numel(&self) -> u64 {
+        self.batch * self.heads * self.seq.div_ceil(32) * 32
+    }
+
+    pub(crate) fn efficient_backward(&self) -> EfficientBackward {
+        EfficientBackward {
+            workspace: self.batch * self.heads * self.seq * self.head_dim.div_ceil(128) * 128 * 4
+                + 4096,
+            accumulator: self.numel() * 4,
+            delta: self.efficient_lse_numel() * 4,
+        }
+    }
+}
+
 /// `repeat_kv`: `x[:, :, None].expand(...).reshape(...)`, a copy whose backward sums the
 /// groups back.
 fn repeat_kv(t: &mut Tracer, x: T, groups: u64) -> T {
@@ -351,13 +417,7 @@ fn fused(
     );
     let scratch = t.empty(256, DType::U8, "attention forward scratch");
     t.drop(scratch);
-    let round = |x: u64, m: u64| x.div_ceil(m) * m;
-    let (s_round, d_round) = (round(batch.s, 128), round(hd.qk_dim, 32));
-    let mut workspace =
-        batch.b * hd.heads * s_round * 4 + batch.b * s_round * hd.heads * d_round * 4 + 256;
-    if gqa {
-        workspace += 2 * batch.b * batch.s * hd.heads * hd.qk_dim * dtype.bytes();
-    }
+    let workspace = QueryShape::of(hd, batch).fused_backward_workspace(gqa, dtype.bytes());
     // Saved in the order the backward nodes release them.
     let mut saved = Vec::with_capacity(8);
     if kernel == Kernel::Cudnn {
@@ -387,18 +447,27 @@ fn efficient(
     batch: Batch,
     _dropout: bool,
 ) -> T {
+    let shape = QueryShape::of(hd, batch);
+    debug_assert_eq!(t.numel(q), shape.numel(), "q is (b, heads, s, qk_dim)");
     let out = t.empty(hd.out_numel(batch), t.dtype(q), "attention output");
-    let lse_numel = batch.b * hd.heads * batch.s.div_ceil(32) * 32;
-    let lse = t.empty(lse_numel, DType::F32, "attention logsumexp");
-    let workspace = batch.b * hd.heads * batch.s * hd.qk_dim.div_ceil(128) * 128 * 4 + 4096;
+    let lse = t.empty(
+        shape.efficient_lse_numel(),
+        DType::F32,
+        "attention logsumexp",
+    );
+    let EfficientBackward {
+        workspace,
+        accumulator,
+        delta,
+    } = shape.efficient_backward();
     let mut saved = Vec::with_capacity(6);
     saved.extend(bias);
     saved.extend([q, k, v, lse, out]);
     t.record(
         Bwd::SdpaEfficient {
             workspace,
-            accumulator: t.numel(q) * 4,
-            delta: lse_numel * 4,
+            accumulator,
+            delta,
         },
         &[Some(q), Some(k), Some(v)],
         &[out, lse],

@@ -287,13 +287,26 @@ impl QueryShape {
     }
 }
 
-/// `repeat_kv`: `x[:, :, None].expand(...).reshape(...)`, a copy whose backward sums the
-/// groups back.
-fn repeat_kv(t: &mut Tracer, x: T, groups: u64) -> T {
+/// `repeat_kv`: `x[:, :, None].expand(...).reshape(...)`, whose backward sums the groups back.
+/// The reshape copies, except with one key/value head (multi-query attention): the size-1 head
+/// dimension and the stride-0 group dimension merge into one stride-0 dimension, a view.
+fn repeat_kv(t: &mut Tracer, x: T, groups: u64, kv_heads: u64) -> T {
     if groups == 1 {
         return t.share(x);
     }
-    let out = t.empty(t.numel(x) * groups, t.dtype(x), "repeat_kv");
+    let numel = t.numel(x) * groups;
+    let out = if kv_heads == 1 {
+        t.view(x, numel, "repeat_kv (a view of the one head)")
+    } else {
+        t.empty(numel, t.dtype(x), "repeat_kv")
+    };
+    t.record(Bwd::Reduce, &[Some(x)], &[out], &[]);
+    out
+}
+
+/// The math kernel's `repeat_interleave` of keys and values over the query groups: a copy.
+fn repeat_interleave(t: &mut Tracer, x: T, groups: u64) -> T {
+    let out = t.empty(t.numel(x) * groups, t.dtype(x), "repeat_interleave");
     t.record(Bwd::Reduce, &[Some(x)], &[out], &[]);
     out
 }
@@ -342,7 +355,10 @@ fn sdpa(
     let (k, v) = if enable_gqa {
         (t.share(k), t.share(v))
     } else {
-        (repeat_kv(t, k, groups), repeat_kv(t, v, groups))
+        (
+            repeat_kv(t, k, groups, hd.kv_heads),
+            repeat_kv(t, v, groups, hd.kv_heads),
+        )
     };
     let v_c = t.autocast_input(v);
     let k_c = t.autocast_input(k);
@@ -503,7 +519,10 @@ fn math(
         mask
     });
     let (k_exp, v_exp) = if gqa {
-        (repeat_kv(t, k, groups), repeat_kv(t, v, groups))
+        (
+            repeat_interleave(t, k, groups),
+            repeat_interleave(t, v, groups),
+        )
     } else {
         (t.share(k), t.share(v))
     };
@@ -544,8 +563,8 @@ struct Scores {
 /// `(b, s, heads, d)` layout; MLA's concatenated query and fresh keys are contiguous.
 fn scaled_scores(t: &mut Tracer, hd: Heads, q: T, k: T, v: T, batch: Batch) -> Scores {
     let groups = hd.heads / hd.kv_heads;
-    let k_rep = repeat_kv(t, k, groups);
-    let v_rep = repeat_kv(t, v, groups);
+    let k_rep = repeat_kv(t, k, groups, hd.kv_heads);
+    let v_rep = repeat_kv(t, v, groups, hd.kv_heads);
     let operand = if hd.head_major_query {
         t.share(k_rep)
     } else {
@@ -604,8 +623,9 @@ fn eager(
         t.drop(probs);
         probs = dropped;
     }
-    // MLA's values are a strided slice of the expanded latent: matmul copies them.
-    let values = if hd.head_major_query {
+    // MLA's values are a strided slice of the expanded latent, and multi-query attention's
+    // repeated values have a stride-0 head dimension: matmul copies both.
+    let values = if hd.head_major_query || (hd.kv_heads == 1 && hd.heads > 1) {
         t.contiguous_copy(v_rep)
     } else {
         t.share(v_rep)

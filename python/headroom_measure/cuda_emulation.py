@@ -3,7 +3,7 @@ on the CPU.
 
 PyTorch's autograd engine cannot run a backward over fake CUDA tensors on a machine without a
 GPU (`GraphTask::stash_current_streams` asks the CUDA driver for a primary context), so the
-tracer keeps its fake tensors on the CPU device and makes the three decisions that would differ
+tracer keeps its fake tensors on the CPU device and makes the decisions that would differ
 take CUDA's branch:
 
 - **Autocast.** `torch.autocast("cuda", ...)` enables CPU autocast with the same dtype, and every
@@ -17,6 +17,8 @@ take CUDA's branch:
   cuDNN, memory-efficient or math, as `select_sdp_backend` does in torch 2.11) and calls that
   kernel's operator, whose fake implementation gives CUDA's outputs and whose backward is
   CUDA's.
+- **Dropout.** `F.dropout` in training takes CUDA's fused `native_dropout` (a bool mask), not
+  the CPU's composite (a mask in the input's dtype).
 - **Optimizers.** `torch.optim` takes its foreach and fused paths for fake CPU tensors as for
   CUDA ones (the per-parameter loop allocates different temporaries).
 """
@@ -119,7 +121,7 @@ def _eligible(torch, x) -> bool:
 
 
 class CudaEmulation:
-    """Installs the three CUDA decisions for the life of a `with` block."""
+    """Installs CUDA's decisions for the life of a `with` block."""
 
     def __init__(self):
         self._stack = contextlib.ExitStack()
@@ -131,6 +133,7 @@ class CudaEmulation:
         self._install_autocast(torch)
         self._install_optimizer_defaults(torch)
         self._stack.enter_context(_SdpaPatch())
+        self._stack.enter_context(_DropoutPatch())
         return self
 
     def __exit__(self, *exc):
@@ -276,6 +279,12 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype == torch.float32:
             attn_mask = attn_mask.to(lower)
     kernel = select_attention_kernel(query, key, value, attn_mask, enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # `convert_boolean_attn_mask`: the kernels take an additive mask in the query's dtype,
+        # `where(mask, 0, -inf)` over the mask's shape (cuDNN's variant fills a finite minimum).
+        fill = torch.scalar_tensor(float("-inf"), dtype=query.dtype, device=attn_mask.device)
+        attn_mask = torch.where(attn_mask, 0.0, fill)
+        del fill
     with torch.autocast("cpu", enabled=False):
         if kernel == "flash":
             return torch.ops.aten._scaled_dot_product_flash_attention(
@@ -311,4 +320,29 @@ class _SdpaPatch:
         import torch.nn.functional as F
 
         F.scaled_dot_product_attention = self._real
+        return False
+
+
+class _DropoutPatch:
+    """`F.dropout` as `at::dropout` runs it on a CUDA tensor (`is_fused_kernel_acceptable`):
+    `native_dropout` for 0 < p < 1 in training, which keeps a bool mask for the backward."""
+
+    def __enter__(self):
+        import torch
+        import torch.nn.functional as F
+
+        self._real = real = F.dropout
+
+        def dropout(input, p=0.5, training=True, inplace=False):
+            if training and 0 < p < 1 and not inplace and input.numel() > 0:
+                return torch.native_dropout(input, p, True)[0]
+            return real(input, p, training, inplace)
+
+        F.dropout = dropout
+        return self
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+
+        F.dropout = self._real
         return False

@@ -110,5 +110,37 @@ class TraceTest(unittest.TestCase):
         self.assertEqual(flash[0][1:], ["flash", 2, 4, 128, 64, True, 2])
 
 
+@unittest.skipUnless(has_torch(), "torch and transformers are not installed")
+class CudaDecisionsTest(unittest.TestCase):
+    """Decisions CUDA makes differently from the CPU, which the tracer must take CUDA's way."""
+
+    def trace_of(self, spec):
+        import gzip
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json.gz")
+            self.assertEqual(out.returncode, 0, out.stderr)
+            with gzip.open(f"{tmp}/t.json.gz", "rt") as f:
+                return json.load(f)
+
+    def test_lora_dropout_keeps_a_bool_mask(self):
+        spec = {**TINY, "lora": {"r": 8, "alpha": 16, "targets": ["q_proj"], "dropout": 0.1}}
+        trace = self.trace_of(spec)
+        b, s, h = spec["batch_size"], spec["seq_len"], TINY["model_config"]["hidden_size"]
+        masks = [x for x in trace["storages"] if x["op"] == "aten.native_dropout.default"]
+        # per q_proj call: the output (fp32, as peft casts the input to its fp32 adapters) and its
+        # mask (one byte an element)
+        self.assertEqual(sorted({x["bytes"] for x in masks}), [b * s * h, 4 * b * s * h])
+        self.assertFalse([x for x in trace["storages"] if x["op"] == "aten.bernoulli_.float"])
+
+    def test_a_boolean_mask_becomes_an_additive_one_in_the_querys_dtype(self):
+        config = {**TINY["model_config"], "model_type": "mistral", "sliding_window": 64}
+        trace = self.trace_of({**TINY, "model_config": config})
+        b, s = TINY["batch_size"], TINY["seq_len"]
+        additive = [x for x in trace["storages"] if x["op"] == "aten.where.self" and "self_attn" in x["module"]]
+        self.assertTrue(additive)
+        self.assertEqual({x["bytes"] for x in additive}, {b * s * s * 2})
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -333,40 +333,60 @@ fn estimate_with_trace_runs_the_tracer() {
     assert!(err.contains("pip install torch transformers peft"), "{err}");
 }
 
-/// The saved traces of the model type headroom does not model natively, against the H100
-/// measurements of the same specs (bench/trace/unseen): within 1% on peak allocated and 12% on
-/// reserved (bench/TRACE.md has every row).
+/// Every saved trace against the H100 measurement of its spec (bench/TRACE.md has every row,
+/// with the native estimate and MemTracker beside it): within 1% on peak allocated and 8% on
+/// reserved, the bounds trace mode promises. `unseen` is the model type headroom does not model
+/// natively. One row's reserved memory is held to 12% instead: its recorded snapshot replays to
+/// the trace's reserved bytes exactly once the driver's segment addresses are left out, so the
+/// miss is the allocator's address placement, not the trace (bench/TRACE.md).
 #[test]
-fn saved_traces_of_an_unmodelled_model_match_their_measurements() {
-    let rows = std::fs::read_to_string(
-        crate::common::repo().join("bench/trace/unseen/rows-h100-torch2.11-tf5.17.jsonl"),
-    )
-    .expect("rows");
-    let mut checked = 0;
-    for line in rows.lines().filter(|l| !l.trim().is_empty()) {
-        let row: Value = serde_json::from_str(line).expect("row");
-        let id = row["id"].as_str().expect("id");
-        let file = format!(
-            "bench/trace/unseen/traces/{}.json.gz",
-            id.replace('/', "__")
-        );
-        let v = json(&["trace", "--from", &file, "--json", "--gpu", "h100-80gb"]);
-        let err = |key: &str| {
-            let got = v[key].as_f64().expect("predicted");
-            let real = row["measured"][key].as_f64().expect("measured");
-            (got - real).abs() / real
-        };
-        assert!(
-            err("peak_allocated_bytes") < 0.01,
-            "{id}: allocated {}",
-            err("peak_allocated_bytes")
-        );
-        assert!(
-            err("peak_reserved_bytes") < 0.12,
-            "{id}: reserved {}",
-            err("peak_reserved_bytes")
-        );
-        checked += 1;
+fn saved_traces_match_their_measurements() {
+    const ADDRESS_PLACEMENT: &str = "gpt_neox/pythia-1.4b/bf16/forward/bs8/s2048/eager";
+    const CORPORA: [(&str, &str); 3] = [
+        (
+            "bench/calibration/h100-torch2.11.jsonl",
+            "bench/trace/corpus",
+        ),
+        (
+            "bench/moe/rows-h100-torch2.11-tf5.17-peft0.21.jsonl",
+            "bench/trace/corpus",
+        ),
+        (
+            "bench/trace/unseen/rows-h100-torch2.11-tf5.17.jsonl",
+            "bench/trace/unseen/traces",
+        ),
+    ];
+    let repo = crate::common::repo();
+    let (mut checked, mut unseen) = (0, 0);
+    for (rows, traces) in CORPORA {
+        let rows = std::fs::read_to_string(repo.join(rows)).expect("rows");
+        for line in rows.lines().filter(|l| !l.trim().is_empty()) {
+            let row: Value = serde_json::from_str(line).expect("row");
+            let id = row["id"].as_str().expect("id");
+            let file = format!("{traces}/{}.json.gz", id.replace('/', "__"));
+            if !repo.join(&file).exists() {
+                continue; // a row the tracer refuses (bench/trace/refused.jsonl)
+            }
+            let v = json(&["trace", "--from", &file, "--json", "--gpu", "h100-80gb"]);
+            let err = |key: &str| {
+                let got = v[key].as_f64().expect("predicted");
+                let real = row["measured"][key].as_f64().expect("measured");
+                (got - real).abs() / real
+            };
+            assert!(
+                err("peak_allocated_bytes") < 0.01,
+                "{id}: allocated {}",
+                err("peak_allocated_bytes")
+            );
+            let reserved_bound = if id == ADDRESS_PLACEMENT { 0.12 } else { 0.08 };
+            assert!(
+                err("peak_reserved_bytes") < reserved_bound,
+                "{id}: reserved {}",
+                err("peak_reserved_bytes")
+            );
+            checked += 1;
+            unseen += usize::from(traces.contains("unseen"));
+        }
     }
-    assert_eq!(checked, 4);
+    assert_eq!((checked, unseen), (47, 4));
 }

@@ -5,7 +5,8 @@
 # 0-1 while fake runs use GPUs 2-3; the 4-rank real runs use all four; the remaining fake runs
 # then share the GPUs, one process each; GPU 3 also records one single-GPU snapshot for the trace
 # corpus. Rows: $OUT/nccl.jsonl and $OUT/fake.jsonl; logs $OUT/log.txt.
-#   bash bench/nccl-x4/run.sh                 (PHASES=B for the 4-rank real runs alone, etc.)
+#   bash bench/nccl-x4/run.sh     (PHASES=B: the 4-rank real runs alone; SPECS=FILE other spec lines;
+#                                  PIPELINES="" none of the pipelines)
 set -u
 here=bench/nccl-x4
 mkdir -p /tmp/x4
@@ -36,7 +37,7 @@ fake() {  # fake GPU WORLD ID SPEC_JSON | fake GPU WORLD ID --pipeline FILE
   fi
   local rc=$?; echo "[fake $((SECONDS - start))s rc=$rc gpu=$gpu] $id"; [ $rc -ne 0 ] && tail -4 "/tmp/x4/fake-${id//\//_}.log"
 }
-mapfile -t lines < "$here/specs.jsonl"
+mapfile -t lines < "${SPECS:-$here/specs.jsonl}"
 w2=(); w4=()
 for l in "${lines[@]}"; do
   if [ "$(field "$l" spec | python3 -c 'import json,sys; print(json.load(sys.stdin)["parallel"]["world_size"])')" = 2 ]; then w2+=("$l"); else w4+=("$l"); fi
@@ -62,7 +63,7 @@ fi
 # B: the 4-rank real runs and pipelines.
 if [[ $phases == *B* ]]; then
 for l in "${w4[@]}"; do real 0,1,2,3 "$(field "$l" id)" "$(field "$l" spec)"; done
-for p in verl slime; do real 0,1,2,3 "$p-fsdp2-q7b-w4" --pipeline "$here/pipelines/$p-fsdp2-q7b-w4.yaml"; done
+for p in ${PIPELINES-verl slime}; do real 0,1,2,3 "$p-fsdp2-q7b-w4" --pipeline "$here/pipelines/$p-fsdp2-q7b-w4.yaml"; done
 fi
 # C: the remaining fakes, one GPU each.
 if [[ $phases == *C* ]]; then

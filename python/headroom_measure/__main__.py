@@ -87,9 +87,16 @@ def cmd_run(args) -> int:
 
 
 def cmd_trace(args) -> int:
+    from . import trainers
+
     try:
-        spec = specmod.parse(json.loads(args.spec_json)) if args.spec_json else specmod.load(args.spec)
-        fields = specmod.resolve_model_config(spec, load_catalog(args.catalog))
+        raw = json.loads(args.spec_json) if args.spec_json else specmod.load_raw(args.spec)
+        if isinstance(raw, dict) and "trainer" in raw:
+            spec = trainers.parse(raw)
+            fields = specmod.resolve_model_config(spec.base, load_catalog(args.catalog))
+        else:
+            spec = specmod.parse(raw)
+            fields = specmod.resolve_model_config(spec, load_catalog(args.catalog))
     except (specmod.SpecError, OSError, json.JSONDecodeError) as err:
         return _fail(str(err))
     from .trace import TraceError, refuse_untraceable, trace
@@ -104,8 +111,8 @@ def cmd_trace(args) -> int:
             f"{', '.join(missing)} not installed; `headroom trace` runs the real model code under fake tensors: "
             "`pip install torch transformers peft` in this Python (or pass --python PATH to one that has them)"
         )
-    def progress(step):
-        print(f"tracing step {step} of 3", file=sys.stderr, flush=True)
+    def progress(step, steps):
+        print(f"tracing step {step} of {steps}", file=sys.stderr, flush=True)
 
     try:
         trace(spec, fields, args.out, progress=progress)

@@ -434,16 +434,19 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
     return out
 
 
-def load(path: str | Path) -> Spec:
-    """Read a run spec from a YAML or JSON file."""
+def load_raw(path: str | Path):
+    """The mapping a YAML or JSON spec file holds, unchecked."""
     text = Path(path).read_text()
     if str(path).endswith(".json"):
-        raw = json.loads(text)
-    else:
-        import yaml
+        return json.loads(text)
+    import yaml
 
-        raw = yaml.safe_load(text)
-    return parse(raw)
+    return yaml.safe_load(text)
+
+
+def load(path: str | Path) -> Spec:
+    """Read a run spec from a YAML or JSON file."""
+    return parse(load_raw(path))
 
 
 def resolve_model_config(spec: Spec, catalog: dict | None) -> dict:

@@ -2,8 +2,9 @@
 be asked for, in order, written as a headroom trace file (docs/trace-format.md).
 
 The real modeling, peft and optimizer code runs as `headroom measure` runs it (the same build,
-prepare, forward, backward and step functions), but on `FakeTensorMode` tensors that have
-shapes and no data, with CUDA's decisions emulated (`cuda_emulation.py`). A dispatch mode below
+prepare, forward, backward and step functions; for a trainer spec, transformers' `Trainer` or
+TRL's reward trainer as `trainers.py` builds it, whole), but on `FakeTensorMode` tensors that
+have shapes and no data, with CUDA's decisions emulated (`cuda_emulation.py`). A dispatch mode below
 autograd sees each operator's outputs: a storage it has not seen is an allocation, and a weak
 reference to it reports the free when the storage dies, exactly when the real one would be
 returned to the allocator. Operators whose CUDA kernels allocate inside themselves (GEMMs,
@@ -33,7 +34,22 @@ class TraceError(RuntimeError):
     """The spec asks for something the tracer cannot run under fake tensors."""
 
 
-def refuse_untraceable(spec: Spec):
+def refuse_untraceable(spec):
+    """Refuse, naming the key, what cannot run under fake tensors; `spec` is a run or trainer spec."""
+    from .trainers import TrainerSpec
+
+    if isinstance(spec, TrainerSpec):
+        if spec.trainer in ("trl-sft", "trl-dpo", "trl-grpo"):
+            raise TraceError(
+                f"`trainer: {spec.trainer}`: TRL's fused LM head scores the valid positions with Triton kernels on "
+                "CUDA (trl/kernels/chunked_logprob.py), a path the CPU does not take, and picks those positions by "
+                "value"
+                + (", and generation stops when every sequence has ended" if spec.trainer == "trl-grpo" else "")
+                + f"; fake tensors cannot follow it. `headroom estimate` models {spec.trainer} natively"
+            )
+        if spec.use_liger_kernel:
+            raise TraceError("`use_liger_kernel`: liger's Triton kernels do not run on fake tensors")
+        spec = spec.base
     if spec.quantization:
         raise TraceError(
             f"`quantization: {spec.quantization}`: bitsandbytes kernels do not run on fake tensors; "
@@ -247,74 +263,40 @@ class Recorder:
         self.events.append(["attention_backward", kernel, b, heads, s, head_dim, gqa, q.element_size()])
 
 
-def trace(spec: Spec, fields: dict, out_path: str, progress=None) -> dict:
-    """Run the spec's steps under fake tensors and write the trace to `out_path`."""
+def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
+    """Run the spec's steps under fake tensors and write the trace to `out_path`. `spec` is a run
+    spec (`spec.Spec`: the measuring loop's three steps) or a trainer spec
+    (`trainers.TrainerSpec`: the real `Trainer` or TRL trainer's `max_steps`)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from . import measure as m
     from .cuda_emulation import CudaEmulation
+    from .trainers import TrainerSpec
 
+    trainer_spec = spec if isinstance(spec, TrainerSpec) else None
+    run_spec = trainer_spec.base if trainer_spec else spec
     refuse_untraceable(spec)
     t0 = time.time()
+    if trainer_spec:
+        # Libraries that make tensors when imported make real ones, outside the fake mode.
+        _import_trainer_modules(trainer_spec)
     rec = Recorder()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with CudaEmulation(), _RealCodePaths(), fake, rec.mode(), _ModuleNames(rec):
-        rec.phase("load")
-        cfg = m._hf_config(spec, fields)
-        model = m._build(spec, cfg, device="cpu")
-        model = m._prepare(spec, model)
-        _ModuleNames.current.name(model)
-        rec.classify(model.parameters(), "parameter")
-        rec.classify(model.buffers(), "buffer")
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        train = spec.mode == "train"
-        optimizer = m._optimizer(spec, trainable) if train else None
-        autocast_dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(
-            spec.precision
-        )
-        model.train() if train else model.eval()
-        ids = torch.randint(0, fields.get("vocab_size"), (spec.batch_size, spec.seq_len), device="cpu")
-        rec.classify([ids], "input")
-
-        def autocast():
-            if autocast_dtype is None:
-                return torch.autocast("cuda", enabled=False)
-            return torch.autocast("cuda", dtype=autocast_dtype)
-
-        for step in range(1, STEPS + 1):
-            if progress:
-                progress(step)
-            if train:
-                rec.phase(f"step {step} forward")
-                start = len(rec.events)
-                loss = m._train_forward(spec, model, ids, autocast)
-                rec.classify_phase("activation", start)
-                rec.classify([loss], "temporary")
-                rec.phase(f"step {step} backward")
-                rec.watch_accumulation(loss.grad_fn)
-                loss.backward()
-                rec.accumulating = False
-                del loss
-                rec.classify([p.grad for p in trainable if p.grad is not None], "gradient")
-                if optimizer is not None:
-                    rec.phase(f"step {step} optimizer")
-                    optimizer.step()
-                    _classify_optimizer_state(rec, optimizer)
-                    optimizer.zero_grad(set_to_none=True)
-                else:
-                    model.zero_grad(set_to_none=True)
-            else:
-                rec.phase(f"step {step} forward")
-                with torch.no_grad():
-                    m._logprob_forward(model, ids, autocast)
-        del model, optimizer, trainable, ids
+        if trainer_spec:
+            _run_trainer(rec, trainer_spec, fields, progress)
+        else:
+            _run_loop(rec, run_spec, fields, progress)
     for s in rec.storages:
         s.pop("first_event", None)
+    spec_json = spec.to_json()
+    if run_spec.model_config and "model_config" not in spec_json:
+        spec_json["model_config"] = dict(run_spec.model_config)
     doc = {
         "format": "headroom-trace",
         "version": 1,
-        "spec": spec.to_json() | ({"model_config": dict(spec.model_config)} if spec.model_config else {}),
+        "spec": spec_json,
         "env": {**m._versions(), "device": "cpu (fake tensors, CUDA emulated)",
             "scalar_reads": rec.scalar_reads, "wall_s": round(time.time() - t0, 2)},
         "phases": rec.phases,
@@ -325,6 +307,175 @@ def trace(spec: Spec, fields: dict, out_path: str, progress=None) -> dict:
     with opener(out_path, "wt") as f:
         json.dump(doc, f, separators=(",", ":"))
     return doc
+
+
+def _run_loop(rec: Recorder, spec: Spec, fields: dict, progress):
+    """The measuring loop's load and three steps (measure.py), every phase marked."""
+    import torch
+
+    from . import measure as m
+
+    rec.phase("load")
+    cfg = m._hf_config(spec, fields)
+    model = m._build(spec, cfg, device="cpu")
+    model = m._prepare(spec, model)
+    _ModuleNames.current.name(model)
+    rec.classify(model.parameters(), "parameter")
+    rec.classify(model.buffers(), "buffer")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    train = spec.mode == "train"
+    optimizer = m._optimizer(spec, trainable) if train else None
+    autocast_dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(
+        spec.precision
+    )
+    model.train() if train else model.eval()
+    ids = torch.randint(0, fields.get("vocab_size"), (spec.batch_size, spec.seq_len), device="cpu")
+    rec.classify([ids], "input")
+
+    def autocast():
+        if autocast_dtype is None:
+            return torch.autocast("cuda", enabled=False)
+        return torch.autocast("cuda", dtype=autocast_dtype)
+
+    for step in range(1, STEPS + 1):
+        if progress:
+            progress(step, STEPS)
+        if train:
+            rec.phase(f"step {step} forward")
+            start = len(rec.events)
+            loss = m._train_forward(spec, model, ids, autocast)
+            rec.classify_phase("activation", start)
+            rec.classify([loss], "temporary")
+            rec.phase(f"step {step} backward")
+            rec.watch_accumulation(loss.grad_fn)
+            loss.backward()
+            rec.accumulating = False
+            del loss
+            rec.classify([p.grad for p in trainable if p.grad is not None], "gradient")
+            if optimizer is not None:
+                rec.phase(f"step {step} optimizer")
+                optimizer.step()
+                _classify_optimizer_state(rec, optimizer)
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+        else:
+            rec.phase(f"step {step} forward")
+            with torch.no_grad():
+                m._logprob_forward(model, ids, autocast)
+    del model, optimizer, trainable, ids
+
+
+def _run_trainer(rec: Recorder, ts, fields: dict, progress):
+    """The trainer as `trainers.py` measures it (`build_trainer`, then `train()`), with the CPU
+    as the device (`use_cpu`; the fake tensors stand for CUDA ones). Where the GPU run builds
+    the model on the device (`hf`) or a TRL trainer loads the saved random checkpoint onto it,
+    the model is built from the same config on the CPU: a checkpoint of fake tensors has no
+    bytes to save. Phases follow the trainer's own hooks: its callbacks' step begin, pre- and
+    post-optimizer step, and `accelerator.backward`."""
+    import shutil
+    import tempfile
+
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+
+    from . import trainers
+
+    rec.phase("load")
+    ckpt = tempfile.mkdtemp(prefix="headroom-trace-ckpt-")
+    try:
+        trainers._hf_config(ts, fields).save_pretrained(ckpt)
+        tokenizer = trainers._tokenizer(int(fields["vocab_size"]), ckpt)
+        trainer_box = []
+
+        class Phases(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if progress:
+                    progress(state.global_step + 1, ts.max_steps)
+                rec.phase(f"step {state.global_step + 1} forward")
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                rec.classify(
+                    [p.grad for p in trainer_box[0].model.parameters() if p.grad is not None], "gradient"
+                )
+                rec.phase(f"step {state.global_step + 1} optimizer")
+
+            def on_optimizer_step(self, args, state, control, **kwargs):
+                _classify_optimizer_state(rec, trainer_box[0].optimizer)
+                rec.phase(f"step {state.global_step + 1} zero_grad")
+
+        with _BuildOnTheDevice(ts):
+            trainer = trainers.build_trainer(ts, fields, ckpt, tokenizer, [Phases()], device="cpu")
+        trainer.remove_callback(PrinterCallback)  # the end-of-training metrics, on stdout
+        trainer_box.append(trainer)
+        _ModuleNames.current.name(trainer.model)
+        rec.classify(trainer.model.parameters(), "parameter")
+        rec.classify(trainer.model.buffers(), "buffer")
+        accelerator = trainer.accelerator
+        backward = accelerator.backward
+
+        def marked_backward(loss, **kwargs):
+            rec.phase(f"step {trainer.state.global_step + 1} backward")
+            return backward(loss, **kwargs)
+
+        accelerator.backward = marked_backward
+        trainer.train()
+        trainer_box.clear()
+        del trainer, accelerator, backward
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
+
+
+def _import_trainer_modules(ts):
+    import importlib
+
+    names = ["transformers.trainer", "transformers.trainer_callback", "datasets", "tokenizers"]
+    if ts.trainer != "hf":
+        names.append(f"trl.trainer.{ts.trainer.removeprefix('trl-')}_trainer")
+    if ts.base.lora is not None:
+        names.append("peft")
+    for name in names:
+        importlib.import_module(name)
+
+
+class _BuildOnTheDevice:
+    """TRL's `create_model_from_path` as the tracer needs it: the model built from the saved
+    config (`from_config`, the dtype and attention `model_init_kwargs` give, `num_labels` for a
+    reward head) where it would load the checkpoint."""
+
+    MODULES = ("trl.trainer.utils", "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.reward_trainer")
+
+    def __init__(self, ts):
+        self.ts = ts
+        self.saved = []
+
+    def __enter__(self):
+        import importlib
+
+        def create_model_from_path(model_id, architecture=None, **kwargs):
+            import torch
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(model_id)
+            if "num_labels" in kwargs:
+                config.num_labels = kwargs["num_labels"]
+            dtype = kwargs.get("dtype", "float32")
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            arch = architecture or AutoModelForCausalLM
+            extra = {"attn_implementation": kwargs["attn_implementation"]} if "attn_implementation" in kwargs else {}
+            return arch.from_config(config, dtype=dtype, **extra)
+
+        for name in self.MODULES:
+            module = importlib.import_module(name)
+            if hasattr(module, "create_model_from_path"):
+                self.saved.append((module, module.create_model_from_path))
+                module.create_model_from_path = create_model_from_path
+        return self
+
+    def __exit__(self, *exc):
+        for module, real in self.saved:
+            module.create_model_from_path = real
+        return False
 
 
 def _classify_optimizer_state(rec: Recorder, optimizer):

@@ -539,7 +539,9 @@ def _common_args(ts: TrainerSpec, outdir: str) -> dict:
     )
 
 
-def build_trainer(ts: TrainerSpec, fields: dict, ckpt: str, tokenizer, callbacks: list):
+def build_trainer(ts: TrainerSpec, fields: dict, ckpt: str, tokenizer, callbacks: list, device: str = "cuda"):
+    """The trainer of `ts` over a synthetic dataset. `device`: where `hf` builds its model; "cpu"
+    also makes the trainer run there (`use_cpu`), as the tracer needs."""
     import torch
 
     b = ts.base
@@ -549,6 +551,8 @@ def build_trainer(ts: TrainerSpec, fields: dict, ckpt: str, tokenizer, callbacks
     rows = max(64, 4 * ts.max_steps * b.batch_size * ts.gradient_accumulation_steps)
     data = _dataset(ts, vocab, rows)
     common = _common_args(ts, outdir)
+    if device == "cpu":
+        common["use_cpu"] = True
     init_kwargs = {"dtype": dtype_name, "attn_implementation": b.attention}
     if b.experts_implementation is not None:
         # `from_pretrained` takes it as a keyword; the config built here carries it too.
@@ -560,7 +564,7 @@ def build_trainer(ts: TrainerSpec, fields: dict, ckpt: str, tokenizer, callbacks
         cfg = _hf_config(ts, fields)
         if b.experts_implementation is not None:
             cfg._experts_implementation = b.experts_implementation
-        with torch.device("cuda"):
+        with torch.device(device):
             model = AutoModelForCausalLM.from_config(
                 cfg, dtype=getattr(torch, dtype_name), attn_implementation=b.attention
             )

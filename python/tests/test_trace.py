@@ -54,6 +54,46 @@ class TraceCliTest(unittest.TestCase):
             self.assertEqual(out.returncode, 2, out.stderr)
             self.assertIn("quantization", out.stderr)
 
+    def test_trl_trainers_whose_head_runs_triton_are_refused_by_name(self):
+        for trainer in ("trl-sft", "trl-dpo"):
+            with tempfile.TemporaryDirectory() as tmp:
+                spec = {**TINY, "trainer": trainer}
+                out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
+                self.assertEqual(out.returncode, 2, out.stderr)
+                self.assertIn(f"`trainer: {trainer}`", out.stderr)
+                self.assertIn("fused LM head", out.stderr)
+                self.assertNotIn("Traceback", out.stderr)
+
+
+@unittest.skipUnless(has_torch(), "torch and transformers are not installed")
+class TrainerTraceTest(unittest.TestCase):
+    """transformers' `Trainer` itself, traced: its own steps, marked by its callbacks."""
+
+    def test_the_trainers_steps_are_the_phases(self):
+        import gzip
+
+        spec = {**TINY, "trainer": "hf", "max_steps": 2}
+        spec.pop("optimizer")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json.gz")
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn("tracing step 2 of 2", out.stderr)
+            self.assertEqual(out.stdout, "", "the trainer's own printing stays out of stdout")
+            with gzip.open(f"{tmp}/t.json.gz", "rt") as f:
+                trace = json.load(f)
+        names = [p["name"] for p in trace["phases"]]
+        self.assertEqual(names[0], "load")
+        for step in (1, 2):
+            self.assertEqual(
+                [n for n in names if n.startswith(f"step {step} ")],
+                [f"step {step} {phase}" for phase in ("forward", "backward", "optimizer", "zero_grad")],
+            )
+        self.assertEqual(trace["spec"]["trainer"], "hf")
+        kinds = {s["kind"] for s in trace["storages"]}
+        self.assertTrue({"parameter", "gradient", "optimizer_state"} <= kinds)
+        # the trainer's default optimizer is the fused AdamW, whose step counters live on the device
+        self.assertNotIn("host", kinds)
+
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")
 class TraceTest(unittest.TestCase):

@@ -135,7 +135,7 @@ fn traced(spec: &Path, args: &Args) -> CliResult<Trace> {
         })?;
     let progress = crate::progress::spinner(
         args.json,
-        "tracing three steps under fake tensors on the CPU",
+        "tracing the run's steps under fake tensors on the CPU",
         None,
     );
     let output = child.wait_with_output();

@@ -336,13 +336,26 @@ fn estimate_with_trace_runs_the_tracer() {
 /// Every saved trace against the H100 measurement of its spec (bench/TRACE.md has every row,
 /// with the native estimate and MemTracker beside it): within 1% on peak allocated and 8% on
 /// reserved, the bounds trace mode promises. `unseen` is the model type headroom does not model
-/// natively. One row's reserved memory is held to 12% instead: its recorded snapshot replays to
+/// natively; `trainers` are transformers' `Trainer` and TRL's reward trainer, traced whole. One
+/// row's reserved memory is held to 12% instead: its recorded snapshot replays to
 /// the trace's reserved bytes exactly once the driver's segment addresses are left out, so the
 /// miss is the allocator's address placement, not the trace (bench/TRACE.md).
 #[test]
 fn saved_traces_match_their_measurements() {
     const ADDRESS_PLACEMENT: &str = "gpt_neox/pythia-1.4b/bf16/forward/bs8/s2048/eager";
-    const CORPORA: [(&str, &str); 3] = [
+    const CORPORA: [(&str, &str); 6] = [
+        (
+            "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
+            "bench/trace/trainers",
+        ),
+        (
+            "bench/trainers-holdout/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
+            "bench/trace/trainers",
+        ),
+        (
+            "bench/moe/trainer-rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
+            "bench/trace/trainers",
+        ),
         (
             "bench/calibration/h100-torch2.11.jsonl",
             "bench/trace/corpus",
@@ -357,7 +370,7 @@ fn saved_traces_match_their_measurements() {
         ),
     ];
     let repo = crate::common::repo();
-    let (mut checked, mut unseen) = (0, 0);
+    let (mut checked, mut unseen, mut trainers) = (0, 0, 0);
     for (rows, traces) in CORPORA {
         let rows = std::fs::read_to_string(repo.join(rows)).expect("rows");
         for line in rows.lines().filter(|l| !l.trim().is_empty()) {
@@ -386,7 +399,8 @@ fn saved_traces_match_their_measurements() {
             );
             checked += 1;
             unseen += usize::from(traces.contains("unseen"));
+            trainers += usize::from(traces.ends_with("trainers"));
         }
     }
-    assert_eq!((checked, unseen), (47, 4));
+    assert_eq!((checked, unseen, trainers), (65, 4, 18));
 }

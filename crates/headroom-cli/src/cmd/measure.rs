@@ -69,7 +69,7 @@ pub struct Args {
     #[arg(long)]
     pub record: Option<PathBuf>,
     /// The Python that has torch.
-    #[arg(long, default_value = "python3", env = "HEADROOM_PYTHON")]
+    #[arg(long, default_value = crate::DEFAULT_PYTHON, env = crate::PYTHON_ENV)]
     pub python: String,
     /// Print one JSON object instead of tables.
     #[arg(long)]
@@ -77,38 +77,46 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> CliResult {
+    let (record, est, measured) = measured(&args)?;
+    if args.json {
+        println!("{}", to_json(&json_report(&record, &est, &measured)));
+    } else {
+        let device = record["env"]["gpu"].as_str().unwrap_or_default();
+        print!("{}", comparison(device, &est, &measured));
+        if let Some(path) = &args.snapshot {
+            println!("snapshot: {} (headroom snapshot {0})", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// The JSON `measure --json` prints.
+pub fn json(args: &Args) -> CliResult<String> {
+    let (record, est, measured) = measured(args)?;
+    Ok(to_json(&json_report(&record, &est, &measured)))
+}
+
+fn json_report<'a>(record: &'a Value, est: &'a Estimate, measured: &Measured) -> MeasureJson<'a> {
+    MeasureJson::new(record, est, measured.peak_allocated, measured.peak_reserved)
+}
+
+/// The harness's record of the run, the estimate for the GPU it ran on, and the measurement.
+fn measured(args: &Args) -> CliResult<(Value, Estimate, Measured)> {
     let (spec, harness_spec) = read_spec(&args.spec)?;
     let spec_dir = args.spec.parent();
     // Bad input shows before minutes of GPU time are spent.
     estimate::estimate(&spec, spec_dir, &gpu::Gpu::default())?;
 
-    let record = run_harness(&args, &harness_spec)?;
-    let device = record["env"]["gpu"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let gpu = gpu::from_device_name(&device).unwrap_or_default();
+    let record = run_harness(args, &harness_spec)?;
+    let device = record["env"]["gpu"].as_str().unwrap_or_default();
+    let gpu = gpu::from_device_name(device).unwrap_or_default();
     let est = estimate::estimate(&spec, spec_dir, &gpu)?;
     let measured = Measured::from_record(&record)?;
 
     if let Some(path) = &args.record {
         append_line(path, &record)?;
     }
-    if args.json {
-        let report = MeasureJson::new(
-            &record,
-            &est,
-            measured.peak_allocated,
-            measured.peak_reserved,
-        );
-        println!("{}", to_json(&report));
-    } else {
-        print!("{}", comparison(&device, &est, &measured));
-        if let Some(path) = &args.snapshot {
-            println!("snapshot: {} (headroom snapshot {0})", path.display());
-        }
-    }
-    Ok(())
+    Ok((record, est, measured))
 }
 
 /// The spec for the estimator, and the same document with the model's config inlined for the

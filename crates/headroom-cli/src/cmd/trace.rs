@@ -29,7 +29,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE", conflicts_with_all = ["spec", "save"])]
     pub from: Option<PathBuf>,
     /// The Python that has torch, transformers and peft.
-    #[arg(long, default_value = "python3", env = "HEADROOM_PYTHON")]
+    #[arg(long, default_value = crate::DEFAULT_PYTHON, env = crate::PYTHON_ENV)]
     pub python: String,
     /// Judge whether the run fits this GPU (h200, h100-80gb, a100-80gb, ... or a size like 64GiB).
     #[arg(long)]

@@ -42,6 +42,9 @@ class FakeCuda:
     def get_device_name(self, device=None):
         return self.device
 
+    def get_device_properties(self, device=None):
+        return SimpleNamespace(total_memory=48 * GIB)
+
     def reset_peak_memory_stats(self, device=None):
         self.resets += 1
         self.peak = self.current
@@ -95,6 +98,13 @@ def test_phases_beside_the_estimate_and_the_steady_state():
         assert all(r["allocated_error"] == 0 and r["reserved_error"] == 0 for r in rows)
     assert len(w.rows) == 12
     assert "measured peaks beside the estimate" in lines[-1]
+
+
+def test_an_unknown_gpu_is_judged_by_its_capacity():
+    w = Watch(SPEC, None, 0.05, FakeCuda("Some Future GPU"), quiet([]), None)
+    w.start()
+    assert w.gpu == "49152MiB"
+    assert w.estimate["gpu"]["total_bytes"] == 48 * GIB
 
 
 def test_a_peak_past_the_threshold_warns():
@@ -175,6 +185,21 @@ def test_other_errors_pass_through_undiagnosed():
     with pytest.raises(KeyError):
         trainer.train()
     assert not any("out of memory" in l for l in lines)
+
+
+def test_data_parallel_in_one_process_is_said_and_not_compared():
+    from headroom.integrations import HeadroomCallback
+
+    lines = []
+    cb = HeadroomCallback(SPEC, "h100-80gb", out=lines.append, torch=fake_torch(FakeCuda()))
+    args = SimpleNamespace(n_gpu=4)
+    cb.on_train_begin(args, None, None, model=SimpleNamespace())
+    state = SimpleNamespace(global_step=0)
+    cb.on_step_begin(args, state, None)
+    cb.on_pre_optimizer_step(args, state, None)
+    cb.on_step_end(args, state, None)
+    assert cb.rows == [] and cb.estimate is None
+    assert "DataParallel over 4 GPUs" in lines[0]
 
 
 def test_lightning_hooks_mark_the_phases():

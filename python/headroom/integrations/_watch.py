@@ -87,7 +87,7 @@ class Watch:
                 self.gpu = _api.gpu_of_device(self.cuda.get_device_name())
             except _api.SpecError:
                 total = self.cuda.get_device_properties(0).total_memory
-                self.gpu = f"{total}B"
+                self.gpu = f"{total // (1 << 20)}MiB"
         return self.gpu
 
     def start(self, spec: Optional[dict] = None) -> None:

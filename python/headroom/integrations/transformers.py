@@ -76,7 +76,8 @@ class _Callback:
         self.spec_overrides = spec_overrides
         self.record_history = record_history
         self.history_max_entries = history_max_entries
-        self.in_step = False
+        # False between steps, True within one, None where no step is measured.
+        self.in_step: Optional[bool] = False
         self.hooks: list = []
         self.depth = 0
 
@@ -92,6 +93,18 @@ class _Callback:
     # -------------------------------------------------------------- the Trainer's events
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        gpus = getattr(args, "n_gpu", 1) or 1
+        if gpus > 1:
+            # One process driving several GPUs: the Trainer wraps the model in
+            # nn.DataParallel, whose replicas run the hooks in threads of their own devices.
+            self.watch.out(
+                f"headroom: the Trainer runs torch.nn.DataParallel over {gpus} GPUs in one process; "
+                "headroom models one process per GPU (torchrun or accelerate launch), so it sets no "
+                "step beside the estimate here. Launch one process per GPU, or make one GPU visible "
+                "(CUDA_VISIBLE_DEVICES=0)."
+            )
+            self.in_step = None
+            return
         if self.watch.spec is None and model is not None:
             spec = spec_from(model, args, **self.spec_overrides)
             self.watch.spec = spec
@@ -107,14 +120,14 @@ class _Callback:
             self.watch.record_history(self.torch, self.history_max_entries)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if not self.in_step:
+        if self.in_step is False:
             self.in_step = True
             self.watch.begin_step(state.global_step + 1)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         # Where the end of backward was not seen (a loss computed outside the model), the
         # optimizer phase starts here, after gradient clipping.
-        if self.watch.phase != "optimizer":
+        if self.in_step and self.watch.phase != "optimizer":
             self.watch.begin("optimizer")
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -220,12 +220,18 @@ def _python() -> str:
 
 
 def _measure(
-    spec: PathLike, python: Optional[str], snapshot: Optional[PathLike], record: Optional[PathLike]
+    spec: SpecLike,
+    python: Optional[str],
+    snapshot: Optional[PathLike],
+    record: Optional[PathLike],
+    spec_dir: Optional[PathLike],
 ) -> dict:
-    return _call(
-        _native.measure,
-        os.fspath(spec),
-        python or os.environ.get("HEADROOM_PYTHON") or _python(),
-        _optional_path(snapshot),
-        _optional_path(record),
-    )
+    with _spec_file(spec, spec_dir) as (path, base):
+        return _call(
+            _native.measure,
+            path,
+            python or os.environ.get("HEADROOM_PYTHON") or _python(),
+            _optional_path(snapshot),
+            _optional_path(record),
+            base,
+        )

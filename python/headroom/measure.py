@@ -16,7 +16,7 @@ from typing import Optional
 
 import headroom_measure as harness
 
-from ._api import PathLike, SpecLike, _measure, _spec_file
+from ._api import PathLike, SpecLike, _measure
 
 __all__ = ["harness", "measure"]
 
@@ -27,12 +27,13 @@ def measure(
     snapshot: Optional[PathLike] = None,
     record: Optional[PathLike] = None,
     python: Optional[str] = None,
+    spec_dir: Optional[PathLike] = None,
 ) -> dict:
     """Measure the spec on this GPU: `headroom measure SPEC --json`.
 
     `snapshot` also saves a `torch.cuda.memory` snapshot of the run there; `record` appends the
     measurement to a calibration file (JSON lines); `python` is the interpreter that has torch
-    (default: `HEADROOM_PYTHON`, else this one).
+    (default: `HEADROOM_PYTHON`, else this one). A spec given as a dict or text resolves its
+    relative model paths against `spec_dir` (default: the working directory).
     """
-    with _spec_file(spec, None) as (path, _):
-        return _measure(path, python, snapshot, record)
+    return _measure(spec, python, snapshot, record, spec_dir)

@@ -220,6 +220,19 @@ def test_lightning_hooks_mark_the_phases():
     assert got == [("forward", 3 * GIB), ("backward", 5 * GIB), ("optimizer", 4 * GIB)]
 
 
+def test_lightning_diagnoses_an_out_of_memory_exception():
+    from headroom.integrations import HeadroomLightningCallback
+
+    log = (REPO / "crates/headroom-cli/tests/fixtures/seed003/oom.log").read_text()
+    spec = str(REPO / "crates/headroom-cli/tests/fixtures/seed003/train.yaml")
+    lines = []
+    cb = HeadroomLightningCallback(spec, "h100-80gb", out=lines.append, torch=fake_torch(FakeCuda()))
+    cb.on_exception(None, None, FakeCuda.OutOfMemoryError(log))
+    cb.on_exception(None, None, KeyError("input_ids"))
+    text = "\n".join(lines)
+    assert text.count("remedies, cheapest first") == 1 and "Fused AdamW" in text
+
+
 @pytest.mark.skipif(not (HAS_TORCH and HAS_TRANSFORMERS), reason="needs torch and transformers")
 def test_a_real_trainer_run_on_the_cpu_marks_each_phase(tmp_path):
     """A real transformers Trainer (CPU, tiny random model): the callback's phases are the

@@ -19,6 +19,12 @@ def test_the_harness_is_installed_beside_headroom():
     from headroom_measure import spec, trace  # noqa: F401  the tracer and the spec reader too
 
 
+def test_a_bad_spec_is_refused_before_the_harness_runs():
+    with pytest.raises(headroom.SpecError) as e:
+        headroom.measure.measure(dict(SPEC, precision="fp8"), python="/nonexistent/python")
+    assert e.value.field == "precision"
+
+
 def test_the_harness_reads_specs_without_torch():
     from headroom_measure import spec
 
@@ -30,9 +36,10 @@ def test_the_harness_reads_specs_without_torch():
 def test_measure_without_torch_says_what_is_missing(tmp_path):
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(SPEC))
-    with pytest.raises(headroom.SpecError) as e:
-        headroom.measure.measure(path)
-    assert "torch" in str(e.value)
+    for spec in (path, SPEC):
+        with pytest.raises(headroom.SpecError) as e:
+            headroom.measure.measure(spec)
+        assert "torch" in str(e.value)
     r = run_cli("measure", str(path))
     assert r.returncode == 2
     assert "torch" in r.stderr

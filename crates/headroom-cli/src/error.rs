@@ -26,6 +26,14 @@ impl CliError {
         }
     }
 
+    /// A library error in the file at `path`, named in the message.
+    pub fn in_file(path: &std::path::Path, err: headroom::Error) -> Self {
+        Self {
+            message: format!("{}: {err}", path.display()),
+            ..Self::from(err)
+        }
+    }
+
     pub fn failure(message: impl Into<String>) -> Self {
         Self {
             code: EXIT_FAILURE,

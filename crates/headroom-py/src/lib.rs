@@ -201,13 +201,14 @@ fn replay(py: Python<'_>, file: PathBuf, alloc_conf: Option<String>) -> PyResult
 
 /// `headroom measure SPEC [--snapshot F] [--record F] --python PYTHON --json`.
 #[pyfunction]
-#[pyo3(signature = (spec, python, snapshot=None, record=None))]
+#[pyo3(signature = (spec, python, snapshot=None, record=None, spec_dir=None))]
 fn measure(
     py: Python<'_>,
     spec: PathBuf,
     python: String,
     snapshot: Option<PathBuf>,
     record: Option<PathBuf>,
+    spec_dir: Option<PathBuf>,
 ) -> PyResult<String> {
     run(py, || {
         cmd::measure::json(&cmd::measure::Args {
@@ -216,6 +217,7 @@ fn measure(
             record,
             python,
             json: true,
+            spec_dir,
         })
     })
 }

@@ -74,6 +74,10 @@ pub struct Args {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Where relative model paths resolve, when not the spec's folder (a spec the Python
+    /// bindings were given as text).
+    #[arg(skip)]
+    pub spec_dir: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> CliResult {
@@ -102,8 +106,8 @@ fn json_report<'a>(record: &'a Value, est: &'a Estimate, measured: &Measured) ->
 
 /// The harness's record of the run, the estimate for the GPU it ran on, and the measurement.
 fn measured(args: &Args) -> CliResult<(Value, Estimate, Measured)> {
-    let (spec, harness_spec) = read_spec(&args.spec)?;
-    let spec_dir = args.spec.parent();
+    let spec_dir = args.spec_dir.as_deref().or(args.spec.parent());
+    let (spec, harness_spec) = read_spec(&args.spec, spec_dir)?;
     // Bad input shows before minutes of GPU time are spent.
     estimate::estimate(&spec, spec_dir, &gpu::Gpu::default())?;
 
@@ -120,14 +124,13 @@ fn measured(args: &Args) -> CliResult<(Value, Estimate, Measured)> {
 }
 
 /// The spec for the estimator, and the same document with the model's config inlined for the
-/// harness.
-pub(crate) fn read_spec(path: &Path) -> CliResult<(RunSpec, Value)> {
+/// harness; relative model paths resolve against `spec_dir`.
+pub(crate) fn read_spec(path: &Path, spec_dir: Option<&Path>) -> CliResult<(RunSpec, Value)> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
     let mut doc = parse_document(&text, path)?;
-    let spec = RunSpec::from_value(&doc)
-        .map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
-    let model = spec.resolve_model(path.parent())?;
+    let spec = RunSpec::from_value(&doc).map_err(|e| CliError::in_file(path, e))?;
+    let model = spec.resolve_model(spec_dir)?;
     doc["model_config"] = model.config;
     Ok((spec, doc))
 }

@@ -104,7 +104,7 @@ pub fn run(args: Args) -> CliResult {
 
 /// Runs the tracer on `spec` and reads what it wrote, keeping a copy at `--save`.
 fn traced(spec: &Path, args: &Args) -> CliResult<Trace> {
-    let (_, harness_spec) = read_spec(spec)?;
+    let (_, harness_spec) = read_spec(spec, spec.parent())?;
     let dir = harness_dir()?;
     // The tracer gzips what it writes to a `.gz` name, so the copy is what `--save` names.
     let compressed = args

@@ -94,8 +94,6 @@ class _LightningCallback:
             self.watch.on_oom(exception, self.torch)
 
 
-HeadroomLightningCallback = type(
-    "HeadroomLightningCallback",
-    (_LightningCallback, _base()),
-    {"__doc__": _LightningCallback.__doc__ or __doc__, "__module__": __name__},
-)
+class HeadroomLightningCallback(_LightningCallback, _base()):
+    """A Lightning `Callback` that sets each step's measured peaks beside headroom's estimate
+    (the arguments are `HeadroomCallback`'s)."""

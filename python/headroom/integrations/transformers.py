@@ -214,22 +214,17 @@ class _Callback:
         return self.watch.on_oom(exc, self.torch)
 
 
-HeadroomCallback = type(
-    "HeadroomCallback",
-    (_Callback, _base()),
-    {
-        "__doc__": """A transformers `TrainerCallback` that sets each step's measured peaks beside
-    headroom's estimate.
+class HeadroomCallback(_Callback, _base()):
+    """A transformers `TrainerCallback` that sets each step's measured peaks beside headroom's
+    estimate.
 
     `spec`: the run spec (dict, text or path); None builds it with `headroom.spec_from` from
     the trainer's model and arguments, with `spec_overrides` (`seq_len=2048`) on top. `gpu`:
     the GPU to judge the fit on (default: the one training runs on). `threshold`: the fraction
     by which a measured peak may part from the estimate before a `HeadroomWarning`.
     `record_history`: record allocation history so an out-of-memory error dumps a snapshot.
-    `out`: where the lines go (default: stderr).""",
-        "__module__": __name__,
-    },
-)
+    `out`: where the lines go (default: stderr).
+    """
 
 
 def watch(trainer: Any, spec: Optional[dict] = None, gpu: Optional[str] = None, threshold: float = 0.05, **kwargs: Any):

@@ -11,6 +11,9 @@ pub const EXIT_FAILURE: u8 = 1;
 pub struct CliError {
     pub code: u8,
     pub message: String,
+    /// The library's error it came from, with its field, value and what is allowed, for the
+    /// Python bindings to raise as `headroom.SpecError`.
+    pub source: Option<headroom::Error>,
 }
 
 impl CliError {
@@ -19,6 +22,15 @@ impl CliError {
         Self {
             code: EXIT_BAD_INPUT,
             message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A library error in the file at `path`, named in the message.
+    pub fn in_file(path: &std::path::Path, err: headroom::Error) -> Self {
+        Self {
+            message: format!("{}: {err}", path.display()),
+            ..Self::from(err)
         }
     }
 
@@ -26,6 +38,7 @@ impl CliError {
         Self {
             code: EXIT_FAILURE,
             message: message.into(),
+            source: None,
         }
     }
 }
@@ -33,7 +46,10 @@ impl CliError {
 /// Every library error is the input's to fix (a spec, a file, a flag), so it exits 2.
 impl From<headroom::Error> for CliError {
     fn from(err: headroom::Error) -> Self {
-        Self::input(err.to_string())
+        Self {
+            source: Some(err.clone()),
+            ..Self::input(err.to_string())
+        }
     }
 }
 

@@ -117,6 +117,7 @@ pub fn run(args: Args) -> CliResult {
     let inputs = Inputs {
         oom: args.oom.as_deref().map(read_oom).transpose()?,
         spec: args.spec,
+        spec_dir: None,
         residents: args.residents,
         accelerate_config: args.accelerate_config,
         deepspeed_config: args.deepspeed_config,
@@ -124,13 +125,17 @@ pub fn run(args: Args) -> CliResult {
         gpu: args.gpu,
         gpus: args.gpus,
     };
-    let diagnosis = diagnose::run(&inputs)?;
     if args.json {
-        println!("{}", to_json(&DiagnoseJson::new(&diagnosis)));
+        println!("{}", json(&inputs)?);
     } else {
-        print!("{}", render(&diagnosis));
+        print!("{}", render(&diagnose::run(&inputs)?));
     }
     Ok(())
+}
+
+/// The JSON `diagnose --json` prints for these inputs.
+pub fn json(inputs: &Inputs) -> CliResult<String> {
+    Ok(to_json(&DiagnoseJson::new(&diagnose::run(inputs)?)))
 }
 
 /// A table that wraps long cells to fit a terminal of `width` columns.

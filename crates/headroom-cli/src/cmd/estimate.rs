@@ -29,8 +29,12 @@ pub struct Args {
     /// fake tensors instead (`headroom trace`; needs torch, transformers and peft).
     #[arg(long)]
     pub trace: bool,
+    /// Where relative model paths resolve, when not the spec's folder (a spec the Python
+    /// bindings were given as text).
+    #[arg(skip)]
+    pub spec_dir: Option<PathBuf>,
     /// The Python that has torch, for --trace.
-    #[arg(long, default_value = "python3", env = "HEADROOM_PYTHON")]
+    #[arg(long, default_value = crate::DEFAULT_PYTHON, env = crate::PYTHON_ENV)]
     pub python: String,
 }
 
@@ -56,13 +60,51 @@ fn unmodelled(args: &Args, err: headroom::Error) -> CliResult {
     )))
 }
 
+/// What `estimate` answers: a run's estimate or a pipeline's.
+enum Answer {
+    Run(Box<estimate::Estimate>),
+    Pipeline(Box<spec::PipelineSpec>, Box<estimate::PipelineEstimate>),
+}
+
 pub fn run(args: Args) -> CliResult {
+    let Some(answer) = answer(&args)? else {
+        return Ok(());
+    };
+    let judged = args.gpu.is_some();
+    match (&answer, args.json) {
+        (Answer::Run(est), true) => println!("{}", to_json(&EstimateJson::new(est, judged))),
+        (Answer::Run(est), false) => print!("{}", crate::render::estimate(est, judged)),
+        (Answer::Pipeline(_, est), true) => {
+            println!("{}", to_json(&PipelineJson::new(est, judged)))
+        }
+        (Answer::Pipeline(spec, est), false) => {
+            print!("{}", crate::render::pipeline(spec, est, judged))
+        }
+    }
+    Ok(())
+}
+
+/// The JSON `estimate --json` prints (`--trace` aside: a model type the simulator does not
+/// build is an error here).
+pub fn json(args: &Args) -> CliResult<String> {
+    let judged = args.gpu.is_some();
+    match answer(args)? {
+        Some(Answer::Run(est)) => Ok(to_json(&EstimateJson::new(&est, judged))),
+        Some(Answer::Pipeline(_, est)) => Ok(to_json(&PipelineJson::new(&est, judged))),
+        None => Err(CliError::input(
+            "this model type is answered by `headroom trace`, which prints its own report",
+        )),
+    }
+}
+
+/// The estimate of the spec, or `None` where `--trace` answered (and printed) it.
+fn answer(args: &Args) -> CliResult<Option<Answer>> {
     let document = spec::load(&args.spec)?;
     let gpu = match &args.gpu {
         Some(name) => gpu::find(name)?,
         None => gpu::Gpu::default(),
     };
-    let dir = args.spec.parent();
+    let dir = args.spec_dir.as_deref().or(args.spec.parent());
     // With a GPU the run is simulated at its capacity; without one, its demand.
     let limit = if args.gpu.is_some() {
         estimate::Limit::Gpu
@@ -76,21 +118,12 @@ pub fn run(args: Args) -> CliResult {
             let progress = crate::progress::spinner(args.json, "estimating the pipeline", None);
             let est = estimate::estimate_pipeline(&spec, dir, &gpu, limit);
             progress.finish_and_clear();
-            let est = est?;
-            if args.json {
-                println!("{}", to_json(&PipelineJson::new(&est, args.gpu.is_some())));
-            } else {
-                print!(
-                    "{}",
-                    crate::render::pipeline(&spec, &est, args.gpu.is_some())
-                );
-            }
-            return Ok(());
+            return Ok(Some(Answer::Pipeline(Box::new(spec), Box::new(est?))));
         }
     };
     let (est, trace) =
         match estimate::estimate_with_trace(&spec, dir, &gpu, limit, args.timeline.is_some()) {
-            Err(e) if e.is_unmodelled_model_type() => return unmodelled(&args, e),
+            Err(e) if e.is_unmodelled_model_type() => return unmodelled(args, e).map(|()| None),
             other => other?,
         };
     if let Some(path) = &args.timeline {
@@ -103,10 +136,5 @@ pub fn run(args: Args) -> CliResult {
                 .map_err(|e| CliError::failure(e.to_string()))?;
         }
     }
-    if args.json {
-        println!("{}", to_json(&EstimateJson::new(&est, args.gpu.is_some())));
-    } else {
-        print!("{}", crate::render::estimate(&est, args.gpu.is_some()));
-    }
-    Ok(())
+    Ok(Some(Answer::Run(Box::new(est))))
 }

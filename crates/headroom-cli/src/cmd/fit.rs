@@ -38,9 +38,29 @@ pub struct Args {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Where relative model paths resolve, when not the spec's folder (a spec the Python
+    /// bindings were given as text).
+    #[arg(skip)]
+    pub spec_dir: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> CliResult {
+    let (setup, report) = plan_fit(&args)?;
+    if args.json {
+        println!("{}", to_json(&FitJson::new(&setup, &report)));
+    } else {
+        print!("{}", render(&setup, &report));
+    }
+    Ok(())
+}
+
+/// The JSON `fit --json` prints.
+pub fn json(args: &Args) -> CliResult<String> {
+    let (setup, report) = plan_fit(args)?;
+    Ok(to_json(&FitJson::new(&setup, &report)))
+}
+
+fn plan_fit(args: &Args) -> CliResult<(Setup<'_>, FitReport)> {
     if let Some(n) = args.gpus.filter(|n| !(1..=65536).contains(n)) {
         return Err(CliError::input(format!(
             "--gpus: {n} is not allowed; use 1 to 65536"
@@ -76,7 +96,7 @@ pub fn run(args: Args) -> CliResult {
     }
     let setup = Setup {
         spec,
-        spec_dir: args.spec.parent(),
+        spec_dir: args.spec_dir.as_deref().or(args.spec.parent()),
         gpu,
         gpus,
         residents,
@@ -89,13 +109,7 @@ pub fn run(args: Args) -> CliResult {
     );
     let report = plan::fit(&setup);
     progress.finish_and_clear();
-    let report = report?;
-    if args.json {
-        println!("{}", to_json(&FitJson::new(&setup, &report)));
-    } else {
-        print!("{}", render(&setup, &report));
-    }
-    Ok(())
+    Ok((setup, report?))
 }
 
 fn render(setup: &Setup, r: &FitReport) -> String {

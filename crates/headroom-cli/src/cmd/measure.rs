@@ -69,41 +69,24 @@ pub struct Args {
     #[arg(long)]
     pub record: Option<PathBuf>,
     /// The Python that has torch.
-    #[arg(long, default_value = "python3", env = "HEADROOM_PYTHON")]
+    #[arg(long, default_value = crate::DEFAULT_PYTHON, env = crate::PYTHON_ENV)]
     pub python: String,
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Where relative model paths resolve, when not the spec's folder (a spec the Python
+    /// bindings were given as text).
+    #[arg(skip)]
+    pub spec_dir: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> CliResult {
-    let (spec, harness_spec) = read_spec(&args.spec)?;
-    let spec_dir = args.spec.parent();
-    // Bad input shows before minutes of GPU time are spent.
-    estimate::estimate(&spec, spec_dir, &gpu::Gpu::default())?;
-
-    let record = run_harness(&args, &harness_spec)?;
-    let device = record["env"]["gpu"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let gpu = gpu::from_device_name(&device).unwrap_or_default();
-    let est = estimate::estimate(&spec, spec_dir, &gpu)?;
-    let measured = Measured::from_record(&record)?;
-
-    if let Some(path) = &args.record {
-        append_line(path, &record)?;
-    }
+    let (record, est, measured) = measured(&args)?;
     if args.json {
-        let report = MeasureJson::new(
-            &record,
-            &est,
-            measured.peak_allocated,
-            measured.peak_reserved,
-        );
-        println!("{}", to_json(&report));
+        println!("{}", to_json(&json_report(&record, &est, &measured)));
     } else {
-        print!("{}", comparison(&device, &est, &measured));
+        let device = record["env"]["gpu"].as_str().unwrap_or_default();
+        print!("{}", comparison(device, &est, &measured));
         if let Some(path) = &args.snapshot {
             println!("snapshot: {} (headroom snapshot {0})", path.display());
         }
@@ -111,15 +94,43 @@ pub fn run(args: Args) -> CliResult {
     Ok(())
 }
 
+/// The JSON `measure --json` prints.
+pub fn json(args: &Args) -> CliResult<String> {
+    let (record, est, measured) = measured(args)?;
+    Ok(to_json(&json_report(&record, &est, &measured)))
+}
+
+fn json_report<'a>(record: &'a Value, est: &'a Estimate, measured: &Measured) -> MeasureJson<'a> {
+    MeasureJson::new(record, est, measured.peak_allocated, measured.peak_reserved)
+}
+
+/// The harness's record of the run, the estimate for the GPU it ran on, and the measurement.
+fn measured(args: &Args) -> CliResult<(Value, Estimate, Measured)> {
+    let spec_dir = args.spec_dir.as_deref().or(args.spec.parent());
+    let (spec, harness_spec) = read_spec(&args.spec, spec_dir)?;
+    // Bad input shows before minutes of GPU time are spent.
+    estimate::estimate(&spec, spec_dir, &gpu::Gpu::default())?;
+
+    let record = run_harness(args, &harness_spec)?;
+    let device = record["env"]["gpu"].as_str().unwrap_or_default();
+    let gpu = gpu::from_device_name(device).unwrap_or_default();
+    let est = estimate::estimate(&spec, spec_dir, &gpu)?;
+    let measured = Measured::from_record(&record)?;
+
+    if let Some(path) = &args.record {
+        append_line(path, &record)?;
+    }
+    Ok((record, est, measured))
+}
+
 /// The spec for the estimator, and the same document with the model's config inlined for the
-/// harness.
-pub(crate) fn read_spec(path: &Path) -> CliResult<(RunSpec, Value)> {
+/// harness; relative model paths resolve against `spec_dir`.
+pub(crate) fn read_spec(path: &Path, spec_dir: Option<&Path>) -> CliResult<(RunSpec, Value)> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
     let mut doc = parse_document(&text, path)?;
-    let spec = RunSpec::from_value(&doc)
-        .map_err(|e| CliError::input(format!("{}: {e}", path.display())))?;
-    let model = spec.resolve_model(path.parent())?;
+    let spec = RunSpec::from_value(&doc).map_err(|e| CliError::in_file(path, e))?;
+    let model = spec.resolve_model(spec_dir)?;
     doc["model_config"] = model.config;
     Ok((spec, doc))
 }

@@ -31,13 +31,57 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> CliResult {
+    if args.json {
+        println!("{}", json(&args)?);
+        return Ok(());
+    }
+    match replayed(&args)? {
+        Replayed::Snapshot(report) => print_human(&args, &report),
+        Replayed::Trace(t) => print_trace(&args, &t),
+    }
+    Ok(())
+}
+
+/// The JSON `replay --json` prints.
+pub fn json(args: &Args) -> CliResult<String> {
+    let file = args.file.display().to_string();
+    Ok(match replayed(args)? {
+        Replayed::Snapshot(report) => {
+            to_json(&ReplayJson::new(file, args.alloc_conf.as_deref(), &report))
+        }
+        Replayed::Trace(t) => to_json(&TraceReplayJson::new(
+            file,
+            &t.trace,
+            t.expandable_segments,
+            &t.baseline,
+            args.alloc_conf.as_deref(),
+            t.what_if.as_ref(),
+        )),
+    })
+}
+
+/// A snapshot's replay, or a trace's.
+enum Replayed {
+    Snapshot(Box<ReplayReport>),
+    Trace(Box<TraceReplay>),
+}
+
+/// A trace's calls under the allocator config of its spec, and under `--alloc-conf`.
+struct TraceReplay {
+    trace: headroom::trace::Trace,
+    expandable_segments: bool,
+    baseline: headroom::trace::TraceEstimate,
+    what_if: Option<headroom::trace::TraceEstimate>,
+}
+
+fn replayed(args: &Args) -> CliResult<Replayed> {
     let config = args
         .alloc_conf
         .as_deref()
         .map(parse_alloc_conf)
         .transpose()?;
     if headroom::trace::is_json(&args.file) {
-        return replay_trace(&args, config);
+        return replay_trace(args, config).map(|t| Replayed::Trace(Box::new(t)));
     }
     let snapshot = super::snapshot::load(&args.file)?;
     if snapshot.device_traces.iter().all(Vec::is_empty) {
@@ -46,28 +90,18 @@ pub fn run(args: Args) -> CliResult {
             args.file.display()
         )));
     }
-    let report = replay(
+    Ok(Replayed::Snapshot(Box::new(replay(
         &snapshot,
         &ReplayOptions {
             config,
             device: None,
         },
-    );
-    if args.json {
-        let file = args.file.display().to_string();
-        println!(
-            "{}",
-            to_json(&ReplayJson::new(file, args.alloc_conf.as_deref(), &report))
-        );
-    } else {
-        print_human(&args, &report);
-    }
-    Ok(())
+    ))))
 }
 
 /// A trace's calls under the allocator config of its spec, and under `what_if`
 /// (`--alloc-conf`), without a device limit; kernel buffers are sized for the H200.
-fn replay_trace(args: &Args, what_if: Option<AllocatorConfig>) -> CliResult {
+fn replay_trace(args: &Args, what_if: Option<AllocatorConfig>) -> CliResult<TraceReplay> {
     let trace = headroom::trace::read(&args.file)?;
     let recorded = trace.allocator_config()?;
     let gpu = Gpu::default();
@@ -75,22 +109,19 @@ fn replay_trace(args: &Args, what_if: Option<AllocatorConfig>) -> CliResult {
         |config: &AllocatorConfig| headroom::trace::estimate(&trace, &gpu, Limit::None, config);
     let baseline = replay(&recorded)?;
     let what_if = what_if.as_ref().map(replay).transpose()?;
-    if args.json {
-        let report = TraceReplayJson::new(
-            args.file.display().to_string(),
-            &trace,
-            recorded.expandable_segments,
-            &baseline,
-            args.alloc_conf.as_deref(),
-            what_if.as_ref(),
-        );
-        println!("{}", to_json(&report));
-        return Ok(());
-    }
+    Ok(TraceReplay {
+        expandable_segments: recorded.expandable_segments,
+        trace,
+        baseline,
+        what_if,
+    })
+}
+
+fn print_trace(args: &Args, t: &TraceReplay) {
     println!(
         "{} (a headroom trace, {} events)",
         args.file.display(),
-        trace.events.len()
+        t.trace.events.len()
     );
     println!(
         "fidelity: none (a trace records no device activity to compare with; `headroom trace` \
@@ -106,14 +137,13 @@ fn replay_trace(args: &Args, what_if: Option<AllocatorConfig>) -> CliResult {
     line(
         &format!(
             "the spec's allocator setting (expandable_segments: {})",
-            recorded.expandable_segments
+            t.expandable_segments
         ),
-        &baseline,
+        &t.baseline,
     );
-    if let (Some(conf), Some(est)) = (&args.alloc_conf, &what_if) {
+    if let (Some(conf), Some(est)) = (&args.alloc_conf, &t.what_if) {
         line(&format!("--alloc-conf {conf}"), est);
     }
-    Ok(())
 }
 
 pub(crate) fn parse_alloc_conf(conf: &str) -> CliResult<AllocatorConfig> {

@@ -32,6 +32,25 @@ pub(crate) fn load(path: &Path) -> CliResult<Snapshot> {
 }
 
 pub fn run(args: Args) -> CliResult {
+    if args.json {
+        println!("{}", json(&args)?);
+        return Ok(());
+    }
+    print_human(&args.file, &summarized(&args)?);
+    Ok(())
+}
+
+/// The JSON `snapshot --json` prints.
+pub fn json(args: &Args) -> CliResult<String> {
+    let summary = summarized(args)?;
+    Ok(to_json(&SnapshotJson::new(
+        args.file.display().to_string(),
+        &summary,
+    )))
+}
+
+/// The snapshot's summary, with its timeline plotted where `--plot` asks.
+fn summarized(args: &Args) -> CliResult<Summary> {
     let snapshot = load(&args.file)?;
     let summary = summarize(&snapshot, SummaryOptions::default());
     if let Some(out) = &args.plot {
@@ -45,13 +64,7 @@ pub fn run(args: Args) -> CliResult {
         std::fs::write(out, timeline_svg(&title, &trace.timeline))
             .map_err(|e| CliError::failure(format!("cannot write {}: {e}", out.display())))?;
     }
-    if args.json {
-        let report = SnapshotJson::new(args.file.display().to_string(), &summary);
-        println!("{}", to_json(&report));
-    } else {
-        print_human(&args.file, &summary);
-    }
-    Ok(())
+    Ok(summary)
 }
 
 fn print_human(file: &Path, s: &Summary) {

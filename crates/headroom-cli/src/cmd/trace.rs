@@ -29,7 +29,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE", conflicts_with_all = ["spec", "save"])]
     pub from: Option<PathBuf>,
     /// The Python that has torch, transformers and peft.
-    #[arg(long, default_value = "python3", env = "HEADROOM_PYTHON")]
+    #[arg(long, default_value = crate::DEFAULT_PYTHON, env = crate::PYTHON_ENV)]
     pub python: String,
     /// Judge whether the run fits this GPU (h200, h100-80gb, a100-80gb, ... or a size like 64GiB).
     #[arg(long)]
@@ -104,7 +104,7 @@ pub fn run(args: Args) -> CliResult {
 
 /// Runs the tracer on `spec` and reads what it wrote, keeping a copy at `--save`.
 fn traced(spec: &Path, args: &Args) -> CliResult<Trace> {
-    let (_, harness_spec) = read_spec(spec)?;
+    let (_, harness_spec) = read_spec(spec, spec.parent())?;
     let dir = harness_dir()?;
     // The tracer gzips what it writes to a `.gz` name, so the copy is what `--save` names.
     let compressed = args

@@ -38,6 +38,9 @@ pub struct Inputs {
     pub oom: Option<OomLog>,
     /// The run spec of the job: checks the message against the estimate and ranks remedies.
     pub spec: Option<PathBuf>,
+    /// Where the spec's relative model paths resolve, when not its folder (a spec the Python
+    /// bindings were given as text).
+    pub spec_dir: Option<PathBuf>,
     /// Models that stay on the same GPU without being trained (`mode: forward` specs); they
     /// count only with `spec`.
     pub residents: Vec<PathBuf>,
@@ -172,7 +175,10 @@ pub fn run(inputs: &Inputs) -> Result<Diagnosis> {
         .as_ref()
         .map(|p| RunSpec::from_file(p))
         .transpose()?;
-    let spec_dir = inputs.spec.as_deref().and_then(Path::parent);
+    let spec_dir = inputs
+        .spec_dir
+        .as_deref()
+        .or(inputs.spec.as_deref().and_then(Path::parent));
 
     let gpu = match (&inputs.gpu, message.and_then(|m| m.total_capacity_bytes)) {
         (Some(name), _) => Some(gpu::find(name)?),

@@ -289,7 +289,7 @@ def _shapes(args, kwargs) -> dict:
     return out
 
 
-def _core(model):
+def core_model(model):
     """The transformers model inside peft / accelerate wrappers."""
     m = model
     for _ in range(4):
@@ -310,7 +310,7 @@ def _instrument(tracker: Tracker, trainer, torch) -> None:
     seen = set()
     gen_info: dict = {}
     for label, m in models:
-        core = _core(m)
+        core = core_model(m)
         if id(core) in seen:
             continue
         seen.add(id(core))
@@ -704,7 +704,7 @@ def measure(ts: TrainerSpec, fields: dict, row_id: str | None = None, snapshot: 
             "params": params,
             "trainable_params": trainable,
             "weights_loaded_bytes": weights_loaded,
-            "reference_model": None if ref is None else type(_core(ref)).__name__,
+            "reference_model": None if ref is None else type(core_model(ref)).__name__,
             "before_trainer": before,
             "steps": steps,
             "forwards": forwards,
@@ -717,8 +717,8 @@ def measure(ts: TrainerSpec, fields: dict, row_id: str | None = None, snapshot: 
             **_versions(),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "optim": trainer.args.optim if isinstance(trainer.args.optim, str) else str(trainer.args.optim.value),
-            "attn_implementation": getattr(_core(trainer.model).config, "_attn_implementation", None),
-            "model_dtype": str(next(_core(trainer.model).parameters()).dtype).replace("torch.", ""),
+            "attn_implementation": getattr(core_model(trainer.model).config, "_attn_implementation", None),
+            "model_dtype": str(next(core_model(trainer.model).parameters()).dtype).replace("torch.", ""),
             "wall_s": round(time.time() - t0, 2),
         },
     }

@@ -261,3 +261,29 @@ def render_diagnosis(d: dict) -> str:
 
 def default_out(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+class CallbackSettings:
+    """What every framework's callback is given: the spec (or keys that override the one built
+    from the run), the GPU, the threshold, and where snapshots and messages go."""
+
+    def __init__(
+        self,
+        spec: Optional[Any] = None,
+        gpu: Optional[str] = None,
+        threshold: float = 0.05,
+        *,
+        record_history: bool = False,
+        history_max_entries: int = 200_000,
+        snapshot_dir: Optional[str] = None,
+        out: Optional[Callable[[str], None]] = None,
+        torch: Any = None,
+        **spec_overrides: Any,
+    ):
+        if torch is None:
+            import torch
+        self.torch = torch
+        self.watch = Watch(spec, gpu, threshold, torch.cuda, out or default_out, snapshot_dir)
+        self.spec_overrides = spec_overrides
+        self.record_history = record_history
+        self.history_max_entries = history_max_entries

@@ -13,10 +13,8 @@ with `spec_overrides` (`seq_len=`, `batch_size=`) on top.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
 from .._spec_from import spec_from
-from ._watch import Watch, default_out
+from ._watch import CallbackSettings
 
 # Lightning's precision flag -> the spec's precision.
 _PRECISIONS = {
@@ -37,28 +35,7 @@ def _base() -> type:
     return object
 
 
-class _LightningCallback:
-    def __init__(
-        self,
-        spec: Optional[Any] = None,
-        gpu: Optional[str] = None,
-        threshold: float = 0.05,
-        *,
-        record_history: bool = False,
-        history_max_entries: int = 200_000,
-        snapshot_dir: Optional[str] = None,
-        out: Optional[Callable[[str], None]] = None,
-        torch: Any = None,
-        **spec_overrides: Any,
-    ):
-        if torch is None:
-            import torch
-        self.torch = torch
-        self.watch = Watch(spec, gpu, threshold, torch.cuda, out or default_out, snapshot_dir)
-        self.spec_overrides = spec_overrides
-        self.record_history = record_history
-        self.history_max_entries = history_max_entries
-
+class _LightningCallback(CallbackSettings):
     @property
     def rows(self) -> list[dict]:
         return self.watch.rows

@@ -23,10 +23,12 @@ works, duck-typed, for tests).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+
+from headroom_measure.trainers import core_model
 
 from .._spec_from import spec_from
-from ._watch import Watch, default_out
+from ._watch import CallbackSettings
 
 
 def _base() -> type:
@@ -37,45 +39,14 @@ def _base() -> type:
     return TrainerCallback
 
 
-def _core(model: Any) -> Any:
-    """The transformers model inside peft and accelerate wrappers (as the harness finds it)."""
-    m = model
-    for _ in range(4):
-        if hasattr(m, "get_base_model"):
-            m = m.get_base_model()
-        elif hasattr(m, "module"):
-            m = m.module
-        else:
-            break
-    return m
-
-
 def _is_oom(exc: BaseException, torch: Any) -> bool:
     kind = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
     return (isinstance(kind, type) and isinstance(exc, kind)) or "out of memory" in str(exc)
 
 
-class _Callback:
-    def __init__(
-        self,
-        spec: Optional[dict] = None,
-        gpu: Optional[str] = None,
-        threshold: float = 0.05,
-        *,
-        record_history: bool = False,
-        history_max_entries: int = 200_000,
-        snapshot_dir: Optional[str] = None,
-        out: Optional[Callable[[str], None]] = None,
-        torch: Any = None,
-        **spec_overrides: Any,
-    ):
-        if torch is None:
-            import torch
-        self.torch = torch
-        self.watch = Watch(spec, gpu, threshold, torch.cuda, out or default_out, snapshot_dir)
-        self.spec_overrides = spec_overrides
-        self.record_history = record_history
-        self.history_max_entries = history_max_entries
+class _Callback(CallbackSettings):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         # False between steps, True within one, None where no step is measured.
         self.in_step: Optional[bool] = False
         self.hooks: list = []
@@ -113,7 +84,7 @@ class _Callback:
         if spec is not None and (not isinstance(spec, dict) or "seq_len" in spec or self._grpo()):
             self.watch.start()
         if model is not None and not self.hooks:
-            core = _core(model)
+            core = core_model(model)
             self.hooks.append(core.register_forward_pre_hook(self._forward_begins, with_kwargs=True))
             self.hooks.append(core.register_forward_hook(self._forward_ends, with_kwargs=True))
         if self.record_history and self.torch.cuda.is_available():

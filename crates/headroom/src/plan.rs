@@ -24,7 +24,7 @@ use crate::gpu::Gpu;
 use crate::sim::{Component, PhasePeak};
 use crate::spec::{
     Fsdp1Options, FsdpUnits, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision, Quantization,
-    RunSpec, Strategy, TrainerKind,
+    RunSpec, Strategy, TensorParallel, TrainerKind,
 };
 
 /// Tokens per micro-batch at which a GPU is half as efficient as when saturated, in the
@@ -249,7 +249,7 @@ pub fn simulates_parallel(setup: &Setup, k: &Knobs) -> bool {
 /// The sharding and CPU offload a spec's own data parallelism amounts to.
 fn sharding_of(p: &Parallel) -> (Sharding, bool) {
     match p.strategy {
-        Strategy::Ddp => (Sharding::None, false),
+        Strategy::Ddp | Strategy::NoDataParallel => (Sharding::None, false),
         Strategy::Fsdp | Strategy::Fsdp1 => (Sharding::Zero3, p.offload_params),
         Strategy::Zero1 => (Sharding::Zero1, p.offload_optimizer),
         Strategy::Zero2 => (Sharding::Zero2, p.offload_optimizer),
@@ -313,6 +313,7 @@ fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
         offload_optimizer: k.cpu_offload,
         mixed_precision: None,
         units: FsdpUnits::Layers,
+        tensor: TensorParallel::default(),
         fsdp1: Fsdp1Options::default(),
     })
 }
@@ -476,6 +477,7 @@ pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
         offload_optimizer: false,
         mixed_precision: None,
         units: FsdpUnits::Layers,
+        tensor: TensorParallel::default(),
         fsdp1: Fsdp1Options::default(),
     };
     match parallel_for(&spec, k, setup.gpus) {
@@ -953,6 +955,7 @@ fn describe_accelerate_sharding(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<S
     vec![
         match parallel.map(|p| (p.strategy, p.offload_params, p.offload_optimizer)) {
             Some((Strategy::Ddp, ..)) => "distributed_type: MULTI_GPU".to_string(),
+            Some((Strategy::NoDataParallel, ..)) => "tensor parallelism alone".to_string(),
             Some((Strategy::Fsdp, offload, _)) => {
                 format!("distributed_type: FSDP (fsdp_version: 2, fsdp_offload_params: {offload})")
             }
@@ -1234,6 +1237,17 @@ pub struct FitReport {
 
 /// Answer `headroom fit` for `setup`.
 pub fn fit(setup: &Setup) -> Result<FitReport> {
+    if setup
+        .spec
+        .parallel
+        .as_ref()
+        .is_some_and(|p| p.tensor.tp > 1)
+    {
+        return Err(crate::error::Error::Unsupported {
+            what: "fit over a tensor-parallel spec (parallel.tp > 1)".into(),
+            supported: "estimate of a tensor-parallel layout; fit searches data parallelism".into(),
+        });
+    }
     let (estimate, baseline) = baseline(setup)?;
     let max_positions = estimate.arch.max_positions;
     let all = search(setup)?;

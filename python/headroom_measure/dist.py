@@ -88,6 +88,22 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
      original parameters' views: states sized to this rank's part of each).
   Autocast as for `fsdp`: `autocast: bf16` on top of a policy, the precision's own without one.
 
+* `tp > 1` (tensor parallelism, torchtitan's Llama plan on an HF decoder; strategy `fsdp` or `none`):
+  1.-2. the model on the meta device and gradient checkpointing, as for `fsdp`.
+  3. mesh: `init_device_mesh("cuda", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))`.
+  4. `parallelize_module` on `mesh["tp"]` (`_parallelize_tp`): `embed_tokens` `RowwiseParallel(input_layouts=
+     Replicate(), output_layouts=S)`, `lm_head` `ColwiseParallel(input_layouts=S, output_layouts=Shard(-1),
+     use_local_output=False)`; per decoder layer q/k/v and gate/up `ColwiseParallel()`, o/down
+     `RowwiseParallel(output_layouts=S)`. S is `Replicate()`, or with `sequence_parallel` `Shard(1)`, and then
+     the norms are `SequenceParallel()`, `self_attn` and `mlp` get `PrepareModuleInput` from `Shard(1)` to
+     `Replicate()`, and the embedding, o_proj and down_proj keep `use_local_output=False` (HF takes the
+     positions from the embedding output's shape: it must be the global one).
+  5. strategy `fsdp`: `fully_shard` each layer then the root over `mesh["dp"]` as for `fsdp` (its
+     `mixed_precision` and `units`); strategy `none`: nothing more.
+  6. `model.to_empty(device="cuda")`, then `normal_(std=0.02)` of each parameter's local shard, the rotary
+     module rebuilt on the GPU; the optimizer as for `fsdp` over the DTensor parameters.
+  Forward and backward run under `loss_parallel()` (the cross-entropy over the vocabulary shards).
+
 * `ddp`: `with torch.device("cuda"): model = cls.from_config(cfg, dtype=...)` as measure.py;
   gradient checkpointing as above; `DistributedDataParallel(model, device_ids=[local_rank])` with
   its defaults (bucket_cap_mb 25, gradient_as_bucket_view False, broadcast of rank 0's
@@ -273,7 +289,11 @@ def _build_tp(spec: Spec, cfg, cls, dtype, device):
     mesh = init_device_mesh(device.type, (dp, par.tp), mesh_dim_names=("dp", "tp"))
     _parallelize_tp(model, mesh["tp"], par.sequence_parallel)
     if par.strategy == "fsdp":
-        kwargs = {"mesh": mesh["dp"], "reshard_after_forward": par.reshard_after_forward, "offload_policy": OffloadPolicy()}
+        kwargs = {
+            "mesh": mesh["dp"],
+            "reshard_after_forward": par.reshard_after_forward,
+            "offload_policy": OffloadPolicy(),
+        }
         if par.mixed_precision is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 

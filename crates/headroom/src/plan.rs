@@ -575,6 +575,21 @@ fn fits(setup: &Setup, k: &Knobs) -> Result<bool> {
 
 /// The spec as given, with its residents and ranks.
 pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
+    // The planner's changes are to data parallelism, offload and the step; it would drop a
+    // tensor-parallel layout rather than search it.
+    if setup
+        .spec
+        .parallel
+        .as_ref()
+        .is_some_and(|p| p.tensor.tp > 1)
+    {
+        return Err(crate::error::Error::Unsupported {
+            what: "fit and remedies of a tensor-parallel spec (parallel.tp > 1)".into(),
+            supported: "`headroom estimate` of a tensor-parallel layout; fit and diagnose \
+                        search data parallelism"
+                .into(),
+        });
+    }
     let k = Knobs::of(&setup.spec);
     let est = simulate(setup, &k)?;
     let eval = evaluate_with(setup, &k, &est);
@@ -1237,17 +1252,6 @@ pub struct FitReport {
 
 /// Answer `headroom fit` for `setup`.
 pub fn fit(setup: &Setup) -> Result<FitReport> {
-    if setup
-        .spec
-        .parallel
-        .as_ref()
-        .is_some_and(|p| p.tensor.tp > 1)
-    {
-        return Err(crate::error::Error::Unsupported {
-            what: "fit over a tensor-parallel spec (parallel.tp > 1)".into(),
-            supported: "estimate of a tensor-parallel layout; fit searches data parallelism".into(),
-        });
-    }
     let (estimate, baseline) = baseline(setup)?;
     let max_positions = estimate.arch.max_positions;
     let all = search(setup)?;

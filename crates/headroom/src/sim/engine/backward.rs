@@ -453,23 +453,23 @@ impl Tracer {
             }
             Bwd::AllReduce => out
                 .push(needs(0).map(|(numel, dtype)| self.empty(numel, dtype, "all_reduce(grad)"))),
-            Bwd::ReduceScatter { tp } => {
+            Bwd::ReduceScatter { tp } => out.push(needs(0).map(|_| {
                 let (numel, dtype) = (self.numel(g), self.dtype(g));
                 let chunks = self.empty(numel, dtype, "reduce_scatter input (grad chunks cat)");
                 let grad = self.empty(numel / tp, dtype, "reduce-scattered grad");
                 self.drop(chunks);
-                out.push(needs(0).map(|_| grad));
-            }
-            Bwd::AllGather { tp, sequences } => {
+                grad
+            })),
+            Bwd::AllGather { tp, sequences } => out.push(needs(0).map(|_| {
                 let (numel, dtype) = (self.numel(g) * tp, self.dtype(g));
-                let mut grad = self.empty(numel, dtype, "all-gathered grad");
-                if sequences > 1 {
-                    let cat = self.empty(numel, dtype, "all-gathered grad in sequence order");
-                    self.drop(grad);
-                    grad = cat;
+                let gathered = self.empty(numel, dtype, "all-gathered grad");
+                if sequences == 1 {
+                    return gathered;
                 }
-                out.push(needs(0).map(|_| grad));
-            }
+                let cat = self.empty(numel, dtype, "all-gathered grad in sequence order");
+                self.drop(gathered);
+                cat
+            })),
             Bwd::NllLoss => {
                 out.push(needs(0).map(|(numel, dtype)| {
                     self.empty(numel, dtype, "grad of nll_loss (zeros + scatter)")

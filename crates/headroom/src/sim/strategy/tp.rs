@@ -57,29 +57,28 @@ pub(crate) struct TensorParallel {
 
 impl TensorParallel {
     /// `all_gather_tensor(x, gather_dim=1)`: the dim-0 concatenation of every rank's shard,
-    /// copied into sequence order when there is more than one sequence.
+    /// copied into sequence order when there is more than one sequence. The result is charged
+    /// as what it is used for; the buffer copied from, to communication.
     fn all_gather(&self, t: &mut Tracer, numel: u64, dtype: DType) -> T {
+        if self.sequences == 1 {
+            return t.empty(numel, dtype, "all_gather_into_tensor (sequence shards)");
+        }
         let outer = std::mem::replace(&mut t.component, Component::Communication);
         let raw = t.empty(numel, dtype, "all_gather_into_tensor (sequence shards)");
-        let out = if self.sequences > 1 {
-            let cat = t.empty(numel, dtype, "all-gathered, chunks cat in sequence order");
-            t.drop(raw);
-            cat
-        } else {
-            raw
-        };
         t.component = outer;
+        let out = t.empty(numel, dtype, "all-gathered, chunks cat in sequence order");
+        t.drop(raw);
         out
     }
 
     /// `reduce_scatter_tensor(x, scatter_dim=1)`: the sequence chunks concatenated on dim 0 (a
-    /// copy), then this rank's `1/tp`.
+    /// copy, charged to communication), then this rank's `1/tp`.
     fn reduce_scatter(&self, t: &mut Tracer, numel: u64, dtype: DType) -> T {
         let outer = std::mem::replace(&mut t.component, Component::Communication);
         let chunks = t.empty(numel, dtype, "reduce_scatter input (sequence chunks cat)");
+        t.component = outer;
         let out = t.empty(numel / self.tp, dtype, "reduce-scattered (sequence shard)");
         t.drop(chunks);
-        t.component = outer;
         out
     }
 
@@ -128,9 +127,7 @@ impl TensorParallel {
             );
             out
         } else {
-            let outer = std::mem::replace(&mut t.component, Component::Communication);
             let out = t.empty(numel, dtype, "all_reduce (out of place)");
-            t.component = outer;
             t.record(Bwd::Clone, &[Some(partial)], &[out], &[]);
             out
         };

@@ -88,6 +88,22 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
      original parameters' views: states sized to this rank's part of each).
   Autocast as for `fsdp`: `autocast: bf16` on top of a policy, the precision's own without one.
 
+* `tp > 1` (tensor parallelism, torchtitan's Llama plan on an HF decoder; strategy `fsdp` or `none`):
+  1.-2. the model on the meta device and gradient checkpointing, as for `fsdp`.
+  3. mesh: `init_device_mesh("cuda", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))`.
+  4. `parallelize_module` on `mesh["tp"]` (`_parallelize_tp`): `embed_tokens` `RowwiseParallel(input_layouts=
+     Replicate(), output_layouts=S)`, `lm_head` `ColwiseParallel(input_layouts=S, output_layouts=Shard(-1),
+     use_local_output=False)`; per decoder layer q/k/v and gate/up `ColwiseParallel()`, o/down
+     `RowwiseParallel(output_layouts=S)`. S is `Replicate()`, or with `sequence_parallel` `Shard(1)`, and then
+     the norms are `SequenceParallel()`, `self_attn` and `mlp` get `PrepareModuleInput` from `Shard(1)` to
+     `Replicate()`, and the embedding, o_proj and down_proj keep `use_local_output=False` (HF takes the
+     positions from the embedding output's shape: it must be the global one).
+  5. strategy `fsdp`: `fully_shard` each layer then the root over `mesh["dp"]` as for `fsdp` (its
+     `mixed_precision` and `units`); strategy `none`: nothing more.
+  6. `model.to_empty(device="cuda")`, then `normal_(std=0.02)` of each parameter's local shard, the rotary
+     module rebuilt on the GPU; the optimizer as for `fsdp` over the DTensor parameters.
+  Forward and backward run under `loss_parallel()` (the cross-entropy over the vocabulary shards).
+
 * `ddp`: `with torch.device("cuda"): model = cls.from_config(cfg, dtype=...)` as measure.py;
   gradient checkpointing as above; `DistributedDataParallel(model, device_ids=[local_rank])` with
   its defaults (bucket_cap_mb 25, gradient_as_bucket_view False, broadcast of rank 0's
@@ -117,6 +133,7 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -210,14 +227,102 @@ def _build_fsdp(spec: Spec, cfg, cls, dtype, device):
     return model
 
 
+def _parallelize_tp(model, tp_mesh, sequence_parallel: bool) -> None:
+    """torchtitan's Llama plan (`parallelize_llama`'s `apply_tp`) on an HF decoder: see the module
+    docstring. HF computes the positions from the embedding output's global shape, so under
+    sequence parallelism the residual stream stays a DTensor sharded on the sequence (the
+    embedding, o_proj and down_proj keep `use_local_output=False`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root_plan = {
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq, use_local_output=not sequence_parallel
+        ),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        root_plan["model.norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, root_plan)
+    for layer in model.model.layers:
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=not sequence_parallel),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=not sequence_parallel),
+        }
+        if sequence_parallel:
+            plan.update({
+                "input_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def _build_tp(spec: Spec, cfg, cls, dtype, device):
+    """Tensor parallelism as torchtitan applies it (`parallel.tp`), then FSDP2 over the
+    data-parallel mesh dimension (strategy fsdp) or nothing more (strategy none)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import OffloadPolicy
+
+    par = spec.parallel
+    dp = par.world_size // par.tp
+    with torch.device("meta"):
+        model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
+    _enable_gc(spec, model)
+    mesh = init_device_mesh(device.type, (dp, par.tp), mesh_dim_names=("dp", "tp"))
+    _parallelize_tp(model, mesh["tp"], par.sequence_parallel)
+    if par.strategy == "fsdp":
+        kwargs = {
+            "mesh": mesh["dp"],
+            "reshard_after_forward": par.reshard_after_forward,
+            "offload_policy": OffloadPolicy(),
+        }
+        if par.mixed_precision is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            names = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
+            mp = par.mixed_precision
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=names[mp["param_dtype"]],
+                reduce_dtype=names[mp["reduce_dtype"]],
+                output_dtype=names[mp["output_dtype"]],
+                cast_forward_inputs=mp["cast_forward_inputs"],
+            )
+        _fully_shard_units(model, par.units, kwargs)
+    model.to_empty(device=device)
+    _initialize(model, device)
+    return model
+
+
 def _initialize(model, device) -> None:
     """Random weights in every parameter a rank holds (the shards, or views into them), and the
     rotary module built again on the device (its `inv_freq` is computed, not initialised)."""
     import torch
 
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
         for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.02)
+            # A DTensor's local shard, filled in place (DTensor's own random ops would need its
+            # RNG tracker, which the fake process group cannot seed).
+            torch.nn.init.normal_(p.to_local() if isinstance(p, DTensor) else p, std=0.02)
     old = model.model.rotary_emb
     with torch.device(device):
         model.model.rotary_emb = type(old)(config=model.config)
@@ -402,7 +507,12 @@ def measure_dist(
     on_cpu = os.environ.get("HEADROOM_DIST_CPU") == "1"  # a smoke test without GPUs (gloo, no counters)
     local_rank = _env_int("LOCAL_RANK", 0)
     fake_world = _env_int("HEADROOM_FAKE_WORLD", 0)
-    if on_cpu:
+    if on_cpu and fake_world:  # rank 0 of a fake world on the CPU: the harness's own tests
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        device = torch.device("cpu")
+        dist.init_process_group("fake", rank=0, world_size=fake_world, store=FakeStore())
+    elif on_cpu:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     elif fake_world:
@@ -466,7 +576,10 @@ def measure_dist(
     dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
     engine = None
     counts = None
-    if par.strategy == "fsdp":
+    if par.tp > 1:
+        model = _build_tp(spec, cfg, cls, dtype, device)
+        hf_model = model
+    elif par.strategy == "fsdp":
         model = _build_fsdp(spec, cfg, cls, dtype, device)
         hf_model = model
     elif par.strategy == "fsdp1":
@@ -520,16 +633,32 @@ def measure_dist(
         peak_reserved = max(peak_reserved, r)
         reset()
 
+    import contextlib
+
+    def loss_context():
+        """torchtitan's `loss_parallel()` around forward and backward: the cross-entropy runs on
+        the vocabulary shards the column-parallel head leaves."""
+        if par.tp == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     for step in range(STEPS):
         rec = {"start_allocated": allocated()}
         reset()
-        loss = _train_forward(spec, model, ids, autocast)
+        with loss_context():
+            loss = _train_forward(spec, model, ids, autocast)
         phase_end(rec, "fwd_peak")
-        losses.append(round(float(loss.detach()), 4))  # a sanity check (random weights: about ln(vocab))
+        value = float(loss.detach())
+        # A sanity check (random weights: about ln(vocab)); under the fake process group a
+        # tensor-parallel loss reduces nothing and may not be finite (written as null).
+        losses.append(round(value, 4) if math.isfinite(value) else None)
         if engine is not None:
             engine.backward(loss)
         else:
-            loss.backward()
+            with loss_context():
+                loss.backward()
         del loss
         phase_end(rec, "bwd_peak")
         if engine is not None:

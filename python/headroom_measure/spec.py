@@ -28,11 +28,14 @@ EAGER_ONLY_MODEL_TYPES = {
     "is False, and attn_implementation='sdpa' raises)",
 }
 QUANTIZATIONS = ("nf4",)
-STRATEGIES = ("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3")
+# none: no data-parallel wrapper (tensor parallelism alone, world_size = tp)
+STRATEGIES = ("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3", "none")
 PARALLEL_KEYS = (
     "strategy", "world_size", "reshard_after_forward", "shard_size", "offload_params", "offload_optimizer",
-    "mixed_precision", "units", "use_orig_params", "backward_prefetch",
+    "mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel", "framework",
 )
+# tp > 1: whose parallelisation plan the harness applies (dist.py `_parallelize_tp`)
+FRAMEWORKS = ("torchtitan",)
 # fsdp: which modules fully_shard makes units of (dist.py `_fully_shard_units`)
 FSDP_UNITS = ("layers", "layers-keep-root", "layers-embedding", "accelerate")
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
@@ -81,6 +84,11 @@ class Parallel:
     units: str = "layers"
     use_orig_params: bool = True  # fsdp1 (what `accelerate launch` passes)
     backward_prefetch: str = "pre"  # fsdp1: torch's default BACKWARD_PRE
+    # tensor parallelism on the inner mesh dimension (world_size = dp x tp); strategy fsdp shards
+    # over dp, strategy none is tp alone
+    tp: int = 1
+    sequence_parallel: bool = False
+    framework: str = "torchtitan"
 
     def to_json(self) -> dict:
         out = {
@@ -98,6 +106,10 @@ class Parallel:
         if self.strategy == "fsdp1":
             out["use_orig_params"] = self.use_orig_params
             out["backward_prefetch"] = self.backward_prefetch
+        if self.tp > 1:
+            out["tp"] = self.tp
+            out["sequence_parallel"] = self.sequence_parallel
+            out["framework"] = self.framework
         return out
 
 
@@ -414,6 +426,7 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
         if units not in FSDP_UNITS:
             raise SpecError(f"`parallel.units`: {units!r} is not allowed; use one of {', '.join(FSDP_UNITS)}")
     out.units = units
+    _tensor_parallel(raw, out)
     if spec.mode != "train" and not forward_ok:
         raise SpecError(f"`parallel`: mode {spec.mode!r} is not allowed; sharded runs are measured in mode train")
     if spec.quantization or spec.lora is not None:
@@ -432,6 +445,50 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
     if strategy.startswith("zero") and spec.mode == "train" and spec.optimizer != "adamw":
         raise SpecError(f"`optimizer`: {spec.optimizer!r} is not allowed with strategy {strategy}; use adamw")
     return out
+
+
+def _tensor_parallel(raw: dict, out: Parallel) -> None:
+    """`tp`, `sequence_parallel`, `framework`: the tensor-parallel mesh dimension, composed with
+    strategy fsdp (FSDP2 over the data-parallel dimension) or alone (strategy none)."""
+    tp = raw.get("tp", 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or out.world_size % tp:
+        raise SpecError(
+            f"`parallel.tp`: {tp!r} is not allowed; use an integer >= 1 that divides world_size ({out.world_size})"
+        )
+    sp = raw.get("sequence_parallel", False)
+    if not isinstance(sp, bool):
+        raise SpecError(f"`parallel.sequence_parallel`: {sp!r} is not allowed; use true or false")
+    framework = raw.get("framework", "torchtitan")
+    if framework not in FRAMEWORKS:
+        raise SpecError(f"`parallel.framework`: {framework!r} is not allowed; use one of {', '.join(FRAMEWORKS)}")
+    if tp > 1 and out.strategy not in ("fsdp", "none"):
+        raise SpecError(
+            f"`parallel.tp`: {tp} is not measured with strategy {out.strategy}; use fsdp (FSDP2 over the "
+            "data-parallel dimension) or none (tensor parallelism alone)"
+        )
+    if tp == 1 and (sp or "framework" in raw):
+        key = "sequence_parallel" if sp else "framework"
+        raise SpecError(f"`parallel.{key}` applies only with tp > 1; leave it out")
+    if out.strategy == "none" and tp != out.world_size:
+        raise SpecError(
+            f"`parallel.strategy`: 'none' (tensor parallelism alone) needs world_size == tp, not "
+            f"{out.world_size} and {tp}; use fsdp to shard over the data-parallel dimension"
+        )
+    if out.strategy == "none" and tp > 1 and not sp:
+        raise SpecError(
+            "`parallel.sequence_parallel`: false is not allowed with strategy none: the norms stay plain "
+            "tensors beside DTensors and AdamW's foreach step refuses the mix (torch 2.11); set it true or use fsdp"
+        )
+    if tp > 1 and out.shard_size not in (out.world_size, out.world_size // tp):
+        raise SpecError(
+            f"`parallel.shard_size`: {out.shard_size!r} is not allowed with tp > 1: FSDP2 shards over the "
+            f"data-parallel dimension (world_size / tp = {out.world_size // tp}); leave it out"
+        )
+    if tp > 1 and out.offload_params:
+        raise SpecError("`parallel.offload_params`: CPU offload is not measured with tp > 1; leave it out")
+    out.tp, out.sequence_parallel, out.framework = tp, sp, framework
+    if tp > 1:
+        out.shard_size = out.world_size // tp
 
 
 def load_raw(path: str | Path):

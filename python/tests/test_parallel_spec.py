@@ -42,7 +42,11 @@ class ParallelSpecTest(unittest.TestCase):
         # Every key but the fsdp-only policy and units, written only when set, and the fsdp1-only keys.
         self.assertEqual(
             sorted(ddp),
-            sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units", "use_orig_params", "backward_prefetch"}),
+            sorted(
+                set(specmod.PARALLEL_KEYS)
+                - {"mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel",
+                   "framework"}
+            ),
         )
         self.assertEqual((ddp["shard_size"], ddp["reshard_after_forward"]), (2, True))
         self.assertEqual(specmod.parse({"model": "m", "parallel": ddp}).to_json()["parallel"], ddp)
@@ -51,7 +55,10 @@ class ParallelSpecTest(unittest.TestCase):
         for strategy in specmod.STRATEGIES:
             with self.subTest(strategy=strategy):
                 extra = {"precision": "bf16"} if strategy.startswith("zero") else {}
-                self.assertEqual(parse({"strategy": strategy, "world_size": 2}, **extra).parallel.strategy, strategy)
+                tp = {"tp": 2, "sequence_parallel": True} if strategy == "none" else {}
+                self.assertEqual(
+                    parse({"strategy": strategy, "world_size": 2, **tp}, **extra).parallel.strategy, strategy
+                )
         z3 = parse({"strategy": "zero3", "world_size": 2, "offload_params": True, "offload_optimizer": True},
                    precision="bf16").parallel
         self.assertEqual((z3.offload_params, z3.offload_optimizer), (True, True))
@@ -222,7 +229,7 @@ class Fsdp1SpecTest(unittest.TestCase):
             ("fsdp1", True, 8, False, True, "pre", None, "layers"),
         )
         out = parse({"strategy": "fsdp1", "world_size": 8}).to_json()["parallel"]
-        self.assertEqual(sorted(out), sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units"}))
+        self.assertEqual(sorted(out), sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units", "tp", "sequence_parallel", "framework"}))
         self.assertEqual((out["use_orig_params"], out["backward_prefetch"]), (True, "pre"))
 
     def test_every_option_round_trips(self):
@@ -317,3 +324,31 @@ class Fsdp1SpecTest(unittest.TestCase):
         self.assertNotIn("backward_prefetch", p.to_json())
         fsdp = parse({"strategy": "fsdp", "world_size": 4, "shard_size": 2}).to_json()["parallel"]
         self.assertNotIn("use_orig_params", fsdp)
+
+
+class TensorParallelSpecTest(unittest.TestCase):
+    def test_fsdp_shards_the_data_parallel_dimension(self):
+        p = parse({"strategy": "fsdp", "world_size": 16, "tp": 4, "sequence_parallel": True}).parallel
+        self.assertEqual((p.tp, p.sequence_parallel, p.framework, p.shard_size), (4, True, "torchtitan", 4))
+        out = p.to_json()
+        self.assertEqual((out["tp"], out["shard_size"]), (4, 4))
+        self.assertEqual(specmod.parse({"model": "m", "parallel": out}).parallel.to_json(), out)
+
+    def test_without_tp_no_tensor_keys_are_written(self):
+        self.assertNotIn("tp", parse({"strategy": "fsdp", "world_size": 2}).parallel.to_json())
+
+    def test_bad_values_name_the_field(self):
+        cases = [
+            ({"strategy": "fsdp", "world_size": 6, "tp": 4}, "parallel.tp"),
+            ({"strategy": "fsdp", "world_size": 4, "tp": 2, "sequence_parallel": "yes"}, "parallel.sequence_parallel"),
+            ({"strategy": "fsdp", "world_size": 4, "tp": 2, "framework": "megatron"}, "parallel.framework"),
+            ({"strategy": "ddp", "world_size": 4, "tp": 2}, "parallel.tp"),
+            ({"strategy": "none", "world_size": 4, "tp": 2, "sequence_parallel": True}, "parallel.strategy"),
+            ({"strategy": "none", "world_size": 2, "tp": 2}, "parallel.sequence_parallel"),
+            ({"strategy": "fsdp", "world_size": 2, "sequence_parallel": True}, "parallel.sequence_parallel"),
+        ]
+        for parallel, field in cases:
+            with self.subTest(parallel=parallel):
+                with self.assertRaises(specmod.SpecError) as err:
+                    parse(parallel)
+                self.assertIn(field, str(err.exception))

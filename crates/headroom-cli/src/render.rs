@@ -33,10 +33,23 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
         count(est.trainable_params)
     );
     if let Some(p) = &est.parallel {
+        let tensor = match p.tensor {
+            t if t.tp > 1 => format!(
+                " × tensor parallel {}{}",
+                t.tp,
+                if t.sequence_parallel {
+                    " with sequence parallelism"
+                } else {
+                    ""
+                }
+            ),
+            _ => String::new(),
+        };
         out += &format!(
-            "{} over {} GPUs: every number below is per GPU\n",
+            "{}{tensor} over {} GPUs: every number below is rank {}'s (the one that needs most)\n",
             p.strategy.name(),
-            p.world_size
+            p.world_size,
+            est.worst_rank
         );
     }
     out += "\n";

@@ -593,6 +593,19 @@ impl Architecture {
     }
 
     /// Width of the query projection (`heads * head_dim`).
+    /// What one rank of a tensor-parallel group of `tp` holds and computes: its share of the
+    /// attention heads (query and key/value), of the MLP's width and of the vocabulary rows of
+    /// the embedding and the head.
+    pub fn tensor_parallel_shard(&self, tp: u64) -> Architecture {
+        Architecture {
+            heads: self.heads / tp,
+            kv_heads: self.kv_heads / tp,
+            intermediate: self.intermediate / tp,
+            vocab: self.vocab / tp,
+            ..self.clone()
+        }
+    }
+
     pub fn q_dim(&self) -> u64 {
         self.heads * self.head_dim
     }

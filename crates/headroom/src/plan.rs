@@ -24,7 +24,7 @@ use crate::gpu::Gpu;
 use crate::sim::{Component, PhasePeak};
 use crate::spec::{
     Fsdp1Options, FsdpUnits, Lora, LoraTargets, Mode, Optimizer, Parallel, Precision, Quantization,
-    RunSpec, Strategy, TrainerKind,
+    RunSpec, Strategy, TensorParallel, TrainerKind,
 };
 
 /// Tokens per micro-batch at which a GPU is half as efficient as when saturated, in the
@@ -249,7 +249,7 @@ pub fn simulates_parallel(setup: &Setup, k: &Knobs) -> bool {
 /// The sharding and CPU offload a spec's own data parallelism amounts to.
 fn sharding_of(p: &Parallel) -> (Sharding, bool) {
     match p.strategy {
-        Strategy::Ddp => (Sharding::None, false),
+        Strategy::Ddp | Strategy::NoDataParallel => (Sharding::None, false),
         Strategy::Fsdp | Strategy::Fsdp1 => (Sharding::Zero3, p.offload_params),
         Strategy::Zero1 => (Sharding::Zero1, p.offload_optimizer),
         Strategy::Zero2 => (Sharding::Zero2, p.offload_optimizer),
@@ -313,6 +313,7 @@ fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
         offload_optimizer: k.cpu_offload,
         mixed_precision: None,
         units: FsdpUnits::Layers,
+        tensor: TensorParallel::default(),
         fsdp1: Fsdp1Options::default(),
     })
 }
@@ -476,6 +477,7 @@ pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
         offload_optimizer: false,
         mixed_precision: None,
         units: FsdpUnits::Layers,
+        tensor: TensorParallel::default(),
         fsdp1: Fsdp1Options::default(),
     };
     match parallel_for(&spec, k, setup.gpus) {
@@ -573,6 +575,21 @@ fn fits(setup: &Setup, k: &Knobs) -> Result<bool> {
 
 /// The spec as given, with its residents and ranks.
 pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
+    // The planner's changes are to data parallelism, offload and the step; it would drop a
+    // tensor-parallel layout rather than search it.
+    if setup
+        .spec
+        .parallel
+        .as_ref()
+        .is_some_and(|p| p.tensor.tp > 1)
+    {
+        return Err(crate::error::Error::Unsupported {
+            what: "fit and remedies of a tensor-parallel spec (parallel.tp > 1)".into(),
+            supported: "`headroom estimate` of a tensor-parallel layout; fit and diagnose \
+                        search data parallelism"
+                .into(),
+        });
+    }
     let k = Knobs::of(&setup.spec);
     let est = simulate(setup, &k)?;
     let eval = evaluate_with(setup, &k, &est);
@@ -953,6 +970,7 @@ fn describe_accelerate_sharding(setup: &Setup, base: &Knobs, k: &Knobs) -> Vec<S
     vec![
         match parallel.map(|p| (p.strategy, p.offload_params, p.offload_optimizer)) {
             Some((Strategy::Ddp, ..)) => "distributed_type: MULTI_GPU".to_string(),
+            Some((Strategy::NoDataParallel, ..)) => "tensor parallelism alone".to_string(),
             Some((Strategy::Fsdp, offload, _)) => {
                 format!("distributed_type: FSDP (fsdp_version: 2, fsdp_offload_params: {offload})")
             }

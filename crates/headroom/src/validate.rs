@@ -350,6 +350,13 @@ pub fn families(row: &Row) -> Vec<String> {
     {
         out.push("parallel: FSDP2 MixedPrecisionPolicy".to_string());
     }
+    if let Some(tensor) = s.parallel.as_ref().map(|p| p.tensor).filter(|t| t.tp > 1) {
+        out.push(if tensor.sequence_parallel {
+            "parallel: tensor parallel with sequence parallelism".to_string()
+        } else {
+            "parallel: tensor parallel".to_string()
+        });
+    }
     if let Some(p) = s.parallel.as_ref().filter(|p| p.units != FsdpUnits::Layers) {
         out.push(format!("parallel: FSDP2 units {}", p.units.name()));
     }

@@ -34,6 +34,7 @@ struct Uses {
     vllm_colocated: bool,
     /// FSDP1 over several ranks.
     fsdp1: bool,
+    tensor_parallel: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -64,6 +65,7 @@ impl Uses {
             .parallel
             .as_ref()
             .is_some_and(|p| p.strategy == crate::spec::Strategy::Fsdp1);
+        self.tensor_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1);
     }
 
     /// Whether the estimate depends on `library`'s version. A TRL version given always counts:
@@ -154,6 +156,14 @@ impl Assumptions {
             warnings.push(
                 "FSDP1 is measured as rank 0 of a fake process group (bench/fsdp1): its NCCL \
                  communicators are carried over from FSDP2's, measured on real NCCL"
+                    .to_string(),
+            );
+        }
+        if uses.tensor_parallel {
+            warnings.push(
+                "tensor parallelism is measured as rank 0 of a fake process group (bench/tp): \
+                 NCCL's communicators, one per mesh dimension, are carried over from FSDP2's \
+                 and HSDP's, not measured"
                     .to_string(),
             );
         }

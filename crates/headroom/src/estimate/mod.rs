@@ -57,6 +57,9 @@ pub struct Estimate {
     pub oom: Option<SimulatedOom>,
     /// The versions followed and what is carried over or not modelled for this run.
     pub assumptions: Assumptions,
+    /// The rank the numbers above are of: the one that needs most (0 where ranks hold
+    /// alike: data-parallel replicas and shards, the ranks of a tensor-parallel group).
+    pub worst_rank: u64,
 }
 
 impl Estimate {
@@ -94,8 +97,11 @@ pub fn nccl_bytes(parallel: Option<&crate::spec::Parallel>) -> u64 {
         None => 0,
         Some(p) if p.world_size <= 1 && p.strategy.is_deepspeed() => 1094 * MIB,
         Some(p) if p.world_size <= 1 => 0,
+        // A tensor-parallel layout holds one communicator per mesh dimension, as HSDP's two
+        // groups (carried over, not measured on its own).
+        Some(p) if p.tensor.tp > 1 && p.shard_size > 1 => 1964 * MIB,
         Some(p) => match p.strategy {
-            Strategy::Ddp => 992 * MIB,
+            Strategy::Ddp | Strategy::NoDataParallel => 992 * MIB,
             // FSDP1's process groups are FSDP2's (carried over, not measured on their own).
             Strategy::Fsdp | Strategy::Fsdp1 if p.shard_size < p.world_size => 1964 * MIB,
             Strategy::Fsdp | Strategy::Fsdp1 => 992 * MIB,
@@ -231,6 +237,7 @@ fn estimate_ranks(
         capacity_bytes: capacity,
         oom,
         assumptions,
+        worst_rank: sim.rank,
     };
     Ok((estimate, sim.trace))
 }

@@ -40,6 +40,10 @@ pub struct EstimateJson<'a> {
     /// Absent for one GPU; for several, the numbers are per GPU.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub per_gpu_of: Option<ParallelJson<'a>>,
+    /// The rank the top-level numbers and `breakdown` are of: the one that needs most.
+    pub worst_rank: WorstRankJson,
+    /// Every pipeline stage's peak, in order (one stage without pipeline parallelism).
+    pub stages: Vec<StageJson>,
     /// Absent without `--gpu`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu: Option<VerdictJson<'a>>,
@@ -60,6 +64,28 @@ pub struct StepPhaseJson<'a> {
 pub struct ParallelJson<'a> {
     pub strategy: &'a str,
     pub world_size: u64,
+    /// Tensor-parallel ranks (1: none); the strategy spreads `world_size / tp`.
+    pub tp: u64,
+    pub sequence_parallel: bool,
+}
+
+/// A rank, named by its global index and its pipeline stage.
+#[derive(Debug, Serialize)]
+pub struct WorstRankJson {
+    pub rank: u64,
+    pub stage: u64,
+}
+
+/// One pipeline stage: the decoder layers it holds, its ranks and its worst rank's peak.
+#[derive(Debug, Serialize)]
+pub struct StageJson {
+    pub stage: u64,
+    pub first_layer: u64,
+    pub layers: u64,
+    pub ranks: u64,
+    pub worst_rank: u64,
+    pub peak_allocated_bytes: u64,
+    pub peak_reserved_bytes: u64,
 }
 
 impl<'a> EstimateJson<'a> {
@@ -92,7 +118,22 @@ impl<'a> EstimateJson<'a> {
             per_gpu_of: est.parallel.as_ref().map(|p| ParallelJson {
                 strategy: p.strategy.name(),
                 world_size: p.world_size,
+                tp: p.tensor.tp,
+                sequence_parallel: p.tensor.sequence_parallel,
             }),
+            worst_rank: WorstRankJson {
+                rank: est.worst_rank,
+                stage: 0,
+            },
+            stages: vec![StageJson {
+                stage: 0,
+                first_layer: 0,
+                layers: est.arch.layers,
+                ranks: est.parallel.as_ref().map_or(1, |p| p.world_size),
+                worst_rank: est.worst_rank,
+                peak_allocated_bytes: est.peak_allocated_bytes,
+                peak_reserved_bytes: est.peak_reserved_bytes,
+            }],
             gpu: with_verdict.then(|| {
                 VerdictJson::new(
                     &est.gpu,

@@ -22,9 +22,9 @@ pub use pipeline::{
     EngineSpec, Home, InstanceSpec, Pass, PassDef, PhaseDef, PipelineSpec, is_pipeline,
 };
 pub use run::{
-    AllocatorSpec, Attention, BackwardPrefetch, BuiltLora, ExpertsImpl, Fsdp1Options, FsdpUnits,
-    Lora, LoraTargets, MixedPrecision, Mode, Optimizer, Parallel, Precision, Quantization, RunSpec,
-    Strategy, Task, lora_targets_module,
+    AllocatorSpec, Attention, BackwardPrefetch, BuiltLora, ExpertsImpl, Framework, Fsdp1Options,
+    FsdpUnits, Lora, LoraTargets, MixedPrecision, Mode, Optimizer, Parallel, Precision,
+    Quantization, RunSpec, Strategy, Task, TensorParallel, lora_targets_module,
 };
 pub use trainer::{
     Colocated, DpoSpec, GrpoSpec, ReferencePrecision, TrainerKind, TrainerSpec, Vllm,

@@ -24,7 +24,9 @@
 use serde_json::{Map, Value};
 
 use super::parse::unknown_key;
-use super::run::{Fsdp1Options, FsdpUnits, Mode, Optimizer, Parallel, RunSpec, Strategy};
+use super::run::{
+    Fsdp1Options, FsdpUnits, Mode, Optimizer, Parallel, RunSpec, Strategy, TensorParallel,
+};
 use super::versions::Versions;
 use crate::error::{Error, Result};
 use crate::limits;
@@ -575,6 +577,7 @@ impl PipelineSpec {
                     offload_optimizer: false,
                     mixed_precision: None,
                     units: FsdpUnits::Layers,
+                    tensor: TensorParallel::default(),
                     fsdp1: Fsdp1Options::default(),
                 });
                 (Home::Cpu, vec![])

@@ -242,6 +242,9 @@ pub enum Strategy {
     Zero1,
     Zero2,
     Zero3,
+    /// No data-parallel wrapper: each rank holds its tensor-parallel shard whole
+    /// (`world_size = tp`).
+    NoDataParallel,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -266,6 +269,39 @@ pub struct Parallel {
     pub units: FsdpUnits,
     /// FSDP1's own settings.
     pub fsdp1: Fsdp1Options,
+    /// Tensor parallelism on the inner mesh dimension (`world_size = dp × tp`); the
+    /// strategy then spreads the data-parallel dimension.
+    pub tensor: TensorParallel,
+}
+
+/// Tensor parallelism as a framework's plan applies it to each decoder layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorParallel {
+    /// Ranks that split each layer's heads and MLP width; 1: none.
+    pub tp: u64,
+    /// Sequence parallelism: norms and the residual stream sharded on the sequence between
+    /// the blocks (all-gather before each block, reduce-scatter after it).
+    pub sequence_parallel: bool,
+    pub framework: Framework,
+}
+
+impl Default for TensorParallel {
+    fn default() -> Self {
+        TensorParallel {
+            tp: 1,
+            sequence_parallel: false,
+            framework: Framework::Torchtitan,
+        }
+    }
+}
+
+/// Whose parallelisation plan a layout follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framework {
+    /// torchtitan's Llama plan: DTensor `parallelize_module` (q/k/v, gate/up column-parallel,
+    /// o/down row-parallel, the embedding row-parallel, the head column-parallel with
+    /// `loss_parallel`), then FSDP2 over the data-parallel mesh dimension.
+    Torchtitan,
 }
 
 /// `FullyShardedDataParallel`'s settings that change memory.
@@ -363,6 +399,7 @@ impl Strategy {
             Strategy::Zero1 => "zero1",
             Strategy::Zero2 => "zero2",
             Strategy::Zero3 => "zero3",
+            Strategy::NoDataParallel => "none",
         }
     }
 }
@@ -441,6 +478,9 @@ const PARALLEL_KEYS: &[&str] = &[
     "units",
     "use_orig_params",
     "backward_prefetch",
+    "tp",
+    "sequence_parallel",
+    "framework",
 ];
 
 impl RunSpec {
@@ -780,6 +820,24 @@ impl RunSpec {
                      leave `parallel` out (zero3 and fsdp shard a forward-only model)",
                 ));
             }
+            let tensor = parallel.tensor;
+            if tensor.tp > 1 && self.mode == Mode::Forward {
+                return Err(Error::field(
+                    "mode",
+                    "forward",
+                    "tensor-parallel layouts are modelled for training; leave `mode` out",
+                ));
+            }
+            if tensor.sequence_parallel && !self.seq_len.is_multiple_of(tensor.tp) {
+                return Err(Error::field(
+                    "seq_len",
+                    self.seq_len,
+                    format!(
+                        "sequence parallelism shards the sequence over tp = {}: use a multiple of it",
+                        tensor.tp
+                    ),
+                ));
+            }
             if parallel.strategy != Strategy::Ddp && self.lora.is_some() {
                 return Err(Error::Unsupported {
                     what: format!("LoRA with parallel.strategy {}", parallel.strategy.name()),
@@ -1001,6 +1059,14 @@ impl RunSpec {
     /// modelled, LoRA targets that exist and ranks that fit.
     pub fn check_against(&self, arch: &Architecture) -> Result<()> {
         use crate::arch::Family;
+        if let Some(tensor) = self
+            .parallel
+            .as_ref()
+            .map(|p| p.tensor)
+            .filter(|t| t.tp > 1)
+        {
+            check_tensor_parallel(tensor, arch)?;
+        }
         if self.trainer.use_liger_kernel
             && !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
         {
@@ -1140,7 +1206,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             return Err(Error::field(
                 "parallel.strategy",
                 "missing",
-                "use one of ddp, fsdp, fsdp1, zero1, zero2, zero3",
+                "use one of ddp, fsdp, fsdp1, zero1, zero2, zero3, none",
             ));
         }
         Some(_) => choice(
@@ -1153,17 +1219,20 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
                 ("zero1", Strategy::Zero1),
                 ("zero2", Strategy::Zero2),
                 ("zero3", Strategy::Zero3),
+                ("none", Strategy::NoDataParallel),
             ],
             Strategy::Ddp,
         )
         .map_err(field)?,
     };
     let world_size = positive(obj, "world_size", 1).map_err(field)?;
+    let tensor = parse_tensor_parallel(obj, strategy, world_size)?;
+    let dp = world_size / tensor.tp;
     // The harness writes every key; a key that does not apply is accepted at its default.
     let set = |key: &str| {
         obj.get(key).is_some_and(|v| match key {
             "reshard_after_forward" => v != &Value::Bool(true),
-            "shard_size" => v.as_u64() != Some(world_size),
+            "shard_size" => v.as_u64() != Some(dp),
             "units" => v.as_str() != Some("layers"),
             "use_orig_params" => v != &Value::Bool(true),
             "backward_prefetch" => v.as_str() != Some("pre"),
@@ -1210,7 +1279,17 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             Error::field("parallel.reshard_after_forward", v, "use true or false")
         })?,
     };
-    let shard_size = positive(obj, "shard_size", world_size).map_err(field)?;
+    if tensor.tp > 1 && set("shard_size") {
+        return Err(Error::field(
+            "parallel.shard_size",
+            &obj["shard_size"],
+            format!(
+                "FSDP2 shards over the data-parallel dimension (world_size / tp = {dp}) with tp > 1; \
+                 leave it out"
+            ),
+        ));
+    }
+    let shard_size = positive(obj, "shard_size", dp).map_err(field)?;
     only_for("units", fsdp, "it applies to fsdp only")?;
     let units = match obj.get("units") {
         None | Some(Value::Null) => FsdpUnits::Layers,
@@ -1274,8 +1353,120 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         mixed_precision,
         units,
         fsdp1: fsdp1_options,
+        tensor,
     }
     .checked()
+}
+
+/// What a tensor-parallel layout needs of the model: a Llama-style decoder (the plan names
+/// its modules) whose heads, MLP width and vocabulary divide over the group, and an output
+/// head of its own (a tied one would be distributed twice).
+fn check_tensor_parallel(tensor: TensorParallel, arch: &Architecture) -> Result<()> {
+    use crate::arch::Family;
+    let tp = tensor.tp;
+    if !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
+        || arch.moe.is_some()
+        || arch.mla.is_some()
+    {
+        return Err(Error::Unsupported {
+            what: format!("parallel.tp with a {} model", arch.model_type),
+            supported: "tensor parallelism of dense Llama, Mistral, Qwen2 and Qwen3 models".into(),
+        });
+    }
+    if arch.tie_word_embeddings {
+        return Err(Error::Unsupported {
+            what: format!(
+                "parallel.tp with tied word embeddings ({})",
+                arch.model_type
+            ),
+            supported: "models with an output head of their own (tie_word_embeddings false)".into(),
+        });
+    }
+    for (what, value) in [
+        ("num_attention_heads", arch.heads),
+        ("num_key_value_heads", arch.kv_heads),
+        ("intermediate_size", arch.intermediate),
+        ("vocab_size", arch.vocab),
+    ] {
+        if !value.is_multiple_of(tp) {
+            return Err(Error::field(
+                "parallel.tp",
+                tp,
+                format!("it must divide the model's {what} ({value})"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `tp`, `sequence_parallel` and `framework`: tensor parallelism composed with FSDP2 over
+/// the data-parallel dimension (strategy fsdp) or alone (strategy none, `world_size = tp`).
+fn parse_tensor_parallel(
+    obj: &serde_json::Map<String, Value>,
+    strategy: Strategy,
+    world_size: u64,
+) -> Result<TensorParallel> {
+    let field = |e: Error| e.prefixed("parallel");
+    let tp = positive(obj, "tp", 1).map_err(field)?;
+    if !world_size.is_multiple_of(tp) {
+        return Err(Error::field(
+            "parallel.tp",
+            tp,
+            format!("it must divide world_size ({world_size}): world_size = dp × tp"),
+        ));
+    }
+    let sequence_parallel = boolean(obj, "sequence_parallel").map_err(field)?;
+    let framework = match obj.get("framework") {
+        None | Some(Value::Null) => Framework::Torchtitan,
+        Some(_) => choice(
+            obj,
+            "framework",
+            &[("torchtitan", Framework::Torchtitan)],
+            Framework::Torchtitan,
+        )
+        .map_err(field)?,
+    };
+    if tp == 1 && sequence_parallel {
+        return Err(Error::field(
+            "parallel.sequence_parallel",
+            true,
+            "it shards the sequence over the tensor-parallel ranks; set tp >= 2 or leave it out",
+        ));
+    }
+    if tp > 1 && !matches!(strategy, Strategy::Fsdp | Strategy::NoDataParallel) {
+        return Err(Error::field(
+            "parallel.strategy",
+            strategy.name(),
+            "with tp > 1 use fsdp (FSDP2 over the data-parallel dimension, as torchtitan) or \
+             none (tensor parallelism alone)",
+        ));
+    }
+    if strategy == Strategy::NoDataParallel && tp != world_size {
+        return Err(Error::field(
+            "parallel.world_size",
+            world_size,
+            format!(
+                "strategy none is tensor parallelism alone: world_size must equal tp ({tp}); use \
+                 strategy fsdp to shard over a data-parallel dimension"
+            ),
+        ));
+    }
+    if strategy == Strategy::NoDataParallel && tp > 1 && !sequence_parallel {
+        // Without sequence parallelism the norms stay plain tensors beside the DTensor
+        // shards, and AdamW's foreach step over both raises in torch 2.11 (measured).
+        return Err(Error::field(
+            "parallel.sequence_parallel",
+            false,
+            "strategy none without sequence parallelism leaves the norms plain tensors beside \
+             DTensors, which AdamW's foreach step refuses (torch 2.11); set it true, or use \
+             strategy fsdp",
+        ));
+    }
+    Ok(TensorParallel {
+        tp,
+        sequence_parallel,
+        framework,
+    })
 }
 
 impl Parallel {

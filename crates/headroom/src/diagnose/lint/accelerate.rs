@@ -11,7 +11,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::spec::{
     self, BackwardPrefetch, Fsdp1Options, FsdpUnits, MixedPrecision, Parallel, Precision, RunSpec,
-    Strategy,
+    Strategy, TensorParallel,
 };
 
 /// The keys `ClusterConfig` (accelerate/commands/config/config_args.py) accepts, plus the
@@ -803,6 +803,7 @@ impl LaunchLayout {
             offload_optimizer: self.offload_optimizer,
             mixed_precision: policy,
             units: self.units,
+            tensor: TensorParallel::default(),
             fsdp1: self.fsdp1,
         });
         let words = self.describe(&out);

@@ -28,6 +28,11 @@ impl Tracer {
             .enumerate()
         {
             out.push(match (grad, meta) {
+                // A DTensor's gradient is checked against its global shape: the replicated
+                // gradient of a sharded weight passes as it is.
+                (Some(grad), Some(_)) if matches!(op, Bwd::EmbeddingReplicatedGrad { .. }) => {
+                    Some(grad)
+                }
                 (Some(grad), Some((numel, dtype))) => {
                     let outer = self.input_is_parameter(node, slot);
                     Some(self.validate(grad, numel, dtype, outer))
@@ -239,6 +244,9 @@ impl Tracer {
                         .map(|(numel, _)| self.empty(numel, self.dtype(g), "grad of embedding")),
                 );
             }
+            Bwd::EmbeddingReplicatedGrad { tp } => out.push(needs(0).map(|(numel, _)| {
+                self.empty(numel * tp, self.dtype(g), "grad of embedding (Replicate)")
+            })),
             Bwd::SdpaFlash { workspace } | Bwd::SdpaCudnn { workspace } => {
                 for i in 0..3 {
                     out.push(needs(i).map(|(numel, _)| {
@@ -431,6 +439,37 @@ impl Tracer {
                     }));
                 }
             }
+            Bwd::LogSoftmaxParallel => out.push(needs(0).map(|_| self.share(g))),
+            Bwd::NllLossParallel => {
+                out.push(needs(0).map(|(numel, dtype)| {
+                    let zeros = self.empty(numel, dtype, "zeros_like(x) (loss_parallel backward)");
+                    let exp = self.empty(numel, dtype, "exp(x) (loss_parallel backward)");
+                    let sum = self.empty(numel, dtype, "grad_input + exp(x)");
+                    self.drop(exp);
+                    let grad = self.empty(numel, dtype, "grad of nll_loss and log_softmax");
+                    self.drop_all(&[sum, zeros]);
+                    grad
+                }));
+            }
+            Bwd::AllReduce => out
+                .push(needs(0).map(|(numel, dtype)| self.empty(numel, dtype, "all_reduce(grad)"))),
+            Bwd::ReduceScatter { tp } => out.push(needs(0).map(|_| {
+                let (numel, dtype) = (self.numel(g), self.dtype(g));
+                let chunks = self.empty(numel, dtype, "reduce_scatter input (grad chunks cat)");
+                let grad = self.empty(numel / tp, dtype, "reduce-scattered grad");
+                self.drop(chunks);
+                grad
+            })),
+            Bwd::AllGather { tp, sequences } => out.push(needs(0).map(|_| {
+                let (numel, dtype) = (self.numel(g) * tp, self.dtype(g));
+                let gathered = self.empty(numel, dtype, "all-gathered grad");
+                if sequences == 1 {
+                    return gathered;
+                }
+                let cat = self.empty(numel, dtype, "all-gathered grad in sequence order");
+                self.drop(gathered);
+                cat
+            })),
             Bwd::NllLoss => {
                 out.push(needs(0).map(|(numel, dtype)| {
                     self.empty(numel, dtype, "grad of nll_loss (zeros + scatter)")

@@ -168,6 +168,27 @@ impl Tracer {
         out
     }
 
+    /// `F.embedding` of a vocabulary-sharded weight under tensor parallelism over `tp` ranks:
+    /// the lookup of the local rows; the weight's gradient is every rank's rows (`Replicate`).
+    pub(crate) fn embedding_sharded(
+        &mut self,
+        weight: ParamId,
+        ids: T,
+        rows: u64,
+        width: u64,
+        tp: u64,
+    ) -> T {
+        let w = self.param(weight);
+        let out = self.empty(rows * width, self.dtype(w), "embedding(ids) (vocab shard)");
+        self.record(
+            Bwd::EmbeddingReplicatedGrad { tp },
+            &[Some(w)],
+            &[out],
+            &[ids],
+        );
+        out
+    }
+
     /// A weight as the current autocast region sees it: fp32 leaves that require grad are cast
     /// once and cached until the region exits (`cached_cast` in `autocast_mode.cpp`); other
     /// fp32 weights are cast on every use.

@@ -20,6 +20,7 @@ use crate::sim::strategy::ddp::Ddp;
 use crate::sim::strategy::fsdp::Fsdp;
 use crate::sim::strategy::fsdp_offload::FsdpOffload;
 use crate::sim::strategy::fsdp1::Fsdp1;
+use crate::sim::strategy::tp::TensorParallel;
 use crate::sim::strategy::zero::Zero;
 use crate::sim::strategy::zero3::Zero3;
 use crate::spec::{
@@ -60,6 +61,21 @@ impl Instance {
     ) -> Self {
         let head = spec.head();
         let train = spec.mode == Mode::Train;
+        // A tensor-parallel rank builds and runs its share of every layer.
+        let tensor = spec
+            .parallel
+            .as_ref()
+            .map(|p| p.tensor)
+            .filter(|t| t.tp > 1);
+        let full_arch = arch;
+        let shard;
+        let arch = match tensor {
+            Some(tensor) => {
+                shard = arch.tensor_parallel_shard(tensor.tp);
+                &shard
+            }
+            None => arch,
+        };
         let trainable = |_: &Param| train;
         let attention = match spec.attention_for(arch) {
             Attention::Sdpa => AttentionImpl::Sdpa,
@@ -104,7 +120,11 @@ impl Instance {
             }
             None => Model::build(t, arch, head, dtype, &trainable, attention),
         };
-        let param_count = (first..t.params.len()).map(|p| t.numel(t.param(p))).sum();
+        // A DTensor counts its global size.
+        let param_count = match tensor {
+            Some(_) => full_arch.parameters(head).iter().map(Param::numel).sum(),
+            None => (first..t.params.len()).map(|p| t.numel(t.param(p))).sum(),
+        };
         let transformers_4_57 =
             spec.versions.followed(spec::Library::Transformers) == Some(spec::TRANSFORMERS_4_57);
         model.materializes_causal_mask = transformers_4_57;
@@ -170,7 +190,10 @@ impl Instance {
             .clone()
             .filter(|&p| t.requires_grad(t.param(p)))
             .collect();
-        let trainable_count = trainable_ids.iter().map(|&p| t.numel(t.param(p))).sum();
+        let trainable_count = match tensor {
+            Some(_) if train => param_count,
+            _ => trainable_ids.iter().map(|&p| t.numel(t.param(p))).sum(),
+        };
         let trainable_ids = match &wrapper {
             Strategy::Fsdp(fsdp) => fsdp.device_shards(),
             Strategy::Fsdp1(fsdp1) => fsdp1.device_params(),
@@ -231,6 +254,14 @@ impl Instance {
             }
             _ => trainable_ids,
         };
+        if let Some(tensor) = tensor {
+            wrapper = Strategy::Tensor(Box::new(TensorParallel {
+                tp: tensor.tp,
+                sequence: tensor.sequence_parallel,
+                sequences: spec.rows(),
+                data: wrapper,
+            }));
+        }
         model.strategy = RefCell::new(wrapper);
         Instance {
             spec: spec.clone(),

@@ -42,12 +42,19 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
         simulate_rank(spec, arch, t, options.repeat_steps, rank)
     };
     if let Some(rank) = options.only_rank.filter(|_| ranks_differ) {
-        return run(Some(rank));
+        return Simulation {
+            rank,
+            ..run(Some(rank))
+        };
     }
     let last = run(None);
     if !ranks_differ {
         return last;
     }
+    let last = Simulation {
+        rank: spec.parallel.as_ref().map_or(0, |p| p.world_size - 1),
+        ..last
+    };
     let first = run(Some(0));
     let need = |s: &Simulation| {
         (

@@ -64,6 +64,8 @@ impl Options {
 
 /// What simulating a run produced.
 pub struct Simulation {
+    /// The rank simulated: 0 where ranks hold alike, else the one that needs more.
+    pub rank: u64,
     pub params: u64,
     pub trainable_params: u64,
     pub weights_loaded: u64,
@@ -100,6 +102,7 @@ impl Simulation {
     /// every step simulated.
     pub(crate) fn of_run(mut t: Tracer, instance: &Instance, phases: Vec<PhasePeak>) -> Self {
         Simulation {
+            rank: 0,
             params: instance.param_count,
             trainable_params: instance.trainable_count,
             weights_loaded: instance.weights_loaded,

@@ -71,8 +71,19 @@ fn causal_lm_loss(t: &mut Tracer, model: &Model, hidden: T, batch: Batch) -> (T,
     );
     let shift = t.empty(batch.n(), DType::I64, "shift_labels.contiguous()");
     t.component = Component::LogitsAndLoss;
-    let log_probs = t.log_softmax(logits32);
-    let loss = t.nll_loss(log_probs, shift);
+    let strategy = model.strategy.borrow();
+    let (log_probs, loss) = match strategy.tensor_parallel() {
+        // `loss_parallel`: the cross-entropy over this rank's vocabulary shard.
+        Some(tp) => {
+            let log_probs = tp.log_softmax(t, logits32, batch.n());
+            (log_probs, tp.nll_loss(t, log_probs, shift))
+        }
+        None => {
+            let log_probs = t.log_softmax(logits32);
+            (log_probs, t.nll_loss(log_probs, shift))
+        }
+    };
+    drop(strategy);
     t.drop(log_probs);
     t.drop_all(&[logits32, padded, shift]);
     t.component = outer;
@@ -88,7 +99,10 @@ pub(crate) fn lm_head(t: &mut Tracer, model: &Model, hidden: T) -> T {
     };
     let params: Vec<_> = std::iter::once(weight).chain(bias).collect();
     model.module_pre_forward(t, ModuleKey::LmHead, &params, true);
-    let mut logits = t.linear(hidden, weight, bias, a.vocab, false);
+    let block = model.block_input(t, hidden);
+    let input = model.linear_input(t, block);
+    let mut logits = t.linear(input, weight, bias, a.vocab, false);
+    t.drop_all(&[input, block]);
     model.module_post_forward(t);
     model.unit_post_forward(t, Unit::Head);
     if a.final_logit_softcapping.is_some() {

@@ -550,7 +550,7 @@ impl Model {
         self.module_pre_forward(t, ModuleKey::Model, &[], false);
         self.unit_pre_forward(t, Unit::Embedding);
         self.module_pre_forward(t, ModuleKey::Params(self.embed), &[self.embed], false);
-        let mut inputs_embeds = t.embedding(self.embed, ids, n, a.hidden);
+        let mut inputs_embeds = self.embedding_lookup(t, ids, n);
         self.module_post_forward(t);
         self.unit_post_forward(t, Unit::Embedding);
         if matches!(a.family, Family::Gemma2 | Family::Gemma3) {
@@ -682,6 +682,55 @@ impl Model {
         self.strategy.borrow_mut().unit_post_forward(t, unit);
     }
 
+    /// `embed_tokens(ids)`; under tensor parallelism the row-parallel lookup of this rank's
+    /// vocabulary rows, reduced over the group.
+    fn embedding_lookup(&self, t: &mut Tracer, ids: T, n: u64) -> T {
+        let strategy = self.strategy.borrow();
+        let Some(tp) = strategy.tensor_parallel() else {
+            return t.embedding(self.embed, ids, n, self.arch.hidden);
+        };
+        let (mask, shifted) = tp.mask_ids(t, n);
+        let partial = t.embedding_sharded(self.embed, shifted, n, self.arch.hidden, tp.tp);
+        t.drop(shifted);
+        let out = tp.row_output(t, partial);
+        t.drop(mask);
+        out
+    }
+
+    /// The input a block's column-parallel linears share (all-gathered under sequence
+    /// parallelism); the block's input itself without tensor parallelism.
+    pub(crate) fn block_input(&self, t: &mut Tracer, x: T) -> T {
+        match self.strategy.borrow().tensor_parallel() {
+            Some(tp) => tp.block_input(t, x),
+            None => t.share(x),
+        }
+    }
+
+    /// What one column-parallel linear reads of its block's input.
+    pub(crate) fn linear_input(&self, t: &mut Tracer, x: T) -> T {
+        match self.strategy.borrow().tensor_parallel() {
+            Some(tp) => tp.linear_input(t, x),
+            None => t.share(x),
+        }
+    }
+
+    /// A row-parallel linear's output reduced over the group; the output itself without
+    /// tensor parallelism.
+    pub(crate) fn row_output(&self, t: &mut Tracer, out: T) -> T {
+        match self.strategy.borrow().tensor_parallel() {
+            Some(tp) => tp.row_output(t, out),
+            None => out,
+        }
+    }
+
+    /// A column-parallel linear of a block's input.
+    fn column_linear(&self, t: &mut Tracer, linear: Linear, x: T) -> T {
+        let input = self.linear_input(t, x);
+        let out = self.hooked_linear(t, linear, input);
+        t.drop(input);
+        out
+    }
+
     /// A linear layer's forward inside its module's ZeRO-3 hooks.
     pub(crate) fn hooked_linear(&self, t: &mut Tracer, linear: Linear, x: T) -> T {
         self.linear_pre_forward(t, linear);
@@ -766,9 +815,10 @@ impl Model {
             None => t.share(h),
         };
         self.module_pre_forward(t, ModuleKey::Attention(index), &[], true);
-        let mut attn = self.attention_block(t, layer, x, ctx, batch);
+        let block = self.block_input(t, x);
+        let mut attn = self.attention_block(t, layer, block, ctx, batch);
         self.module_post_forward(t);
-        t.drop(x);
+        t.drop_all(&[block, x]);
         let attn_out_norm = match family {
             Family::Gemma2 | Family::Gemma3 | Family::Olmo2 => layer.post_attn_norm,
             _ => layer.post_self_attn_norm,
@@ -799,13 +849,14 @@ impl Model {
             .moe
             .as_ref()
             .is_some_and(|m| m.routes(index as u64));
+        let block = self.block_input(t, x);
         let mut m = if routes {
-            self.moe_block(t, index, x)
+            self.moe_block(t, index, block)
         } else {
-            self.mlp(t, index, x)
+            self.mlp(t, index, block)
         };
         self.module_post_forward(t);
-        t.drop(x);
+        t.drop_all(&[block, x]);
         if let Some(norm) = layer.post_ffn_norm.or(layer.post_mlp_norm) {
             let normed = self.hooked_norm(t, m, norm);
             t.drop(m);
@@ -896,7 +947,9 @@ impl Model {
                     let norm_at_once = matches!(a.family, Family::Qwen3 | Family::Qwen3Moe);
                     let heads = |t: &mut Tracer, proj: Linear, norm: Option<Norm>| {
                         self.linear_pre_forward(t, proj);
-                        let out = projection_heads(t, x, proj, rotary_copy);
+                        let input = self.linear_input(t, x);
+                        let out = projection_heads(t, input, proj, rotary_copy);
+                        t.drop(input);
                         self.module_post_forward(t);
                         match norm.filter(|_| norm_at_once) {
                             Some(norm) => {
@@ -910,7 +963,9 @@ impl Model {
                     (heads(t, ql, layer.q_norm), heads(t, kl, layer.k_norm))
                 };
                 self.linear_pre_forward(t, vl);
-                let v = projection_heads(t, x, vl, value_copy);
+                let input = self.linear_input(t, x);
+                let v = projection_heads(t, input, vl, value_copy);
+                t.drop(input);
                 self.module_post_forward(t);
                 (q, k, v)
             }
@@ -961,7 +1016,7 @@ impl Model {
         let o = layer.o.expect("o_proj");
         let proj = self.hooked_linear(t, o, out);
         t.drop(out);
-        proj
+        self.row_output(t, proj)
     }
 
     fn dropout_in_attention(&self) -> bool {
@@ -1008,7 +1063,7 @@ impl Model {
             }
             _ => {
                 let (g, u) = (layer.gate.expect("gate_proj"), layer.up.expect("up_proj"));
-                let gate = self.hooked_linear(t, g, x);
+                let gate = self.column_linear(t, g, x);
                 self.module_pre_forward(t, ModuleKey::Activation(index), &[], true);
                 let act = match a.family {
                     Family::Gemma2 | Family::Gemma3 => t.gelu_tanh(gate),
@@ -1016,7 +1071,7 @@ impl Model {
                 };
                 self.module_post_forward(t);
                 t.drop(gate);
-                let up = self.hooked_linear(t, u, x);
+                let up = self.column_linear(t, u, x);
                 let prod = t.mul(act, up);
                 t.drop_all(&[act, up]);
                 prod
@@ -1024,7 +1079,7 @@ impl Model {
         };
         let out = self.hooked_linear(t, down, hidden);
         t.drop(hidden);
-        out
+        self.row_output(t, out)
     }
 }
 

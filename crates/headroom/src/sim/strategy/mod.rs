@@ -7,15 +7,18 @@
 //! - [`fsdp1`]: FSDP1's `FullyShardedDataParallel` (flat parameters per unit);
 //! - [`fsdp_offload`]: FSDP2 with `CPUOffloadPolicy` on one rank, for a no-grad pass;
 //! - [`zero`]: DeepSpeed ZeRO stages 1 and 2;
-//! - [`zero3`] and [`zero3_gather`]: DeepSpeed ZeRO stage 3 and its per-module gathers.
+//! - [`zero3`] and [`zero3_gather`]: DeepSpeed ZeRO stage 3 and its per-module gathers;
+//! - [`tp`]: tensor parallelism (with or without sequence parallelism) wrapping the strategy
+//!   of the data-parallel mesh dimension, whose hooks it passes on.
 //!
-//! Tensor, pipeline, context and expert parallelism take their places here as further
-//! variants with the same hooks.
+//! Pipeline, context and expert parallelism take their places here as further variants with
+//! the same hooks.
 
 pub(crate) mod ddp;
 pub(crate) mod fsdp;
 pub(crate) mod fsdp1;
 pub(crate) mod fsdp_offload;
+pub(crate) mod tp;
 pub(crate) mod zero;
 pub(crate) mod zero3;
 pub(crate) mod zero3_gather;
@@ -26,6 +29,7 @@ use ddp::Ddp;
 use fsdp::Fsdp;
 use fsdp_offload::FsdpOffload;
 use fsdp1::Fsdp1;
+use tp::TensorParallel;
 use zero::Zero;
 use zero3::Zero3;
 
@@ -45,6 +49,8 @@ pub(crate) enum Strategy {
     Fsdp1(Fsdp1),
     Zero(Zero),
     Zero3(Box<Zero3>),
+    /// Tensor parallelism over the strategy of the data-parallel dimension.
+    Tensor(Box<TensorParallel>),
 }
 
 /// A part of the model FSDP2 may wrap as a unit of its own: a decoder layer, the input
@@ -76,8 +82,19 @@ pub(crate) enum ModuleKey {
 }
 
 impl Strategy {
+    /// The tensor-parallel layout, where there is one.
+    pub(crate) fn tensor_parallel(&self) -> Option<&TensorParallel> {
+        match self {
+            Strategy::Tensor(tensor) => Some(tensor),
+            _ => None,
+        }
+    }
+
     /// Before the model is called: DDP rebuilds its buckets once and broadcasts buffers.
     pub(crate) fn before_forward(&mut self, t: &mut Tracer) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.before_forward(t);
+        }
         if let Strategy::Ddp(ddp) = self {
             ddp.pre_forward(t);
         }
@@ -85,6 +102,9 @@ impl Strategy {
 
     /// An FSDP2 unit's forward pre-hook: its parameters are brought to the GPU.
     pub(crate) fn unit_pre_forward(&mut self, t: &mut Tracer, unit: Unit) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.unit_pre_forward(t, unit);
+        }
         match self {
             Strategy::FsdpOffload(offload) => offload.unshard(t, unit),
             Strategy::Fsdp(fsdp) => fsdp.unit_pre_forward(t, unit),
@@ -95,6 +115,9 @@ impl Strategy {
 
     /// An FSDP2 unit's forward post-hook.
     pub(crate) fn unit_post_forward(&mut self, t: &mut Tracer, unit: Unit) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.unit_post_forward(t, unit);
+        }
         match self {
             Strategy::FsdpOffload(offload) => offload.reshard(t, unit),
             Strategy::Fsdp(fsdp) => fsdp.unit_post_forward(t, unit),
@@ -112,6 +135,11 @@ impl Strategy {
         params: &[ParamId],
         input_grad: bool,
     ) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor
+                .data
+                .module_pre_forward(t, module, params, input_grad);
+        }
         if let Strategy::Zero3(zero3) = self
             && let Some(g) = zero3.gathers.as_mut()
         {
@@ -121,6 +149,9 @@ impl Strategy {
 
     /// The forward post-hook of the innermost running module.
     pub(crate) fn module_post_forward(&mut self, t: &mut Tracer) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.module_post_forward(t);
+        }
         if let Strategy::Zero3(zero3) = self
             && let Some(g) = zero3.gathers.as_mut()
         {
@@ -130,6 +161,9 @@ impl Strategy {
 
     /// A checkpointed region's recomputation has run.
     pub(crate) fn recompute_ends(&mut self, t: &mut Tracer) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.recompute_ends(t);
+        }
         if let Strategy::Zero3(zero3) = self
             && let Some(g) = zero3.gathers.as_mut()
         {
@@ -139,6 +173,9 @@ impl Strategy {
 
     /// `loss.backward()` starts.
     pub(crate) fn backward_begins(&mut self) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.backward_begins();
+        }
         if let Strategy::Zero3(zero3) = self
             && let Some(g) = zero3.gathers.as_mut()
         {
@@ -148,6 +185,9 @@ impl Strategy {
 
     /// A gradient reached unit `unit` (see [`BackwardHooks`](super::engine::tracer::BackwardHooks)).
     pub(crate) fn unit_backward_begins(&mut self, t: &mut Tracer, unit: u32) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.unit_backward_begins(t, unit);
+        }
         match self {
             Strategy::Fsdp(fsdp) => fsdp.pre_backward(t, unit),
             Strategy::Fsdp1(fsdp1) => fsdp1.pre_backward(t, unit),
@@ -162,6 +202,9 @@ impl Strategy {
 
     /// Every node of unit `unit` that this backward runs has run.
     pub(crate) fn unit_backward_done(&mut self, t: &mut Tracer, unit: u32) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.unit_backward_done(t, unit);
+        }
         match self {
             Strategy::Fsdp(fsdp) => fsdp.unit_backward_done(t, unit),
             Strategy::Fsdp1(fsdp1) => fsdp1.post_backward(t, unit),
@@ -176,6 +219,9 @@ impl Strategy {
 
     /// `AccumulateGrad` stored `param`'s gradient.
     pub(crate) fn grad_accumulated(&mut self, t: &mut Tracer, param: ParamId) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.grad_accumulated(t, param);
+        }
         match self {
             Strategy::Zero(zero) => zero.grad_hook(t, param),
             Strategy::Zero3(zero3) => zero3.grad_hook(t, param),
@@ -186,6 +232,9 @@ impl Strategy {
     /// The backward engine has finished: FSDP2's final callback, DeepSpeed's backward
     /// epilogue, DDP learning the order the gradients became ready in.
     pub(crate) fn finish_backward(&mut self, t: &mut Tracer) {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.finish_backward(t);
+        }
         match self {
             Strategy::Ddp(ddp) => ddp.learn_ready_order(t),
             Strategy::Fsdp(fsdp) => fsdp.finish_backward(t),
@@ -199,6 +248,9 @@ impl Strategy {
     /// `optimizer.step()` where the strategy wraps the optimizer (DeepSpeed's engines);
     /// false where the plain optimizer steps the trainable parameters.
     pub(crate) fn step(&mut self, t: &mut Tracer, optimizer: &mut OptimizerState) -> bool {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.step(t, optimizer);
+        }
         match self {
             Strategy::Zero(zero) => zero.step(t, optimizer),
             Strategy::Zero3(zero3) => zero3.step(t),
@@ -210,6 +262,9 @@ impl Strategy {
     /// Bytes the strategy keeps on the host, where it decides them (CPU offload of shards,
     /// DeepSpeed's `offload_optimizer`); `None` where the model's own placement does.
     pub(crate) fn host_bytes(&self, t: &Tracer) -> Option<u64> {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.host_bytes(t);
+        }
         match self {
             Strategy::Fsdp(fsdp) => Some(fsdp.host_bytes(t)),
             Strategy::Fsdp1(fsdp1) => Some(fsdp1.host_bytes(t)),
@@ -222,6 +277,9 @@ impl Strategy {
     /// The tensors `model.cpu()` moves where the strategy holds the model's parameters as
     /// shards of its own; `None`: the model's parameters.
     pub(crate) fn shards(&self) -> Option<Vec<ParamId>> {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.shards();
+        }
         match self {
             Strategy::Fsdp(fsdp) => Some(fsdp.shards()),
             Strategy::Fsdp1(fsdp1) => Some(fsdp1.shards()),
@@ -232,11 +290,17 @@ impl Strategy {
     /// Whether the parameters come to the GPU unit by unit from host memory during a pass
     /// (then the model is never moved in whole).
     pub(crate) fn streams_from_host(&self) -> bool {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.streams_from_host();
+        }
         matches!(self, Strategy::FsdpOffload(_))
     }
 
     /// Parameter bytes a pass copies in from host memory.
     pub(crate) fn streamed_bytes(&self, t: &Tracer) -> u64 {
+        if let Strategy::Tensor(tensor) = self {
+            return tensor.data.streamed_bytes(t);
+        }
         match self {
             Strategy::FsdpOffload(offload) => offload.streamed_bytes(t),
             _ => 0,

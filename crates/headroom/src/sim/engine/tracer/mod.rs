@@ -103,6 +103,11 @@ pub(crate) enum Bwd {
     },
     /// `embedding(ids, weight)`.
     Embedding,
+    /// A row-parallel embedding's lookup (DTensor, weight `Shard(0)`): its weight gradient
+    /// comes out `Replicate`, every rank holding all `tp` shards' rows.
+    EmbeddingReplicatedGrad {
+        tp: u64,
+    },
     /// `F.scaled_dot_product_attention`, flash kernel (bf16/fp16): workspace bytes of its
     /// backward (`dq_accum`, `softmax_d`).
     SdpaFlash {
@@ -132,6 +137,24 @@ pub(crate) enum Bwd {
     Softmax,
     /// `log_softmax`: saves the result.
     LogSoftmax,
+    /// Tensor parallelism's `loss_parallel` log-softmax: `_log_softmax_backward_data` only
+    /// passes the gradient on (the nll backward computed it).
+    LogSoftmaxParallel,
+    /// `loss_parallel`'s `nll_loss` over a vocabulary shard: the backward of both, from
+    /// `zeros_like(x) + exp(x)`.
+    NllLossParallel,
+    /// A replicated input's `Partial` gradient all-reduced (out of place: a new tensor).
+    AllReduce,
+    /// A sequence all-gather's backward: the gradient reduce-scattered over `tp` ranks.
+    ReduceScatter {
+        tp: u64,
+    },
+    /// A sequence reduce-scatter's backward: the gradient all-gathered over `tp` ranks (copied
+    /// into sequence order when there is more than one sequence).
+    AllGather {
+        tp: u64,
+        sequences: u64,
+    },
     /// `nll_loss` (mean): the gradient is a zero-filled tensor with one value per row.
     NllLoss,
     /// An op whose gradient is a reduction back to the input's size: `x.mean()` over all
@@ -239,6 +262,8 @@ pub(crate) struct Node {
     unit: Option<u32>,
     /// The component the forward was charged to; backward's allocations go there too.
     component: Component,
+    /// Its outputs are DTensors: `InputBuffer` never adds into a tensor subclass in place.
+    dtensor: bool,
 }
 
 /// Parameters as the simulator sees them.
@@ -327,6 +352,9 @@ pub(crate) struct Tracer {
     unit_entered: Vec<bool>,
     /// Component new tensors are charged to (set by the model code per section).
     pub(crate) component: Component,
+    /// Whether the ops recorded now produce DTensors (tensor parallelism's sequence-sharded
+    /// residual stream), whose gradients accumulate out of place.
+    pub(crate) dtensor: bool,
     /// The dtype of the active `torch.autocast` region, and its cache of weight casts.
     autocast: Option<DType>,
     autocast_cache: Vec<(T, T)>,
@@ -368,6 +396,7 @@ impl Tracer {
             unit_pending: Vec::new(),
             unit_entered: Vec::new(),
             component: Component::Activations,
+            dtensor: false,
             autocast: None,
             autocast_cache: Vec::new(),
             persistent: Vec::new(),
@@ -885,6 +914,7 @@ impl Tracer {
             region: self.region,
             unit: self.unit,
             component: self.component,
+            dtensor: self.dtensor,
         });
         for (i, &o) in outputs.iter().enumerate() {
             let rec = self.rec_mut(o);
@@ -924,6 +954,7 @@ impl Tracer {
                     region: None,
                     unit: self.unit,
                     component: Component::Gradients,
+                    dtensor: false,
                 });
                 self.params[param].node = Some(node);
                 node
@@ -1104,8 +1135,8 @@ impl Tracer {
     }
 
     /// `InputBuffer::add` (`input_buffer.cpp`): the first gradient is stored; a later one is
-    /// added in place when the stored tensor is ours alone (`can_accumulate_inplace`), else
-    /// summed into a new tensor.
+    /// added in place when the stored tensor is ours alone and not a tensor subclass
+    /// (`can_accumulate_inplace`), else summed into a new tensor.
     fn accumulate_into(&mut self, node: NodeId, slot: u8, grad: T) {
         let current = self.nodes[node.0 as usize].buffer[slot as usize];
         let sum_stream = match self.nodes[node.0 as usize].op {
@@ -1124,7 +1155,7 @@ impl Tracer {
             }
             Some(old) => {
                 let rec = self.rec(old);
-                if rec.refs == 1 && !rec.view_of_temporary {
+                if rec.refs == 1 && !rec.view_of_temporary && !self.nodes[node.0 as usize].dtensor {
                     self.drop(grad);
                     old
                 } else {

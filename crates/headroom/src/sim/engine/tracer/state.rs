@@ -219,6 +219,7 @@ impl Tracer {
             u64::from(self.grad_enabled)
                 | (u64::from(self.region.is_none()) << 1)
                 | (u64::from(self.recompute.is_none()) << 2)
+                | (u64::from(self.dtensor) << 3)
                 | ((self.component as u64) << 8)
                 | (self.autocast.map_or(0xff, |d| d as u64) << 16)
                 | workspaces

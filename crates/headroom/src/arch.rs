@@ -5,7 +5,7 @@
 use serde_json::Value;
 
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SHOWN_CHARS, shown};
 use crate::limits;
 
 mod moe;
@@ -360,7 +360,7 @@ impl Architecture {
             "gpt_oss" => Family::GptOss,
             other => {
                 return Err(Error::Unsupported {
-                    what: format!("model_type {other:?}"),
+                    what: format!("model_type {:?}", shown(other, SHOWN_CHARS)),
                     supported: SUPPORTED_MODEL_TYPES.to_string(),
                 });
             }

@@ -263,3 +263,21 @@ proptest! {
         prop_assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
     }
 }
+
+/// An unknown model type is named in the refusal, cut short however long it is (a proptest
+/// case once drew a 55 kB one).
+#[test]
+fn a_long_unknown_model_type_is_named_briefly() {
+    let model_type = "m".repeat(60_000);
+    let text = format!(
+        "{{model: x, model_config: {{model_type: {model_type}, hidden_size: 64, \
+         num_hidden_layers: 1, num_attention_heads: 1, vocab_size: 32}}}}"
+    );
+    let doc = spec::parse_document(&text, Path::new("spec.yaml")).expect("YAML");
+    let err = RunSpec::from_value(&doc)
+        .and_then(|s| s.architecture(None, "").map(|_| ()))
+        .expect_err("an unknown model type");
+    let message = err.to_string();
+    assert!(message.contains("model_type \"mmmm"), "{message}");
+    check_message(&message);
+}

@@ -3,13 +3,16 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use headroom::estimate;
+use headroom::estimate::{self, Estimate, PipelineEstimate, Timeline};
 use headroom::gpu;
 use headroom::report::estimate::{EstimateJson, PipelineJson, TimelineEventJson};
 use headroom::report::to_json;
+use headroom::sim::Component;
 use headroom::spec::{self, Document};
+use headroom::units::gib;
 
 use crate::error::{CliError, CliResult};
+use crate::plot::TimelinePlot;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -25,6 +28,10 @@ pub struct Args {
     /// with a real trace.
     #[arg(long, hide = true)]
     pub timeline: Option<PathBuf>,
+    /// Draw the simulated timeline (allocated by component, reserved, the GPU's capacity, the
+    /// peak and where it runs out) to FILE.svg, or FILE.html (a page, no network needed).
+    #[arg(long, value_name = "FILE.svg|FILE.html")]
+    pub plot: Option<PathBuf>,
     /// For a model type headroom does not model natively, trace the real model code under
     /// fake tensors instead (`headroom trace`; needs torch, transformers and peft).
     #[arg(long)]
@@ -69,14 +76,23 @@ pub fn run(args: Args) -> CliResult {
     } else {
         estimate::Limit::None
     };
+    let title = args.spec.display().to_string();
     let spec = match document {
         Document::Run(spec) => *spec,
         Document::Pipeline(spec) => {
             // A pipeline's iterations can take seconds (see `headroom::limits`).
             let progress = crate::progress::spinner(args.json, "estimating the pipeline", None);
-            let est = estimate::estimate_pipeline(&spec, dir, &gpu, limit);
+            let est = match &args.plot {
+                None => estimate::estimate_pipeline(&spec, dir, &gpu, limit).map(|e| (e, None)),
+                Some(_) => estimate::estimate_pipeline_timeline(&spec, dir, &gpu, limit)
+                    .map(|(e, t)| (e, Some(t))),
+            };
             progress.finish_and_clear();
-            let est = est?;
+            let (est, timeline) = est?;
+            if let (Some(path), Some(timeline)) = (&args.plot, &timeline) {
+                let svg = pipeline_svg(&title, &est, timeline, args.gpu.is_some());
+                crate::plot::write(path, &title, &[svg], &[])?;
+            }
             if args.json {
                 println!("{}", to_json(&PipelineJson::new(&est, args.gpu.is_some())));
             } else {
@@ -88,6 +104,15 @@ pub fn run(args: Args) -> CliResult {
             return Ok(());
         }
     };
+    if let Some(path) = &args.plot {
+        let (est, timeline) = match estimate::estimate_timeline(&spec, dir, &gpu, limit) {
+            Err(e) if e.is_unmodelled_model_type() => return unmodelled(&args, e),
+            other => other?,
+        };
+        let svg = run_svg(&title, &est, &timeline, args.gpu.is_some());
+        crate::plot::write(path, &title, &[svg], &[])?;
+        return print(&args, &est);
+    }
     let (est, trace) =
         match estimate::estimate_with_trace(&spec, dir, &gpu, limit, args.timeline.is_some()) {
             Err(e) if e.is_unmodelled_model_type() => return unmodelled(&args, e),
@@ -103,10 +128,76 @@ pub fn run(args: Args) -> CliResult {
                 .map_err(|e| CliError::failure(e.to_string()))?;
         }
     }
+    print(&args, &est)
+}
+
+fn print(args: &Args, est: &Estimate) -> CliResult {
     if args.json {
-        println!("{}", to_json(&EstimateJson::new(&est, args.gpu.is_some())));
+        println!("{}", to_json(&EstimateJson::new(est, args.gpu.is_some())));
     } else {
-        print!("{}", crate::render::estimate(&est, args.gpu.is_some()));
+        print!("{}", crate::render::estimate(est, args.gpu.is_some()));
     }
     Ok(())
+}
+
+/// The capacity line: what the caching allocator may hold on the GPU (with `--gpu`).
+fn capacity(gpu: &gpu::Gpu, capacity: Option<u64>) -> Option<(u64, String)> {
+    capacity.map(|bytes| {
+        (
+            bytes,
+            format!(
+                "{}: {} for PyTorch's allocator ({} total)",
+                gpu.name,
+                gib(bytes),
+                gib(gpu.total_bytes)
+            ),
+        )
+    })
+}
+
+/// `peak 41.20 GiB (step 1 backward): activations 20.10 GiB, weights 14.00 GiB, ...`.
+fn peak_label(peak: u64, when: String, breakdown: &[(Component, u64)]) -> String {
+    let mut parts = breakdown.to_vec();
+    parts.sort_by_key(|&(_, b)| std::cmp::Reverse(b));
+    let held: Vec<String> = parts
+        .iter()
+        .take(3)
+        .map(|(c, b)| format!("{c} {}", gib(*b)))
+        .collect();
+    format!("peak {} ({when}): {}", gib(peak), held.join(", "))
+}
+
+/// The picture of a run's estimate (`gpu_given`: simulated at the GPU's capacity).
+pub(crate) fn run_svg(title: &str, est: &Estimate, timeline: &Timeline, gpu_given: bool) -> String {
+    crate::plot::timeline_svg(&TimelinePlot {
+        title: format!("{title}: {} per GPU", est.model),
+        timeline,
+        capacity: capacity(&est.gpu, est.capacity_bytes.filter(|_| gpu_given)),
+        peak_label: peak_label(
+            est.peak_allocated_bytes,
+            format!("step {} {}", est.peak_step, est.peak_phase),
+            &est.breakdown,
+        ),
+        when: "step",
+    })
+}
+
+/// The picture of a pipeline's estimate, each phase of each iteration a band.
+pub(crate) fn pipeline_svg(
+    title: &str,
+    est: &PipelineEstimate,
+    timeline: &Timeline,
+    gpu_given: bool,
+) -> String {
+    crate::plot::timeline_svg(&TimelinePlot {
+        title: title.to_string(),
+        timeline,
+        capacity: capacity(&est.gpu, est.capacity_bytes.filter(|_| gpu_given)),
+        peak_label: peak_label(
+            est.peak_allocated_bytes,
+            format!("iteration {} {}", est.peak_phase.1, est.peak_phase.0),
+            &est.breakdown,
+        ),
+        when: "iteration",
+    })
 }

@@ -88,7 +88,7 @@ fn draw_timeline(
         .light_line_style(WHITE)
         .x_desc("allocations and frees, in order")
         .y_desc("GiB")
-        .y_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&|v| gib_tick(*v, y_max))
         .x_label_formatter(&|v| format!("{v:.0}"))
         .draw()?;
 
@@ -200,6 +200,8 @@ enum Mark {
     Circle,
     /// The out-of-memory marker.
     Cross,
+    /// A scatter's dot.
+    Dot(RGBColor),
 }
 
 /// The legend in its own column, long names wrapped, so that it hides no data.
@@ -217,6 +219,10 @@ fn draw_legend(
             }
             Mark::Line(color) => {
                 area.draw(&PathElement::new([(2, y), (20, y)], color.stroke_width(2)))?;
+                BLACK
+            }
+            Mark::Dot(color) => {
+                area.draw(&Circle::new((11, y), 5, color.filled()))?;
                 BLACK
             }
             Mark::Circle => {
@@ -326,6 +332,9 @@ fn draw_lines(
     level: Option<&(u64, String)>,
 ) -> Result<(), DrawingAreaErrorKind<std::io::Error>> {
     root.fill(&WHITE)?;
+    let root = root.titled(title, ("sans-serif", 18))?;
+    let (area, legend_area) = root.split_horizontally(WIDTH - LEGEND_WIDTH);
+    let mut legend = Vec::new();
     let all = || series.iter().flat_map(|s| s.points.iter());
     let x_min = all().map(|p| p.0).fold(f64::INFINITY, f64::min);
     let x_max = all().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
@@ -347,56 +356,63 @@ fn draw_lines(
         .max(1) as f64
         / GIB
         * 1.1;
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, ("sans-serif", 18))
+    let mut chart = ChartBuilder::on(&area)
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
         .build_cartesian_2d(x_min - pad..x_max + pad, 0f64..y_top)?;
     chart
         .configure_mesh()
+        .light_line_style(WHITE)
         .x_desc(x_desc)
         .y_desc("GiB")
-        .y_label_formatter(&|v| format!("{v:.0}"))
-        .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&|v| gib_tick(*v, y_top))
+        .x_label_formatter(&|v| {
+            if x_max - x_min < 10.0 {
+                format!("{v:.2}")
+            } else {
+                format!("{v:.0}")
+            }
+        })
         .draw()?;
-    for s in series {
+    // Earlier series are drawn wider under later ones, so lines that coincide all show.
+    for (i, s) in series.iter().enumerate() {
         let color = s.color;
         let points = s.points.iter().map(|&(x, y)| (x, y as f64 / GIB));
         if s.dots {
-            chart
-                .draw_series(points.map(|p| Circle::new(p, 5, color.filled())))?
-                .label(s.name.clone())
-                .legend(move |(x, y)| Circle::new((x + 6, y), 5, color.filled()));
+            // Each dot numbered (1, 2, ...) as the table beside the picture numbers its rows.
+            chart.draw_series(points.enumerate().map(|(n, p)| {
+                EmptyElement::at(p)
+                    + Circle::new((0, 0), 5, color.filled())
+                    + Text::new(format!("{}", n + 1), (7, -12), ("sans-serif", 12))
+            }))?;
+            legend.push((s.name.clone(), Mark::Dot(color)));
         } else {
-            chart
-                .draw_series(LineSeries::new(points, color.stroke_width(2)))?
-                .label(s.name.clone())
-                .legend(move |(x, y)| {
-                    PathElement::new([(x, y), (x + 12, y)], color.stroke_width(2))
-                });
+            let width = (2 + 2 * (series.len() - 1 - i)).min(8) as u32;
+            chart.draw_series(LineSeries::new(points, color.stroke_width(width)))?;
+            legend.push((s.name.clone(), Mark::Line(color)));
         }
     }
     if let Some((bytes, name)) = level {
         let y = *bytes as f64 / GIB;
-        chart
-            .draw_series(DashedLineSeries::new(
-                [(x_min - pad, y), (x_max + pad, y)],
-                8,
-                5,
-                CAPACITY.stroke_width(2),
-            ))?
-            .label(name.clone())
-            .legend(|(x, y)| PathElement::new([(x, y), (x + 12, y)], CAPACITY.stroke_width(2)));
+        chart.draw_series(DashedLineSeries::new(
+            [(x_min - pad, y), (x_max + pad, y)],
+            8,
+            5,
+            CAPACITY.stroke_width(2),
+        ))?;
+        legend.push((name.clone(), Mark::Line(CAPACITY)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(RGBColor(0xaa, 0xaa, 0xaa))
-        .label_font(("sans-serif", 12))
-        .draw()?;
-    Ok(())
+    draw_legend(&legend_area, &legend)
+}
+
+/// A tick of a GiB axis, with a decimal where the axis is short.
+fn gib_tick(v: f64, top: f64) -> String {
+    if top < 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.0}")
+    }
 }
 
 /// Pictures side by side in one self-contained page: no script, style or font from elsewhere.

@@ -41,6 +41,9 @@ enum Command {
     Models(cmd::models::Args),
     /// List the launch-config lint rules `diagnose` runs, or explain one by its id.
     Rules(cmd::rules::Args),
+    /// A local web page: paste a spec and see its estimate, timeline and fit; read a snapshot;
+    /// diagnose an OOM message.
+    Serve(cmd::serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -63,6 +66,7 @@ fn main() -> ExitCode {
         Command::Trace(args) => cmd::trace::run(args),
         Command::Models(args) => cmd::models::run(args),
         Command::Rules(args) => cmd::rules::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

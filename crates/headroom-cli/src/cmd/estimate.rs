@@ -201,3 +201,36 @@ pub(crate) fn pipeline_svg(
         when: "iteration",
     })
 }
+
+/// What `estimate --json` prints for `document` on `gpu` (`gpu_given`: simulated at its
+/// capacity), or, with a `title`, the SVG of its timeline: `headroom serve`'s answer.
+pub(crate) fn answer(
+    document: &Document,
+    gpu: &gpu::Gpu,
+    gpu_given: bool,
+    title: Option<&str>,
+) -> headroom::Result<String> {
+    let limit = if gpu_given {
+        estimate::Limit::Gpu
+    } else {
+        estimate::Limit::None
+    };
+    Ok(match (document, title) {
+        (Document::Run(spec), None) => {
+            let est = estimate::estimate_with_trace(spec, None, gpu, limit, false)?.0;
+            to_json(&EstimateJson::new(&est, gpu_given))
+        }
+        (Document::Run(spec), Some(title)) => {
+            let (est, timeline) = estimate::estimate_timeline(spec, None, gpu, limit)?;
+            run_svg(title, &est, &timeline, gpu_given)
+        }
+        (Document::Pipeline(spec), None) => {
+            let est = estimate::estimate_pipeline(spec, None, gpu, limit)?;
+            to_json(&PipelineJson::new(&est, gpu_given))
+        }
+        (Document::Pipeline(spec), Some(title)) => {
+            let (est, timeline) = estimate::estimate_pipeline_timeline(spec, None, gpu, limit)?;
+            pipeline_svg(title, &est, &timeline, gpu_given)
+        }
+    })
+}

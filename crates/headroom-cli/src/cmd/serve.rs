@@ -82,7 +82,6 @@ pub const EXAMPLES: &[(&str, &str)] = &[
     example!("seed004-safe-mm-dpo.yaml"),
 ];
 
-
 pub fn run(args: Args) -> CliResult {
     let server = Server::http((args.bind, args.port))
         .map_err(|e| CliError::input(format!("--port {}: cannot listen: {e}", args.port)))?;
@@ -211,7 +210,12 @@ fn respond(mut request: Request) {
     let _ = request.respond(response);
 }
 
-fn route(method: &Method, path: &str, query: &[(String, String)], request: &mut Request) -> Answered {
+fn route(
+    method: &Method,
+    path: &str,
+    query: &[(String, String)],
+    request: &mut Request,
+) -> Answered {
     let param = |key: &str| {
         query
             .iter()
@@ -321,7 +325,10 @@ fn route(method: &Method, path: &str, query: &[(String, String)], request: &mut 
                     )
                 })?;
                 let title = format!("{name} (device {})", trace.device);
-                return Ok(Answer::svg(super::snapshot::trace_svg(&title, &trace.timeline)));
+                return Ok(Answer::svg(super::snapshot::trace_svg(
+                    &title,
+                    &trace.timeline,
+                )));
             }
             Ok(Answer::json(to_json(&SnapshotJson::new(name, &summary))))
         }
@@ -331,7 +338,9 @@ fn route(method: &Method, path: &str, query: &[(String, String)], request: &mut 
         }
         _ => Err(Answer::error(
             404,
-            format!("{path}: no such page (the API: /api/estimate, /api/fit, /api/diagnose, /api/snapshot, /api/examples)"),
+            format!(
+                "{path}: no such page (the API: /api/estimate, /api/fit, /api/diagnose, /api/snapshot, /api/examples)"
+            ),
             json!({}),
         )),
     }
@@ -382,7 +391,10 @@ fn body_text(request: &mut Request, limit: u64, what: &str) -> Result<String, An
     String::from_utf8(bytes).map_err(|e| {
         Answer::error(
             400,
-            format!("the {what} is not UTF-8 text (byte {})", e.utf8_error().valid_up_to()),
+            format!(
+                "the {what} is not UTF-8 text (byte {})",
+                e.utf8_error().valid_up_to()
+            ),
             json!({ "field": what, "allowed": "YAML or JSON text in UTF-8" }),
         )
     })

@@ -137,6 +137,11 @@ impl Timeline {
     pub fn phase_of(&self, point: usize) -> Option<&TimelinePhase> {
         self.phases.iter().find(|p| p.points.contains(&point))
     }
+
+    /// The phase an event falls in.
+    pub fn phase_of_event(&self, event: usize) -> Option<&TimelinePhase> {
+        self.phases.iter().find(|p| p.events.contains(&event))
+    }
 }
 
 #[cfg(test)]

@@ -15,4 +15,5 @@ mod oom_messages;
 mod oom_pastes;
 mod params;
 mod pipeline;
+mod timeline;
 mod totality;

@@ -529,7 +529,11 @@ mod tests {
             Some((3 << 30, "H100".into())),
         );
         let doc = roxmltree::Document::parse(&svg).expect("valid XML");
-        let texts: Vec<&str> = doc.descendants().filter_map(|n| n.text()).collect();
+        let texts: Vec<&str> = doc
+            .descendants()
+            .filter_map(|n| n.text())
+            .map(str::trim)
+            .collect();
         assert!(texts.contains(&"a<b & c"), "{texts:?}");
         assert!(texts.contains(&"reserved") && texts.contains(&"H100"));
         // an empty chart still draws

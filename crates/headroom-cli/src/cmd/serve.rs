@@ -203,9 +203,11 @@ fn respond(mut request: Request) {
     })
     .unwrap_or_else(|e| e);
     let header = Header::from_bytes("Content-Type", answer.content_type).expect("a valid header");
+    // Every answer is whole in memory: sent with its length, never chunked.
     let response = Response::from_data(answer.body)
         .with_status_code(answer.status)
-        .with_header(header);
+        .with_header(header)
+        .with_chunked_threshold(usize::MAX);
     // A client that went away is no error of ours.
     let _ = request.respond(response);
 }

@@ -6,6 +6,8 @@ mod assumptions;
 mod common;
 mod diagnose_fit;
 mod estimate;
+mod plot;
 mod rules;
+mod serve;
 mod totality;
 mod trace;

@@ -170,7 +170,8 @@ fn draw_timeline(
         let at = (peak.event as f64, peak.allocated() as f64 / GIB);
         chart.draw_series([
             Circle::new(at, 6, BLACK.stroke_width(2)).into_dyn(),
-            annotation("peak", at, x_max, y_max, BLACK).into_dyn(),
+            // Below the marker: the out-of-memory label sits above the curves.
+            annotation("peak", (at.0, at.1 - y_max * 0.09), x_max, y_max, BLACK).into_dyn(),
         ])?;
         legend.insert(0, (plot.peak_label.clone(), Mark::Circle));
     }

@@ -6,6 +6,7 @@ mod assumptions;
 mod common;
 mod diagnose_fit;
 mod estimate;
+mod page;
 mod plot;
 mod rules;
 mod serve;

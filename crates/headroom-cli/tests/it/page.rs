@@ -100,7 +100,10 @@ fn the_page_shows_what_the_cli_says() {
 
     // Opened with no arguments: the first example's estimate on the default GPU.
     let dom = browse(&chromium, &server.url("/"), None);
-    assert!(dom.contains("data-ready=\"1\""), "the page's script finished");
+    assert!(
+        dom.contains("data-ready=\"1\""),
+        "the page's script finished"
+    );
     let est = json(&[
         "estimate",
         "examples/qwen2.5-7b-lora.yaml",
@@ -127,7 +130,10 @@ fn the_page_shows_what_the_cli_says() {
         "--json",
     ]);
     let oom = &est["gpu"]["oom"];
-    assert_eq!(attr(&dom, "oom-point", "data-phase").as_deref(), oom["phase"].as_str());
+    assert_eq!(
+        attr(&dom, "oom-point", "data-phase").as_deref(),
+        oom["phase"].as_str()
+    );
     assert_eq!(bytes(&dom, "oom-point"), oom["requested_bytes"]);
     assert_eq!(bytes(&dom, "peak-allocated"), est["peak_allocated_bytes"]);
     assert_eq!(attr(&dom, "verdict", "data-fits").as_deref(), Some("false"));
@@ -154,15 +160,24 @@ fn the_page_shows_what_the_cli_says() {
     // A bad spec: the error names the field next to the editor.
     let url = server.url("/?spec=model%3A%20qwen2.5-0.5b%0Abatch_size%3A%200%0A");
     let dom = browse(&chromium, &url, None);
-    assert_eq!(attr(&dom, "spec-error", "data-field").as_deref(), Some("batch_size"));
+    assert_eq!(
+        attr(&dom, "spec-error", "data-field").as_deref(),
+        Some("batch_size")
+    );
     assert!(text(&dom, "spec-error").is_some_and(|t| t.contains("field batch_size (line 2)")));
 
     // Screenshots a person reads.
     let dir = repo().join("target/screenshots");
     std::fs::create_dir_all(&dir).unwrap();
     let shots = [
-        ("serve-seed003.png", "/?example=seed003-phi3-dpo.yaml&gpu=h100-80gb"),
-        ("serve-fit.png", "/?example=llama-3.1-8b-full.yaml&gpu=h100-80gb&fit=1"),
+        (
+            "serve-seed003.png",
+            "/?example=seed003-phi3-dpo.yaml&gpu=h100-80gb",
+        ),
+        (
+            "serve-fit.png",
+            "/?example=llama-3.1-8b-full.yaml&gpu=h100-80gb&fit=1",
+        ),
     ];
     let mut pngs = Vec::new();
     for (name, path) in shots {
@@ -173,7 +188,13 @@ fn the_page_shows_what_the_cli_says() {
     }
     // `estimate --plot`'s SVG as a browser draws it.
     let svg = dir.join("estimate-seed003.svg");
-    let args = ["estimate", "examples/seed003-phi3-dpo.yaml", "--gpu", "h100-80gb", "--plot"];
+    let args = [
+        "estimate",
+        "examples/seed003-phi3-dpo.yaml",
+        "--gpu",
+        "h100-80gb",
+        "--plot",
+    ];
     let out = super::common::headroom(&[&args[..], &[&svg.display().to_string()]].concat());
     assert!(out.status.success());
     let png = dir.join("estimate-seed003.png");

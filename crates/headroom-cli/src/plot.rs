@@ -31,6 +31,7 @@ const COMPONENT_COLORS: [RGBColor; Component::COUNT] = [
     RGBColor(0xba, 0xb0, 0xac), // allocator rounding
 ];
 const RESERVED: RGBColor = RGBColor(0x33, 0x33, 0x33);
+const CACHE: RGBColor = RGBColor(0xdd, 0xdd, 0xdd);
 const CAPACITY: RGBColor = RGBColor(0xc0, 0x00, 0x00);
 
 /// What an estimate's picture shows beside its timeline.
@@ -146,16 +147,23 @@ fn draw_timeline(
         legend.push((c.to_string(), Mark::Fill(color)));
         below = above;
     }
-    chart.draw_series(LineSeries::new(
-        t.points
-            .iter()
-            .map(|p| (p.event as f64, p.reserved as f64 / GIB)),
-        RESERVED.stroke_width(2),
-    ))?;
-    legend.push((
-        "reserved (above allocated: the allocator's cache)".into(),
-        Mark::Line(RESERVED),
-    ));
+    // The allocator's cache: reserved above what is allocated.
+    let mut cache: Vec<(f64, f64)> = t
+        .points
+        .iter()
+        .map(|p| (p.event as f64, p.reserved as f64 / GIB))
+        .collect();
+    let reserved_line = cache.clone();
+    cache.extend(
+        xs.iter()
+            .zip(&below)
+            .rev()
+            .map(|(&x, &y)| (x, y as f64 / GIB)),
+    );
+    chart.draw_series(std::iter::once(Polygon::new(cache, CACHE.filled())))?;
+    legend.push(("cached: reserved, not allocated".into(), Mark::Fill(CACHE)));
+    chart.draw_series(LineSeries::new(reserved_line, RESERVED.stroke_width(2)))?;
+    legend.push(("reserved".into(), Mark::Line(RESERVED)));
     if let Some((bytes, name)) = &plot.capacity {
         let y = *bytes as f64 / GIB;
         chart.draw_series(DashedLineSeries::new(

@@ -32,6 +32,7 @@ const COMPONENT_COLORS: [RGBColor; Component::COUNT] = [
 ];
 const RESERVED: RGBColor = RGBColor(0x33, 0x33, 0x33);
 const CACHE: RGBColor = RGBColor(0xdd, 0xdd, 0xdd);
+const OUTSIDE: RGBColor = RGBColor(0xc5, 0xb0, 0xd5);
 const CAPACITY: RGBColor = RGBColor(0xc0, 0x00, 0x00);
 
 /// What an estimate's picture shows beside its timeline.
@@ -44,6 +45,9 @@ pub struct TimelinePlot<'a> {
     pub peak_label: String,
     /// `step` for a run, `iteration` for a pipeline.
     pub when: &'static str,
+    /// Per phase of the timeline, device bytes held outside the caching allocator (a
+    /// pipeline's rollout engines while awake); empty: none.
+    pub outside: Vec<u64>,
 }
 
 /// The estimate's timeline: allocated bytes stacked by component, reserved bytes as a line
@@ -71,12 +75,15 @@ fn draw_timeline(
     let top_bytes = t
         .points
         .iter()
-        .map(|p| p.reserved.max(p.allocated()))
+        .enumerate()
+        .map(|(i, p)| p.reserved.max(p.allocated()) + outside_at(plot, i))
         .chain(plot.capacity.as_ref().map(|c| c.0))
         .max()
         .unwrap_or(0)
         .max(1);
-    let x_max = t.events.max(1) as f64;
+    // Points, not events, along x: a phase of many events (a generation, token by token) is
+    // drawn as wide as any other phase that reaches its points.
+    let x_max = (t.points.len().max(2) - 1) as f64;
     let y_max = top_bytes as f64 / GIB * 1.12;
     let mut chart = ChartBuilder::on(&area)
         .margin(12)
@@ -87,32 +94,39 @@ fn draw_timeline(
         .configure_mesh()
         .disable_x_mesh()
         .light_line_style(WHITE)
-        .x_desc("allocations and frees, in order")
+        .x_desc(format!(
+            "{} allocations, frees and changes of component in order; a phase's most drawn \
+             over at most {} points",
+            t.events, t.points_per_phase
+        ))
         .y_desc("GiB")
         .y_label_formatter(&|v| gib_tick(*v, y_max))
-        .x_label_formatter(&|v| format!("{v:.0}"))
+        .x_labels(0)
         .draw()?;
 
     // Phases: alternate bands, named where they are wide enough.
-    let pixels_per_event = f64::from(WIDTH - LEGEND_WIDTH - 90) / x_max;
+    let pixels_per_point = f64::from(WIDTH - LEGEND_WIDTH - 90) / x_max;
     for (i, phase) in t.phases.iter().enumerate() {
-        let (a, b) = (phase.events.start as f64, phase.events.end as f64);
+        let (a, b) = (
+            phase.points.start as f64 - 0.5,
+            phase.points.end as f64 - 0.5,
+        );
         if i % 2 == 1 {
             chart.draw_series(std::iter::once(Rectangle::new(
                 [(a, 0.0), (b, y_max)],
                 RGBColor(0xf2, 0xf2, 0xf2).filled(),
             )))?;
         }
-        let width = (b - a) * pixels_per_event;
+        let width = (b - a) * pixels_per_point;
         let long = format!("{} {} {}", plot.when, phase.step, phase.name);
         let label = [long, phase.name.clone()]
             .into_iter()
-            .find(|l| width > 6.5 * l.len() as f64 + 8.0);
+            .find(|l| width > 5.6 * l.len() as f64);
         if let Some(label) = label {
             chart.draw_series(std::iter::once(Text::new(
                 label,
-                (a + (b - a) * 0.02, y_max * 0.985),
-                ("sans-serif", 12)
+                (a + 2.0 / pixels_per_point, y_max * 0.985),
+                ("sans-serif", 11)
                     .into_font()
                     .color(&RGBColor(0x55, 0x55, 0x55)),
             )))?;
@@ -120,7 +134,7 @@ fn draw_timeline(
     }
 
     // Components stacked in `Component::ALL` order, each drawn where it is ever live.
-    let xs: Vec<f64> = t.points.iter().map(|p| p.event as f64).collect();
+    let xs: Vec<f64> = (0..t.points.len()).map(|i| i as f64).collect();
     let mut below = vec![0u64; t.points.len()];
     for c in Component::ALL {
         if t.points.iter().all(|p| p.by_component[c.index()] == 0) {
@@ -151,7 +165,8 @@ fn draw_timeline(
     let mut cache: Vec<(f64, f64)> = t
         .points
         .iter()
-        .map(|p| (p.event as f64, p.reserved as f64 / GIB))
+        .enumerate()
+        .map(|(i, p)| (i as f64, p.reserved as f64 / GIB))
         .collect();
     let reserved_line = cache.clone();
     cache.extend(
@@ -162,6 +177,24 @@ fn draw_timeline(
     );
     chart.draw_series(std::iter::once(Polygon::new(cache, CACHE.filled())))?;
     legend.push(("cached: reserved, not allocated".into(), Mark::Fill(CACHE)));
+    if plot.outside.iter().any(|&b| b > 0) {
+        for (i, phase) in t.phases.iter().enumerate() {
+            let bytes = plot.outside.get(i).copied().unwrap_or(0);
+            if bytes == 0 || phase.points.is_empty() {
+                continue;
+            }
+            let mut band: Vec<(f64, f64)> = reserved_line[phase.points.clone()]
+                .iter()
+                .map(|&(x, y)| (x, y + bytes as f64 / GIB))
+                .collect();
+            band.extend(reserved_line[phase.points.clone()].iter().rev());
+            chart.draw_series(std::iter::once(Polygon::new(band, OUTSIDE.filled())))?;
+        }
+        legend.push((
+            "rollout engine, outside the allocator".into(),
+            Mark::Fill(OUTSIDE),
+        ));
+    }
     chart.draw_series(LineSeries::new(reserved_line, RESERVED.stroke_width(2)))?;
     legend.push(("reserved".into(), Mark::Line(RESERVED)));
     if let Some((bytes, name)) = &plot.capacity {
@@ -174,8 +207,8 @@ fn draw_timeline(
         ))?;
         legend.push((name.clone(), Mark::Line(CAPACITY)));
     }
-    if let Some(peak) = t.peak.map(|i| &t.points[i]) {
-        let at = (peak.event as f64, peak.allocated() as f64 / GIB);
+    if let Some(i) = t.peak {
+        let at = (i as f64, t.points[i].allocated() as f64 / GIB);
         chart.draw_series([
             Circle::new(at, 6, BLACK.stroke_width(2)).into_dyn(),
             // Below the marker: the out-of-memory label sits above the curves.
@@ -185,7 +218,7 @@ fn draw_timeline(
     }
     if let Some(oom) = &t.oom {
         let point = &t.points[oom.point];
-        let x = point.event as f64;
+        let x = oom.point as f64;
         chart.draw_series([
             PathElement::new([(x, 0.0), (x, y_max * 0.93)], CAPACITY.stroke_width(2)).into_dyn(),
             Cross::new(
@@ -265,6 +298,16 @@ fn wrap(text: &str, width: usize) -> Vec<String> {
         }
     }
     lines
+}
+
+/// Bytes outside the allocator at point `i` (see [`TimelinePlot::outside`]).
+fn outside_at(plot: &TimelinePlot, i: usize) -> u64 {
+    plot.timeline
+        .phases
+        .iter()
+        .position(|p| p.points.contains(&i))
+        .and_then(|phase| plot.outside.get(phase).copied())
+        .unwrap_or(0)
 }
 
 /// The out-of-memory label, worded as `estimate`'s verdict words it.

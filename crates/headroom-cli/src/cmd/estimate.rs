@@ -179,6 +179,7 @@ pub(crate) fn run_svg(title: &str, est: &Estimate, timeline: &Timeline, gpu_give
             &est.breakdown,
         ),
         when: "step",
+        outside: Vec::new(),
     })
 }
 
@@ -199,6 +200,17 @@ pub(crate) fn pipeline_svg(
             &est.breakdown,
         ),
         when: "iteration",
+        // A phase's rollout engines, as the pipeline's table reports them.
+        outside: timeline
+            .phases
+            .iter()
+            .map(|tp| {
+                est.phases
+                    .iter()
+                    .find(|p| p.iteration == tp.step && p.name == tp.name)
+                    .map_or(0, |p| p.engine_bytes)
+            })
+            .collect(),
     })
 }
 

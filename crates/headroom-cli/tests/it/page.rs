@@ -44,7 +44,12 @@ fn browse(chromium: &Path, url: &str, screenshot: Option<&Path>) -> String {
         Some(path) => command.arg(format!("--screenshot={}", path.display())),
         None => command.arg("--dump-dom"),
     };
+    let started = std::time::Instant::now();
     let out = command.arg(url).output().expect("chromium runs");
+    eprintln!(
+        "chromium on {url}: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     assert!(
         out.status.success(),
         "chromium: {}",

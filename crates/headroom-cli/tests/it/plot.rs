@@ -86,7 +86,7 @@ fn a_run_plot_names_its_phases_components_and_peak() {
         "weights",
         "activations",
         "logits and loss",
-        "step 1 backward",
+        "backward",
         "reserved",
     ] {
         assert!(text.contains(name), "{name} not in {text}");

@@ -54,6 +54,8 @@ pub struct Timeline {
     pub phases: Vec<TimelinePhase>,
     /// Allocations, frees and changes of component of the whole run.
     pub events: usize,
+    /// Points a phase keeps at most.
+    pub points_per_phase: usize,
     /// The point of the estimate's peak: the largest allocated total of the phase it names.
     pub peak: Option<usize>,
     pub oom: Option<TimelineOom>,
@@ -128,6 +130,7 @@ impl Timeline {
                 requested_bytes: o.requested_bytes,
             }),
             events: recorded.samples.len(),
+            points_per_phase: budget,
             points,
             phases,
         }

@@ -468,7 +468,7 @@ fn gib_tick(v: f64, top: f64) -> String {
 }
 
 /// Pictures side by side in one self-contained page: no script, style or font from elsewhere.
-pub fn html(title: &str, svgs: &[String], notes: &[String]) -> String {
+fn html(title: &str, svgs: &[String]) -> String {
     let mut page = format!(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{}</title>\
          <style>body{{font-family:sans-serif;margin:1.5em;color:#222}}\
@@ -477,9 +477,6 @@ pub fn html(title: &str, svgs: &[String], notes: &[String]) -> String {
         escape(title),
         escape(title)
     );
-    for note in notes {
-        page += &format!("<p>{}</p>\n", escape(note));
-    }
     page += "<div class=\"plots\">\n";
     for svg in svgs {
         page += svg;
@@ -490,7 +487,7 @@ pub fn html(title: &str, svgs: &[String], notes: &[String]) -> String {
 }
 
 /// Text as HTML and XML read it.
-pub fn escape(text: &str) -> String {
+fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
@@ -498,19 +495,14 @@ pub fn escape(text: &str) -> String {
 }
 
 /// Writes `svgs` to `path`: one SVG as it is (`.svg`), or all in an HTML page (`.html`).
-pub fn write(
-    path: &std::path::Path,
-    title: &str,
-    svgs: &[String],
-    notes: &[String],
-) -> crate::error::CliResult {
+pub fn write(path: &std::path::Path, title: &str, svgs: &[String]) -> crate::error::CliResult {
     use crate::error::CliError;
     let ext = path
         .extension()
         .and_then(|e| e.to_str())
         .map(str::to_ascii_lowercase);
     let content = match ext.as_deref() {
-        Some("html" | "htm") => html(title, svgs, notes),
+        Some("html" | "htm") => html(title, svgs),
         Some("svg") if svgs.len() == 1 => svgs[0].clone(),
         Some("svg") => {
             return Err(CliError::input(format!(

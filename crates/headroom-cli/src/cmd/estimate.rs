@@ -91,7 +91,7 @@ pub fn run(args: Args) -> CliResult {
             let (est, timeline) = est?;
             if let (Some(path), Some(timeline)) = (&args.plot, &timeline) {
                 let svg = pipeline_svg(&title, &est, timeline, args.gpu.is_some());
-                crate::plot::write(path, &title, &[svg], &[])?;
+                crate::plot::write(path, &title, &[svg])?;
             }
             if args.json {
                 println!("{}", to_json(&PipelineJson::new(&est, args.gpu.is_some())));
@@ -110,7 +110,7 @@ pub fn run(args: Args) -> CliResult {
             other => other?,
         };
         let svg = run_svg(&title, &est, &timeline, args.gpu.is_some());
-        crate::plot::write(path, &title, &[svg], &[])?;
+        crate::plot::write(path, &title, &[svg])?;
         return print(&args, &est);
     }
     let (est, trace) =

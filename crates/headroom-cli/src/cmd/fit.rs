@@ -97,7 +97,7 @@ pub fn run(args: Args) -> CliResult {
     let report = report?;
     if let Some(path) = &args.plot {
         let title = format!("{} on {}", args.spec.display(), setup.gpu.name);
-        crate::plot::write(path, &title, &[front_svg(&title, &setup, &report)], &[])?;
+        crate::plot::write(path, &title, &[front_svg(&title, &setup, &report)])?;
     }
     if args.json {
         println!("{}", to_json(&FitJson::new(&setup, &report)));

@@ -77,7 +77,7 @@ pub fn run(args: Args) -> CliResult {
             args.alloc_conf.as_deref(),
             original.as_ref(),
         );
-        crate::plot::write(path, &title, &[svg], &[])?;
+        crate::plot::write(path, &title, &[svg])?;
     }
     if args.json {
         let file = args.file.display().to_string();

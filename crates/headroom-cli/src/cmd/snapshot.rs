@@ -41,7 +41,7 @@ pub fn run(args: Args) -> CliResult {
             ))
         })?;
         let title = format!("{} (device {})", args.file.display(), trace.device);
-        crate::plot::write(out, &title, &[trace_svg(&title, &trace.timeline)], &[])?;
+        crate::plot::write(out, &title, &[trace_svg(&title, &trace.timeline)])?;
     }
     if args.json {
         let report = SnapshotJson::new(args.file.display().to_string(), &summary);

@@ -20,10 +20,27 @@ fn chromium() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Seconds a Chromium run may take before it is ended and tried once more (a run takes 1 to
+/// 25 s here; a stalled one was seen once under a loaded machine).
+const CHROMIUM_TIMEOUT_S: u64 = 150;
+
 /// Headless Chromium on `url`, given time for the page's requests: its DOM once they are done,
 /// or a screenshot at `screenshot`.
 fn browse(chromium: &Path, url: &str, screenshot: Option<&Path>) -> String {
+    for attempt in 1..=2 {
+        if let Some(dom) = try_browse(chromium, url, screenshot) {
+            return dom;
+        }
+        eprintln!("chromium on {url}: no answer in {CHROMIUM_TIMEOUT_S} s (attempt {attempt})");
+    }
+    panic!("chromium on {url}: no answer in two attempts");
+}
+
+/// One run of [`browse`]; `None` when it had to be ended.
+fn try_browse(chromium: &Path, url: &str, screenshot: Option<&Path>) -> Option<String> {
     let profile = tempfile::tempdir().unwrap();
+    let dom = tempfile::NamedTempFile::new().unwrap();
+    let errors = tempfile::NamedTempFile::new().unwrap();
     let mut command = Command::new(chromium);
     command.args([
         "--headless",
@@ -44,18 +61,34 @@ fn browse(chromium: &Path, url: &str, screenshot: Option<&Path>) -> String {
         Some(path) => command.arg(format!("--screenshot={}", path.display())),
         None => command.arg("--dump-dom"),
     };
+    let mut child = command
+        .arg(url)
+        .stdout(dom.reopen().unwrap())
+        .stderr(errors.reopen().unwrap())
+        .spawn()
+        .expect("chromium runs");
     let started = std::time::Instant::now();
-    let out = command.arg(url).output().expect("chromium runs");
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("chromium's status") {
+            break status;
+        }
+        if started.elapsed().as_secs() > CHROMIUM_TIMEOUT_S {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
     eprintln!(
         "chromium on {url}: {:.1} s",
         started.elapsed().as_secs_f64()
     );
     assert!(
-        out.status.success(),
+        status.success(),
         "chromium: {}",
-        String::from_utf8_lossy(&out.stderr)
+        std::fs::read_to_string(errors.path()).unwrap_or_default()
     );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    Some(std::fs::read_to_string(dom.path()).expect("the DOM"))
 }
 
 /// The value of `attr` on the element with `id` in a dumped DOM.

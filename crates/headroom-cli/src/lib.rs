@@ -6,6 +6,7 @@
 
 pub mod cmd;
 pub mod error;
+mod plot;
 mod progress;
 mod render;
 
@@ -47,6 +48,9 @@ enum Command {
     Models(cmd::models::Args),
     /// List the launch-config lint rules `diagnose` runs, or explain one by its id.
     Rules(cmd::rules::Args),
+    /// A local web page: paste a spec and see its estimate, timeline and fit; read a snapshot;
+    /// diagnose an OOM message.
+    Serve(cmd::serve::Args),
 }
 
 /// Runs the command line `args` (the program name first) and returns its exit code: 0, or
@@ -90,6 +94,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>, host_python: Option<&str>)
         }
         Command::Models(args) => cmd::models::run(args),
         Command::Rules(args) => cmd::rules::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     match result {
         Ok(()) => 0,

@@ -105,6 +105,7 @@ fn estimate(
             json: true,
             gpu,
             timeline: None,
+            plot: None,
             trace: false,
             spec_dir,
             python: headroom_cli::DEFAULT_PYTHON.to_string(),
@@ -132,6 +133,7 @@ fn fit(
             residents,
             accelerate_config,
             json: true,
+            plot: None,
             spec_dir,
         })
     })
@@ -195,6 +197,7 @@ fn replay(py: Python<'_>, file: PathBuf, alloc_conf: Option<String>) -> PyResult
             file,
             json: true,
             alloc_conf,
+            plot: None,
         })
     })
 }

@@ -16,7 +16,6 @@ pub mod limits;
 mod mapped_pages;
 mod model;
 mod pickle;
-mod plot;
 mod read;
 mod replay;
 pub mod report;
@@ -28,10 +27,10 @@ pub use model::{
     Action, AllocatorSettings, Block, BlockState, Frame, FrameTable, NO_STACK, Segment, Snapshot,
     StackId, TraceEvent,
 };
-pub use plot::{sparkline, timeline_svg};
 pub use read::{from_bytes, load};
 pub use replay::{
-    Divergence, ReplayOptions, ReplayReport, SegmentStep, config_from_settings, replay,
+    Divergence, REPLAY_POINTS, ReplayOptions, ReplayPoint, ReplayReport, SegmentStep,
+    config_from_settings, replay,
 };
 pub use summary::{
     ActionCounts, Fragmentation, SegmentCounts, Site, Summary, SummaryOptions, TimelinePoint,

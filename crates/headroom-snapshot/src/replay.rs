@@ -112,6 +112,21 @@ pub struct ReplayReport {
     pub unmatched_frees: usize,
     /// Allocations the simulator refused (never, without a capacity).
     pub failed_allocs: usize,
+    /// Recorded and simulated reserved bytes over the trace, at most [`REPLAY_POINTS`] points.
+    pub timeline: Vec<ReplayPoint>,
+}
+
+/// Points of [`ReplayReport::timeline`] at most.
+pub const REPLAY_POINTS: usize = 400;
+
+/// A run of trace entries: the most each series reached over it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplayPoint {
+    /// The run's last trace entry.
+    pub event_index: usize,
+    pub recorded_reserved_bytes: u64,
+    pub simulated_reserved_bytes: u64,
+    pub simulated_allocated_bytes: u64,
 }
 
 /// The allocator config a snapshot recorded: its settings string, with the fields
@@ -157,6 +172,8 @@ pub fn replay(snapshot: &Snapshot, options: &ReplayOptions) -> ReplayReport {
     let mut reserved = initial.reserved;
     let mut peak_reserved = reserved;
     let mut in_flush = false;
+    let bucket = trace.len().div_ceil(REPLAY_POINTS).max(1);
+    let mut timeline: Vec<ReplayPoint> = Vec::with_capacity(REPLAY_POINTS);
     for (i, event) in trace.iter().enumerate() {
         let is_free_run = matches!(event.action, Action::SegmentFree | Action::SegmentUnmap);
         match event.action {
@@ -206,6 +223,28 @@ pub fn replay(snapshot: &Snapshot, options: &ReplayOptions) -> ReplayReport {
             reserved = apply_segment_event(reserved, event);
             peak_reserved = peak_reserved.max(reserved);
         }
+        let stats = sim.stats();
+        let point = ReplayPoint {
+            event_index: i,
+            recorded_reserved_bytes: reserved,
+            simulated_reserved_bytes: stats.reserved_bytes.all.current as u64,
+            simulated_allocated_bytes: stats.allocated_bytes.all.current as u64,
+        };
+        match timeline.last_mut() {
+            Some(last) if i % bucket != 0 => {
+                last.event_index = i;
+                last.recorded_reserved_bytes = last
+                    .recorded_reserved_bytes
+                    .max(point.recorded_reserved_bytes);
+                last.simulated_reserved_bytes = last
+                    .simulated_reserved_bytes
+                    .max(point.simulated_reserved_bytes);
+                last.simulated_allocated_bytes = last
+                    .simulated_allocated_bytes
+                    .max(point.simulated_allocated_bytes);
+            }
+            _ => timeline.push(point),
+        }
     }
 
     let simulated: Vec<SegmentStep> = sim
@@ -254,6 +293,7 @@ pub fn replay(snapshot: &Snapshot, options: &ReplayOptions) -> ReplayReport {
         cache_flushes: flushes,
         unmatched_frees: unmatched,
         failed_allocs: failed,
+        timeline,
     }
 }
 

@@ -13,6 +13,7 @@ use headroom::spec::RunSpec;
 use headroom::units::{gib, signed_gib};
 
 use crate::error::{CliError, CliResult};
+use crate::plot::{SERIES_COLORS, Series};
 use crate::render::table;
 
 #[derive(clap::Args)]
@@ -38,6 +39,10 @@ pub struct Args {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Draw the configurations that fit (device memory against step time, numbered as the
+    /// table numbers them) to FILE.svg or FILE.html.
+    #[arg(long, value_name = "FILE.svg|FILE.html")]
+    pub plot: Option<PathBuf>,
     /// Where relative model paths resolve, when not the spec's folder (a spec the Python
     /// bindings were given as text).
     #[arg(skip)]
@@ -109,7 +114,37 @@ fn plan_fit(args: &Args) -> CliResult<(Setup<'_>, FitReport)> {
     );
     let report = plan::fit(&setup);
     progress.finish_and_clear();
-    Ok((setup, report?))
+    let report = report?;
+    if let Some(path) = &args.plot {
+        let title = format!("{} on {}", args.spec.display(), setup.gpu.name);
+        crate::plot::write(path, &title, &[front_svg(&title, &setup, &report)])?;
+    }
+    Ok((setup, report))
+}
+
+/// The Pareto front: each configuration that fits, device memory against step time, beside
+/// the GPU's total.
+pub(crate) fn front_svg(title: &str, setup: &Setup, r: &FitReport) -> String {
+    let front = Series {
+        name: "configurations that fit (numbered as in the table)".into(),
+        color: SERIES_COLORS[0],
+        points: r
+            .front
+            .iter()
+            .map(|e| (e.slowdown, e.device_bytes))
+            .collect(),
+        dots: true,
+    };
+    let total = (
+        setup.gpu.total_bytes,
+        format!("{}: {}", setup.gpu.name, gib(setup.gpu.total_bytes)),
+    );
+    crate::plot::lines_svg(
+        title,
+        "step time relative to the spec (×)",
+        &[front],
+        Some(total),
+    )
 }
 
 fn render(setup: &Setup, r: &FitReport) -> String {

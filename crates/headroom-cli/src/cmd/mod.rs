@@ -7,6 +7,7 @@ pub mod measure;
 pub mod models;
 pub mod replay;
 pub mod rules;
+pub mod serve;
 pub mod snapshot;
 pub mod trace;
 pub mod validate;

@@ -12,9 +12,10 @@ use headroom::report::trace::TraceReplayJson;
 use headroom::units::format_size;
 use headroom_alloc::{AllocatorConfig, Backend};
 use headroom_snapshot::report::ReplayJson;
-use headroom_snapshot::{ReplayOptions, ReplayReport, SegmentStep, replay};
+use headroom_snapshot::{ReplayOptions, ReplayPoint, ReplayReport, SegmentStep, replay};
 
 use crate::error::{CliError, CliResult};
+use crate::plot::{SERIES_COLORS, Series};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -28,6 +29,10 @@ pub struct Args {
     /// e.g. "expandable_segments:True".
     #[arg(long, value_name = "STR")]
     pub alloc_conf: Option<String>,
+    /// Draw the recorded and the simulated reserved bytes over the trace (with --alloc-conf,
+    /// the what-if beside the recorded config's replay) to FILE.svg or FILE.html.
+    #[arg(long, value_name = "FILE.svg|FILE.html")]
+    pub plot: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> CliResult {
@@ -81,6 +86,14 @@ fn replayed(args: &Args) -> CliResult<Replayed> {
         .map(parse_alloc_conf)
         .transpose()?;
     if headroom::trace::is_json(&args.file) {
+        if args.plot.is_some() {
+            return Err(CliError::input(format!(
+                "--plot: {} is a headroom trace, which recorded no device timeline to draw \
+                 (allowed: a torch.cuda.memory snapshot; `headroom trace --save` and \
+                 `headroom estimate --plot` draw a spec's)",
+                args.file.display()
+            )));
+        }
         return replay_trace(args, config).map(|t| Replayed::Trace(Box::new(t)));
     }
     let snapshot = super::snapshot::load(&args.file)?;
@@ -90,13 +103,27 @@ fn replayed(args: &Args) -> CliResult<Replayed> {
             args.file.display()
         )));
     }
-    Ok(Replayed::Snapshot(Box::new(replay(
+    let what_if = config.is_some();
+    let report = replay(
         &snapshot,
         &ReplayOptions {
             config,
             device: None,
         },
-    ))))
+    );
+    if let Some(path) = &args.plot {
+        // The what-if is drawn beside the replay under the recorded config.
+        let original = what_if.then(|| replay(&snapshot, &ReplayOptions::default()));
+        let title = format!("{} (device {})", args.file.display(), report.device);
+        let svg = replay_svg(
+            &title,
+            &report,
+            args.alloc_conf.as_deref(),
+            original.as_ref(),
+        );
+        crate::plot::write(path, &title, &[svg])?;
+    }
+    Ok(Replayed::Snapshot(Box::new(report)))
 }
 
 /// A trace's calls under the allocator config of its spec, and under `what_if`
@@ -144,6 +171,55 @@ fn print_trace(args: &Args, t: &TraceReplay) {
     if let (Some(conf), Some(est)) = (&args.alloc_conf, &t.what_if) {
         line(&format!("--alloc-conf {conf}"), est);
     }
+}
+
+/// Recorded and simulated reserved bytes over the trace; with a what-if, the replay under the
+/// recorded config (`original`) too.
+fn replay_svg(
+    title: &str,
+    report: &ReplayReport,
+    alloc_conf: Option<&str>,
+    original: Option<&ReplayReport>,
+) -> String {
+    let series = |name: String, color, r: &ReplayReport, bytes: fn(&ReplayPoint) -> u64| Series {
+        name,
+        color,
+        points: r
+            .timeline
+            .iter()
+            .map(|p| (p.event_index as f64, bytes(p)))
+            .collect(),
+        dots: false,
+    };
+    let mut lines = vec![series(
+        "recorded reserved".into(),
+        SERIES_COLORS[0],
+        report,
+        |p| p.recorded_reserved_bytes,
+    )];
+    if let Some(original) = original {
+        lines.push(series(
+            "simulated reserved, recorded config".into(),
+            SERIES_COLORS[1],
+            original,
+            |p| p.simulated_reserved_bytes,
+        ));
+    }
+    let simulated = match alloc_conf {
+        Some(conf) => format!("simulated reserved, {conf}"),
+        None => "simulated reserved".into(),
+    };
+    let color = SERIES_COLORS[if original.is_some() { 3 } else { 1 }];
+    lines.push(series(simulated, color, report, |p| {
+        p.simulated_reserved_bytes
+    }));
+    lines.push(series(
+        "simulated allocated".into(),
+        SERIES_COLORS[2],
+        report,
+        |p| p.simulated_allocated_bytes,
+    ));
+    crate::plot::lines_svg(title, "trace entry", &lines, None)
 }
 
 pub(crate) fn parse_alloc_conf(conf: &str) -> CliResult<AllocatorConfig> {

@@ -6,11 +6,10 @@ use comfy_table::Table;
 use headroom::report::to_json;
 use headroom::units::format_size;
 use headroom_snapshot::report::SnapshotJson;
-use headroom_snapshot::{
-    Snapshot, SnapshotError, Summary, SummaryOptions, sparkline, summarize, timeline_svg,
-};
+use headroom_snapshot::{Snapshot, SnapshotError, Summary, SummaryOptions, summarize};
 
 use crate::error::{CliError, CliResult};
+use crate::plot::{SERIES_COLORS, Series, sparkline};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -19,8 +18,8 @@ pub struct Args {
     /// Print the summary as JSON (sizes in bytes).
     #[arg(long)]
     pub json: bool,
-    /// Also write an SVG timeline of active and reserved memory over the trace.
-    #[arg(long, value_name = "OUT.svg")]
+    /// Also draw active and reserved memory over the trace to FILE.svg or FILE.html.
+    #[arg(long, value_name = "FILE.svg|FILE.html")]
     pub plot: Option<PathBuf>,
 }
 
@@ -61,10 +60,33 @@ fn summarized(args: &Args) -> CliResult<Summary> {
             ))
         })?;
         let title = format!("{} (device {})", args.file.display(), trace.device);
-        std::fs::write(out, timeline_svg(&title, &trace.timeline))
-            .map_err(|e| CliError::failure(format!("cannot write {}: {e}", out.display())))?;
+        crate::plot::write(out, &title, &[trace_svg(&title, &trace.timeline)])?;
     }
     Ok(summary)
+}
+
+/// Active and reserved bytes over a recorded trace, as `MemoryViz.js` draws them.
+pub(crate) fn trace_svg(title: &str, timeline: &[headroom_snapshot::TimelinePoint]) -> String {
+    let series = |name: &str, color, bytes: fn(&headroom_snapshot::TimelinePoint) -> u64| Series {
+        name: name.into(),
+        color,
+        points: timeline
+            .iter()
+            .map(|p| (p.event_index as f64, bytes(p)))
+            .collect(),
+        dots: false,
+    };
+    crate::plot::lines_svg(
+        title,
+        "trace entry",
+        &[
+            series("reserved", SERIES_COLORS[1], |p| p.reserved_bytes),
+            series("active (requested bytes)", SERIES_COLORS[0], |p| {
+                p.active_bytes
+            }),
+        ],
+        None,
+    )
 }
 
 fn print_human(file: &Path, s: &Summary) {

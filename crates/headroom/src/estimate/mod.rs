@@ -3,9 +3,14 @@
 
 mod assumptions;
 mod pipeline;
+mod timeline;
 
 pub use assumptions::Assumptions;
-pub use pipeline::{EngineSummary, PAGEABLE_COPY_BYTES_PER_S, PipelineEstimate, estimate_pipeline};
+pub use pipeline::{
+    EngineSummary, PAGEABLE_COPY_BYTES_PER_S, PipelineEstimate, estimate_pipeline,
+    estimate_pipeline_timeline,
+};
+pub use timeline::{MAX_POINTS, Timeline, TimelineOom, TimelinePhase, TimelinePoint};
 
 use std::path::Path;
 
@@ -134,7 +139,31 @@ pub fn estimate_rank(
     gpu: &Gpu,
     rank: u64,
 ) -> Result<Estimate> {
-    Ok(estimate_ranks(spec, spec_dir, gpu, Limit::Gpu, false, Some(rank))?.0)
+    Ok(estimate_ranks(spec, spec_dir, gpu, Limit::Gpu, Keep::default(), Some(rank))?.0)
+}
+
+/// What an estimate keeps of its simulated run besides the numbers.
+#[derive(Clone, Copy, Debug, Default)]
+struct Keep {
+    trace: bool,
+    timeline: bool,
+}
+
+/// Like [`estimate`], with the limit chosen, also returning the timeline of allocated bytes by
+/// component and of reserved bytes (that of the run without a limit where the limited one ran
+/// out, with the error placed on it).
+pub fn estimate_timeline(
+    spec: &RunSpec,
+    spec_dir: Option<&Path>,
+    gpu: &Gpu,
+    limit: Limit,
+) -> Result<(Estimate, Timeline)> {
+    let keep = Keep {
+        trace: false,
+        timeline: true,
+    };
+    let (estimate, _, timeline) = estimate_ranks(spec, spec_dir, gpu, limit, keep, None)?;
+    Ok((estimate, timeline.expect("kept")))
 }
 
 /// Like [`estimate`], with the limit chosen, also returning every allocation and free of the
@@ -146,7 +175,12 @@ pub fn estimate_with_trace(
     limit: Limit,
     trace: bool,
 ) -> Result<(Estimate, Vec<SimulatedEvent>)> {
-    estimate_ranks(spec, spec_dir, gpu, limit, trace, None)
+    let keep = Keep {
+        trace,
+        timeline: false,
+    };
+    let (estimate, events, _) = estimate_ranks(spec, spec_dir, gpu, limit, keep, None)?;
+    Ok((estimate, events))
 }
 
 /// The estimate of the worst rank, or of `rank` alone.
@@ -155,9 +189,9 @@ fn estimate_ranks(
     spec_dir: Option<&Path>,
     gpu: &Gpu,
     limit: Limit,
-    trace: bool,
+    keep: Keep,
     rank: Option<u64>,
-) -> Result<(Estimate, Vec<SimulatedEvent>)> {
+) -> Result<(Estimate, Vec<SimulatedEvent>, Option<Timeline>)> {
     spec.check_simulated()?;
     let (model, arch) = spec.architecture(spec_dir, "")?;
     if let Some(parallel) = &spec.parallel {
@@ -188,7 +222,8 @@ fn estimate_ranks(
         workspaces: gpu.workspaces(),
         device_total: gpu.total_bytes,
         after_oom: sim::AfterOom::StopUnlessUnlimited,
-        record_trace: trace,
+        record_trace: keep.trace,
+        record_timeline: keep.timeline,
         only_rank: rank,
         ..sim::Options::new(allocator)
     };
@@ -201,6 +236,8 @@ fn estimate_ranks(
         // The simulator knows its capacity; PyTorch prints the device's total.
         error.device_total = gpu.total_bytes;
     }
+    // The run without a limit makes the same requests: its sample there is the same allocation.
+    let oom_sample = sim.timeline.as_ref().and_then(|t| t.oom_sample);
     if oom.is_some() && !sim.unlimited {
         // The limited run stopped being physical at the failure; report the demand.
         options.capacity = None;
@@ -239,7 +276,11 @@ fn estimate_ranks(
         assumptions,
         worst_rank: sim.rank,
     };
-    Ok((estimate, sim.trace))
+    let timeline = sim.timeline.as_ref().map(|t| {
+        let peak = (estimate.peak_step, estimate.peak_phase);
+        Timeline::new(t, peak, estimate.oom.as_ref(), oom_sample)
+    });
+    Ok((estimate, sim.trace, timeline))
 }
 
 /// The error for a run that allocates what no device can hold (`refused`): its batch (at

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use headroom_alloc::{AllocatorConfig, OutOfMemory};
 
-use super::{Assumptions, Limit, nccl_bytes};
+use super::{Assumptions, Limit, Timeline, nccl_bytes};
 use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -106,6 +106,28 @@ pub fn estimate_pipeline(
     gpu: &Gpu,
     limit: Limit,
 ) -> Result<PipelineEstimate> {
+    Ok(estimate_pipeline_with(spec, spec_dir, gpu, limit, false)?.0)
+}
+
+/// Like [`estimate_pipeline`], also returning the timeline (see
+/// [`super::estimate_timeline`]); each phase of each iteration is a phase of it.
+pub fn estimate_pipeline_timeline(
+    spec: &PipelineSpec,
+    spec_dir: Option<&Path>,
+    gpu: &Gpu,
+    limit: Limit,
+) -> Result<(PipelineEstimate, Timeline)> {
+    let (estimate, timeline) = estimate_pipeline_with(spec, spec_dir, gpu, limit, true)?;
+    Ok((estimate, timeline.expect("kept")))
+}
+
+fn estimate_pipeline_with(
+    spec: &PipelineSpec,
+    spec_dir: Option<&Path>,
+    gpu: &Gpu,
+    limit: Limit,
+    timeline: bool,
+) -> Result<(PipelineEstimate, Option<Timeline>)> {
     let archs = spec
         .instances
         .iter()
@@ -173,6 +195,7 @@ pub fn estimate_pipeline(
                     capacity,
                     gpu.workspaces(),
                     rank,
+                    timeline,
                 )
             })
             .max_by_key(need)
@@ -196,6 +219,7 @@ pub fn estimate_pipeline(
     if let Some(OutOfMemory::Device(error)) = oom.as_mut().map(|o| &mut o.error) {
         error.device_total = gpu.total_bytes;
     }
+    let oom_sample = sim.timeline.as_ref().and_then(|t| t.oom_sample);
     if oom.is_some() {
         sim = run(None);
         if let Some(refused) = &sim.refused {
@@ -230,7 +254,11 @@ pub fn estimate_pipeline(
             })
         })
         .collect();
-    Ok(PipelineEstimate {
+    let timeline = sim.timeline.as_ref().map(|t| {
+        let at = (peak.iteration, peak.name.as_str());
+        Timeline::new(t, at, oom.as_ref(), oom_sample)
+    });
+    let estimate = PipelineEstimate {
         peak_device_bytes: sim
             .phases
             .iter()
@@ -258,5 +286,6 @@ pub fn estimate_pipeline(
         oom,
         phases: sim.phases,
         assumptions: Assumptions::pipeline(spec, gpu),
-    })
+    };
+    Ok((estimate, timeline))
 }

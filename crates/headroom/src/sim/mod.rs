@@ -21,6 +21,8 @@ pub(crate) mod optim;
 pub(crate) mod strategy;
 
 pub use engine::component::Component;
-pub use engine::memory::{PeakRecord, PhasePeak, SimulatedEvent, SimulatedOom};
+pub use engine::memory::{
+    PeakRecord, PhasePeak, PhaseStart, RecordedTimeline, Sample, SimulatedEvent, SimulatedOom,
+};
 pub use harness::run::simulate;
 pub use harness::simulation::{AfterOom, Options, STEPS, Simulation};

@@ -43,11 +43,27 @@ pub enum Document {
 /// Read, parse and check the spec at `path`, a run or a pipeline (see [`is_pipeline`]).
 /// Relative model paths inside it resolve against `path.parent()`: pass that as `spec_dir`.
 pub fn load(path: &Path) -> Result<Document> {
-    let doc = parse::read_document(path)?;
-    if is_pipeline(&doc) {
-        PipelineSpec::from_value(&doc).map(Document::Pipeline)
+    document(&parse::read_document(path)?)
+}
+
+/// Parse and check spec text (a pasted spec; `name` stands for its file in syntax errors),
+/// within [`crate::limits::MAX_FILE_BYTES`] as a file is.
+pub fn from_text(text: &str, name: &Path) -> Result<Document> {
+    if text.len() as u64 > crate::limits::MAX_FILE_BYTES {
+        return Err(crate::error::Error::Field {
+            field: "spec".into(),
+            value: format!("{} bytes", text.len()),
+            allowed: format!("at most {} bytes", crate::limits::MAX_FILE_BYTES),
+        });
+    }
+    document(&parse_document(text, name)?)
+}
+
+fn document(doc: &serde_json::Value) -> Result<Document> {
+    if is_pipeline(doc) {
+        PipelineSpec::from_value(doc).map(Document::Pipeline)
     } else {
-        RunSpec::from_value(&doc).map(|s| Document::Run(Box::new(s)))
+        RunSpec::from_value(doc).map(|s| Document::Run(Box::new(s)))
     }
 }
 

@@ -16,4 +16,5 @@ mod oom_pastes;
 mod params;
 mod pipeline;
 mod tensor_parallel;
+mod timeline;
 mod totality;

@@ -16,7 +16,7 @@ use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::gpu::Workspaces;
 use crate::sim::engine::component::Component;
-use crate::sim::engine::memory::{Memory, OnOom, PeakRecord, SimulatedOom};
+use crate::sim::engine::memory::{Keep, Memory, OnOom, PeakRecord, RecordedTimeline, SimulatedOom};
 use crate::sim::engine::tracer::{T, Tracer};
 use crate::spec::{Home, Pass, PhaseDef, RunSpec};
 
@@ -69,11 +69,14 @@ pub struct PipelineSimulation {
     /// An allocation that fails on any device; the run stopped there (see
     /// `Simulation::refused`).
     pub refused: Option<SimulatedOom>,
+    /// The component timeline, when kept.
+    pub timeline: Option<RecordedTimeline>,
 }
 
 /// Simulate `iterations` of `phases` over `instances` (the specs were validated by the caller)
 /// as rank `rank` sees them (`None`: the last; see [`crate::spec::Parallel::ranks_differ`]),
-/// on a device with these library workspaces.
+/// on a device with these library workspaces, keeping the component timeline when `timeline`.
+#[allow(clippy::too_many_arguments)]
 pub fn simulate_pipeline(
     instances: &[InstanceDef],
     phases: &[PhaseDef],
@@ -82,9 +85,14 @@ pub fn simulate_pipeline(
     capacity: Option<u64>,
     workspaces: Workspaces,
     rank: Option<u64>,
+    timeline: bool,
 ) -> PipelineSimulation {
+    let keep = Keep {
+        trace: false,
+        timeline,
+    };
     let mut t = Tracer::new(
-        Memory::new(CachingAllocator::new(allocator, capacity), false),
+        Memory::new(CachingAllocator::new(allocator, capacity), keep),
         workspaces,
     );
     t.mem.on_oom(OnOom::Stop);
@@ -256,6 +264,7 @@ pub fn simulate_pipeline(
         peak: t.mem.peak().clone(),
         oom: t.mem.oom().cloned(),
         refused: t.mem.refused().cloned(),
+        timeline: t.mem.take_timeline(),
     }
 }
 

@@ -10,7 +10,7 @@ use super::simulation::{AfterOom, Options, STEPS, Simulation};
 use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
-use crate::sim::engine::memory::{Memory, OnOom};
+use crate::sim::engine::memory::{Keep, Memory, OnOom};
 use crate::sim::engine::tracer::{T, Tracer};
 use crate::sim::memo::{Memo, Script};
 use crate::spec::{Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
@@ -27,7 +27,12 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
         let mut t = Tracer::new(
             Memory::new(
                 CachingAllocator::new(options.allocator.clone(), options.capacity),
-                options.record_trace,
+                Keep {
+                    trace: options.record_trace,
+                    // The memo takes a repeated step without its samples: keeping the timeline
+                    // simulates every step (the memo changes no number).
+                    timeline: options.record_timeline,
+                },
             ),
             options.workspaces,
         );
@@ -39,7 +44,8 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
         if spec.trainer.kind != TrainerKind::Loop {
             return super::trainer::simulate(spec, arch, t, options);
         }
-        simulate_rank(spec, arch, t, options.repeat_steps, rank)
+        let repeat_steps = options.repeat_steps && !options.record_timeline;
+        simulate_rank(spec, arch, t, repeat_steps, rank)
     };
     if let Some(rank) = options.only_rank.filter(|_| ranks_differ) {
         return Simulation {

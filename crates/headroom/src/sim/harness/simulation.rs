@@ -4,7 +4,9 @@ use headroom_alloc::AllocatorConfig;
 
 use super::instance::Instance;
 use crate::gpu::{Gpu, Workspaces};
-use crate::sim::engine::memory::{PeakRecord, PhasePeak, SimulatedEvent, SimulatedOom};
+use crate::sim::engine::memory::{
+    PeakRecord, PhasePeak, RecordedTimeline, SimulatedEvent, SimulatedOom,
+};
 use crate::sim::engine::tracer::Tracer;
 
 /// Steps the harness runs; the first differs (optimizer states appear during its step).
@@ -25,6 +27,8 @@ pub struct Options {
     pub after_oom: AfterOom,
     /// Keep every allocation and free ([`Simulation::trace`]).
     pub record_trace: bool,
+    /// Keep the component timeline ([`Simulation::timeline`]); every step is then simulated.
+    pub record_timeline: bool,
     /// Take a step that provably repeats the previous one from it instead of simulating it
     /// again (see `sim::memo`); tests turn it off to check that.
     pub repeat_steps: bool,
@@ -56,6 +60,7 @@ impl Options {
             device_total: Gpu::default().total_bytes,
             after_oom: AfterOom::GoOn,
             record_trace: false,
+            record_timeline: false,
             only_rank: None,
             repeat_steps: true,
         }
@@ -78,6 +83,8 @@ pub struct Simulation {
     /// run holds at once (its share while awake at the allocator's peak, or when it wakes).
     pub engine_bytes: u64,
     pub trace: Vec<SimulatedEvent>,
+    /// The component timeline, when kept.
+    pub timeline: Option<RecordedTimeline>,
     /// The first allocation that failed on a device of the given capacity.
     pub oom: Option<SimulatedOom>,
     /// An allocation that fails on any device (1 EiB or more, or past a 64-bit address
@@ -119,6 +126,7 @@ impl Simulation {
             oom: t.mem.oom().cloned(),
             refused: t.mem.refused().cloned(),
             trace: t.mem.take_trace(),
+            timeline: t.mem.take_timeline(),
             repeated_steps: 0,
             replayed_steps: 0,
             replayed_passes: 0,

@@ -4,12 +4,14 @@
 //! component each byte belongs to, and the breakdown at the peak.
 
 mod record;
+mod timeline;
 
 use headroom_alloc::{BlockId, CachingAllocator, OutOfMemory};
 
 use super::component::Component;
 use record::Recording;
 pub(crate) use record::Request;
+pub use timeline::{PhaseStart, RecordedTimeline, Sample};
 
 /// One live allocation. Its block's address and size are the allocator's (fixed while it is
 /// allocated); kept to 16 bytes, it is returned in registers and keeps tensor records small.
@@ -95,10 +97,20 @@ pub(crate) struct Memory {
     /// stream it was allocated on (collectives allocate on their own streams).
     pub(crate) stream: u32,
     recording: Option<Recording>,
+    timeline: Option<RecordedTimeline>,
+}
+
+/// What a run keeps of its allocations beyond peaks and the breakdown.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Keep {
+    /// Every allocation and free ([`SimulatedEvent`]).
+    pub trace: bool,
+    /// The component timeline ([`RecordedTimeline`]).
+    pub timeline: bool,
 }
 
 impl Memory {
-    pub(crate) fn new(allocator: CachingAllocator, record_trace: bool) -> Self {
+    pub(crate) fn new(allocator: CachingAllocator, keep: Keep) -> Self {
         Memory {
             allocator,
             oom: None,
@@ -110,9 +122,10 @@ impl Memory {
             phase: "load",
             step: 0,
             phase_peak: 0,
-            trace: record_trace.then(Vec::new),
+            trace: keep.trace.then(Vec::new),
             stream: 0,
             recording: None,
+            timeline: keep.timeline.then(RecordedTimeline::new),
         }
     }
 
@@ -126,6 +139,18 @@ impl Memory {
         self.phase = phase;
         self.step = step;
         self.phase_peak = self.allocated();
+        if let Some(timeline) = &mut self.timeline {
+            timeline.start_phase(phase, step);
+        }
+    }
+
+    /// After the live bytes or a segment changed: a sample of the timeline, when kept.
+    #[inline]
+    fn sample(&mut self) {
+        if let Some(timeline) = &mut self.timeline {
+            let reserved = self.allocator.stats().reserved_bytes.all.current as u64;
+            timeline.push(self.live, reserved);
+        }
     }
 
     /// A measured phase starts: [`Memory::start_phase`], then `reset_peak_memory_stats()`.
@@ -167,6 +192,9 @@ impl Memory {
                 // PyTorch raises here. The rest of the run goes on without a limit so that the
                 // caller still gets a complete (if no longer physical) timeline.
                 if self.oom.is_none() {
+                    if let Some(timeline) = &mut self.timeline {
+                        timeline.mark_oom();
+                    }
                     self.oom = Some(SimulatedOom {
                         step: self.step,
                         phase: self.phase,
@@ -225,6 +253,7 @@ impl Memory {
                 label,
             });
         }
+        self.sample();
         let allocated = self.allocated();
         self.phase_peak = self.phase_peak.max(allocated);
         // The peak that matters is that of the measured steps; loading is a phase of its own.
@@ -276,6 +305,7 @@ impl Memory {
                 label,
             });
         }
+        self.sample();
     }
 
     /// Move an allocation's bytes to another component (a gradient that becomes `.grad`).
@@ -291,6 +321,7 @@ impl Memory {
         self.live[a.component.index()] -= a.requested;
         self.live[component.index()] += a.requested;
         a.component = component;
+        self.sample();
     }
 
     /// Bytes requested by live allocations, per component.
@@ -341,6 +372,9 @@ impl Memory {
         if reserved + bytes <= device_total || self.oom.is_some() {
             return;
         }
+        if let Some(timeline) = &mut self.timeline {
+            timeline.mark_oom();
+        }
         self.oom = Some(SimulatedOom {
             step: self.step,
             phase: self.phase,
@@ -371,6 +405,10 @@ impl Memory {
     /// The request no device could serve, where the run stopped.
     pub(crate) fn refused(&self) -> Option<&SimulatedOom> {
         self.refused.as_ref()
+    }
+
+    pub(crate) fn take_timeline(&mut self) -> Option<RecordedTimeline> {
+        self.timeline.take()
     }
 
     pub(crate) fn take_trace(&mut self) -> Vec<SimulatedEvent> {

@@ -1317,7 +1317,7 @@ mod tests {
         Tracer::new(
             Memory::new(
                 CachingAllocator::new(AllocatorConfig::default(), None),
-                false,
+                Default::default(),
             ),
             crate::gpu::Gpu::default().workspaces(),
         )

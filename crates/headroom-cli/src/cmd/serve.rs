@@ -65,6 +65,8 @@ pub const EXAMPLES: &[(&str, &str)] = &[
     example!("grpo-vllm-colocated.yaml"),
     example!("verl-actor-fsdp2.yaml"),
     example!("slime-grpo-fsdp2.yaml"),
+    example!("llama-3.1-70b-tp8-fsdp2-64xh100.yaml"),
+    example!("llama-3.1-405b-tp8-fsdp2-512xh100.yaml"),
     example!("seed000-reuse.yaml"),
     example!("seed000-reload.yaml"),
     example!("seed001-ref-resident.yaml"),

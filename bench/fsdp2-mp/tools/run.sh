@@ -7,12 +7,13 @@
 # which) are installed into /tmp/site-ds and put on PYTHONPATH.
 #   bash bench/fsdp2-mp/tools/run.sh
 #   SPECS=bench/scale/specs.jsonl bash bench/fsdp2-mp/tools/run.sh
+#   HARNESS=DIR: the measuring harness from DIR instead of python/ (one carried to the device)
 set -u
 specs=${SPECS:-bench/fsdp2-mp/specs.jsonl}
 jobs=${JOBS:-3}
 deadline=${DEADLINE:-420}
 mkdir -p "$OUT/snap" /tmp/mp
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python" OMP_NUM_THREADS=4
+export PYTHONUNBUFFERED=1 PYTHONPATH="${HARNESS:-$PWD/python}" OMP_NUM_THREADS=4
 if ls .whl-ds/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-ds .whl-ds/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/site-ds"

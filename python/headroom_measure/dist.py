@@ -191,7 +191,7 @@ def _enable_gc(spec: Spec, model) -> None:
 def _build_fsdp(spec: Spec, cfg, cls, dtype, device):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     par = spec.parallel
     with torch.device("meta"):
@@ -205,23 +205,8 @@ def _build_fsdp(spec: Spec, cfg, cls, dtype, device):
         )
     else:
         mesh = init_device_mesh(device.type, (par.world_size,))
-    kwargs = {
-        "mesh": mesh,
-        "reshard_after_forward": par.reshard_after_forward,
-        "offload_policy": CPUOffloadPolicy() if par.offload_params else OffloadPolicy(),
-    }
-    if par.mixed_precision is not None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        names = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
-        mp = par.mixed_precision
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=names[mp["param_dtype"]],
-            reduce_dtype=names[mp["reduce_dtype"]],
-            output_dtype=names[mp["output_dtype"]],
-            cast_forward_inputs=mp["cast_forward_inputs"],
-        )
-    _fully_shard_units(model, par.units, kwargs)
+    offload = CPUOffloadPolicy() if par.offload_params else OffloadPolicy()
+    _fully_shard_units(model, par.units, _fully_shard_kwargs(torch, par, mesh, offload))
     model.to_empty(device="cpu" if par.offload_params else device)
     _initialize(model, device)
     return model
@@ -289,23 +274,7 @@ def _build_tp(spec: Spec, cfg, cls, dtype, device):
     mesh = init_device_mesh(device.type, (dp, par.tp), mesh_dim_names=("dp", "tp"))
     _parallelize_tp(model, mesh["tp"], par.sequence_parallel)
     if par.strategy == "fsdp":
-        kwargs = {
-            "mesh": mesh["dp"],
-            "reshard_after_forward": par.reshard_after_forward,
-            "offload_policy": OffloadPolicy(),
-        }
-        if par.mixed_precision is not None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            names = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
-            mp = par.mixed_precision
-            kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=names[mp["param_dtype"]],
-                reduce_dtype=names[mp["reduce_dtype"]],
-                output_dtype=names[mp["output_dtype"]],
-                cast_forward_inputs=mp["cast_forward_inputs"],
-            )
-        _fully_shard_units(model, par.units, kwargs)
+        _fully_shard_units(model, par.units, _fully_shard_kwargs(torch, par, mesh["dp"], OffloadPolicy()))
     model.to_empty(device=device)
     _initialize(model, device)
     return model
@@ -413,6 +382,24 @@ def _materialize_tied(device):
                 made[id(p)] = (p, getattr(module, name))
 
     return init
+
+
+def _fully_shard_kwargs(torch, par, mesh, offload_policy) -> dict:
+    """`fully_shard`'s keywords for `parallel`: the mesh, resharding, the offload policy and the
+    `MixedPrecisionPolicy` the spec's `mixed_precision` names."""
+    kwargs = {"mesh": mesh, "reshard_after_forward": par.reshard_after_forward, "offload_policy": offload_policy}
+    if par.mixed_precision is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        names = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
+        mp = par.mixed_precision
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=names[mp["param_dtype"]],
+            reduce_dtype=names[mp["reduce_dtype"]],
+            output_dtype=names[mp["output_dtype"]],
+            cast_forward_inputs=mp["cast_forward_inputs"],
+        )
+    return kwargs
 
 
 def _fully_shard_units(model, units: str, kwargs: dict) -> None:

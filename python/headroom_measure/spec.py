@@ -466,9 +466,11 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
             f"`parallel.tp`: {tp} is not measured with strategy {out.strategy}; use fsdp (FSDP2 over the "
             "data-parallel dimension) or none (tensor parallelism alone)"
         )
-    if tp == 1 and (sp or "framework" in raw):
-        key = "sequence_parallel" if sp else "framework"
-        raise SpecError(f"`parallel.{key}` applies only with tp > 1; leave it out")
+    if tp == 1 and sp:
+        raise SpecError(
+            "`parallel.sequence_parallel`: true is not allowed; it shards the sequence over the tensor-parallel "
+            "ranks: set tp >= 2 or leave it out"
+        )
     if out.strategy == "none" and tp != out.world_size:
         raise SpecError(
             f"`parallel.strategy`: 'none' (tensor parallelism alone) needs world_size == tp, not "

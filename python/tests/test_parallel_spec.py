@@ -337,6 +337,10 @@ class TensorParallelSpecTest(unittest.TestCase):
     def test_without_tp_no_tensor_keys_are_written(self):
         self.assertNotIn("tp", parse({"strategy": "fsdp", "world_size": 2}).parallel.to_json())
 
+    def test_a_framework_without_tp_is_taken_as_the_estimator_takes_it(self):
+        p = parse({"strategy": "fsdp", "world_size": 2, "framework": "torchtitan"}).parallel
+        self.assertEqual((p.tp, p.framework), (1, "torchtitan"))
+
     def test_bad_values_name_the_field(self):
         cases = [
             ({"strategy": "fsdp", "world_size": 6, "tp": 4}, "parallel.tp"),

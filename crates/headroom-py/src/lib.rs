@@ -24,48 +24,19 @@ create_exception!(
     "A command's error: (code, message, field, value, allowed)."
 );
 
-/// The field, the value and what is allowed, where the error is about one input.
-fn parts(err: &headroom::Error) -> (Option<String>, Option<String>, Option<String>) {
-    use headroom::Error;
-    match err {
-        Error::Field {
-            field,
-            value,
-            allowed,
-        }
-        | Error::BeyondAnyDevice {
-            field,
-            value,
-            allowed,
-        } => (
-            Some(field.clone()),
-            Some(value.clone()),
-            Some(allowed.clone()),
-        ),
-        Error::UnknownModel {
-            field,
-            name,
-            suggestions,
-        } => {
-            let mut allowed =
-                "a catalog model (`headroom models`), an HF config.json or a model directory"
-                    .to_string();
-            if !suggestions.is_empty() {
-                allowed += &format!("; did you mean {}?", suggestions.join(", "));
-            }
-            (Some(field.clone()), Some(name.clone()), Some(allowed))
-        }
-        Error::Unsupported { what, supported } => {
-            (None, Some(what.clone()), Some(supported.clone()))
-        }
-        Error::Row { error, .. } => parts(error),
-        Error::Syntax { .. } | Error::Io { .. } | Error::NoOomMessage { .. } => (None, None, None),
-    }
-}
-
 fn failure(err: CliError) -> PyErr {
-    let (field, value, allowed) = err.source.as_ref().map_or((None, None, None), parts);
-    Failure::new_err((err.code, err.message, field, value, allowed))
+    let named = err
+        .source
+        .as_ref()
+        .map(headroom::Error::named)
+        .unwrap_or_default();
+    Failure::new_err((
+        err.code,
+        err.message,
+        named.field,
+        named.value,
+        named.allowed,
+    ))
 }
 
 /// Runs `work` without the GIL (an estimate takes milliseconds, `fit` seconds), turning its

@@ -48,6 +48,14 @@ pub enum Error {
     NoOomMessage { source: String, driver_error: bool },
 }
 
+/// The parts of an input error a program reads apart from its message ([`Error::named`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Named {
+    pub field: Option<String>,
+    pub value: Option<String>,
+    pub allowed: Option<String>,
+}
+
 impl Error {
     /// A model type the native simulator does not build, which `headroom trace` can still
     /// answer by running the model's own code.
@@ -96,6 +104,53 @@ impl Error {
                 suggestions,
             },
             other => other,
+        }
+    }
+
+    /// What the error names of the input: the field, the value given and what is allowed,
+    /// each where it names one (the Python bindings' `SpecError` and the page's error JSON).
+    pub fn named(&self) -> Named {
+        match self {
+            Error::Field {
+                field,
+                value,
+                allowed,
+            }
+            | Error::BeyondAnyDevice {
+                field,
+                value,
+                allowed,
+            } => Named {
+                field: Some(field.clone()),
+                value: Some(value.clone()),
+                allowed: Some(allowed.clone()),
+            },
+            Error::UnknownModel {
+                field,
+                name,
+                suggestions,
+            } => {
+                let mut allowed =
+                    "a catalog model (`headroom models`), an HF config.json or a model directory"
+                        .to_string();
+                if !suggestions.is_empty() {
+                    allowed += &format!("; did you mean {}?", suggestions.join(", "));
+                }
+                Named {
+                    field: Some(field.clone()),
+                    value: Some(name.clone()),
+                    allowed: Some(allowed),
+                }
+            }
+            Error::Unsupported { what, supported } => Named {
+                field: None,
+                value: Some(what.clone()),
+                allowed: Some(supported.clone()),
+            },
+            Error::Row { error, .. } => error.named(),
+            Error::Syntax { .. } | Error::Io { .. } | Error::NoOomMessage { .. } => {
+                Named::default()
+            }
         }
     }
 

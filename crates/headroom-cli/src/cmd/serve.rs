@@ -144,30 +144,14 @@ impl Answer {
 impl From<headroom::Error> for Answer {
     fn from(err: headroom::Error) -> Self {
         use headroom::Error as E;
-        let parts = match &err {
-            E::Field {
-                field,
-                value,
-                allowed,
-            }
-            | E::BeyondAnyDevice {
-                field,
-                value,
-                allowed,
-            } => json!({ "field": field, "value": value, "allowed": allowed }),
-            E::UnknownModel {
-                field,
-                name,
-                suggestions,
-            } => json!({
-                "field": field,
-                "value": name,
-                "allowed": "a catalog model (`headroom models`), a config.json or a model directory",
-                "suggestions": suggestions,
-            }),
-            E::Syntax { line, column, .. } => json!({ "line": line, "column": column }),
-            _ => json!({}),
-        };
+        let named = err.named();
+        let mut parts =
+            json!({ "field": named.field, "value": named.value, "allowed": named.allowed });
+        match &err {
+            E::UnknownModel { suggestions, .. } => parts["suggestions"] = json!(suggestions),
+            E::Syntax { line, column, .. } => parts = json!({ "line": line, "column": column }),
+            _ => {}
+        }
         Answer::error(400, err.to_string(), parts)
     }
 }

@@ -33,6 +33,7 @@ const COMPONENT_COLORS: [RGBColor; Component::COUNT] = [
 const RESERVED: RGBColor = RGBColor(0x33, 0x33, 0x33);
 const CACHE: RGBColor = RGBColor(0xdd, 0xdd, 0xdd);
 const OUTSIDE: RGBColor = RGBColor(0xc5, 0xb0, 0xd5);
+const OTHER_MODELS: RGBColor = RGBColor(0x8c, 0x8c, 0x70);
 const CAPACITY: RGBColor = RGBColor(0xc0, 0x00, 0x00);
 
 /// What an estimate's picture shows beside its timeline.
@@ -133,18 +134,37 @@ fn draw_timeline(
         }
     }
 
-    // Components stacked in `Component::ALL` order, each drawn where it is ever live.
+    // What the models a phase does not run hold (a pipeline's other instances) at the bottom,
+    // then this phase's components stacked in `Component::ALL` order, each drawn where it is
+    // ever live.
     let xs: Vec<f64> = (0..t.points.len()).map(|i| i as f64).collect();
-    let mut below = vec![0u64; t.points.len()];
-    for c in Component::ALL {
-        if t.points.iter().all(|p| p.by_component[c.index()] == 0) {
-            continue;
+    let mut idle = vec![[0u64; Component::COUNT]; t.points.len()];
+    for phase in &t.phases {
+        for i in phase.points.clone() {
+            for c in Component::ALL {
+                idle[i][c.index()] = phase.idle[c.index()].min(t.points[i].by_component[c.index()]);
+            }
         }
-        let above: Vec<u64> = below
-            .iter()
-            .zip(&t.points)
-            .map(|(b, p)| b + p.by_component[c.index()])
-            .collect();
+    }
+    let own = |i: usize, c: Component| t.points[i].by_component[c.index()] - idle[i][c.index()];
+    let mut below = vec![0u64; t.points.len()];
+    let mut layers: Vec<(String, RGBColor, Vec<u64>)> = Vec::new();
+    if idle.iter().any(|bytes| bytes.iter().any(|&b| b > 0)) {
+        let heights = idle.iter().map(|bytes| bytes.iter().sum()).collect();
+        layers.push((
+            "other models (not run in the phase)".into(),
+            OTHER_MODELS,
+            heights,
+        ));
+    }
+    for c in Component::ALL {
+        let heights: Vec<u64> = (0..t.points.len()).map(|i| own(i, c)).collect();
+        if heights.iter().any(|&b| b > 0) {
+            layers.push((c.to_string(), COMPONENT_COLORS[c.index()], heights));
+        }
+    }
+    for (name, color, heights) in layers {
+        let above: Vec<u64> = below.iter().zip(&heights).map(|(b, h)| b + h).collect();
         let mut outline: Vec<(f64, f64)> = xs
             .iter()
             .zip(&above)
@@ -156,9 +176,8 @@ fn draw_timeline(
                 .rev()
                 .map(|(&x, &y)| (x, y as f64 / GIB)),
         );
-        let color = COMPONENT_COLORS[c.index()];
         chart.draw_series(std::iter::once(Polygon::new(outline, color.filled())))?;
-        legend.push((c.to_string(), Mark::Fill(color)));
+        legend.push((name, Mark::Fill(color)));
         below = above;
     }
     // The allocator's cache: reserved above what is allocated.

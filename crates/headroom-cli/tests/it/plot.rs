@@ -91,8 +91,9 @@ fn a_run_plot_names_its_phases_components_and_peak() {
     ] {
         assert!(text.contains(name), "{name} not in {text}");
     }
-    // Without --gpu there is no capacity to draw.
+    // Without --gpu there is no capacity to draw; one model has no other models.
     assert!(!text.contains("for PyTorch's allocator"));
+    assert!(!text.contains("other models"));
 
     let html = dir.path().join("lora.html");
     stdout(&headroom(&[
@@ -157,4 +158,28 @@ fn snapshot_replay_and_fit_draw_what_they_report() {
         "and the legend's"
     );
     assert!(text.contains(&format!(" {front} ")), "{text}");
+}
+
+/// A pipeline's picture draws what the instances a phase does not run hold as its own band.
+#[test]
+fn a_pipeline_plot_draws_the_models_a_phase_does_not_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("seed001.svg");
+    stdout(&headroom(&[
+        "estimate",
+        "examples/seed001-ref-resident.yaml",
+        "--gpu",
+        "h100-80gb",
+        "--plot",
+        &svg.display().to_string(),
+    ]));
+    let (_, text) = svg_text(&svg);
+    for name in [
+        "other models (not run in the phase)",
+        "ref_logprob",
+        "train",
+        "weights",
+    ] {
+        assert!(text.contains(name), "{name} not in {text}");
+    }
 }

@@ -33,6 +33,9 @@ pub struct TimelinePhase {
     pub name: String,
     pub events: std::ops::Range<usize>,
     pub points: std::ops::Range<usize>,
+    /// Live bytes per component that models the phase does not run hold through it (a
+    /// pipeline's other instances), within each point's `by_component`.
+    pub idle: [u64; Component::COUNT],
 }
 
 /// Where the run ran out of memory: the estimate's [`SimulatedOom`] placed on the timeline.
@@ -113,6 +116,7 @@ impl Timeline {
                 name: phase.phase.to_string(),
                 events,
                 points: first_point..points.len(),
+                idle: phase.idle,
             });
         }
         let peak = phases
@@ -173,16 +177,19 @@ mod tests {
                     first_sample: 0,
                     step: 0,
                     phase: "load",
+                    idle: [0; Component::COUNT],
                 },
                 PhaseStart {
                     first_sample: 1,
                     step: 1,
                     phase: "forward",
+                    idle: [0; Component::COUNT],
                 },
                 PhaseStart {
                     first_sample: 10_001,
                     step: 1,
                     phase: "backward",
+                    idle: [0; Component::COUNT],
                 },
             ],
             oom_sample: None,

@@ -136,3 +136,54 @@ fn device_error(e: &headroom_alloc::OutOfMemory) -> Option<&headroom_alloc::Devi
         _ => None,
     }
 }
+
+/// A pipeline's phases say what the instances they do not run hold: seed001's resident
+/// placement keeps the policy (fp32 masters of amp-bf16, then its AdamW states) through the
+/// reference's pass, and the bf16 reference through the policy's training. A run has no other
+/// models.
+#[test]
+fn a_pipeline_phase_knows_what_the_models_it_does_not_run_hold() {
+    use headroom::sim::Component;
+
+    const QWEN25_15B_PARAMS: u64 = 1_543_714_304; // tests/data/param_counts.json
+    let Document::Pipeline(spec) = spec::load(&example("seed001-ref-resident.yaml")).unwrap()
+    else {
+        panic!("seed001 is a pipeline")
+    };
+    let (_, timeline) =
+        estimate_pipeline_timeline(&spec, None, &h100(), Limit::Gpu).expect("seed001");
+    let idle = |p: &headroom::estimate::TimelinePhase, c: Component| p.idle[c.index()];
+    let mut seen = (0, 0);
+    for (i, phase) in timeline.phases.iter().enumerate() {
+        for point in &timeline.points[phase.points.clone()] {
+            assert!(
+                Component::ALL
+                    .iter()
+                    .all(|c| idle(phase, *c) <= point.by_component[c.index()])
+            );
+        }
+        let (weights, states) = (
+            idle(phase, Component::Weights),
+            idle(phase, Component::OptimizerStates),
+        );
+        match phase.name.as_str() {
+            "load" => assert_eq!((weights, states), (0, 0)),
+            "ref_logprob" => {
+                // AdamW's states exist from the policy's first step on.
+                let stepped = timeline.phases[..i].iter().any(|p| p.name == "train");
+                let expected_states = if stepped { 8 * QWEN25_15B_PARAMS } else { 0 };
+                assert_eq!((weights, states), (4 * QWEN25_15B_PARAMS, expected_states));
+                seen.0 += 1;
+            }
+            "train" => {
+                assert_eq!((weights, states), (2 * QWEN25_15B_PARAMS, 0));
+                seen.1 += 1;
+            }
+            other => panic!("an unexpected phase {other}"),
+        }
+    }
+    assert_eq!(seen, (3, 3));
+    let (_, run) = estimate_timeline(&run_spec("qwen2.5-7b-lora.yaml"), None, &h100(), Limit::Gpu)
+        .expect("a run");
+    assert!(run.phases.iter().all(|p| p.idle.iter().all(|&b| b == 0)));
+}

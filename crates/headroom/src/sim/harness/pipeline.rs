@@ -217,6 +217,20 @@ pub fn simulate_pipeline(
                     brought.push(i);
                 }
             }
+            if t.mem.keeps_timeline() {
+                // What the instances this phase does not run hold through it, for the picture.
+                let idle = models
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| !phase.passes.iter().any(|p| p.instance == *i))
+                    .filter_map(|(_, m)| m.as_ref())
+                    .flat_map(|m| {
+                        let params = m.placed().into_iter().map(|p| t.param(p));
+                        params.chain(m.optimizer.tensors()).collect::<Vec<_>>()
+                    });
+                let idle = t.live_by_component(idle);
+                t.mem.set_idle(idle);
+            }
             for pass in &phase.passes {
                 // An engine generates in its own memory.
                 let Some(m) = &mut models[pass.instance] else {

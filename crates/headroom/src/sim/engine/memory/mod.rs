@@ -22,6 +22,13 @@ pub(crate) struct Allocation {
     component: Component,
 }
 
+impl Allocation {
+    /// What the bytes are for, and how many were asked for.
+    pub(crate) fn charge(&self) -> (Component, u64) {
+        (self.component, self.requested)
+    }
+}
+
 /// A recorded allocation or free, for comparing a timeline with a real trace.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SimulatedEvent {
@@ -405,6 +412,18 @@ impl Memory {
     /// The request no device could serve, where the run stopped.
     pub(crate) fn refused(&self) -> Option<&SimulatedOom> {
         self.refused.as_ref()
+    }
+
+    /// Whether a component timeline is kept ([`Keep::timeline`]).
+    pub(crate) fn keeps_timeline(&self) -> bool {
+        self.timeline.is_some()
+    }
+
+    /// The live bytes, per component, of models the running phase does not run.
+    pub(crate) fn set_idle(&mut self, idle: [u64; Component::COUNT]) {
+        if let Some(timeline) = &mut self.timeline {
+            timeline.set_idle(idle);
+        }
     }
 
     pub(crate) fn take_timeline(&mut self) -> Option<RecordedTimeline> {

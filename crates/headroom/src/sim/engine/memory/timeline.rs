@@ -27,6 +27,9 @@ pub struct PhaseStart {
     pub first_sample: usize,
     pub step: u32,
     pub phase: &'static str,
+    /// Live bytes per component that models the phase does not run hold while it runs (a
+    /// pipeline's other instances); included in every sample's `live`.
+    pub idle: [u64; Component::COUNT],
 }
 
 /// Every sample of a run, in order.
@@ -47,6 +50,7 @@ impl RecordedTimeline {
                 first_sample: 0,
                 step: 0,
                 phase: "load",
+                idle: [0; Component::COUNT],
             }],
             oom_sample: None,
         }
@@ -74,7 +78,15 @@ impl RecordedTimeline {
             first_sample,
             step,
             phase,
+            idle: [0; Component::COUNT],
         });
+    }
+
+    /// What models the running phase does not run hold ([`PhaseStart::idle`]).
+    pub(crate) fn set_idle(&mut self, idle: [u64; Component::COUNT]) {
+        if let Some(phase) = self.phases.last_mut() {
+            phase.idle = idle;
+        }
     }
 
     pub(crate) fn push(&mut self, live: [u64; Component::COUNT], reserved: u64) {

@@ -781,6 +781,25 @@ impl Tracer {
         self.rec(t).dtype
     }
 
+    /// The bytes the allocations of `tensors` asked for, per component (a storage counted
+    /// once, a view or a tensor without storage not at all).
+    pub(crate) fn live_by_component(
+        &self,
+        tensors: impl IntoIterator<Item = T>,
+    ) -> [u64; Component::COUNT] {
+        let mut seen = std::collections::HashSet::new();
+        let mut live = [0; Component::COUNT];
+        for t in tensors {
+            if let Some(a) = self.rec(t).allocation
+                && seen.insert(t.0)
+            {
+                let (component, bytes) = a.charge();
+                live[component.index()] += bytes;
+            }
+        }
+        live
+    }
+
     pub(crate) fn bytes(&self, t: T) -> u64 {
         let rec = self.rec(t);
         rec.numel * rec.dtype.bytes()

@@ -88,6 +88,37 @@ pub struct StageJson {
     pub peak_reserved_bytes: u64,
 }
 
+impl StageJson {
+    /// Every stage of `est`: one holding the whole model without pipeline parallelism.
+    fn list(est: &Estimate) -> Vec<StageJson> {
+        let Some(parallel) = est.parallel.as_ref().filter(|p| p.pipeline.pp > 1) else {
+            return vec![StageJson {
+                stage: 0,
+                first_layer: 0,
+                layers: est.arch.layers,
+                ranks: est.parallel.as_ref().map_or(1, |p| p.world_size),
+                worst_rank: est.worst_rank,
+                peak_allocated_bytes: est.peak_allocated_bytes,
+                peak_reserved_bytes: est.peak_reserved_bytes,
+            }];
+        };
+        let ranks = parallel.world_size / parallel.pipeline.pp;
+        let layers = parallel.pipeline.stage_layers(est.arch.layers);
+        est.stages
+            .iter()
+            .map(|s| StageJson {
+                stage: s.stage,
+                first_layer: layers[..s.stage as usize].iter().sum(),
+                layers: layers[s.stage as usize],
+                ranks,
+                worst_rank: s.pipeline_rank * ranks,
+                peak_allocated_bytes: s.peak_allocated,
+                peak_reserved_bytes: s.peak_reserved,
+            })
+            .collect()
+    }
+}
+
 impl<'a> EstimateJson<'a> {
     /// `with_verdict`: whether the run was judged against a GPU the user named.
     pub fn new(est: &'a Estimate, with_verdict: bool) -> Self {
@@ -123,17 +154,11 @@ impl<'a> EstimateJson<'a> {
             }),
             worst_rank: WorstRankJson {
                 rank: est.worst_rank,
-                stage: 0,
+                stage: est.parallel.as_ref().map_or(0, |p| {
+                    p.pipeline.pipeline_rank(est.worst_rank, p.world_size)
+                }),
             },
-            stages: vec![StageJson {
-                stage: 0,
-                first_layer: 0,
-                layers: est.arch.layers,
-                ranks: est.parallel.as_ref().map_or(1, |p| p.world_size),
-                worst_rank: est.worst_rank,
-                peak_allocated_bytes: est.peak_allocated_bytes,
-                peak_reserved_bytes: est.peak_reserved_bytes,
-            }],
+            stages: StageJson::list(est),
             gpu: with_verdict.then(|| {
                 VerdictJson::new(
                     &est.gpu,

@@ -18,6 +18,7 @@ pub(crate) mod ddp;
 pub(crate) mod fsdp;
 pub(crate) mod fsdp1;
 pub(crate) mod fsdp_offload;
+pub(crate) mod pp;
 pub(crate) mod tp;
 pub(crate) mod zero;
 pub(crate) mod zero3;

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import copy
 
-SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
-
+from .spec import SpecError
 
 def stage_layers(par, layers: int) -> list[int]:
     """Decoder layers per stage: `layers_per_stage`, or an even split (the first stages take the
@@ -86,6 +85,8 @@ def build(spec, cfg, cls, dtype, device, rank: int):
     par = spec.parallel
     stages = par.pp * par.vpp
     split = stage_layers(par, cfg.num_hidden_layers)
+    if sum(split) != cfg.num_hidden_layers:
+        raise SpecError(f"`parallel.layers_per_stage`: {split} must hold the model's {cfg.num_hidden_layers} layers")
     mb = spec.batch_size // par.microbatches
     act_dtype = dtype
     out_dtype = torch.bfloat16 if spec.precision in ("bf16", "amp-bf16") and device.type == "cuda" else dtype

@@ -534,7 +534,18 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
     out.shard_size = out.world_size // pp  # no data-parallel dimension to shard over
     out.vpp = positive("vpp", 2 if schedule == "interleaved-1f1b" else 1)
     out.microbatches = positive("microbatches", pp)
-    out.layers_per_stage = raw.get("layers_per_stage")
+    if schedule == "1f1b" and out.microbatches < pp:
+        raise SpecError(f"`parallel.microbatches`: {out.microbatches} is not allowed; Schedule1F1B needs at least pp ({pp})")
+    if (schedule == "interleaved-1f1b") != (out.vpp > 1):
+        raise SpecError(f"`parallel.vpp`: {out.vpp} is not allowed with schedule {schedule}; interleaved-1f1b takes 2 or more, the others 1")
+    split = raw.get("layers_per_stage")
+    if split is not None and (
+        not isinstance(split, list)
+        or len(split) != pp * out.vpp
+        or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in split)
+    ):
+        raise SpecError(f"`parallel.layers_per_stage`: {split!r} is not allowed; use {pp * out.vpp} positive layer counts")
+    out.layers_per_stage = split
 
 
 def load_raw(path: str | Path):

@@ -67,6 +67,18 @@ pub struct ParallelJson<'a> {
     /// Tensor-parallel ranks (1: none); the strategy spreads `world_size / tp`.
     pub tp: u64,
     pub sequence_parallel: bool,
+    /// Absent without pipeline parallelism.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineParallelJson>,
+}
+
+/// The pipeline mesh dimension: `pp` ranks of `vpp` stages each, `microbatches` per step.
+#[derive(Debug, Serialize)]
+pub struct PipelineParallelJson {
+    pub pp: u64,
+    pub vpp: u64,
+    pub microbatches: u64,
+    pub schedule: &'static str,
 }
 
 /// A rank, named by its global index and its pipeline stage.
@@ -151,6 +163,12 @@ impl<'a> EstimateJson<'a> {
                 world_size: p.world_size,
                 tp: p.tensor.tp,
                 sequence_parallel: p.tensor.sequence_parallel,
+                pipeline: (p.pipeline.pp > 1).then(|| PipelineParallelJson {
+                    pp: p.pipeline.pp,
+                    vpp: p.pipeline.vpp,
+                    microbatches: p.pipeline.microbatches,
+                    schedule: p.pipeline.schedule.name(),
+                }),
             }),
             worst_rank: WorstRankJson {
                 rank: est.worst_rank,

@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 
 use super::parse::{choice, positive};
 use crate::error::{Error, Result};
+use crate::limits;
 
 /// Which of `torch.distributed.pipelining`'s schedules runs the micro-batches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,7 +63,7 @@ pub(crate) const KEYS: &[&str] = &["pp", "vpp", "microbatches", "schedule", "lay
 
 impl PipelineParallel {
     pub fn stages(&self) -> u64 {
-        self.pp * self.vpp
+        self.pp.saturating_mul(self.vpp)
     }
 
     /// The decoder layers of each stage: `layers_per_stage`, or `layers` split evenly with the
@@ -109,6 +110,24 @@ impl PipelineParallel {
                 ));
             }
             _ => {}
+        }
+        // Every rank is simulated: 3 steps of a forward and a backward (4 layer-forwards) of
+        // every layer for every micro-batch.
+        let work = self
+            .microbatches
+            .saturating_mul(layers)
+            .saturating_mul(3 * 4);
+        if work > limits::MAX_PIPELINE_WORK {
+            return Err(Error::field(
+                "parallel.microbatches",
+                self.microbatches,
+                format!(
+                    "3 steps × {layers} layers × 4 × {} micro-batches is {work}, more than the \
+                     estimate simulates ({}); use fewer micro-batches",
+                    self.microbatches,
+                    limits::MAX_PIPELINE_WORK
+                ),
+            ));
         }
         if !batch_size.is_multiple_of(self.microbatches) {
             return Err(Error::field(
@@ -202,7 +221,7 @@ pub(crate) fn parse(obj: &Map<String, Value>, world_size: u64) -> Result<Pipelin
             ));
         }
     }
-    let stages = pp * vpp;
+    let stages = pp.saturating_mul(vpp);
     let layers_per_stage = match obj.get("layers_per_stage") {
         None | Some(Value::Null) => None,
         Some(v) => {

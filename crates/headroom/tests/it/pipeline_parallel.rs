@@ -220,6 +220,12 @@ fn bad_pipeline_layouts_name_the_field() {
     refused(1, 2, none(json!({})), "parallel.pp");
     refused(4, 3, none(json!({})), "batch_size");
     refused(
+        16,
+        4096,
+        none(json!({"microbatches": 4096})),
+        "parallel.microbatches",
+    );
+    refused(
         4,
         4,
         json!({"strategy": "none", "world_size": 4, "pp": 2}),

@@ -88,7 +88,7 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
         }
     };
     if let Some(rank) = options.only_rank {
-        return run(pipeline.pipeline_rank(rank, world));
+        return run(pipeline.pipeline_rank(rank.min(world - 1), world));
     }
     let sims: Vec<Simulation> = (0..pipeline.pp).map(run).collect();
     let stages: Vec<StagePeak> = sims.iter().flat_map(|s| s.stages.clone()).collect();

@@ -494,11 +494,13 @@ def measure_dist(
     on_cpu = os.environ.get("HEADROOM_DIST_CPU") == "1"  # a smoke test without GPUs (gloo, no counters)
     local_rank = _env_int("LOCAL_RANK", 0)
     fake_world = _env_int("HEADROOM_FAKE_WORLD", 0)
+    # The rank a fake world's one process plays (a pipeline's stages differ: its last rank too).
+    fake_rank = _env_int("HEADROOM_FAKE_RANK", 0)
     if on_cpu and fake_world:  # rank 0 of a fake world on the CPU: the harness's own tests
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         device = torch.device("cpu")
-        dist.init_process_group("fake", rank=0, world_size=fake_world, store=FakeStore())
+        dist.init_process_group("fake", rank=fake_rank, world_size=fake_world, store=FakeStore())
     elif on_cpu:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -509,7 +511,7 @@ def measure_dist(
 
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
-        dist.init_process_group("fake", rank=0, world_size=fake_world, store=FakeStore())
+        dist.init_process_group("fake", rank=fake_rank, world_size=fake_world, store=FakeStore())
     else:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -526,7 +528,7 @@ def measure_dist(
     # Rank 0 only, or every rank when the path holds `{rank}`.
     if snapshot and "{rank}" in snapshot:
         snapshot = snapshot.replace("{rank}", str(rank))
-    elif rank != 0:
+    elif rank != 0 and not fake_world:
         snapshot = None
     snap = bool(snapshot) and cuda
     if snap:
@@ -563,7 +565,13 @@ def measure_dist(
     dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
     engine = None
     counts = None
-    if par.tp > 1:
+    pipeline_step = None
+    if par.pp > 1:
+        from . import pp
+
+        chunks, pipeline_step, counts = pp.build(spec, cfg, cls, dtype, device, rank)
+        model = torch.nn.ModuleList(chunks)
+    elif par.tp > 1:
         model = _build_tp(spec, cfg, cls, dtype, device)
         hf_model = model
     elif par.strategy == "fsdp":
@@ -634,6 +642,22 @@ def measure_dist(
     for step in range(STEPS):
         rec = {"start_allocated": allocated()}
         reset()
+        if pipeline_step is not None:
+            # `schedule.step`: every micro-batch's forward and backward, in the schedule's order.
+            with autocast():
+                stage_losses = pipeline_step(ids)
+            phase_end(rec, "step_peak")
+            value = float(sum(float(v.detach()) for v in stage_losses) / len(stage_losses)) if stage_losses else None
+            losses.append(round(value, 4) if value is not None and math.isfinite(value) else None)
+            del stage_losses
+            optimizer.step()
+            phase_end(rec, "opt_peak")
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            rec["end_allocated"] = allocated()
+            steps.append(rec)
+            print(f"[rank {rank} {time.time() - t0:6.1f}s] step {step + 1}: {json.dumps(rec)}", file=sys.stderr, flush=True)
+            continue
         with loss_context():
             loss = _train_forward(spec, model, ids, autocast)
         phase_end(rec, "fwd_peak")
@@ -687,7 +711,7 @@ def measure_dist(
     else:
         dist.all_gather_object(ranks, mine)
     record = None
-    if rank == 0:
+    if rank == 0 or fake_world:
         spec_json = spec.to_json()
         if spec.model_config is not None:
             spec_json["model_config"] = dict(spec.model_config)
@@ -696,7 +720,7 @@ def measure_dist(
             "gpu_total_bytes": torch.cuda.mem_get_info()[1] if cuda else None,
             **_versions(),
             "world_size": world,
-            "launcher": "fake process group (one process, rank 0)" if fake_world else "torchrun",
+            "launcher": f"fake process group (one process, rank {rank})" if fake_world else "torchrun",
             "process_group": "fake" if fake_world else ("gloo" if on_cpu else "nccl"),
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),

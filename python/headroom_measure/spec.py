@@ -33,7 +33,10 @@ STRATEGIES = ("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3", "none")
 PARALLEL_KEYS = (
     "strategy", "world_size", "reshard_after_forward", "shard_size", "offload_params", "offload_optimizer",
     "mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel", "framework",
+    "pp", "vpp", "microbatches", "schedule", "layers_per_stage",
 )
+# pp > 1: torch.distributed.pipelining's schedules the harness drives (pp.py)
+PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 # tp > 1: whose parallelisation plan the harness applies (dist.py `_parallelize_tp`)
 FRAMEWORKS = ("torchtitan",)
 # fsdp: which modules fully_shard makes units of (dist.py `_fully_shard_units`)
@@ -89,6 +92,12 @@ class Parallel:
     tp: int = 1
     sequence_parallel: bool = False
     framework: str = "torchtitan"
+    # pipeline parallelism on the outermost mesh dimension (world_size = pp x dp x tp); see pp.py
+    pp: int = 1
+    vpp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    layers_per_stage: list[int] | None = None
 
     def to_json(self) -> dict:
         out = {
@@ -110,6 +119,10 @@ class Parallel:
             out["tp"] = self.tp
             out["sequence_parallel"] = self.sequence_parallel
             out["framework"] = self.framework
+        if self.pp > 1:
+            out.update(pp=self.pp, vpp=self.vpp, microbatches=self.microbatches, schedule=self.schedule)
+            if self.layers_per_stage is not None:
+                out["layers_per_stage"] = list(self.layers_per_stage)
         return out
 
 
@@ -426,6 +439,7 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
         if units not in FSDP_UNITS:
             raise SpecError(f"`parallel.units`: {units!r} is not allowed; use one of {', '.join(FSDP_UNITS)}")
     out.units = units
+    _pipeline_parallel(raw, out)
     _tensor_parallel(raw, out)
     if spec.mode != "train" and not forward_ok:
         raise SpecError(f"`parallel`: mode {spec.mode!r} is not allowed; sharded runs are measured in mode train")
@@ -471,7 +485,7 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
             "`parallel.sequence_parallel`: true is not allowed; it shards the sequence over the tensor-parallel "
             "ranks: set tp >= 2 or leave it out"
         )
-    if out.strategy == "none" and tp != out.world_size:
+    if out.strategy == "none" and tp * out.pp != out.world_size:
         raise SpecError(
             f"`parallel.strategy`: 'none' (tensor parallelism alone) needs world_size == tp, not "
             f"{out.world_size} and {tp}; use fsdp to shard over the data-parallel dimension"
@@ -491,6 +505,47 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
     out.tp, out.sequence_parallel, out.framework = tp, sp, framework
     if tp > 1:
         out.shard_size = out.world_size // tp
+
+
+def _pipeline_parallel(raw: dict, out: Parallel) -> None:
+    """`pp`, `vpp`, `microbatches`, `schedule`, `layers_per_stage`: the pipeline mesh dimension (pp.py),
+    measured with strategy none (no data-parallel wrapper)."""
+
+    def positive(key: str, default: int) -> int:
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecError(f"`parallel.{key}`: {value!r} is not allowed; use an integer >= 1")
+        return value
+
+    pp = positive("pp", 1)
+    if pp == 1:
+        for key in ("vpp", "microbatches", "schedule", "layers_per_stage"):
+            if key in raw:
+                raise SpecError(f"`parallel.{key}` applies to pipeline parallelism; set pp >= 2 or leave it out")
+        return
+    if out.world_size % pp:
+        raise SpecError(f"`parallel.pp`: {pp} must divide world_size ({out.world_size})")
+    if out.strategy != "none":
+        raise SpecError(f"`parallel.pp`: {pp} is measured with strategy none only, not {out.strategy}")
+    schedule = raw.get("schedule", "1f1b")
+    if schedule not in PP_SCHEDULES:
+        raise SpecError(f"`parallel.schedule`: {schedule!r} is not allowed; use one of {', '.join(PP_SCHEDULES)}")
+    out.pp, out.schedule = pp, schedule
+    out.shard_size = out.world_size // pp  # no data-parallel dimension to shard over
+    out.vpp = positive("vpp", 2 if schedule == "interleaved-1f1b" else 1)
+    out.microbatches = positive("microbatches", pp)
+    if schedule == "1f1b" and out.microbatches < pp:
+        raise SpecError(f"`parallel.microbatches`: {out.microbatches} is not allowed; Schedule1F1B needs at least pp ({pp})")
+    if (schedule == "interleaved-1f1b") != (out.vpp > 1):
+        raise SpecError(f"`parallel.vpp`: {out.vpp} is not allowed with schedule {schedule}; interleaved-1f1b takes 2 or more, the others 1")
+    split = raw.get("layers_per_stage")
+    if split is not None and (
+        not isinstance(split, list)
+        or len(split) != pp * out.vpp
+        or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in split)
+    ):
+        raise SpecError(f"`parallel.layers_per_stage`: {split!r} is not allowed; use {pp * out.vpp} positive layer counts")
+    out.layers_per_stage = split
 
 
 def load_raw(path: str | Path):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the device, from the repository root: every line of bench/fsdp2-mp/specs.jsonl (or SPECS), JOBS at a time, a
 # fresh process each: `fake: true` lines as rank 0 of a world of world_size under torch's fake process group
-# (HEADROOM_FAKE_WORLD, one process), the others under `torchrun --nproc-per-node 1` (NCCL). Rows to
+# (HEADROOM_FAKE_WORLD, one process; a line's `rank`, default 0, is the rank it plays), the others under `torchrun --nproc-per-node 1` (NCCL). Rows to
 # $OUT/rows.jsonl, logs to $OUT/log.txt, snapshots (lines that name one) to $OUT/snap/. Lines that would start after
 # DEADLINE seconds are skipped. ZeRO lines need DeepSpeed: wheels in .whl-ds/ (bench/distributed/README.md says
 # which) are installed into /tmp/site-ds and put on PYTHONPATH.
@@ -35,11 +35,12 @@ while IFS= read -r line; do
     fake=$(echo "$line" | python3 -c 'import json,sys; print(int(json.load(sys.stdin)["fake"]))')
     world=$(echo "$line" | python3 -c 'import json,sys; print(json.load(sys.stdin)["spec"]["parallel"]["world_size"])')
     snap=$(echo "$line" | python3 -c 'import json,sys; print(json.load(sys.stdin).get("snapshot", ""))')
+    rank=$(echo "$line" | python3 -c 'import json,sys; print(json.load(sys.stdin).get("rank", 0))')
     args=(-m headroom_measure dist --spec-json "$spec" --out /tmp/mp/rows-$n.jsonl --id "$id")
     [ -n "$snap" ] && args+=(--snapshot /tmp/mp/$snap)
     start=$SECONDS
     if [ "$fake" = 1 ]; then
-      HEADROOM_FAKE_WORLD=$world WORLD_SIZE=$world RANK=0 LOCAL_RANK=0 timeout 200 python3 "${args[@]}" > /tmp/mp/log-$n.txt 2>&1
+      HEADROOM_FAKE_WORLD=$world HEADROOM_FAKE_RANK=$rank WORLD_SIZE=$world RANK=0 LOCAL_RANK=0 timeout 200 python3 "${args[@]}" > /tmp/mp/log-$n.txt 2>&1
     else
       timeout 200 torchrun --nproc-per-node 1 --master-port $port "${args[@]}" > /tmp/mp/log-$n.txt 2>&1
     fi

@@ -45,8 +45,19 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
             ),
             _ => String::new(),
         };
+        let pipeline = match &p.pipeline {
+            pipe if pipe.pp > 1 => format!(
+                " × pipeline {} of {} stages ({} per rank, {} micro-batches)",
+                pipe.schedule.name(),
+                pipe.stages(),
+                pipe.vpp,
+                pipe.microbatches
+            ),
+            _ => String::new(),
+        };
         out += &format!(
-            "{}{tensor} over {} GPUs: every number below is rank {}'s (the one that needs most)\n",
+            "{}{tensor}{pipeline} over {} GPUs: every number below is rank {}'s (the one that \
+             needs most)\n",
             p.strategy.name(),
             p.world_size,
             est.worst_rank
@@ -133,6 +144,38 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
     }
     out += &p.to_string();
     out += "\n";
+    if let Some(pipeline) = est
+        .parallel
+        .as_ref()
+        .map(|p| &p.pipeline)
+        .filter(|p| p.pp > 1)
+    {
+        let layers = pipeline.stage_layers(est.arch.layers);
+        let mut s = table();
+        s.set_header(vec![
+            "stage",
+            "layers",
+            "rank",
+            "peak allocated",
+            "peak reserved",
+        ]);
+        for stage in &est.stages {
+            let first: u64 = layers[..stage.stage as usize].iter().sum();
+            s.add_row(vec![
+                Cell::new(stage.stage),
+                Cell::new(format!(
+                    "{first}-{}",
+                    first + layers[stage.stage as usize] - 1
+                )),
+                Cell::new(stage.pipeline_rank),
+                Cell::new(gib(stage.peak_allocated)).set_alignment(CellAlignment::Right),
+                Cell::new(gib(stage.peak_reserved)).set_alignment(CellAlignment::Right),
+            ]);
+        }
+        out += "\n";
+        out += &s.to_string();
+        out += "\n";
+    }
     if verdict {
         out += &verdict_text(
             &est.gpu,

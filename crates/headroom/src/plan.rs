@@ -314,6 +314,7 @@ fn parallel_for(spec: &RunSpec, k: &Knobs, gpus: u32) -> Option<Parallel> {
         mixed_precision: None,
         units: FsdpUnits::Layers,
         tensor: TensorParallel::default(),
+        pipeline: Default::default(),
         fsdp1: Fsdp1Options::default(),
     })
 }
@@ -478,6 +479,7 @@ pub fn nccl_bytes(setup: &Setup, k: &Knobs) -> u64 {
         mixed_precision: None,
         units: FsdpUnits::Layers,
         tensor: TensorParallel::default(),
+        pipeline: Default::default(),
         fsdp1: Fsdp1Options::default(),
     };
     match parallel_for(&spec, k, setup.gpus) {

@@ -357,6 +357,14 @@ pub fn families(row: &Row) -> Vec<String> {
             "parallel: tensor parallel".to_string()
         });
     }
+    if let Some(pipeline) = s
+        .parallel
+        .as_ref()
+        .map(|p| &p.pipeline)
+        .filter(|p| p.pp > 1)
+    {
+        out.push(format!("parallel: pipeline {}", pipeline.schedule.name()));
+    }
     if let Some(p) = s.parallel.as_ref().filter(|p| p.units != FsdpUnits::Layers) {
         out.push(format!("parallel: FSDP2 units {}", p.units.name()));
     }

@@ -70,6 +70,52 @@ fn estimate_json_contract() {
     assert!(v["gpu"]["fits"].is_boolean());
 }
 
+/// A pipeline-parallel estimate lists every stage (its layers, its rank, its rank's peak) and
+/// names the worst rank and its stage; the top-level numbers are that rank's.
+#[test]
+fn estimate_json_lists_every_pipeline_stage() {
+    let v = json(&[
+        "estimate",
+        "examples/llama-3.1-70b-pp8-interleaved-8xh200.yaml",
+        "--gpu",
+        "h200",
+        "--json",
+    ]);
+    let pipeline = &v["per_gpu_of"]["pipeline"];
+    assert_eq!(pipeline["pp"], 8);
+    assert_eq!(pipeline["schedule"], "interleaved-1f1b");
+    let stages = v["stages"].as_array().expect("stages");
+    assert_eq!(stages.len(), 16, "pp 8 × vpp 2");
+    let mut next_layer = 0;
+    for (i, stage) in stages.iter().enumerate() {
+        assert_eq!(stage["stage"], i as u64);
+        assert_eq!(stage["first_layer"], next_layer, "stage {i}");
+        assert_eq!(stage["layers"], 5, "80 layers over 16 stages");
+        next_layer += 5;
+        assert_eq!(
+            stage["worst_rank"],
+            (i % 8) as u64,
+            "rank r holds stages r and r + 8"
+        );
+    }
+    let worst = &v["worst_rank"];
+    let of_worst: Vec<&Value> = stages
+        .iter()
+        .filter(|s| s["worst_rank"] == worst["rank"])
+        .collect();
+    assert_eq!(of_worst.len(), 2);
+    assert_eq!(of_worst[0]["stage"], worst["stage"]);
+    for stage in of_worst {
+        assert_eq!(stage["peak_allocated_bytes"], v["peak_allocated_bytes"]);
+        assert_eq!(stage["peak_reserved_bytes"], v["peak_reserved_bytes"]);
+    }
+    let most = stages
+        .iter()
+        .map(|s| s["peak_reserved_bytes"].as_u64().expect("bytes"))
+        .max();
+    assert_eq!(v["peak_reserved_bytes"].as_u64(), most);
+}
+
 #[test]
 fn estimate_without_gpu_is_the_demand_and_a_gpu_that_fits_changes_nothing() {
     let demand = json(&["estimate", "examples/qwen2.5-7b-lora.yaml", "--json"]);

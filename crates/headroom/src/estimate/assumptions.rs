@@ -35,6 +35,7 @@ struct Uses {
     /// FSDP1 over several ranks.
     fsdp1: bool,
     tensor_parallel: bool,
+    pipeline_parallel: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -66,6 +67,7 @@ impl Uses {
             .as_ref()
             .is_some_and(|p| p.strategy == crate::spec::Strategy::Fsdp1);
         self.tensor_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1);
+        self.pipeline_parallel |= spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1);
     }
 
     /// Whether the estimate depends on `library`'s version. A TRL version given always counts:
@@ -164,6 +166,15 @@ impl Assumptions {
                 "tensor parallelism is measured as rank 0 of a fake process group (bench/tp): \
                  NCCL's communicators, one per mesh dimension, are carried over from FSDP2's \
                  and HSDP's, not measured"
+                    .to_string(),
+            );
+        }
+        if uses.pipeline_parallel {
+            warnings.push(
+                "pipeline parallelism is measured as single ranks of a fake process group \
+                 (bench/pp), whose sends complete at once: NCCL's communicator is carried over \
+                 from DDP's, and what NCCL's send works hold until they are waited on is not \
+                 measured"
                     .to_string(),
             );
         }

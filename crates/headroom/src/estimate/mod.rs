@@ -65,6 +65,8 @@ pub struct Estimate {
     /// The rank the numbers above are of: the one that needs most (0 where ranks hold
     /// alike: data-parallel replicas and shards, the ranks of a tensor-parallel group).
     pub worst_rank: u64,
+    /// Each pipeline stage's peak, in stage order; empty without pipeline parallelism.
+    pub stages: Vec<sim::StagePeak>,
 }
 
 impl Estimate {
@@ -278,6 +280,7 @@ fn estimate_ranks(
         oom,
         assumptions,
         worst_rank: sim.rank,
+        stages: sim.stages.clone(),
     };
     let timeline = sim.timeline.as_ref().map(|t| {
         let peak = (estimate.peak_step, estimate.peak_phase);

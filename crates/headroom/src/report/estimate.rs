@@ -67,6 +67,18 @@ pub struct ParallelJson<'a> {
     /// Tensor-parallel ranks (1: none); the strategy spreads `world_size / tp`.
     pub tp: u64,
     pub sequence_parallel: bool,
+    /// Absent without pipeline parallelism.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineParallelJson>,
+}
+
+/// The pipeline mesh dimension: `pp` ranks of `vpp` stages each, `microbatches` per step.
+#[derive(Debug, Serialize)]
+pub struct PipelineParallelJson {
+    pub pp: u64,
+    pub vpp: u64,
+    pub microbatches: u64,
+    pub schedule: &'static str,
 }
 
 /// A rank, named by its global index and its pipeline stage.
@@ -86,6 +98,37 @@ pub struct StageJson {
     pub worst_rank: u64,
     pub peak_allocated_bytes: u64,
     pub peak_reserved_bytes: u64,
+}
+
+impl StageJson {
+    /// Every stage of `est`: one holding the whole model without pipeline parallelism.
+    fn list(est: &Estimate) -> Vec<StageJson> {
+        let Some(parallel) = est.parallel.as_ref().filter(|p| p.pipeline.pp > 1) else {
+            return vec![StageJson {
+                stage: 0,
+                first_layer: 0,
+                layers: est.arch.layers,
+                ranks: est.parallel.as_ref().map_or(1, |p| p.world_size),
+                worst_rank: est.worst_rank,
+                peak_allocated_bytes: est.peak_allocated_bytes,
+                peak_reserved_bytes: est.peak_reserved_bytes,
+            }];
+        };
+        let ranks = parallel.world_size / parallel.pipeline.pp;
+        let layers = parallel.pipeline.stage_layers(est.arch.layers);
+        est.stages
+            .iter()
+            .map(|s| StageJson {
+                stage: s.stage,
+                first_layer: layers[..s.stage as usize].iter().sum(),
+                layers: layers[s.stage as usize],
+                ranks,
+                worst_rank: s.pipeline_rank * ranks,
+                peak_allocated_bytes: s.peak_allocated,
+                peak_reserved_bytes: s.peak_reserved,
+            })
+            .collect()
+    }
 }
 
 impl<'a> EstimateJson<'a> {
@@ -120,20 +163,20 @@ impl<'a> EstimateJson<'a> {
                 world_size: p.world_size,
                 tp: p.tensor.tp,
                 sequence_parallel: p.tensor.sequence_parallel,
+                pipeline: (p.pipeline.pp > 1).then(|| PipelineParallelJson {
+                    pp: p.pipeline.pp,
+                    vpp: p.pipeline.vpp,
+                    microbatches: p.pipeline.microbatches,
+                    schedule: p.pipeline.schedule.name(),
+                }),
             }),
             worst_rank: WorstRankJson {
                 rank: est.worst_rank,
-                stage: 0,
+                stage: est.parallel.as_ref().map_or(0, |p| {
+                    p.pipeline.pipeline_rank(est.worst_rank, p.world_size)
+                }),
             },
-            stages: vec![StageJson {
-                stage: 0,
-                first_layer: 0,
-                layers: est.arch.layers,
-                ranks: est.parallel.as_ref().map_or(1, |p| p.world_size),
-                worst_rank: est.worst_rank,
-                peak_allocated_bytes: est.peak_allocated_bytes,
-                peak_reserved_bytes: est.peak_reserved_bytes,
-            }],
+            stages: StageJson::list(est),
             gpu: with_verdict.then(|| {
                 VerdictJson::new(
                     &est.gpu,

@@ -25,4 +25,4 @@ pub use engine::memory::{
     PeakRecord, PhasePeak, PhaseStart, RecordedTimeline, Sample, SimulatedEvent, SimulatedOom,
 };
 pub use harness::run::simulate;
-pub use harness::simulation::{AfterOom, Options, STEPS, Simulation};
+pub use harness::simulation::{AfterOom, Options, STEPS, Simulation, StagePeak};

@@ -11,6 +11,7 @@
 
 mod parse;
 mod pipeline;
+mod pipeline_parallel;
 mod run;
 mod trainer;
 mod versions;
@@ -21,6 +22,7 @@ pub use parse::parse_document;
 pub use pipeline::{
     EngineSpec, Home, InstanceSpec, Pass, PassDef, PhaseDef, PipelineSpec, is_pipeline,
 };
+pub use pipeline_parallel::{PipelineParallel, PipelineSchedule};
 pub use run::{
     AllocatorSpec, Attention, BackwardPrefetch, BuiltLora, ExpertsImpl, Framework, Fsdp1Options,
     FsdpUnits, Lora, LoraTargets, MixedPrecision, Mode, Optimizer, Parallel, Precision,

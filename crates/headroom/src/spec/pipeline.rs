@@ -578,6 +578,7 @@ impl PipelineSpec {
                     mixed_precision: None,
                     units: FsdpUnits::Layers,
                     tensor: TensorParallel::default(),
+                    pipeline: Default::default(),
                     fsdp1: Fsdp1Options::default(),
                 });
                 (Home::Cpu, vec![])

@@ -8,6 +8,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::parse::{boolean, choice, parse_document, positive, read_document, unknown_key};
+use super::pipeline_parallel::{self, PipelineParallel};
 use super::trainer::{TRAINER_KEYS, TrainerKind, TrainerSpec};
 use super::versions::Versions;
 use crate::arch::{Architecture, Head, Module};
@@ -272,6 +273,8 @@ pub struct Parallel {
     /// Tensor parallelism on the inner mesh dimension (`world_size = dp × tp`); the
     /// strategy then spreads the data-parallel dimension.
     pub tensor: TensorParallel,
+    /// Pipeline parallelism on the outer mesh dimension (`world_size = pp × dp × tp`).
+    pub pipeline: PipelineParallel,
 }
 
 /// Tensor parallelism as a framework's plan applies it to each decoder layer.
@@ -382,6 +385,7 @@ impl Parallel {
     /// and report the one that needs more. FSDP2 and DDP ranks are alike (measured to the byte).
     pub fn ranks_differ(&self) -> bool {
         matches!(self.strategy, Strategy::Zero1 | Strategy::Zero2) && self.world_size > 1
+            || self.pipeline.pp > 1
     }
 }
 
@@ -481,6 +485,11 @@ const PARALLEL_KEYS: &[&str] = &[
     "tp",
     "sequence_parallel",
     "framework",
+    "pp",
+    "vpp",
+    "microbatches",
+    "schedule",
+    "layers_per_stage",
 ];
 
 impl RunSpec {
@@ -820,6 +829,22 @@ impl RunSpec {
                      leave `parallel` out (zero3 and fsdp shard a forward-only model)",
                 ));
             }
+            if parallel.pipeline.pp > 1
+                && (self.mode == Mode::Forward || self.task != Task::CausalLm)
+            {
+                return Err(Error::Unsupported {
+                    what: format!(
+                        "parallel.pp with {}",
+                        if self.mode == Mode::Forward {
+                            "mode forward"
+                        } else {
+                            "task seq-cls"
+                        }
+                    ),
+                    supported: "pipeline-parallel training of a causal LM (the last stage's loss)"
+                        .into(),
+                });
+            }
             let tensor = parallel.tensor;
             if tensor.tp > 1 && self.mode == Mode::Forward {
                 return Err(Error::field(
@@ -1067,6 +1092,14 @@ impl RunSpec {
         {
             check_tensor_parallel(tensor, arch)?;
         }
+        if let Some(pipeline) = self
+            .parallel
+            .as_ref()
+            .map(|p| &p.pipeline)
+            .filter(|p| p.pp > 1)
+        {
+            check_pipeline_parallel(pipeline, arch, self.batch_size)?;
+        }
         if self.trainer.use_liger_kernel
             && !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
         {
@@ -1226,8 +1259,15 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         .map_err(field)?,
     };
     let world_size = positive(obj, "world_size", 1).map_err(field)?;
-    let tensor = parse_tensor_parallel(obj, strategy, world_size)?;
-    let dp = world_size / tensor.tp;
+    let pipeline = pipeline_parallel::parse(obj, world_size)?;
+    check_pipeline_layout(
+        &pipeline,
+        strategy,
+        positive(obj, "tp", 1).map_err(field)?,
+        world_size,
+    )?;
+    let tensor = parse_tensor_parallel(obj, strategy, world_size / pipeline.pp)?;
+    let dp = world_size / pipeline.pp / tensor.tp;
     // The harness writes every key; a key that does not apply is accepted at its default.
     let set = |key: &str| {
         obj.get(key).is_some_and(|v| match key {
@@ -1354,6 +1394,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         units,
         fsdp1: fsdp1_options,
         tensor,
+        pipeline,
     }
     .checked()
 }
@@ -1399,8 +1440,73 @@ fn check_tensor_parallel(tensor: TensorParallel, arch: &Architecture) -> Result<
     Ok(())
 }
 
+/// What a pipeline split needs of the model: a dense decoder whose input embedding and output
+/// head are modules of their own (a tied pair would sit on the first and the last stage), and
+/// layers for every stage.
+fn check_pipeline_parallel(
+    pipeline: &PipelineParallel,
+    arch: &Architecture,
+    batch_size: u64,
+) -> Result<()> {
+    if arch.moe.is_some() || arch.mla.is_some() {
+        return Err(Error::Unsupported {
+            what: format!("parallel.pp with a {} model", arch.model_type),
+            supported: "pipeline parallelism of dense decoders".into(),
+        });
+    }
+    if arch.tie_word_embeddings {
+        return Err(Error::Unsupported {
+            what: format!(
+                "parallel.pp with tied word embeddings ({})",
+                arch.model_type
+            ),
+            supported: "models with an output head of their own (tie_word_embeddings false)".into(),
+        });
+    }
+    pipeline.check(arch.layers, batch_size)
+}
+
+/// Pipeline parallelism is modelled alone: no data-parallel wrapper and no tensor parallelism
+/// within its stages (torch's pipelining keeps FSDP2's parameters and gradients unsharded
+/// across micro-batches, and a stage boundary under sequence parallelism sends local shards:
+/// neither is modelled yet).
+fn check_pipeline_layout(
+    pipeline: &PipelineParallel,
+    strategy: Strategy,
+    tp: u64,
+    world_size: u64,
+) -> Result<()> {
+    if pipeline.pp == 1 {
+        return Ok(());
+    }
+    if strategy != Strategy::NoDataParallel {
+        return Err(Error::Unsupported {
+            what: format!("parallel.pp with parallel.strategy {}", strategy.name()),
+            supported: "pipeline parallelism alone (strategy none, world_size = pp)".into(),
+        });
+    }
+    if tp > 1 {
+        return Err(Error::Unsupported {
+            what: "parallel.pp with parallel.tp > 1".into(),
+            supported: "pipeline parallelism alone (strategy none, tp 1, world_size = pp)".into(),
+        });
+    }
+    if world_size != pipeline.pp {
+        return Err(Error::field(
+            "parallel.world_size",
+            world_size,
+            format!(
+                "strategy none with pipeline parallelism alone: world_size must equal pp ({})",
+                pipeline.pp
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// `tp`, `sequence_parallel` and `framework`: tensor parallelism composed with FSDP2 over
-/// the data-parallel dimension (strategy fsdp) or alone (strategy none, `world_size = tp`).
+/// the data-parallel dimension (strategy fsdp) or alone (strategy none, `world_size = tp`),
+/// within each of the pipeline's stages (`world_size` here: the ranks of one).
 fn parse_tensor_parallel(
     obj: &serde_json::Map<String, Value>,
     strategy: Strategy,

@@ -15,6 +15,7 @@ mod oom_messages;
 mod oom_pastes;
 mod params;
 mod pipeline;
+mod pipeline_parallel;
 mod tensor_parallel;
 mod timeline;
 mod totality;

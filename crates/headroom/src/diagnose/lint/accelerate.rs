@@ -804,6 +804,7 @@ impl LaunchLayout {
             mixed_precision: policy,
             units: self.units,
             tensor: TensorParallel::default(),
+            pipeline: Default::default(),
             fsdp1: self.fsdp1,
         });
         let words = self.describe(&out);

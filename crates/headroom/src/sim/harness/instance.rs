@@ -319,6 +319,7 @@ impl Instance {
             model: &self.model,
             batch: self.batch,
             autocast: self.autocast,
+            first_region: 0,
         };
         self.model.strategy.borrow_mut().backward_begins();
         t.backward(loss, &mut hooks);
@@ -629,16 +630,24 @@ fn grow_cache(t: &mut Tracer, cache: &mut [(T, T)], length: u64) {
 
 /// What the backward engine calls into the model: the recomputation of checkpointed layers,
 /// and the strategy's backward hooks.
-struct ModelHooks<'a> {
-    model: &'a Model,
-    batch: Batch,
-    autocast: Option<DType>,
+pub(crate) struct ModelHooks<'a> {
+    pub(crate) model: &'a Model,
+    pub(crate) batch: Batch,
+    pub(crate) autocast: Option<DType>,
+    /// The region of the forward's first decoder layer (regions are numbered across the
+    /// graphs alive at once: a pipeline's micro-batches).
+    pub(crate) first_region: u32,
 }
 
 impl BackwardHooks for ModelHooks<'_> {
     fn recompute(&mut self, tracer: &mut Tracer, region: u32) {
-        self.model
-            .recompute_layer(tracer, region, self.batch, self.autocast);
+        self.model.recompute_layer(
+            tracer,
+            region,
+            (region - self.first_region) as usize,
+            self.batch,
+            self.autocast,
+        );
     }
 
     fn unit_backward_begins(&mut self, tracer: &mut Tracer, unit: u32) {
@@ -664,7 +673,7 @@ impl BackwardHooks for ModelHooks<'_> {
 }
 
 /// The dtype the parameters are stored in.
-fn param_dtype(spec: &RunSpec) -> DType {
+pub(crate) fn param_dtype(spec: &RunSpec) -> DType {
     match spec.precision {
         Precision::Bf16 => DType::BF16,
         Precision::Fp32 | Precision::AmpBf16 | Precision::AmpFp16 => DType::F32,
@@ -673,7 +682,7 @@ fn param_dtype(spec: &RunSpec) -> DType {
 
 /// The dtype `torch.autocast` runs the forward in, if any: under FSDP2's mixed-precision
 /// policy only where the spec adds it.
-fn autocast_dtype(spec: &RunSpec) -> Option<DType> {
+pub(crate) fn autocast_dtype(spec: &RunSpec) -> Option<DType> {
     if spec
         .parallel
         .as_ref()

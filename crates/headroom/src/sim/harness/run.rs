@@ -22,6 +22,9 @@ use crate::spec::{Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
 /// first, then the larger reserved and allocated peaks). Without a limit another rank may
 /// need more, so such a run that runs out stops there.
 pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
+    if spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1) {
+        return super::stages::simulate(spec, arch, options);
+    }
     let ranks_differ = spec.parallel.as_ref().is_some_and(Parallel::ranks_differ);
     let run = |rank| {
         let mut t = Tracer::new(

@@ -98,6 +98,9 @@ pub struct Simulation {
     /// Training passes (forward and backward) whose requests were taken from step 1's and
     /// served by the allocator again, the tracer not run.
     pub replayed_passes: u32,
+    /// Each pipeline stage's peak (its rank's), in stage order; empty without pipeline
+    /// parallelism.
+    pub stages: Vec<StagePeak>,
     /// Whether the numbers are those of the same run without a device limit: none was set,
     /// or it never changed what the allocator did (an out-of-memory error after which the
     /// run went on included; see `Memory::unlimited`).
@@ -130,7 +133,18 @@ impl Simulation {
             repeated_steps: 0,
             replayed_steps: 0,
             replayed_passes: 0,
+            stages: Vec::new(),
             unlimited: !t.mem.stopped() && t.mem.unlimited(),
         }
     }
+}
+
+/// A pipeline stage's peak: that of the rank holding it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StagePeak {
+    pub stage: u64,
+    /// The stage's rank in the pipeline (its first global rank: `pipeline_rank × dp × tp`).
+    pub pipeline_rank: u64,
+    pub peak_allocated: u64,
+    pub peak_reserved: u64,
 }

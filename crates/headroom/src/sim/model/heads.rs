@@ -62,6 +62,13 @@ pub(crate) fn train_forward(
 fn causal_lm_loss(t: &mut Tracer, model: &Model, hidden: T, batch: Batch) -> (T, T) {
     let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
     let logits = lm_head(t, model, hidden);
+    t.component = outer;
+    (for_causal_lm_loss(t, model, logits, batch), logits)
+}
+
+/// `ForCausalLMLoss(logits, labels)`: fp32 logits, shifted labels, cross entropy.
+pub(crate) fn for_causal_lm_loss(t: &mut Tracer, model: &Model, logits: T, batch: Batch) -> T {
+    let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
     let logits32 = t.to(logits, DType::F32);
     t.component = Component::Inputs;
     let padded = t.empty(
@@ -87,7 +94,7 @@ fn causal_lm_loss(t: &mut Tracer, model: &Model, hidden: T, batch: Batch) -> (T,
     t.drop(log_probs);
     t.drop_all(&[logits32, padded, shift]);
     t.component = outer;
-    (loss, logits)
+    loss
 }
 
 /// The output head (tied or not), with Gemma-2's final soft-capping.

@@ -198,6 +198,15 @@ pub(crate) struct Layer {
     pub shared_expert_gate: Option<Linear>,
 }
 
+/// What the decoder stack starts from.
+#[derive(Clone, Copy)]
+pub(crate) enum DecoderInput {
+    /// Token ids, looked up in the input embedding.
+    Ids(T),
+    /// Hidden states (`inputs_embeds`).
+    Embeds(T),
+}
+
 /// The model as built on the GPU: its architecture and parameter handles.
 pub(crate) struct Model {
     pub arch: Architecture,
@@ -543,11 +552,31 @@ impl Model {
     /// The decoder stack: `Qwen2Model.forward` (and its siblings). Returns the final hidden
     /// states `(n, hidden)`. Under gradient checkpointing each layer is a recomputed region.
     pub(crate) fn decoder(&self, t: &mut Tracer, ids: T, batch: Batch) -> T {
+        self.decoder_from(t, DecoderInput::Ids(ids), batch, true)
+    }
+
+    /// The decoder stack from token ids or from `inputs_embeds` (a later pipeline stage's
+    /// received hidden states), with the final norm or without it (`nn.Identity()` in its place
+    /// on a stage that is not the last).
+    pub(crate) fn decoder_from(
+        &self,
+        t: &mut Tracer,
+        input: DecoderInput,
+        batch: Batch,
+        final_norm: bool,
+    ) -> T {
         let a = &self.arch;
         let n = batch.n();
         self.unit_pre_forward(t, Unit::Root);
         self.module_pre_forward(t, ModuleKey::Root, &[], false);
         self.module_pre_forward(t, ModuleKey::Model, &[], false);
+        let ids = match input {
+            DecoderInput::Ids(ids) => ids,
+            DecoderInput::Embeds(embeds) => {
+                let inputs_embeds = t.share(embeds);
+                return self.layers_from(t, inputs_embeds, batch, final_norm);
+            }
+        };
         self.unit_pre_forward(t, Unit::Embedding);
         self.module_pre_forward(t, ModuleKey::Params(self.embed), &[self.embed], false);
         let mut inputs_embeds = self.embedding_lookup(t, ids, n);
@@ -562,6 +591,13 @@ impl Model {
         if self.inputs_require_grads && t.grad_enabled() && !t.requires_grad(inputs_embeds) {
             t.make_grad_leaf(inputs_embeds);
         }
+        self.layers_from(t, inputs_embeds, batch, final_norm)
+    }
+
+    /// `Qwen2Model.forward` from `inputs_embeds` on: positions, masks and rotary tables, the
+    /// layers, then the final norm (`final_norm`) or the hidden states as they are.
+    fn layers_from(&self, t: &mut Tracer, inputs_embeds: T, batch: Batch, final_norm: bool) -> T {
+        let a = &self.arch;
         // position_ids = arange(s) + past_seen_tokens
         let arange = t.empty(batch.s, DType::I64, "arange(s)");
         let position_ids = t.empty(batch.s, DType::I64, "position_ids");
@@ -636,7 +672,11 @@ impl Model {
         }
         // The final norm starts the head's unit; a classifier's ends with it.
         self.unit_pre_forward(t, Unit::Head);
-        let out = self.hooked_norm(t, h, self.final_norm);
+        let out = if final_norm {
+            self.hooked_norm(t, h, self.final_norm)
+        } else {
+            t.share(h)
+        };
         if self.score.is_some() {
             self.unit_post_forward(t, Unit::Head);
         }
@@ -777,11 +817,12 @@ impl Model {
     }
 
     /// `torch.utils.checkpoint` recomputation of decoder layer `layer` during backward, from
-    /// the arguments its region kept. Autocast is restored as it was.
+    /// the arguments its region `region` kept. Autocast is restored as it was.
     pub(crate) fn recompute_layer(
         &self,
         t: &mut Tracer,
         region: u32,
+        layer: usize,
         batch: Batch,
         autocast: Option<DType>,
     ) {
@@ -789,7 +830,7 @@ impl Model {
         let ctx = LayerContext::from_region_inputs(&inputs);
         t.begin_recompute(region);
         let outer = t.enter_autocast(autocast);
-        let out = self.layer_forward(t, region as usize, inputs[0], &ctx, batch);
+        let out = self.layer_forward(t, layer, inputs[0], &ctx, batch);
         t.exit_autocast(outer);
         t.drop(out);
         self.strategy.borrow_mut().recompute_ends(t);

@@ -9,15 +9,18 @@
 //! - [`zero`]: DeepSpeed ZeRO stages 1 and 2;
 //! - [`zero3`] and [`zero3_gather`]: DeepSpeed ZeRO stage 3 and its per-module gathers;
 //! - [`tp`]: tensor parallelism (with or without sequence parallelism) wrapping the strategy
-//!   of the data-parallel mesh dimension, whose hooks it passes on.
+//!   of the data-parallel mesh dimension, whose hooks it passes on;
+//! - [`pp`]: pipeline schedules, the order a rank runs its stages' forwards and backwards (the
+//!   harness's `stages` runs a pipeline rank in that order).
 //!
-//! Pipeline, context and expert parallelism take their places here as further variants with
-//! the same hooks.
+//! Context and expert parallelism take their places here as further variants with the same
+//! hooks.
 
 pub(crate) mod ddp;
 pub(crate) mod fsdp;
 pub(crate) mod fsdp1;
 pub(crate) mod fsdp_offload;
+pub(crate) mod pp;
 pub(crate) mod tp;
 pub(crate) mod zero;
 pub(crate) mod zero3;

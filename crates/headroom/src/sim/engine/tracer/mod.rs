@@ -743,6 +743,31 @@ impl Tracer {
         self.activation_leaves.push(id);
     }
 
+    /// `buffer.requires_grad_(True)` on a tensor the process keeps (a pipeline stage's receive
+    /// buffer): a leaf each backward through it accumulates a gradient into, taken with
+    /// [`Tracer::take_grad`]; unlike an activation leaf it outlives the graph.
+    pub(crate) fn make_input_leaf(&mut self, x: T) -> ParamId {
+        let id = self.params.len();
+        let held = self.share(x);
+        self.params.push(ParamRec {
+            tensor: held,
+            grad: None,
+            matrix: None,
+            node: None,
+            autocast: None,
+            grad_sum_stream: None,
+        });
+        let rec = self.rec_mut(x);
+        rec.requires_grad = true;
+        rec.param = Some(id);
+        id
+    }
+
+    /// `leaf.grad` taken and set to `None`.
+    pub(crate) fn take_grad(&mut self, leaf: ParamId) -> Option<T> {
+        self.params[leaf].grad.take()
+    }
+
     /// Declare a parameter 2-D (rows, cols).
     pub(crate) fn set_matrix(&mut self, p: ParamId, rows: u64, cols: u64) {
         self.params[p].matrix = Some((rows, cols));
@@ -1063,7 +1088,50 @@ impl Tracer {
         // `torch.autograd.backward` makes `ones_like(loss)` in Python, which holds it until
         // the call returns.
         let seed = self.empty(1, self.dtype(root), "grad of loss (ones_like)");
-        let mut deps = self.compute_dependencies(root_node);
+        let deps = self.compute_dependencies(root_node);
+        self.run_engine(root_node, root_slot, seed, deps, hooks);
+        self.free_graph();
+        self.drop(seed);
+    }
+
+    /// `torch.autograd.backward([root], grad_tensors=[grad])` through one of several graphs
+    /// alive at once (a pipeline stage's micro-batches): `grad` seeds the root (`None`: the
+    /// `ones_like` of a scalar loss), and only the nodes this backward reaches release what
+    /// they hold. The graphs' tables go with [`Tracer::free_graph`] once none is left.
+    pub(crate) fn backward_graph(
+        &mut self,
+        root: T,
+        grad: Option<T>,
+        hooks: &mut dyn BackwardHooks,
+    ) {
+        let Some((root_node, root_slot)) = self.rec(root).grad_fn else {
+            return;
+        };
+        let seed = match grad {
+            Some(grad) => self.share(grad),
+            None => self.empty(1, self.dtype(root), "grad of loss (ones_like)"),
+        };
+        let deps = self.compute_dependencies(root_node);
+        let reached: Vec<bool> = deps
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| d > 0 || i == root_node.0 as usize)
+            .collect();
+        self.run_engine(root_node, root_slot, seed, deps, hooks);
+        self.release_reached(&reached);
+        self.drop(seed);
+    }
+
+    /// The engine's loop from `root` (its slot `root_slot` seeded with `seed`), `deps` the
+    /// count of edges into each node.
+    fn run_engine(
+        &mut self,
+        root_node: NodeId,
+        root_slot: u8,
+        seed: T,
+        mut deps: Vec<u32>,
+        hooks: &mut dyn BackwardHooks,
+    ) {
         self.nodes[root_node.0 as usize].buffer[root_slot as usize] = Some(self.share(seed));
         self.thread = 1;
         let mut ready = BinaryHeap::new();
@@ -1116,8 +1184,29 @@ impl Tracer {
             }
         }
         self.thread = 0;
-        self.free_graph();
-        self.drop(seed);
+    }
+
+    /// After a backward through one of several graphs: the nodes it reached that never ran
+    /// release what they hold, and so do its checkpointed regions.
+    fn release_reached(&mut self, reached: &[bool]) {
+        for (i, _) in reached.iter().enumerate().filter(|(_, r)| **r) {
+            self.release_buffer(NodeId(i as u32));
+            let saved = std::mem::take(&mut self.nodes[i].saved);
+            self.drop_all(&saved);
+        }
+        for r in 0..self.regions.len() {
+            let region = &self.regions[r];
+            if region.pending > 0 && region.nodes.iter().all(|n| reached[n.id.0 as usize]) {
+                self.regions[r].pending = 0;
+                let inputs = std::mem::take(&mut self.regions[r].inputs);
+                self.drop_all(&inputs);
+            }
+        }
+    }
+
+    /// Regions begun so far: a forward's first region is this count before it runs.
+    pub(crate) fn region_count(&self) -> u32 {
+        self.regions.len() as u32
     }
 
     /// How many edges of the graph under `root` point at each node (by node id), kept apart
@@ -1189,12 +1278,20 @@ impl Tracer {
         self.nodes[node.0 as usize].buffer[slot as usize] = Some(merged);
     }
 
+    /// Drop a node's incoming gradients, keeping its slots: a parameter's `AccumulateGrad`
+    /// node serves every graph alive at once (a pipeline's micro-batches).
+    fn release_buffer(&mut self, node: NodeId) {
+        let grads: SmallVec<[T; 2]> = self.nodes[node.0 as usize]
+            .buffer
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect();
+        self.drop_all(&grads);
+    }
+
     /// After a node ran: drop its incoming gradients, then release what it saved.
     fn release_node(&mut self, node: NodeId) {
-        let buffer = std::mem::take(&mut self.nodes[node.0 as usize].buffer);
-        for g in buffer.into_iter().flatten() {
-            self.drop(g);
-        }
+        self.release_buffer(node);
         let saved = std::mem::take(&mut self.nodes[node.0 as usize].saved);
         self.drop_all(&saved);
         if let Some(region) = self.nodes[node.0 as usize].region {
@@ -1208,7 +1305,7 @@ impl Tracer {
     }
 
     /// The graph is freed after backward: nodes that never ran release what they hold.
-    fn free_graph(&mut self) {
+    pub(crate) fn free_graph(&mut self) {
         for i in 0..self.nodes.len() {
             let buffer = std::mem::take(&mut self.nodes[i].buffer);
             for g in buffer.into_iter().flatten() {

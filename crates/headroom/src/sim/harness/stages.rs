@@ -1,0 +1,401 @@
+//! A pipeline-parallel rank as torchtitan runs one with torch 2.11's
+//! `torch.distributed.pipelining` (the harness: `python/headroom_measure/pp.py`): the rank's
+//! stages built over their layers, then three steps of `schedule.step()` (every micro-batch's
+//! forward and backward in the order `strategy::pp::rank_order` gives) and `optimizer.step()`.
+//!
+//! What each piece holds, after `stage.py` and `schedules.py`:
+//! - a stage's parameters: its decoder layers, the input embedding on the first stage, the
+//!   final norm and the output head on the last (each stage is its own model over its layers,
+//!   materialised in `parameters()` order; one optimizer steps every stage of the rank);
+//! - `_initialize_stage(s)`, in the first step: each stage's two one-element tensors of the
+//!   neighbour handshake, then `_prepare_forward_infra`'s receive buffer per micro-batch of
+//!   every stage but the first (the stage's input shape, `requires_grad_(True)`: the leaf its
+//!   backward accumulates the input gradient into), then `_prepare_backward_infra`'s gradient
+//!   receive buffer per micro-batch of every stage but the last; all kept for the run;
+//! - a forward keeps its output (and on the last stage the logits and the loss, computed right
+//!   after) in `fwd_cache` until that micro-batch's backward, which starts from the loss or from
+//!   the output with the received gradient; the loss stays in the schedule's list to the end
+//!   of the step;
+//! - a stage's input gradient is taken off its receive buffer (`val.grad = None`) and sent:
+//!   `Schedule1F1B` holds the send ops until the next backward has made its own,
+//!   `ScheduleGPipe` until the next backward starts, `ScheduleInterleaved1F1B` sends it at once;
+//! - parameter gradients accumulate over the micro-batches (`scale_grads` divides them in
+//!   place at the end).
+
+use super::instance::{ModelHooks, autocast_dtype, param_dtype};
+use super::simulation::{Options, STEPS, Simulation, StagePeak};
+use crate::arch::{Architecture, Module};
+use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::memory::{Keep, Memory, OnOom};
+use crate::sim::engine::tracer::{ParamId, T, Tracer};
+use crate::sim::model::heads::{for_causal_lm_loss, lm_head};
+use crate::sim::model::transformer::{DecoderInput, Model};
+use crate::sim::model::{AttentionImpl, Batch};
+use crate::sim::optim::OptimizerState;
+use crate::sim::strategy::pp::{Action, rank_order};
+use crate::spec::{Attention, PipelineSchedule, RunSpec};
+use headroom_alloc::CachingAllocator;
+
+/// One stage of the rank.
+struct Stage {
+    index: u64,
+    first: bool,
+    last: bool,
+    model: Model,
+    /// Per micro-batch: the receive buffer and its leaf (every stage but the first).
+    inputs: Vec<(T, ParamId)>,
+    /// Per micro-batch: the buffer the next stage's input gradient lands in (every stage but
+    /// the last).
+    output_grads: Vec<T>,
+}
+
+/// A micro-batch between its forward and its backward on one stage (`fwd_cache`).
+struct InFlight {
+    stage: u64,
+    microbatch: u64,
+    output: T,
+    loss: Option<T>,
+    first_region: u32,
+}
+
+/// Simulate every pipeline rank (or `options.only_rank`'s) and report the one that needs most,
+/// with each stage's peak.
+pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
+    let parallel = spec.parallel.as_ref().expect("a pipeline-parallel spec");
+    let pipeline = &parallel.pipeline;
+    let world = parallel.world_size;
+    let ranks_per_stage = world / pipeline.pp;
+    let run = |pp_rank: u64| {
+        let mut t = Tracer::new(
+            Memory::new(
+                CachingAllocator::new(options.allocator.clone(), options.capacity),
+                Keep {
+                    trace: options.record_trace,
+                    timeline: options.record_timeline,
+                },
+            ),
+            options.workspaces,
+        );
+        if options.after_oom != super::simulation::AfterOom::GoOn {
+            // Another rank may need more: a rank that runs out stops there.
+            t.mem.on_oom(OnOom::Stop);
+        }
+        let sim = simulate_rank(spec, arch, t, pp_rank);
+        Simulation {
+            rank: pp_rank * ranks_per_stage,
+            ..sim
+        }
+    };
+    if let Some(rank) = options.only_rank {
+        return run(pipeline.pipeline_rank(rank.min(world - 1), world));
+    }
+    let sims: Vec<Simulation> = (0..pipeline.pp).map(run).collect();
+    let stages: Vec<StagePeak> = sims.iter().flat_map(|s| s.stages.clone()).collect();
+    let need = |s: &Simulation| {
+        (
+            s.refused.is_some(),
+            s.oom.is_some(),
+            s.peak_reserved,
+            s.peak.allocated,
+        )
+    };
+    let worst = sims
+        .into_iter()
+        .reduce(|a, b| if need(&b) > need(&a) { b } else { a })
+        .expect("pp >= 2 ranks");
+    let mut stages = stages;
+    stages.sort_by_key(|s| s.stage);
+    Simulation { stages, ..worst }
+}
+
+/// Pipeline rank `pp_rank`'s process `t`: load, then the measured steps.
+fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u64) -> Simulation {
+    let parallel = spec.parallel.as_ref().expect("a pipeline-parallel spec");
+    let pipeline = &parallel.pipeline;
+    let (pp, microbatches) = (pipeline.pp, pipeline.microbatches);
+    let stage_count = pipeline.stages();
+    let split = pipeline.stage_layers(arch.layers);
+    let batch = Batch {
+        b: spec.batch_size / microbatches,
+        s: spec.seq_len,
+    };
+    let dtype = param_dtype(spec);
+    let autocast = autocast_dtype(spec);
+    // torch.zeros(1, device="cuda"): the context and a first small segment; the tensor dies.
+    let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
+    t.drop(zero);
+
+    let attention = match spec.attention_for(arch) {
+        Attention::Sdpa => AttentionImpl::Sdpa,
+        Attention::Eager => AttentionImpl::Eager,
+    };
+    let head = spec.head();
+    let mut stages = Vec::new();
+    let mut trainable = Vec::new();
+    for index in (pp_rank..stage_count).step_by(pp as usize) {
+        let (first, last) = (index == 0, index == stage_count - 1);
+        let stage_arch = Architecture {
+            layers: split[index as usize],
+            ..arch.clone()
+        };
+        let from = t.params.len();
+        let mut model =
+            Model::build_on_meta(&mut t, &stage_arch, head, dtype, &|_| true, attention);
+        // `to_empty`: only the modules the stage kept.
+        for (offset, param) in stage_arch.parameters(head).iter().enumerate() {
+            let kept = param.layer.is_some()
+                || (first && param.module == Module::Embed)
+                || (last && matches!(param.module, Module::FinalNorm | Module::LmHead));
+            if kept {
+                t.materialize(from + offset);
+                trainable.push(from + offset);
+            }
+        }
+        t.persistent_buffers(&stage_arch.buffers(), "rotary inv_freq");
+        model.checkpointing = spec.gradient_checkpointing;
+        model.inputs_require_grads = model.checkpointing;
+        stages.push(Stage {
+            index,
+            first,
+            last,
+            model,
+            inputs: Vec::new(),
+            output_grads: Vec::new(),
+        });
+    }
+    let mut optimizer = OptimizerState::new(spec.optimizer);
+    let ids = t.empty_as(
+        spec.rows() * spec.seq_len,
+        DType::I64,
+        Component::Inputs,
+        "input_ids",
+    );
+    let mut phases = vec![t.mem.phase_peak()];
+    let order = rank_order(pipeline.schedule, pp, pipeline.vpp, microbatches, pp_rank);
+    for step in 1..=STEPS {
+        if t.mem.stopped() {
+            break;
+        }
+        t.mem.begin_measured_phase("schedule", step);
+        if step == 1 {
+            initialize(&mut t, &mut stages, microbatches, batch, arch.hidden, dtype);
+        }
+        let losses = run_schedule(
+            &mut t,
+            &stages,
+            &order,
+            pipeline.schedule,
+            ids,
+            batch,
+            autocast,
+        );
+        phases.push(t.mem.phase_peak());
+        t.drop_all(&losses);
+        if t.mem.stopped() {
+            break;
+        }
+        t.mem.begin_measured_phase("optimizer", step);
+        optimizer.step(&mut t, &trainable);
+        phases.push(t.mem.phase_peak());
+        for &p in &trainable {
+            if let Some(g) = t.params[p].grad.take() {
+                t.drop(g);
+            }
+        }
+    }
+    let peak_reserved = phases
+        .iter()
+        .filter(|p| p.step > 0)
+        .map(|p| p.peak_reserved)
+        .max()
+        .unwrap_or(0);
+    let params = arch.parameters(head).iter().map(|p| p.numel()).sum();
+    let peak = t.mem.peak().clone();
+    Simulation {
+        rank: 0,
+        params,
+        trainable_params: params,
+        weights_loaded: phases[0].peak_allocated,
+        stages: stages
+            .iter()
+            .map(|s| StagePeak {
+                stage: s.index,
+                pipeline_rank: pp_rank,
+                peak_allocated: peak.allocated,
+                peak_reserved,
+            })
+            .collect(),
+        phases,
+        peak,
+        peak_reserved,
+        host_bytes: 0,
+        engine_bytes: 0,
+        oom: t.mem.oom().cloned(),
+        refused: t.mem.refused().cloned(),
+        trace: t.mem.take_trace(),
+        timeline: t.mem.take_timeline(),
+        repeated_steps: 0,
+        replayed_steps: 0,
+        replayed_passes: 0,
+        unlimited: !t.mem.stopped() && t.mem.unlimited(),
+    }
+}
+
+/// `_initialize_stage(s)` in the first `step()`: the neighbour handshake's tensors, then the
+/// forward receive buffers, then the gradient receive buffers (see the module doc).
+fn initialize(
+    t: &mut Tracer,
+    stages: &mut [Stage],
+    microbatches: u64,
+    batch: Batch,
+    hidden: u64,
+    dtype: DType,
+) {
+    let outer = std::mem::replace(&mut t.component, Component::Communication);
+    let mut handshake = Vec::new();
+    for _ in stages.iter() {
+        handshake.push(t.empty(1, DType::F32, "p2p init recv_tensor (zeros(1))"));
+        handshake.push(t.empty(1, DType::F32, "p2p init send_tensor"));
+    }
+    let activation = batch.n() * hidden;
+    for stage in stages.iter_mut().filter(|s| !s.first) {
+        for _ in 0..microbatches {
+            let buffer = t.empty(activation, dtype, "pipeline recv buffer (activations)");
+            let leaf = t.make_input_leaf(buffer);
+            stage.inputs.push((buffer, leaf));
+        }
+    }
+    for stage in stages.iter_mut().filter(|s| !s.last) {
+        for _ in 0..microbatches {
+            let buffer = t.empty(activation, dtype, "pipeline recv buffer (gradients)");
+            stage.output_grads.push(buffer);
+        }
+    }
+    t.drop_all(&handshake);
+    t.component = outer;
+}
+
+/// One `schedule.step()`: the rank's actions in order. Returns the losses the schedule hands
+/// back (the last stage's, one per micro-batch).
+fn run_schedule(
+    t: &mut Tracer,
+    stages: &[Stage],
+    order: &[Action],
+    schedule: PipelineSchedule,
+    ids: T,
+    batch: Batch,
+    autocast: Option<DType>,
+) -> Vec<T> {
+    let stage_of = |index: u64| {
+        stages
+            .iter()
+            .find(|s| s.index == index)
+            .expect("the rank holds the stage")
+    };
+    // The harness runs `step()` under one autocast context: its cache keeps one cast of each
+    // weight for every micro-batch, and the recomputations in backward find it there.
+    let outer = t.enter_autocast(autocast);
+    let mut in_flight: Vec<InFlight> = Vec::new();
+    let mut losses = Vec::new();
+    // The input gradient the schedule's send ops still hold.
+    let mut sending: Option<T> = None;
+    // The last forward's output, as `_step_microbatches`'s local `output` holds it.
+    let mut last_output: Option<T> = None;
+    for &action in order {
+        match action {
+            Action::Forward { stage, microbatch } => {
+                let s = stage_of(stage);
+                let first_region = t.region_count();
+                let input = if s.first {
+                    // `tensor_split` of the batch: a view of its rows.
+                    DecoderInput::Ids(t.view(ids, batch.n(), "micro-batch (tensor_split)"))
+                } else {
+                    DecoderInput::Embeds(s.inputs[microbatch as usize].0)
+                };
+                let hidden = s.model.decoder_from(t, input, batch, s.last);
+                if let DecoderInput::Ids(view) = input {
+                    t.drop(view);
+                }
+                // The last stage returns the logits.
+                let output = if s.last {
+                    let component = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
+                    let logits = lm_head(t, &s.model, hidden);
+                    t.component = component;
+                    t.drop(hidden);
+                    logits
+                } else {
+                    hidden
+                };
+                s.model.forward_done(t);
+                // `output = forward_one_chunk(...)`: the single-stage schedules' local lets the
+                // previous micro-batch's output go only now.
+                if schedule != PipelineSchedule::Interleaved1F1B
+                    && let Some(previous) = last_output.replace(t.share(output))
+                {
+                    t.drop(previous);
+                }
+                // The schedule's `loss_fn` (HF's `ForCausalLMLoss`) on the logits at once.
+                let loss = s
+                    .last
+                    .then(|| for_causal_lm_loss(t, &s.model, output, batch));
+                in_flight.push(InFlight {
+                    stage,
+                    microbatch,
+                    output,
+                    loss,
+                    first_region,
+                });
+            }
+            Action::Backward { stage, microbatch } => {
+                let s = stage_of(stage);
+                let at = in_flight
+                    .iter()
+                    .position(|f| f.stage == stage && f.microbatch == microbatch)
+                    .expect("a backward follows its forward");
+                let done = in_flight.remove(at);
+                if schedule == PipelineSchedule::GPipe
+                    && let Some(sent) = sending.take()
+                {
+                    t.drop(sent);
+                }
+                let mut hooks = ModelHooks {
+                    model: &s.model,
+                    batch,
+                    autocast,
+                    first_region: done.first_region,
+                };
+                match done.loss {
+                    Some(loss) => {
+                        t.backward_graph(loss, None, &mut hooks);
+                        losses.push(loss);
+                    }
+                    None => {
+                        let grad = s.output_grads[microbatch as usize];
+                        t.backward_graph(done.output, Some(grad), &mut hooks);
+                    }
+                }
+                t.drop(done.output);
+                if !s.first {
+                    let grad = t.take_grad(s.inputs[microbatch as usize].1);
+                    let held = match schedule {
+                        PipelineSchedule::Interleaved1F1B => {
+                            grad.into_iter().for_each(|g| t.drop(g));
+                            None
+                        }
+                        _ => grad,
+                    };
+                    if let Some(sent) = std::mem::replace(&mut sending, held) {
+                        t.drop(sent);
+                    }
+                }
+            }
+        }
+    }
+    for held in sending.into_iter().chain(last_output) {
+        t.drop(held);
+    }
+    t.free_graph();
+    t.exit_autocast(outer);
+    losses
+}

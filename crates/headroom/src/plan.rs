@@ -578,17 +578,22 @@ fn fits(setup: &Setup, k: &Knobs) -> Result<bool> {
 /// The spec as given, with its residents and ranks.
 pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
     // The planner's changes are to data parallelism, offload and the step; it would drop a
-    // tensor-parallel layout rather than search it.
-    if setup
+    // tensor- or pipeline-parallel layout rather than search it.
+    if let Some(p) = setup
         .spec
         .parallel
         .as_ref()
-        .is_some_and(|p| p.tensor.tp > 1)
+        .filter(|p| p.tensor.tp > 1 || p.pipeline.pp > 1)
     {
+        let what = if p.tensor.tp > 1 {
+            "a tensor-parallel spec (parallel.tp > 1)"
+        } else {
+            "a pipeline-parallel spec (parallel.pp > 1)"
+        };
         return Err(crate::error::Error::Unsupported {
-            what: "fit and remedies of a tensor-parallel spec (parallel.tp > 1)".into(),
-            supported: "`headroom estimate` of a tensor-parallel layout; fit and diagnose \
-                        search data parallelism"
+            what: format!("fit and remedies of {what}"),
+            supported: "`headroom estimate` of a tensor- or pipeline-parallel layout; fit and \
+                        diagnose search data parallelism"
                 .into(),
         });
     }

@@ -77,10 +77,7 @@ impl Instance {
             None => arch,
         };
         let trainable = |_: &Param| train;
-        let attention = match spec.attention_for(arch) {
-            Attention::Sdpa => AttentionImpl::Sdpa,
-            Attention::Eager => AttentionImpl::Eager,
-        };
+        let attention = attention_impl(spec, arch);
         let dtype = param_dtype(spec);
         let parallel = spec.parallel.as_ref();
         // Under FSDP2's mixed-precision policy the model computes in `param_dtype`; its shards
@@ -669,6 +666,14 @@ impl BackwardHooks for ModelHooks<'_> {
             .strategy
             .borrow_mut()
             .grad_accumulated(tracer, param);
+    }
+}
+
+/// The attention kernel the spec's `attention` gives `arch`.
+pub(crate) fn attention_impl(spec: &RunSpec, arch: &Architecture) -> AttentionImpl {
+    match spec.attention_for(arch) {
+        Attention::Sdpa => AttentionImpl::Sdpa,
+        Attention::Eager => AttentionImpl::Eager,
     }
 }
 

@@ -108,6 +108,16 @@ pub struct Simulation {
 }
 
 impl Simulation {
+    /// The largest reserved peak of the steps (loading left out).
+    pub(crate) fn steps_peak_reserved(phases: &[PhasePeak]) -> u64 {
+        phases
+            .iter()
+            .filter(|p| p.step > 0)
+            .map(|p| p.peak_reserved)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// What the process `t` that ran `instance` through `phases` (the load first) reports,
     /// every step simulated.
     pub(crate) fn of_run(mut t: Tracer, instance: &Instance, phases: Vec<PhasePeak>) -> Self {
@@ -116,12 +126,7 @@ impl Simulation {
             params: instance.param_count,
             trainable_params: instance.trainable_count,
             weights_loaded: instance.weights_loaded,
-            peak_reserved: phases
-                .iter()
-                .filter(|p| p.step > 0)
-                .map(|p| p.peak_reserved)
-                .max()
-                .unwrap_or(0),
+            peak_reserved: Self::steps_peak_reserved(&phases),
             peak: t.mem.peak().clone(),
             host_bytes: instance.host_bytes(&t),
             engine_bytes: 0,

@@ -22,19 +22,19 @@
 //! - parameter gradients accumulate over the micro-batches (`scale_grads` divides them in
 //!   place at the end).
 
-use super::instance::{ModelHooks, autocast_dtype, param_dtype};
+use super::instance::{ModelHooks, attention_impl, autocast_dtype, param_dtype};
 use super::simulation::{Options, STEPS, Simulation, StagePeak};
 use crate::arch::{Architecture, Module};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{Keep, Memory, OnOom};
 use crate::sim::engine::tracer::{ParamId, T, Tracer};
+use crate::sim::model::Batch;
 use crate::sim::model::heads::{for_causal_lm_loss, lm_head};
 use crate::sim::model::transformer::{DecoderInput, Model};
-use crate::sim::model::{AttentionImpl, Batch};
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::pp::{Action, rank_order};
-use crate::spec::{Attention, PipelineSchedule, RunSpec};
+use crate::spec::{PipelineSchedule, RunSpec};
 use headroom_alloc::CachingAllocator;
 
 /// One stage of the rank.
@@ -91,7 +91,8 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
         return run(pipeline.pipeline_rank(rank.min(world - 1), world));
     }
     let sims: Vec<Simulation> = (0..pipeline.pp).map(run).collect();
-    let stages: Vec<StagePeak> = sims.iter().flat_map(|s| s.stages.clone()).collect();
+    let mut stages: Vec<StagePeak> = sims.iter().flat_map(|s| s.stages.clone()).collect();
+    stages.sort_by_key(|s| s.stage);
     let need = |s: &Simulation| {
         (
             s.refused.is_some(),
@@ -104,8 +105,6 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
         .into_iter()
         .reduce(|a, b| if need(&b) > need(&a) { b } else { a })
         .expect("pp >= 2 ranks");
-    let mut stages = stages;
-    stages.sort_by_key(|s| s.stage);
     Simulation { stages, ..worst }
 }
 
@@ -126,10 +125,7 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);
 
-    let attention = match spec.attention_for(arch) {
-        Attention::Sdpa => AttentionImpl::Sdpa,
-        Attention::Eager => AttentionImpl::Eager,
-    };
+    let attention = attention_impl(spec, arch);
     let head = spec.head();
     let mut stages = Vec::new();
     let mut trainable = Vec::new();
@@ -164,6 +160,7 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
             output_grads: Vec::new(),
         });
     }
+    let weights_loaded = t.mem.allocated();
     let mut optimizer = OptimizerState::new(spec.optimizer);
     let ids = t.empty_as(
         spec.rows() * spec.seq_len,
@@ -204,19 +201,14 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
             }
         }
     }
-    let peak_reserved = phases
-        .iter()
-        .filter(|p| p.step > 0)
-        .map(|p| p.peak_reserved)
-        .max()
-        .unwrap_or(0);
+    let peak_reserved = Simulation::steps_peak_reserved(&phases);
     let params = arch.parameters(head).iter().map(|p| p.numel()).sum();
     let peak = t.mem.peak().clone();
     Simulation {
         rank: 0,
         params,
         trainable_params: params,
-        weights_loaded: phases[0].peak_allocated,
+        weights_loaded,
         stages: stages
             .iter()
             .map(|s| StagePeak {

@@ -149,6 +149,10 @@ class Recorder:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if any(issubclass(t, DTensor) for t in types):
+                    # DTensor's own dispatch runs the ops on the local tensors, and its
+                    # redistributions' collectives, back through this mode: those allocate.
+                    return NotImplemented
                 if func is local_scalar:
                     return recorder._scalar(args[0])
                 out = func(*args, **(kwargs or {}))
@@ -156,6 +160,7 @@ class Recorder:
                 return out
 
         import torch
+        from torch.distributed.tensor import DTensor
 
         local_scalar = torch.ops.aten._local_scalar_dense.default
 

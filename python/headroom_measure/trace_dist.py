@@ -29,12 +29,19 @@ from .trace import TraceError
 
 # The strategies the tracer runs, and why the others are refused.
 TRACEABLE = ("fsdp", "none")
+DEEPSPEED = (
+    "DeepSpeed on a machine without a GPU selects its CPU accelerator (`deepspeed.accelerator`: a shared-memory "
+    "comm op it JIT-builds, no CUDA streams), another code path than the CUDA run's, which the tracer cannot make "
+    "it take"
+)
 REFUSED = {
-    "ddp": "DDP's reducer buckets gradients in C++ under hooks the fake tensors do not reach in order",
-    "fsdp1": "FSDP1 frees its flat parameters with `record_stream` on streams the CPU path never uses",
-    "zero1": "DeepSpeed is not part of the tracer's environment",
-    "zero2": "DeepSpeed is not part of the tracer's environment",
-    "zero3": "DeepSpeed is not part of the tracer's environment",
+    "ddp": "DDP's constructor reads the parameters' memory in C++ (`_verify_param_shape_across_processes`), "
+    "which fake tensors do not have",
+    "fsdp1": "FSDP1 materialises each unit by swapping its parameters (`to_empty` under `param_init_fn`), which "
+    "fake tensors refuse",
+    "zero1": DEEPSPEED,
+    "zero2": DEEPSPEED,
+    "zero3": DEEPSPEED,
 }
 
 
@@ -85,6 +92,20 @@ def fake_world(spec):
         dist.destroy_process_group()
 
 
+def _outside_fake(fn):
+    """`fn` run with no dispatch mode: on real tensors, unrecorded."""
+    import functools
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    @functools.wraps(fn)
+    def outside(*args, **kwargs):
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return outside
+
+
 class _FsdpCuda:
     """FSDP2's storage resizes recorded, and CPU offload's copies made as CUDA makes them."""
 
@@ -95,8 +116,8 @@ class _FsdpCuda:
     def __enter__(self):
         import torch
         from torch.distributed import device_mesh
+        from torch.distributed.tensor import _sharding_prop
         from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-        from torch.utils._python_dispatch import _disable_current_modes
 
         rec = self.rec
         real_alloc, real_free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
@@ -104,19 +125,25 @@ class _FsdpCuda:
         def alloc_storage(tensor):
             real_alloc(tensor)
             rec.storage_resized(tensor, "fsdp alloc_storage (unsharded parameter)")
+            rec.classify([tensor], "parameter")
 
         def free_storage(tensor):
             real_free(tensor)
             rec.storage_resized(tensor, "fsdp free_storage")
 
-        # The mesh is real: its coordinates are computed from its rank tensor's values.
-        real_mesh = device_mesh.init_device_mesh
-
-        def init_device_mesh(*args, **kwargs):
-            with _disable_current_modes():
-                return real_mesh(*args, **kwargs)
-
-        self._patch(device_mesh, "init_device_mesh", init_device_mesh)
+        # Meshes are real: a rank's coordinates are computed from the mesh tensor's values, when
+        # the mesh is made and when a dimension is sliced or flattened out of it.
+        self._patch(device_mesh, "init_device_mesh", _outside_fake(device_mesh.init_device_mesh))
+        for name in ("__init__", "__getitem__", "_flatten"):
+            self._patch(device_mesh.DeviceMesh, name, _outside_fake(getattr(device_mesh.DeviceMesh, name)))
+        # DTensor's sharding propagation runs each op on fake arguments of its own to learn the
+        # output's shape: bookkeeping that allocates nothing on the GPU.
+        propagator = _sharding_prop.ShardingPropagator
+        self._patch(
+            propagator,
+            "_propagate_tensor_meta_non_cached",
+            _outside_fake(propagator._propagate_tensor_meta_non_cached),
+        )
         self._patch(_fsdp_param, "alloc_storage", alloc_storage)
         self._patch(_fsdp_param, "free_storage", free_storage)
 

@@ -747,7 +747,10 @@ mod tests {
         let events = json!([["alloc", 0], ["free", 0], ["alloc", 1], ["free", 1]]);
         // The second request on the stream that freed the block reuses its segment...
         let same = trace_on_streams(&[(100 * MIB, 1), (100 * MIB, 1)], events.clone());
-        assert_eq!(replay(&same, &h100(), Limit::None).peak_reserved_bytes, 100 * MIB);
+        assert_eq!(
+            replay(&same, &h100(), Limit::None).peak_reserved_bytes,
+            100 * MIB
+        );
         // ...one on another stream cannot: the allocator's pools are per stream.
         let other = trace_on_streams(&[(100 * MIB, 1), (100 * MIB, 0)], events);
         let est = replay(&other, &h100(), Limit::None);
@@ -760,7 +763,10 @@ mod tests {
             &[],
         );
         assert_eq!(t.storages[1].stream, 0);
-        assert_eq!(replay(&t, &h100(), Limit::None).peak_reserved_bytes, 100 * MIB);
+        assert_eq!(
+            replay(&t, &h100(), Limit::None).peak_reserved_bytes,
+            100 * MIB
+        );
     }
 
     #[test]

@@ -378,7 +378,10 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
         raise SpecError(
             f"`parallel.shard_size`: {shard!r} is not allowed; use an integer >= 1 that divides world_size ({world})"
         )
-    if shard != world and strategy not in fsdps:
+    # Under tensor parallelism the data-parallel group is world_size / tp (to_json writes it).
+    tp_raw = raw.get("tp", 1)
+    dp = world // tp_raw if type(tp_raw) is int and tp_raw >= 1 and world % tp_raw == 0 else world
+    if shard not in (world, dp) and strategy not in fsdps:
         raise SpecError(
             f"`parallel.shard_size`: {shard!r} applies only to strategy fsdp / fsdp1, not {strategy}; "
             f"leave it out or world_size ({world})"

@@ -63,7 +63,9 @@ def refuse_untraceable(spec):
             "choices, which fake tensors do not have; trace grouped_mm or batched_mm"
         )
     if spec.parallel is not None:
-        raise TraceError("`parallel`: the tracer runs one process; `headroom estimate` models sharded runs")
+        from .trace_dist import refuse_untraceable_parallel
+
+        refuse_untraceable_parallel(spec.parallel)
 
 
 class Recorder:
@@ -79,6 +81,9 @@ class Recorder:
         # node's gradients into the buffers of the nodes they flow to.
         self.accumulating = False
         self.scalar_reads = 0
+        # The stream an allocation is made on (0: the default stream); a sharded run's tracer
+        # follows the streams its wrapper switches to (`trace_dist.Streams`).
+        self.stream_of = lambda: 0
 
     # -- what the step loop calls ------------------------------------------------------------
 
@@ -128,6 +133,8 @@ class Recorder:
 
         if not isinstance(t, torch.Tensor):
             return None
+        # A DTensor (sharded runs) holds its storage in its local tensor.
+        t = getattr(t, "_local_tensor", t)
         try:
             return self.live.get(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):
@@ -142,6 +149,10 @@ class Recorder:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if any(issubclass(t, DTensor) for t in types):
+                    # DTensor's own dispatch runs the ops on the local tensors, and its
+                    # redistributions' collectives, back through this mode: those allocate.
+                    return NotImplemented
                 if func is local_scalar:
                     return recorder._scalar(args[0])
                 out = func(*args, **(kwargs or {}))
@@ -149,6 +160,7 @@ class Recorder:
                 return out
 
         import torch
+        from torch.distributed.tensor import DTensor
 
         local_scalar = torch.ops.aten._local_scalar_dense.default
 
@@ -212,6 +224,10 @@ class Recorder:
         return True
 
     def _maybe_alloc(self, t, op: str):
+        # A DTensor's storage is its local tensor's.
+        t = getattr(t, "_local_tensor", t)
+        if t.device.type == "meta":  # shapes only, never allocated (a model built on `meta`)
+            return
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -232,9 +248,23 @@ class Recorder:
                 "first_event": len(self.events),
             }
         )
+        stream = self.stream_of()
+        if stream:
+            self.storages[sid]["stream"] = stream
         self.live[key] = sid
         self.events.append(["alloc", sid])
         weakref.finalize(st, self._free, key, sid)
+
+    def storage_resized(self, t, op: str):
+        """`t`'s storage was resized in place (FSDP2 frees and re-allocates its unsharded
+        parameters so): to 0 bytes it is freed; to more, allocated anew."""
+        key = t.untyped_storage()._cdata
+        sid = self.live.get(key)
+        if t.untyped_storage().nbytes() == 0:
+            if sid is not None:
+                self._free(key, sid)
+        elif sid is None:
+            self._maybe_alloc(t, op)
 
     def _free(self, key: int, sid: int):
         if self.live.get(key) == sid:
@@ -286,6 +316,10 @@ def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
     with CudaEmulation(), _RealCodePaths(), fake, rec.mode(), _ModuleNames(rec):
         if trainer_spec:
             _run_trainer(rec, trainer_spec, fields, progress)
+        elif run_spec.parallel is not None:
+            from .trace_dist import run_dist_loop
+
+            run_dist_loop(rec, run_spec, fields, progress, STEPS)
         else:
             _run_loop(rec, run_spec, fields, progress)
     for s in rec.storages:

@@ -23,6 +23,10 @@ ROWS = [
     ("bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl", "bench/trace/trainers"),
     ("bench/trainers-holdout/rows-h100-torch2.11-tf5.17-trl1.16.jsonl", "bench/trace/trainers"),
     ("bench/moe/trainer-rows-h100-torch2.11-tf5.17-trl1.16.jsonl", "bench/trace/trainers"),
+    ("bench/fsdp2-mp/rows-h100-torch2.11.jsonl", "bench/trace/sharded"),
+    ("bench/fsdp2-mp/rows-units-h100-torch2.11.jsonl", "bench/trace/sharded"),
+    ("bench/nccl-x4/rows-fake-h100-torch2.11.jsonl", "bench/trace/sharded"),
+    ("bench/tp/rows-h100-torch2.11.jsonl", "bench/trace/sharded"),
 ]
 MEMTRACKER = "bench/trace/memtracker/h100-torch2.11-tf5.17.jsonl"
 REFUSED = "bench/trace/refused.jsonl"
@@ -109,6 +113,12 @@ def write(rows):
         "`trace s` is the tracer's wall time as its trace records it, on a 2-core machine; the trainer rows",
         "and the seven loop rows traced again on 2026-11-27 (gemma-2/3, olmo-2, olmoe LoRA, llama-3.1-8b LoRA,",
         "phi-3-mini gc, qwen3-4b LoRA) shared its cores with other builds, so their times are upper bounds.",
+        "",
+        "The sharded rows (`bench/trace/sharded`) are FSDP2 and tensor-parallel runs traced as rank 0 of their",
+        "world under torch's fake process group (`python/headroom_measure/trace_dist.py`), each storage on the",
+        "stream FSDP2 allocates it on; they are held against the rows measured the same way on the H100 (the",
+        "fake-group rows of `bench/fsdp2-mp`, `bench/nccl-x4` and `bench/tp`; the two world-of-one rows of",
+        "`bench/fsdp2-mp` and `units/accelerate/q15/bs2/s1024/gc/w1` ran under NCCL, the rest under the fake group).",
         "",
         "The one row past 8% on reserved, pythia-1.4b eager forward (-11.44%), is not the tracer's: its",
         "H100 snapshot (`bench/trace/unseen/snapshots/pythia-eager-fwd.pickle.gz`, taken with `bench/nccl-x4/run.sh`) replayed through `headroom-alloc`",

@@ -547,6 +547,9 @@ pub fn trace(
             headroom::error::shown(m, headroom::error::SHOWN_CHARS)
         })
     );
+    if let Some(world) = trace.spec["parallel"]["world_size"].as_u64() {
+        out += &format!("rank 0 of a world of {world}, traced under torch's fake process group\n");
+    }
     if let Some(file) = file {
         out += &format!("trace file: {file}\n");
     }

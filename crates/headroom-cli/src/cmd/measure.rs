@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 7] = [
+const HARNESS: [(&str, &str); 9] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -51,6 +51,14 @@ const HARNESS: [(&str, &str); 7] = [
     (
         "cuda_emulation.py",
         include_str!("../../../../python/headroom_measure/cuda_emulation.py"),
+    ),
+    (
+        "dist.py",
+        include_str!("../../../../python/headroom_measure/dist.py"),
+    ),
+    (
+        "trace_dist.py",
+        include_str!("../../../../python/headroom_measure/trace_dist.py"),
     ),
 ];
 

@@ -10,6 +10,7 @@ use headroom::estimate::Limit;
 use headroom::gpu::{self, Gpu};
 use headroom::report::to_json;
 use headroom::report::trace::TraceJson;
+use headroom::spec::{is_pipeline, parse_document};
 use headroom::trace::{self, Trace};
 
 use crate::cmd::measure::{harness_dir, read_spec};
@@ -104,6 +105,7 @@ pub fn run(args: Args) -> CliResult {
 
 /// Runs the tracer on `spec` and reads what it wrote, keeping a copy at `--save`.
 fn traced(spec: &Path, args: &Args) -> CliResult<Trace> {
+    refuse_pipeline(spec)?;
     let (_, harness_spec) = read_spec(spec, spec.parent())?;
     let dir = harness_dir()?;
     // The tracer gzips what it writes to a `.gz` name, so the copy is what `--save` names.
@@ -172,4 +174,22 @@ fn traced(spec: &Path, args: &Args) -> CliResult<Trace> {
     }
     // What the tracer wrote is not the user's to fix.
     trace::read(&out).map_err(|e| CliError::failure(format!("the tracer wrote a bad trace: {e}")))
+}
+
+/// A pipeline spec is refused by name: the tracer runs one run spec (sharded ones included),
+/// while a pipeline's phases move models between host and device and generate, which the
+/// tracer's CPU run does not follow.
+fn refuse_pipeline(spec: &Path) -> CliResult<()> {
+    let text = std::fs::read_to_string(spec)
+        .map_err(|e| CliError::input(format!("{}: {e}", spec.display())))?;
+    if is_pipeline(&parse_document(&text, spec)?) {
+        return Err(CliError::input(format!(
+            "{}: a pipeline spec (`instances` or `policy`) is not traced: `headroom trace` runs one run \
+             spec (FSDP2 and tensor-parallel ones included), and a pipeline's phases move models \
+             between host and device and generate, which the tracer's CPU run does not follow; \
+             `headroom estimate` models pipelines natively",
+            spec.display()
+        )));
+    }
+    Ok(())
 }

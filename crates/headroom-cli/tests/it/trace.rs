@@ -144,6 +144,36 @@ fn trace_without_python_says_what_to_install() {
     bad_input(&["trace", "examples/qwen2.5-7b-lora.yaml", "--from", TINY]);
 }
 
+#[test]
+fn a_pipeline_is_refused_by_name_before_any_python_runs() {
+    for spec in [
+        "bench/pipelines/seed002-4l.yaml",
+        "bench/pipelines/seed001-resident.json",
+    ] {
+        let err = bad_input(&["trace", spec, "--python", "/nonexistent/python"]);
+        assert!(
+            err.contains(&format!("{spec}: a pipeline spec"))
+                && err.contains("`headroom estimate` models pipelines natively"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn a_sharded_trace_says_which_rank_it_is() {
+    let text = stdout(&headroom(&[
+        "trace",
+        "--from",
+        "bench/trace/sharded/mp__q15__bs4__s2048__gc__w8.json.gz",
+    ]));
+    assert!(
+        text.contains("rank 0 of a world of 8, traced under torch's fake process group"),
+        "{text}"
+    );
+    let tiny = stdout(&headroom(&["trace", "--from", TINY]));
+    assert!(!tiny.contains("rank 0"), "{tiny}");
+}
+
 /// A stand-in for Python that records how it was called and runs `body` (`$out`: the file
 /// after `--out`).
 #[cfg(unix)]
@@ -336,14 +366,17 @@ fn estimate_with_trace_runs_the_tracer() {
 /// Every saved trace against the H100 measurement of its spec (bench/TRACE.md has every row,
 /// with the native estimate and MemTracker beside it): within 1% on peak allocated and 8% on
 /// reserved, the bounds trace mode promises. `unseen` is the model type headroom does not model
-/// natively; `trainers` are transformers' `Trainer` and TRL's reward trainer, traced whole. One
+/// natively; `trainers` are transformers' `Trainer` and TRL's reward trainer, traced whole;
+/// `sharded` are FSDP2 and tensor-parallel runs traced as rank 0 of their world under torch's
+/// fake process group, against the rows measured the same way. One
 /// row's reserved memory is held to 12% instead: its recorded snapshot replays to
 /// the trace's reserved bytes exactly once the driver's segment addresses are left out, so the
 /// miss is the allocator's address placement, not the trace (bench/TRACE.md).
 #[test]
 fn saved_traces_match_their_measurements() {
     const ADDRESS_PLACEMENT: &str = "gpt_neox/pythia-1.4b/bf16/forward/bs8/s2048/eager";
-    const CORPORA: [(&str, &str); 6] = [
+    const SHARDED: usize = 54;
+    const CORPORA: [(&str, &str); 10] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -368,9 +401,22 @@ fn saved_traces_match_their_measurements() {
             "bench/trace/unseen/rows-h100-torch2.11-tf5.17.jsonl",
             "bench/trace/unseen/traces",
         ),
+        (
+            "bench/fsdp2-mp/rows-h100-torch2.11.jsonl",
+            "bench/trace/sharded",
+        ),
+        (
+            "bench/fsdp2-mp/rows-units-h100-torch2.11.jsonl",
+            "bench/trace/sharded",
+        ),
+        (
+            "bench/nccl-x4/rows-fake-h100-torch2.11.jsonl",
+            "bench/trace/sharded",
+        ),
+        ("bench/tp/rows-h100-torch2.11.jsonl", "bench/trace/sharded"),
     ];
     let repo = crate::common::repo();
-    let (mut checked, mut unseen, mut trainers) = (0, 0, 0);
+    let (mut checked, mut unseen, mut trainers, mut sharded) = (0, 0, 0, 0);
     for (rows, traces) in CORPORA {
         let rows = std::fs::read_to_string(repo.join(rows)).expect("rows");
         for line in rows.lines().filter(|l| !l.trim().is_empty()) {
@@ -400,7 +446,11 @@ fn saved_traces_match_their_measurements() {
             checked += 1;
             unseen += usize::from(traces.contains("unseen"));
             trainers += usize::from(traces.ends_with("trainers"));
+            sharded += usize::from(traces.ends_with("sharded"));
         }
     }
-    assert_eq!((checked, unseen, trainers), (65, 4, 18));
+    assert_eq!(
+        (checked, unseen, trainers, sharded),
+        (65 + SHARDED, 4, 18, SHARDED)
+    );
 }

@@ -56,6 +56,10 @@ pub struct Storage {
     pub op: String,
     /// The innermost module running then; empty outside any module.
     pub module: String,
+    /// The CUDA stream it is allocated on, whose pools serve it: 0 the default stream, others
+    /// numbered by the tracer (FSDP2's all-gather and reduce-scatter streams). Absent: 0.
+    #[serde(default)]
+    pub stream: u32,
 }
 
 /// What a storage holds.

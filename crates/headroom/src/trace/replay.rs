@@ -267,7 +267,7 @@ impl<'t> Replay<'t> {
                 if storage.kind != StorageKind::Host {
                     let (bytes, holder) = (storage.bytes, holder_of(storage.kind));
                     self.storages[id as usize] =
-                        self.malloc(bytes, holder, Request::Storage(id))?;
+                        self.malloc(bytes, storage.stream, holder, Request::Storage(id))?;
                 }
             }
             Event::Free(id) => {
@@ -300,12 +300,12 @@ impl<'t> Replay<'t> {
         if !self.cublas[thread] {
             self.cublas[thread] = true;
             let bytes = self.workspaces.cublas_bytes;
-            self.malloc(bytes, WORKSPACES, Request::Kernel("cuBLAS workspace"))?;
+            self.malloc(bytes, 0, WORKSPACES, Request::Kernel("cuBLAS workspace"))?;
         }
         if bias_epilogue && !self.cublaslt[thread] {
             self.cublaslt[thread] = true;
             let bytes = self.workspaces.cublaslt_bytes;
-            self.malloc(bytes, WORKSPACES, Request::Kernel("cuBLASLt workspace"))?;
+            self.malloc(bytes, 0, WORKSPACES, Request::Kernel("cuBLASLt workspace"))?;
         }
         Ok(())
     }
@@ -354,16 +354,22 @@ impl<'t> Replay<'t> {
     }
 
     fn kernel_buffer(&mut self, bytes: u64, label: &'static str) -> Result<Option<Live>> {
-        self.malloc(bytes, WORKSPACES, Request::Kernel(label))
+        self.malloc(bytes, 0, WORKSPACES, Request::Kernel(label))
     }
 
-    /// Serves a request; nothing for 0 bytes, which PyTorch never asks the allocator for. At
-    /// the first one the GPU cannot serve, records where and lifts the limit.
-    fn malloc(&mut self, bytes: u64, holder: usize, request: Request) -> Result<Option<Live>> {
+    /// Serves a request on `stream`'s pools; nothing for 0 bytes, which PyTorch never asks the
+    /// allocator for. At the first one the GPU cannot serve, records where and lifts the limit.
+    fn malloc(
+        &mut self,
+        bytes: u64,
+        stream: u32,
+        holder: usize,
+        request: Request,
+    ) -> Result<Option<Live>> {
         if bytes == 0 {
             return Ok(None);
         }
-        let block = match self.allocator.malloc(bytes, 0) {
+        let block = match self.allocator.malloc(bytes, stream) {
             Ok(block) => block,
             Err(error) => {
                 if self.oom.is_none() {
@@ -371,7 +377,7 @@ impl<'t> Replay<'t> {
                 }
                 self.allocator.set_capacity(None);
                 self.allocator
-                    .malloc(bytes, 0)
+                    .malloc(bytes, stream)
                     .map_err(|error| self.beyond_any_device(bytes, request, &error))?
             }
         };
@@ -717,6 +723,50 @@ mod tests {
         assert!(est.headroom_bytes() < 0);
         // Without a limit there is no verdict to give.
         assert!(replay(&t, &gpu, Limit::None).oom.is_none());
+    }
+
+    /// A trace whose storages carry the streams given (bytes, stream).
+    fn trace_on_streams(storages: &[(u64, u32)], events: Value) -> Trace {
+        let storages: Vec<Value> = storages
+            .iter()
+            .map(|(bytes, stream)| {
+                json!({"bytes": bytes, "kind": "temporary", "op": "aten.empty", "module": "", "stream": stream})
+            })
+            .collect();
+        let doc = json!({
+            "format": "headroom-trace", "version": 1, "spec": {"model": "tiny"}, "env": {},
+            "phases": [{"name": "load", "event": 0}, {"name": "step 1 forward", "event": 0}],
+            "storages": storages, "events": events,
+        });
+        crate::trace::from_bytes(doc.to_string().as_bytes(), Path::new("t.json"))
+            .expect("a valid trace")
+    }
+
+    #[test]
+    fn a_block_freed_on_one_stream_serves_only_that_streams_requests() {
+        let events = json!([["alloc", 0], ["free", 0], ["alloc", 1], ["free", 1]]);
+        // The second request on the stream that freed the block reuses its segment...
+        let same = trace_on_streams(&[(100 * MIB, 1), (100 * MIB, 1)], events.clone());
+        assert_eq!(
+            replay(&same, &h100(), Limit::None).peak_reserved_bytes,
+            100 * MIB
+        );
+        // ...one on another stream cannot: the allocator's pools are per stream.
+        let other = trace_on_streams(&[(100 * MIB, 1), (100 * MIB, 0)], events);
+        let est = replay(&other, &h100(), Limit::None);
+        assert_eq!(est.peak_reserved_bytes, 200 * MIB);
+        assert_eq!(est.peak_allocated_bytes, 100 * MIB);
+        // Without a stream, a storage is the default stream's.
+        let t = trace(
+            &[(100 * MIB, "temporary"), (100 * MIB, "temporary")],
+            json!([["alloc", 0], ["free", 0], ["alloc", 1], ["free", 1]]),
+            &[],
+        );
+        assert_eq!(t.storages[1].stream, 0);
+        assert_eq!(
+            replay(&t, &h100(), Limit::None).peak_reserved_bytes,
+            100 * MIB
+        );
     }
 
     #[test]

@@ -1,0 +1,268 @@
+"""Trace a sharded run as rank 0 of its world: FSDP2 (`fully_shard`) and torchtitan's tensor
+parallelism, built by the measuring harness's own code (`dist.py`), under torch's `fake` process
+group on the CPU, inside the tracer's `FakeTensorMode` (`trace.py`).
+
+The fake group makes every collective a no-op while FSDP2 allocates its all-gather and
+reduce-scatter buffers at their full size, as the measured fake-group rows do. What the CPU path
+does differently from CUDA is put back:
+- **Streams.** FSDP2 switches streams with `device_handle.stream(...)`; on the CPU that is
+  `torch.cpu`'s stream context, which tracks the current stream object and nothing else.
+  Each storage is attributed to the stream current at its allocation ([`Streams`]), as CUDA's
+  caching allocator takes `getCurrentCUDAStream()`, so the replay serves it from that stream's
+  pools. FSDP2 orders its streams with events and keeps cross-stream tensors alive by reference
+  (`all_gather_state`, `reduce_scatter_state`), never by `record_stream`, so a storage's free is
+  the moment its last reference goes, as on CUDA.
+- **Resized storages.** FSDP2 frees and re-allocates the unsharded parameters by resizing their
+  storages (`free_storage`, `alloc_storage`), which no operator sees; those are recorded as a
+  free and a new allocation.
+- **CPU offload.** Under `CPUOffloadPolicy` the shards live on the host and each unshard copies
+  them to the device (`.to(device)`), and each sharded gradient is copied back to the host. On
+  the CPU both copies are no-ops that return the same storage; the tracer makes the copies CUDA
+  makes and keeps host tensors out of the replay (`kind: host`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from .trace import TraceError
+
+# The strategies the tracer runs, and why the others are refused.
+TRACEABLE = ("fsdp", "none")
+DEEPSPEED = (
+    "DeepSpeed on a machine without a GPU selects its CPU accelerator (`deepspeed.accelerator`: a shared-memory "
+    "comm op it JIT-builds, no CUDA streams), another code path than the CUDA run's, which the tracer cannot make "
+    "it take"
+)
+REFUSED = {
+    "ddp": "DDP's constructor reads the parameters' memory in C++ (`_verify_param_shape_across_processes`), "
+    "which fake tensors do not have",
+    "fsdp1": "FSDP1 materialises each unit by swapping its parameters (`to_empty` under `param_init_fn`), which "
+    "fake tensors refuse",
+    "zero1": DEEPSPEED,
+    "zero2": DEEPSPEED,
+    "zero3": DEEPSPEED,
+}
+
+
+def refuse_untraceable_parallel(par) -> None:
+    """Refuse, by name, the layouts the tracer cannot run as rank 0 of a fake world."""
+    if par.strategy not in TRACEABLE:
+        raise TraceError(
+            f"`parallel.strategy: {par.strategy}`: {REFUSED[par.strategy]}; the tracer runs fsdp (FSDP2) and "
+            "tensor parallelism (strategy none or fsdp with tp > 1); `headroom estimate` models "
+            f"{par.strategy} natively"
+        )
+
+
+class Streams:
+    """Numbers the streams storages are allocated on: 0 for the default stream, then 1, 2, ... in
+    the order the others are first allocated on."""
+
+    def __init__(self):
+        import torch
+
+        self._cpu = torch.cpu
+        self._ids = {id(torch.cpu.current_stream()): 0}
+        self._keep = [torch.cpu.current_stream()]  # the ids stay unique while the streams live
+
+    def current(self) -> int:
+        stream = self._cpu.current_stream()
+        sid = self._ids.get(id(stream))
+        if sid is None:
+            sid = len(self._keep)
+            self._ids[id(stream)] = sid
+            self._keep.append(stream)
+        return sid
+
+
+@contextlib.contextmanager
+def fake_world(spec):
+    """Rank 0 of the spec's world under torch's `fake` process group, as `measure_dist` starts
+    it on the GPU (`HEADROOM_FAKE_WORLD`)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import torch.distributed._tools.fake_collectives  # noqa: F401 - collectives on fake tensors
+
+    dist.init_process_group("fake", rank=0, world_size=spec.parallel.world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _outside_fake(fn):
+    """`fn` run with no dispatch mode: on real tensors, unrecorded."""
+    import functools
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    @functools.wraps(fn)
+    def outside(*args, **kwargs):
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return outside
+
+
+class _FsdpCuda:
+    """FSDP2's storage resizes recorded, and CPU offload's copies made as CUDA makes them."""
+
+    def __init__(self, rec):
+        self.rec = rec
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        import torch
+        from torch.distributed import device_mesh
+        from torch.distributed.tensor import _sharding_prop
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+        rec = self.rec
+        real_alloc, real_free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+        def alloc_storage(tensor):
+            real_alloc(tensor)
+            rec.storage_resized(tensor, "fsdp alloc_storage (unsharded parameter)")
+            rec.classify([tensor], "parameter")
+
+        def free_storage(tensor):
+            real_free(tensor)
+            rec.storage_resized(tensor, "fsdp free_storage")
+
+        # Meshes are real: a rank's coordinates are computed from the mesh tensor's values, when
+        # the mesh is made and when a dimension is sliced or flattened out of it.
+        self._patch(device_mesh, "init_device_mesh", _outside_fake(device_mesh.init_device_mesh))
+        for name in ("__init__", "__getitem__", "_flatten"):
+            self._patch(device_mesh.DeviceMesh, name, _outside_fake(getattr(device_mesh.DeviceMesh, name)))
+        # DTensor's sharding propagation runs each op on fake arguments of its own to learn the
+        # output's shape: bookkeeping that allocates nothing on the GPU.
+        propagator = _sharding_prop.ShardingPropagator
+        self._patch(
+            propagator,
+            "_propagate_tensor_meta_non_cached",
+            _outside_fake(propagator._propagate_tensor_meta_non_cached),
+        )
+        self._patch(_fsdp_param, "alloc_storage", alloc_storage)
+        self._patch(_fsdp_param, "free_storage", free_storage)
+
+        cls = _fsdp_param.FSDPParam
+        real_inputs = cls.all_gather_inputs
+
+        def all_gather_inputs(fsdp_param):
+            if fsdp_param.offload_to_cpu and fsdp_param.sharded_state == _fsdp_param.ShardedState.SHARDED:
+                # `.to(device, non_blocking=True)` of the host shard: a device copy, cast to
+                # `param_dtype` when the policy asks (the copy then goes).
+                copy = fsdp_param._sharded_param_data.clone()
+                return [_fsdp_param._to_dtype_if_needed(copy, fsdp_param.param_dtype)]
+            return real_inputs.fget(fsdp_param)
+
+        self._patch(cls, "all_gather_inputs", property(all_gather_inputs))
+        # Pinned host memory is host memory: the shard stays as it is.
+        self._patch(torch.Tensor, "pin_memory", lambda t, *args, **kwargs: t)
+        self._patch(torch.Tensor, "is_pinned", lambda t, *args, **kwargs: True)
+
+        real_reduce = _fsdp_param_group.foreach_reduce
+
+        def foreach_reduce(fsdp_params, *args, **kwargs):
+            out = real_reduce(fsdp_params, *args, **kwargs)
+            for fsdp_param in fsdp_params:
+                if fsdp_param.offload_to_cpu and fsdp_param.sharded_param.grad is not None:
+                    # The sharded gradient copied to the host; the device view goes.
+                    grad = fsdp_param.sharded_param.grad
+                    host = grad._local_tensor.clone()
+                    rec.classify([host], "host")
+                    grad._local_tensor = host
+            return out
+
+        self._patch(_fsdp_param_group, "foreach_reduce", foreach_reduce)
+        return self
+
+    def _patch(self, owner, name, value):
+        if name in vars(owner):
+            self._stack.callback(setattr, owner, name, vars(owner)[name])
+        else:  # inherited: the patch shadows it until it goes
+            self._stack.callback(delattr, owner, name)
+        setattr(owner, name, value)
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+
+def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
+    """`measure_dist`'s load and steps on rank 0 of a fake world (dist.py), every phase marked."""
+    import torch
+    import transformers
+
+    from . import dist as d
+    from . import measure as m
+    from .trace import _classify_optimizer_state, _ModuleNames
+
+    par = spec.parallel
+    rec.stream_of = Streams().current
+    device = torch.device("cpu")
+    with fake_world(spec), _FsdpCuda(rec):
+        rec.phase("load")
+        cfg = m._hf_config(spec, fields)
+        cls = (
+            transformers.AutoModelForSequenceClassification
+            if spec.task == "seq-cls"
+            else transformers.AutoModelForCausalLM
+        )
+        dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+        if par.tp > 1:
+            model = d._build_tp(spec, cfg, cls, dtype, device)
+        else:
+            model = d._build_fsdp(spec, cfg, cls, dtype, device)
+        _ModuleNames.current.name(model)
+        params = list(model.parameters())
+        rec.classify(params, "host" if par.offload_params else "parameter")
+        rec.classify(model.buffers(), "buffer")
+        optimizer = m._optimizer(spec, [p for p in params if p.requires_grad])
+        model.train()
+        ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
+        rec.classify([ids], "input")
+        autocast_dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(
+            spec.precision
+        )
+        if par.mixed_precision is not None:
+            autocast_dtype = torch.bfloat16 if spec.autocast == "bf16" else None
+
+        def autocast():
+            if autocast_dtype is None:
+                return torch.autocast("cuda", enabled=False)
+            return torch.autocast("cuda", dtype=autocast_dtype)
+
+        def loss_context():
+            if par.tp == 1:
+                return contextlib.nullcontext()
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+
+        for step in range(1, steps + 1):
+            if progress:
+                progress(step, steps)
+            rec.phase(f"step {step} forward")
+            start = len(rec.events)
+            with loss_context():
+                loss = m._train_forward(spec, model, ids, autocast)
+            rec.classify_phase("activation", start)
+            rec.classify([loss], "temporary")
+            rec.phase(f"step {step} backward")
+            with loss_context():
+                loss.backward()
+            del loss
+            rec.classify([p.grad for p in params if p.grad is not None], "host" if par.offload_params else "gradient")
+            rec.phase(f"step {step} optimizer")
+            first = len(rec.storages)
+            optimizer.step()
+            if par.offload_params:
+                # The step runs on the host shards: its states and temporaries are host memory.
+                for s in rec.storages[first:]:
+                    s["kind"] = "host"
+            else:
+                _classify_optimizer_state(rec, optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        del model, optimizer, params, ids

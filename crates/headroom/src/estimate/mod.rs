@@ -129,6 +129,9 @@ pub enum Limit {
     Gpu,
     /// Never: the estimate is the run's demand.
     None,
+    /// At the GPU's capacity, and a run that runs out is not simulated again for its demand:
+    /// its numbers stop at the failure (a search only needs to know that it does not fit).
+    GpuUntilOom,
 }
 
 /// Like [`estimate`], for one rank of a layout whose ranks differ (DeepSpeed ZeRO's
@@ -214,7 +217,7 @@ fn estimate_ranks(
         ..AllocatorConfig::default()
     };
     let nccl = nccl_bytes(spec.parallel.as_ref());
-    let capacity = (limit == Limit::Gpu).then(|| gpu.allocator_capacity().saturating_sub(nccl));
+    let capacity = (limit != Limit::None).then(|| gpu.allocator_capacity().saturating_sub(nccl));
     // With an error, the limited run stops there and only the error is kept, unless the limit
     // had changed nothing by then: the run went on as the one without a limit.
     let mut options = sim::Options {
@@ -238,7 +241,7 @@ fn estimate_ranks(
     }
     // The run without a limit makes the same requests: its sample there is the same allocation.
     let oom_sample = sim.timeline.as_ref().and_then(|t| t.oom_sample);
-    if oom.is_some() && !sim.unlimited {
+    if oom.is_some() && !sim.unlimited && limit == Limit::Gpu {
         // The limited run stopped being physical at the failure; report the demand.
         options.capacity = None;
         options.after_oom = sim::AfterOom::GoOn;

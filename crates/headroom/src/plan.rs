@@ -602,6 +602,22 @@ pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
 
 /// The spec as given, with its residents and ranks, whatever its layout.
 fn as_given(setup: &Setup) -> Result<(Estimate, Evaluation)> {
+    if let Some(tp) = setup
+        .spec
+        .parallel
+        .as_ref()
+        .map(|p| p.tensor.tp)
+        .filter(|&tp| !u64::from(setup.gpus).is_multiple_of(tp))
+    {
+        return Err(Error::field(
+            "--gpus",
+            setup.gpus,
+            format!(
+                "the spec's parallel.tp ({tp}) must divide it: the GPUs are dp × tp; use a \
+                 multiple of {tp}"
+            ),
+        ));
+    }
     let k = Knobs::of(&setup.spec);
     let est = simulate(setup, &k)?;
     let eval = evaluate_with(setup, &k, &est);

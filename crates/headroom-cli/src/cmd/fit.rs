@@ -300,7 +300,7 @@ fn layouts(setup: &Setup, s: &LayoutSearch) -> String {
         "device memory",
         "headroom",
         "margin",
-        "step time",
+        "time per token",
         "global batch",
     ]);
     let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);

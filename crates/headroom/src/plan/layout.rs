@@ -951,6 +951,17 @@ pub fn reasons(setup: &Setup, s: &LayoutSearch) -> Vec<String> {
             difference(&best.time, &next.time)
         ));
     }
+    let own = s
+        .ranked
+        .iter()
+        .position(|e| e.candidate.spec(&setup.spec) == setup.spec);
+    if let Some(i) = own.filter(|&i| i > 0) {
+        out.push(format!(
+            "the spec's own layout is #{} and takes ×{:.2}",
+            i + 1,
+            s.ranked[i].time.per_token_s / best.time.per_token_s
+        ));
+    }
     let faster: Vec<&Evaluated> = s
         .ranked
         .iter()
@@ -992,4 +1003,81 @@ fn difference(best: &StepTime, next: &StepTime) -> String {
         return "no part of the step costs more; it trains a different batch".into();
     }
     format!("{:.0}% more {what}", 100.0 * more / best.total_s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn evaluated(tp: u64, exact: bool, headroom: u64, per_token_s: f64) -> Evaluated {
+        let gpu = crate::gpu::find("h100-80gb").expect("gpu");
+        let spec =
+            RunSpec::from_value(&serde_json::json!({"model": "llama-3.1-70b"})).expect("spec");
+        let parallel = Parallel {
+            tensor: TensorParallel {
+                tp,
+                sequence_parallel: tp > 1,
+                ..TensorParallel::default()
+            },
+            ..template(&spec, 64)
+        };
+        let device_bytes = gpu.total_bytes - headroom;
+        Evaluated {
+            margin_bytes: margin_bytes(&gpu, &parallel),
+            candidate: Candidate {
+                parallel,
+                micro_batch: 1,
+                accumulation: 1,
+                recompute: false,
+            },
+            outcome: Outcome::Fits(Numbers {
+                peak_allocated_bytes: device_bytes / 2,
+                peak_reserved_bytes: device_bytes / 2,
+                nccl_bytes: 0,
+                device_bytes,
+            }),
+            exact,
+            time: StepTime {
+                per_token_s,
+                ..StepTime::default()
+            },
+        }
+    }
+
+    #[test]
+    fn the_margin_is_the_estimate_error_plus_an_unmeasured_communicator() {
+        let gpu = crate::gpu::find("h100-80gb").expect("gpu");
+        let plain = evaluated(1, true, 0, 1.0).margin_bytes;
+        let mesh = evaluated(8, true, 0, 1.0).margin_bytes;
+        assert_eq!(plain, (gpu.total_bytes as f64 * 0.03) as u64);
+        assert_eq!(mesh, plain + (992 << 20));
+    }
+
+    /// A layout with 0.22 GiB to spare is not ranked first, however fast: every one that keeps
+    /// its margin comes before it; and keeping the spec's global batch comes before both.
+    #[test]
+    fn a_layout_short_of_its_margin_ranks_after_those_that_keep_it() {
+        let gpu = crate::gpu::find("h100-80gb").expect("gpu");
+        let tight = evaluated(8, true, 225 << 20, 1.0);
+        let roomy = evaluated(8, true, 20 << 30, 1.3);
+        let roomier = evaluated(1, true, 30 << 30, 1.3);
+        let other_batch = evaluated(8, false, 40 << 30, 0.5);
+        assert!(!tight.within_margin(&gpu) && roomy.within_margin(&gpu));
+        let mut all = [&other_batch, &tight, &roomier, &roomy];
+        all.sort_by(|a, b| rank_order(&gpu, a, b));
+        let order: Vec<(bool, u64)> = all
+            .iter()
+            .map(|e| (e.exact, e.headroom_bytes(&gpu).expect("fits") as u64))
+            .collect();
+        assert_eq!(
+            order,
+            [
+                (true, 30 << 30),
+                (true, 20 << 30),
+                (true, 225 << 20),
+                (false, 40 << 30)
+            ],
+            "equally fast: less device memory first"
+        );
+    }
 }

@@ -31,7 +31,7 @@ pub struct LayoutsJson {
     pub fitting: usize,
     /// What a layout must keep free to be ranked with the safe ones.
     pub margin_rule: &'static str,
-    /// How `step_time` is estimated.
+    /// How `time_per_token` is estimated.
     pub cost_model: &'static str,
     /// The first of `ranked`; null when none fits.
     pub best: Option<LayoutJson>,
@@ -70,7 +70,7 @@ pub struct LayoutJson {
     pub margin_bytes: u64,
     pub within_margin: bool,
     /// Time per token relative to the best layout's, under the cost model.
-    pub step_time: f64,
+    pub time_per_token: f64,
     /// The cost model's seconds per optimizer step and their parts.
     pub model_step_s: f64,
     pub model_compute_s: f64,
@@ -174,7 +174,7 @@ impl LayoutJson {
             headroom_bytes: gpu.total_bytes as i128 - n.device_bytes as i128,
             margin_bytes: e.margin_bytes,
             within_margin: e.within_margin(gpu),
-            step_time: e.time.per_token_s / best_time,
+            time_per_token: e.time.per_token_s / best_time,
             model_step_s: e.time.total_s,
             model_compute_s: e.time.compute_s,
             model_tensor_comm_s: e.time.tensor_s,

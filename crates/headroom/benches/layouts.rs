@@ -1,7 +1,8 @@
 //! `fit`'s layout search at scale: Llama-3.1-70B, a full bf16 fine-tune with AdamW, a global
-//! batch of 1024 sequences of 4096 tokens, searched over 8 to 1024 GPUs on the H100 and the
-//! H200 in one process (one `RankMemo`, as a sweep shares it). Prints each search's
-//! candidates, distinct simulations and seconds, then the totals.
+//! batch of 1024 sequences of 4096 tokens, searched over 8 to 1024 GPUs on the H100, the H200
+//! and the A100 80GB in one process (one `RankMemo`, as a sweep shares it). Prints each
+//! search's candidates, distinct simulations and seconds, then the totals with the process's
+//! CPU time (the machine may be shared: CPU time over the cores is what an idle one takes).
 //! `cargo bench -p headroom --bench layouts`; results in bench/PERFORMANCE.md.
 
 use std::time::Instant;
@@ -19,7 +20,7 @@ fn main() {
     let (mut candidates, mut simulated) = (0, 0);
     let start = Instant::now();
     println!("gpu        gpus  candidates  simulated  fitting  seconds  best");
-    for gpu in ["h100-80gb", "h200"] {
+    for gpu in ["h100-80gb", "h200", "a100-80gb"] {
         for gpus in [8u32, 16, 32, 64, 128, 256, 512, 1024] {
             let spec = RunSpec::from_value(&json!({
                 "model": "llama-3.1-70b", "precision": "bf16", "optimizer": "adamw",
@@ -49,9 +50,27 @@ fn main() {
         }
     }
     let secs = start.elapsed().as_secs_f64();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpu = cpu_seconds();
     println!(
-        "total: {candidates} candidates, {simulated} simulated, {secs:.2} s ({:.0} candidates/s) on {} threads",
+        "total: {candidates} candidates, {simulated} simulated, {secs:.2} s wall ({:.0} \
+         candidates/s), {cpu:.2} s CPU on {threads} threads ({:.2} s of CPU per thread)",
         candidates as f64 / secs,
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        cpu / threads as f64
     );
+}
+
+/// User and system CPU time of this process so far (`/proc/self/stat`, clock ticks of 1/100 s).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after_name = stat.rsplit(')').next().unwrap_or_default();
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // Fields 14 and 15 of proc(5), counted from the state (field 3) here.
+    (ticks(11) + ticks(12)) / 100.0
 }

@@ -1295,7 +1295,7 @@ pub struct FitReport {
 /// The layout search of a `fit`, or why there is none.
 #[derive(Clone, Debug)]
 pub enum Layouts {
-    Searched(layout::LayoutSearch),
+    Searched(Box<layout::LayoutSearch>),
     NotSearched(String),
 }
 
@@ -1310,7 +1310,7 @@ pub fn fit(setup: &Setup) -> Result<FitReport> {
         Vec::new()
     };
     let layouts = match layout::applies(setup) {
-        Ok(()) => Layouts::Searched(layout::search(setup)?),
+        Ok(()) => Layouts::Searched(Box::new(layout::search(setup)?)),
         Err(why) => Layouts::NotSearched(why),
     };
     Ok(FitReport {

@@ -309,7 +309,11 @@ fn layouts(setup: &Setup, s: &LayoutSearch) -> String {
         t.add_row(vec![
             Cell::new(i + 1),
             Cell::new(e.candidate.name()),
-            right(gib(n.device_bytes)),
+            right(format!(
+                "{}{}",
+                gib(n.device_bytes),
+                if e.simulated { "" } else { "*" }
+            )),
             right(signed_gib(e.headroom_bytes(g).unwrap_or(0))),
             right(format!(
                 "{} {}",
@@ -338,6 +342,10 @@ fn layouts(setup: &Setup, s: &LayoutSearch) -> String {
             "({} more fit; --json lists the first {LISTED})\n",
             s.ranked.len() - LISTED
         );
+    }
+    if s.ranked.iter().take(LISTED).any(|e| !e.simulated) {
+        out += "* gradient accumulation: the first micro-batch of the step simulated; the \
+                gradients later ones accumulate into are not (ranked after whole steps)\n";
     }
     out += &format!("Best: {}, because\n", best.candidate.name());
     for why in layout::reasons(setup, s) {

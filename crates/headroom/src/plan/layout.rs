@@ -3,7 +3,9 @@
 //! activations. Every candidate is simulated by the estimator at the GPU's capacity; none is
 //! computed from a formula. Candidates are ranked as a user picks one:
 //!
-//! 1. fidelity: layouts that keep the spec's global batch (the same optimisation) first;
+//! 1. fidelity: layouts that keep the spec's global batch (the same optimisation) first, and
+//!    among them those simulated whole (one micro-batch a step) before those that accumulate
+//!    micro-batches, whose kept gradients the training loop's simulation does not run;
 //! 2. the safety margin ([`margin_bytes`]): a layout that fits with less to spare comes after
 //!    every one that keeps it;
 //! 3. estimated step time ([`StepTime`]: a cost model, not a measurement);
@@ -156,6 +158,12 @@ fn data_strategies(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
         world_size: ctx.world,
         shard_size,
         reshard_after_forward,
+        // FSDP2's units are the spec's; the other strategies have none.
+        units: if strategy == Strategy::Fsdp {
+            p.units
+        } else {
+            FsdpUnits::Layers
+        },
         ..p.clone()
     };
     let mut out = Vec::new();
@@ -229,16 +237,14 @@ impl Candidate {
         )
     }
 
-    /// The spec this candidate runs: the spec with its layout, micro-batch, accumulation and
-    /// checkpointing replaced. `estimate` of it gives this candidate's numbers to the byte.
+    /// The spec this candidate runs: the spec (a training loop of its own, whose accumulation
+    /// changes nothing a step holds) with its layout, micro-batch and checkpointing replaced.
+    /// `estimate` of it gives this candidate's numbers to the byte.
     pub fn spec(&self, base: &RunSpec) -> RunSpec {
         let mut spec = base.clone();
         spec.parallel = Some(self.parallel.clone());
         spec.batch_size = self.micro_batch;
         spec.gradient_checkpointing = self.recompute;
-        if spec.trainer.kind != TrainerKind::Loop {
-            spec.trainer.gradient_accumulation_steps = self.accumulation;
-        }
         spec
     }
 
@@ -307,6 +313,12 @@ pub struct Evaluated {
     pub outcome: Outcome,
     /// It keeps the spec's global batch.
     pub exact: bool,
+    /// Its whole step is what the simulation runs: one micro-batch per optimizer step. With
+    /// gradient accumulation the micro-batches after the first also hold the gradients of
+    /// those before (FSDP2 accumulates its reduce-scattered shards, DDP under `no_sync` full
+    /// gradients), which the training loop's simulation does not run: such a candidate's
+    /// numbers are its first micro-batch's.
+    pub simulated: bool,
     /// What it must keep free to be ranked among the safe ones.
     pub margin_bytes: u64,
     pub time: StepTime,
@@ -627,6 +639,13 @@ pub fn applies(setup: &Setup) -> std::result::Result<(), String> {
     if spec.lora.is_some() || spec.quantization.is_some() {
         return Err("adapters (layouts are searched for full fine-tuning)".into());
     }
+    if spec.trainer.kind != TrainerKind::Loop {
+        return Err(format!(
+            "trainer {} (layouts are searched for a training loop of its own, as torchtitan's; \
+             leave `trainer` out)",
+            spec.trainer.kind.name()
+        ));
+    }
     let (_, arch) = spec
         .architecture(setup.spec_dir, "")
         .map_err(|e| e.to_string())?;
@@ -674,8 +693,8 @@ fn template(spec: &RunSpec, world: u64) -> Parallel {
     }
 }
 
-/// Sequences per optimizer step of the spec over `world` GPUs: its micro-batch and
-/// accumulation on each data-parallel rank of its own layout.
+/// Sequences per optimizer step of the spec over `world` GPUs: its micro-batch on each
+/// data-parallel rank of its own layout (a training loop of its own steps after each).
 pub fn global_batch(spec: &RunSpec, world: u64) -> u64 {
     let tp = spec.parallel.as_ref().map_or(1, |p| p.tensor.tp);
     let dp = if world.is_multiple_of(tp) {
@@ -683,11 +702,7 @@ pub fn global_batch(spec: &RunSpec, world: u64) -> u64 {
     } else {
         world
     };
-    let accumulation = match spec.trainer.kind {
-        TrainerKind::Loop => 1,
-        _ => spec.trainer.gradient_accumulation_steps,
-    };
-    spec.batch_size * accumulation * dp
+    spec.batch_size * dp
 }
 
 /// Every candidate the axes make over `world` GPUs: each layout at each micro-batch that
@@ -819,6 +834,7 @@ pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
         let outcome = memo.get(key).expect("simulated above");
         evaluated.push(Evaluated {
             exact: candidate.global_batch() == global,
+            simulated: candidate.accumulation == 1,
             margin_bytes: margin_bytes(&setup.gpu, &candidate.parallel),
             time: step_time(spec, &arch, &candidate),
             candidate,
@@ -865,12 +881,14 @@ pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
     })
 }
 
-/// The order a user ranks fitting candidates in: the spec's global batch first, then those
-/// that keep their margin, then the faster under the cost model, then the smaller.
+/// The order a user ranks fitting candidates in: the spec's global batch first, simulated
+/// whole before accumulating micro-batches the simulation does not run, then those that keep
+/// their margin, then the faster under the cost model, then the smaller.
 pub fn rank_order(gpu: &Gpu, a: &Evaluated, b: &Evaluated) -> std::cmp::Ordering {
     let device = |e: &Evaluated| e.numbers().map_or(u64::MAX, |n| n.device_bytes);
     (!a.exact)
         .cmp(&!b.exact)
+        .then((!a.simulated).cmp(&!b.simulated))
         .then((!a.within_margin(gpu)).cmp(&!b.within_margin(gpu)))
         .then(a.time.per_token_s.total_cmp(&b.time.per_token_s))
         .then(device(a).cmp(&device(b)))
@@ -923,6 +941,14 @@ pub fn reasons(setup: &Setup, s: &LayoutSearch) -> Vec<String> {
             best.candidate.global_batch()
         )
     });
+    if !best.simulated {
+        out.push(format!(
+            "no layout that fits runs the global batch without accumulation; its {} \
+             micro-batches per step are simulated as its first: the gradients later ones \
+             accumulate into are not (see `simulated`)",
+            best.candidate.accumulation
+        ));
+    }
     let headroom = best.headroom_bytes(gpu).unwrap_or(0);
     out.push(if best.within_margin(gpu) {
         format!(
@@ -940,7 +966,10 @@ pub fn reasons(setup: &Setup, s: &LayoutSearch) -> Vec<String> {
     let peers: Vec<&Evaluated> = s
         .ranked
         .iter()
-        .filter(|e| e.exact == best.exact && e.within_margin(gpu) == best.within_margin(gpu))
+        .filter(|e| {
+            (e.exact, e.simulated, e.within_margin(gpu))
+                == (best.exact, best.simulated, best.within_margin(gpu))
+        })
         .collect();
     if let Some(next) = peers.get(1) {
         out.push(format!(
@@ -965,7 +994,8 @@ pub fn reasons(setup: &Setup, s: &LayoutSearch) -> Vec<String> {
     let faster: Vec<&Evaluated> = s
         .ranked
         .iter()
-        .filter(|e| e.exact == best.exact && !e.within_margin(gpu))
+        .filter(|e| (e.exact, e.simulated) == (best.exact, best.simulated))
+        .filter(|e| !e.within_margin(gpu))
         .filter(|e| e.time.per_token_s < best.time.per_token_s)
         .collect();
     if let Some(f) = faster.first() {
@@ -1037,6 +1067,7 @@ mod tests {
                 device_bytes,
             }),
             exact,
+            simulated: true,
             time: StepTime {
                 per_token_s,
                 ..StepTime::default()
@@ -1062,8 +1093,12 @@ mod tests {
         let roomy = evaluated(8, true, 20 << 30, 1.3);
         let roomier = evaluated(1, true, 30 << 30, 1.3);
         let other_batch = evaluated(8, false, 40 << 30, 0.5);
+        let accumulating = Evaluated {
+            simulated: false,
+            ..evaluated(8, true, 35 << 30, 0.9)
+        };
         assert!(!tight.within_margin(&gpu) && roomy.within_margin(&gpu));
-        let mut all = [&other_batch, &tight, &roomier, &roomy];
+        let mut all = [&other_batch, &accumulating, &tight, &roomier, &roomy];
         all.sort_by(|a, b| rank_order(&gpu, a, b));
         let order: Vec<(bool, u64)> = all
             .iter()
@@ -1075,9 +1110,11 @@ mod tests {
                 (true, 30 << 30),
                 (true, 20 << 30),
                 (true, 225 << 20),
+                (true, 35 << 30),
                 (false, 40 << 30)
             ],
-            "equally fast: less device memory first"
+            "equally fast: less device memory first; accumulation not simulated after whole \
+             steps"
         );
     }
 }

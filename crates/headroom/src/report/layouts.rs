@@ -62,6 +62,10 @@ pub struct LayoutJson {
     pub global_batch: u64,
     /// It keeps the spec's global batch.
     pub exact: bool,
+    /// One micro-batch per optimizer step, the whole step simulated; false: with gradient
+    /// accumulation, whose later micro-batches also hold the gradients of those before, not
+    /// simulated (the numbers are the first micro-batch's).
+    pub simulated: bool,
     pub peak_allocated_bytes: u64,
     pub peak_reserved_bytes: u64,
     pub nccl_bytes: u64,
@@ -167,6 +171,7 @@ impl LayoutJson {
             recompute: c.recompute,
             global_batch: c.global_batch(),
             exact: e.exact,
+            simulated: e.simulated,
             peak_allocated_bytes: n.peak_allocated_bytes,
             peak_reserved_bytes: n.peak_reserved_bytes,
             nccl_bytes: n.nccl_bytes,

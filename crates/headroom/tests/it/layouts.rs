@@ -178,3 +178,35 @@ fn a_shared_memo_serves_repeated_ranks() {
     };
     assert_eq!(names(&again), names(&fresh));
 }
+
+/// Micro-batches that keep the global batch by accumulating are searched, said as not
+/// simulated whole (the loop runs one micro-batch a step), and ranked after whole steps; a
+/// trainer's spec is not laid out, and says why.
+#[test]
+fn accumulation_ranks_after_whole_steps_and_trainers_are_not_laid_out() {
+    let base = spec("model: llama-3.1-8b\nprecision: bf16\nbatch_size: 4\nseq_len: 512\n");
+    let s = setup(base, "h100-80gb", 8);
+    let search = layout::search(&s).expect("searches");
+    let accumulating = search
+        .ranked
+        .iter()
+        .position(|e| e.candidate.accumulation > 1)
+        .expect("smaller micro-batches fit too");
+    for (i, e) in search.ranked.iter().enumerate() {
+        assert_eq!(e.simulated, e.candidate.accumulation == 1);
+        if e.exact && e.simulated {
+            assert!(
+                i < accumulating,
+                "{} after accumulation",
+                e.candidate.name()
+            );
+        }
+    }
+    let best = search.best().expect("fits");
+    assert!(best.simulated && best.exact);
+
+    let trainer =
+        spec("model: llama-3.1-8b\nprecision: bf16\nbatch_size: 4\nseq_len: 512\ntrainer: hf\n");
+    let why = layout::applies(&setup(trainer, "h100-80gb", 8)).expect_err("not laid out");
+    assert!(why.contains("trainer"), "{why}");
+}

@@ -38,6 +38,7 @@ fn the_best_layout_is_what_estimate_says_of_its_spec() {
     let l = &fit["layouts"];
     assert_eq!(l["searched"], true);
     assert_eq!(l["gpus"], 64);
+    assert_eq!(l["axes"], serde_json::json!(["tp", "sp", "dp"]));
     let best = &l["best"];
     assert_eq!(best, &l["ranked"][0]);
     assert_eq!(best["exact"], true);

@@ -40,7 +40,7 @@ pub const GPUS_PER_NODE: u64 = 8;
 
 /// One parallel axis of a layout.
 pub struct Axis {
-    /// How `--json` names the axis.
+    /// How `fit --json` names the axis (`layouts.axes`).
     pub name: &'static str,
     /// The layouts this axis makes of one the axes before it chose (each with this axis
     /// set; none when no degree is valid).
@@ -100,13 +100,6 @@ pub fn data_parallel(p: &Parallel) -> u64 {
     p.world_size / model_parallel(p)
 }
 
-impl Context<'_> {
-    /// Data-parallel ranks of a layout over this world.
-    fn dp(&self, p: &Parallel) -> u64 {
-        self.world / model_parallel(p)
-    }
-}
-
 /// Tensor parallelism: degrees that divide the world, stay within a node, and divide the
 /// heads, KV heads, MLP width and vocabulary of a model whose plan the estimator knows.
 fn tensor_degrees(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
@@ -152,7 +145,7 @@ fn sequence_choices(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
 /// shard group that divides the ranks. A spec with FSDP2's mixed precision keeps the FSDP2
 /// family, whose policy the others cannot say.
 fn data_strategies(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
-    let dp = ctx.dp(p);
+    let dp = data_parallel(p);
     let with = |strategy, shard_size, reshard_after_forward| Parallel {
         strategy,
         world_size: ctx.world,
@@ -715,7 +708,7 @@ pub fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
     }
     let mut out = Vec::new();
     for parallel in layouts {
-        let dp = ctx.dp(&parallel);
+        let dp = data_parallel(&parallel);
         let batches: Vec<(u64, u64)> = if global.is_multiple_of(dp) {
             let per_rank = global / dp;
             (1..=per_rank)

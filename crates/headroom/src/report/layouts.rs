@@ -16,6 +16,8 @@ pub struct LayoutsJson {
     /// Why it did not (one GPU, adapters, a model whose tensor parallelism is not modelled);
     /// null when it ran.
     pub not_searched: Option<String>,
+    /// The parallel axes searched, in the order they are chosen (`tp`, `sp`, `dp`).
+    pub axes: Vec<&'static str>,
     pub gpus: Option<u64>,
     /// Sequences per optimizer step the spec trains with over these GPUs: a layout that keeps
     /// it is `exact`.
@@ -97,6 +99,7 @@ impl LayoutsJson {
             Layouts::NotSearched(why) => Self {
                 searched: false,
                 not_searched: Some(why.clone()),
+                axes: layout::AXES.iter().map(|a| a.name).collect(),
                 gpus: None,
                 global_batch: None,
                 candidates: 0,
@@ -128,6 +131,7 @@ impl LayoutsJson {
         Self {
             searched: true,
             not_searched: None,
+            axes: layout::AXES.iter().map(|a| a.name).collect(),
             gpus: Some(s.gpus),
             global_batch: Some(s.global_batch),
             candidates: s.candidates,

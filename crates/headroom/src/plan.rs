@@ -13,6 +13,8 @@
 //! removal, where a component only counts as removed from a phase it is certain to be live
 //! in. Computed numbers say so wherever they are shown.
 
+pub mod layout;
+
 use std::path::Path;
 
 use serde::Serialize;
@@ -30,7 +32,7 @@ use crate::spec::{
 /// Tokens per micro-batch at which a GPU is half as efficient as when saturated, in the
 /// throughput model `time per token ∝ 1 + T0 / tokens` used to cost smaller micro-batches
 /// (GEMMs of a few hundred rows already run near peak on current GPUs).
-const HALF_EFFICIENCY_TOKENS: f64 = 128.0;
+pub(crate) const HALF_EFFICIENCY_TOKENS: f64 = 128.0;
 
 /// A model that stays on the GPU during training without being trained (DPO's reference,
 /// an RL user or reward model): its loaded weights add to every phase. Its fields are an
@@ -258,13 +260,17 @@ fn sharding_of(p: &Parallel) -> (Sharding, bool) {
 }
 
 /// The spec's own parallel settings over `gpus` ranks (an HSDP shard group kept where it
-/// still divides them).
+/// still divides them; with tensor parallelism, FSDP over the data-parallel ranks left).
 fn rescaled(p: &Parallel, gpus: u32) -> Parallel {
     let world_size = u64::from(gpus.max(1));
-    let hsdp = p.shard_size < p.world_size && world_size % p.shard_size == 0;
+    let hsdp = p.tensor.tp == 1 && p.shard_size < p.world_size && world_size % p.shard_size == 0;
     Parallel {
         world_size,
-        shard_size: if hsdp { p.shard_size } else { world_size },
+        shard_size: if hsdp {
+            p.shard_size
+        } else {
+            (world_size / p.tensor.tp).max(1)
+        },
         ..p.clone()
     }
 }
@@ -575,27 +581,69 @@ fn fits(setup: &Setup, k: &Knobs) -> Result<bool> {
     Ok(candidate(simulate(setup, k))?.is_some_and(|est| evaluate_with(setup, k, &est).fits))
 }
 
+/// Whether the spec lays the model out with tensor parallelism.
+fn tensor_parallel(spec: &RunSpec) -> bool {
+    spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1)
+}
+
 /// The spec as given, with its residents and ranks.
 pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
-    // The planner's changes are to data parallelism, offload and the step; it would drop a
-    // tensor- or pipeline-parallel layout rather than search it.
+    // Remedies change data parallelism, offload and the step; they would drop a tensor- or
+    // pipeline-parallel layout rather than search it (`fit`'s layout search covers tensor
+    // parallelism).
     if let Some(p) = setup
         .spec
         .parallel
         .as_ref()
         .filter(|p| p.tensor.tp > 1 || p.pipeline.pp > 1)
     {
-        let what = if p.tensor.tp > 1 {
-            "a tensor-parallel spec (parallel.tp > 1)"
+        let (what, supported) = if p.tensor.tp > 1 {
+            (
+                "remedies of a tensor-parallel spec (parallel.tp > 1)",
+                "`headroom estimate` of a tensor-parallel layout, and `fit`, whose layout search \
+                 covers tensor parallelism; remedies search data parallelism",
+            )
         } else {
-            "a pipeline-parallel spec (parallel.pp > 1)"
+            (
+                "remedies of a pipeline-parallel spec (parallel.pp > 1)",
+                "`headroom estimate` of a pipeline-parallel layout; remedies search data \
+                 parallelism",
+            )
         };
-        return Err(crate::error::Error::Unsupported {
-            what: format!("fit and remedies of {what}"),
-            supported: "`headroom estimate` of a tensor- or pipeline-parallel layout; fit and \
-                        diagnose search data parallelism"
+        return Err(Error::Unsupported {
+            what: what.into(),
+            supported: supported.into(),
+        });
+    }
+    as_given(setup)
+}
+
+/// The spec as given, with its residents and ranks, whatever its data- and tensor-parallel
+/// layout.
+fn as_given(setup: &Setup) -> Result<(Estimate, Evaluation)> {
+    if setup.spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1) {
+        return Err(Error::Unsupported {
+            what: "fit of a pipeline-parallel spec (parallel.pp > 1)".into(),
+            supported: "`headroom estimate` of a pipeline-parallel layout; fit's layout search \
+                        covers data and tensor parallelism"
                 .into(),
         });
+    }
+    if let Some(tp) = setup
+        .spec
+        .parallel
+        .as_ref()
+        .map(|p| p.tensor.tp)
+        .filter(|&tp| !u64::from(setup.gpus).is_multiple_of(tp))
+    {
+        return Err(Error::field(
+            "--gpus",
+            setup.gpus,
+            format!(
+                "the spec's parallel.tp ({tp}) must divide it: the GPUs are dp × tp; use a \
+                 multiple of {tp}"
+            ),
+        ));
     }
     let k = Knobs::of(&setup.spec);
     let est = simulate(setup, &k)?;
@@ -1063,9 +1111,17 @@ pub fn max_micro_batch(setup: &Setup) -> Result<Option<u64>> {
 /// `None` if 1 token does not.
 pub fn max_seq_len(setup: &Setup, max_positions: u64) -> Result<Option<u64>> {
     let base = Knobs::of(&setup.spec);
-    let fits = |s: u64| {
+    // Sequence parallelism shards the sequence over the tensor-parallel ranks: lengths come
+    // in multiples of them.
+    let unit = setup
+        .spec
+        .parallel
+        .as_ref()
+        .filter(|p| p.tensor.sequence_parallel)
+        .map_or(1, |p| p.tensor.tp);
+    let fits = |n: u64| {
         let k = Knobs {
-            seq_len: s,
+            seq_len: n * unit,
             ..base.clone()
         };
         fits(setup, &k)
@@ -1073,7 +1129,9 @@ pub fn max_seq_len(setup: &Setup, max_positions: u64) -> Result<Option<u64>> {
     if !fits(1)? {
         return Ok(None);
     }
-    largest_fitting(1, max_positions.max(1), fits).map(Some)
+    Ok(Some(
+        largest_fitting(1, (max_positions / unit).max(1), fits)? * unit,
+    ))
 }
 
 /// Every configuration of the search space, evaluated (the spec's own first).
@@ -1255,14 +1313,36 @@ pub struct FitReport {
     pub max_positions: u64,
     pub evaluated: usize,
     pub front: Vec<Evaluation>,
+    /// The search of the knobs above ran: it keeps data parallelism, so a tensor-parallel
+    /// spec leaves it to the layout search.
+    pub knobs_searched: bool,
+    pub layouts: Layouts,
+}
+
+/// The layout search of a `fit`, or why there is none.
+#[derive(Clone, Debug)]
+pub enum Layouts {
+    Searched(Box<layout::LayoutSearch>),
+    NotSearched(String),
 }
 
 /// Answer `headroom fit` for `setup`.
 pub fn fit(setup: &Setup) -> Result<FitReport> {
-    let (estimate, baseline) = baseline(setup)?;
+    let (estimate, baseline) = as_given(setup)?;
     let max_positions = estimate.arch.max_positions;
-    let all = search(setup)?;
+    let knobs_searched = !tensor_parallel(&setup.spec);
+    let all = if knobs_searched {
+        search(setup)?
+    } else {
+        Vec::new()
+    };
+    let layouts = match layout::applies(setup) {
+        Ok(()) => Layouts::Searched(Box::new(layout::search(setup)?)),
+        Err(why) => Layouts::NotSearched(why),
+    };
     Ok(FitReport {
+        knobs_searched,
+        layouts,
         max_micro_batch: max_micro_batch(setup)?,
         max_seq_len: max_seq_len(setup, max_positions)?,
         max_positions,

@@ -6,8 +6,10 @@ use std::path::PathBuf;
 use comfy_table::{Cell, CellAlignment};
 use headroom::diagnose::lint::Severity;
 use headroom::gpu;
-use headroom::plan::{self, FitReport, Launcher, Resident, Setup};
+use headroom::plan::layout::{self, LayoutSearch};
+use headroom::plan::{self, FitReport, Launcher, Layouts, Resident, Setup};
 use headroom::report::fit::FitJson;
+use headroom::report::layouts::LISTED;
 use headroom::report::to_json;
 use headroom::spec::RunSpec;
 use headroom::units::{gib, signed_gib};
@@ -110,7 +112,7 @@ fn plan_fit(args: &Args) -> CliResult<(Setup<'_>, FitReport)> {
     let progress = crate::progress::spinner(
         args.json,
         "fit: configurations estimated",
-        Some(plan::estimates_made),
+        Some(estimates_made),
     );
     let report = plan::fit(&setup);
     progress.finish_and_clear();
@@ -120,6 +122,11 @@ fn plan_fit(args: &Args) -> CliResult<(Setup<'_>, FitReport)> {
         crate::plot::write(path, &title, &[front_svg(&title, &setup, &report)])?;
     }
     Ok((setup, report))
+}
+
+/// Estimates made so far, by the knob search and the layout search.
+fn estimates_made() -> u64 {
+    plan::estimates_made() + layout::progress().0 as u64
 }
 
 /// The Pareto front: each configuration that fits, device memory against step time, beside
@@ -188,7 +195,26 @@ fn render(setup: &Setup, r: &FitReport) -> String {
             setup.spec.batch_size
         ),
     };
-    out += &format!(
+    if r.knobs_searched {
+        out += &knobs(setup, r);
+    } else {
+        out += "\nThe search of memory knobs keeps data parallelism: for a tensor-parallel spec \
+                the layout search below replaces it.\n";
+    }
+    if let Layouts::Searched(search) = &r.layouts {
+        out += &layouts(setup, search);
+    } else if let Layouts::NotSearched(why) = &r.layouts
+        && setup.gpus > 1
+    {
+        out += &format!("\nNo layout search: {why}.\n");
+    }
+    out + &crate::render::assumptions(&r.estimate.assumptions, g)
+}
+
+/// The knob search's Pareto front.
+fn knobs(setup: &Setup, r: &FitReport) -> String {
+    let g = &setup.gpu;
+    let mut out = format!(
         "\nConfigurations that fit, none beaten at once on memory, step time, fidelity and number \
          of changes ({} \
          evaluated):\n",
@@ -196,7 +222,7 @@ fn render(setup: &Setup, r: &FitReport) -> String {
     );
     if r.front.is_empty() {
         out += "none: more GPUs (--gpus) or a larger GPU\n";
-        return out + &crate::render::assumptions(&r.estimate.assumptions, g);
+        return out;
     }
     let mut t = table();
     t.set_header(vec![
@@ -237,5 +263,96 @@ fn render(setup: &Setup, r: &FitReport) -> String {
     out += "Step time: relative to the spec, same tokens per optimizer step; rough factors \
             (checkpointing ×1.33, LoRA ×0.8, QLoRA ×1.05, ZeRO-3 ×1.15, CPU offload ×1.5, \
             smaller micro-batches by GPU utilisation).\n";
-    out + &crate::render::assumptions(&r.estimate.assumptions, g)
+    out
+}
+
+/// The layout search: the best layouts, the best one and why, or the closest when none fits.
+fn layouts(setup: &Setup, s: &LayoutSearch) -> String {
+    let g = &setup.gpu;
+    let mut out = format!(
+        "\nLayouts over {} GPUs, global batch {} sequences ({} candidates: {} simulated, the \
+         others the same rank as one of them; {} refused, {} out of memory, {} fit):\n",
+        s.gpus,
+        s.global_batch,
+        s.candidates,
+        s.simulated,
+        s.refused,
+        s.out_of_memory,
+        s.ranked.len()
+    );
+    let Some(best) = s.best() else {
+        out += &match &s.closest {
+            Some((c, est)) => format!(
+                "none fits: the one that needs least, {}, needs {} ({}); use more GPUs \
+                 (--gpus) or a larger GPU\n",
+                c.name(),
+                gib(est.device_bytes()),
+                signed_gib(g.total_bytes as i128 - est.device_bytes() as i128)
+            ),
+            None => "none fits, and none could be estimated without a limit\n".to_string(),
+        };
+        return out;
+    };
+    let mut t = table();
+    t.set_header(vec![
+        "#",
+        "layout",
+        "device memory",
+        "headroom",
+        "margin",
+        "time per token",
+        "global batch",
+    ]);
+    let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
+    for (i, e) in s.ranked.iter().take(LISTED).enumerate() {
+        let n = e.numbers().expect("ranked layouts fit");
+        t.add_row(vec![
+            Cell::new(i + 1),
+            Cell::new(e.candidate.name()),
+            right(format!(
+                "{}{}",
+                gib(n.device_bytes),
+                if e.simulated { "" } else { "*" }
+            )),
+            right(signed_gib(e.headroom_bytes(g).unwrap_or(0))),
+            right(format!(
+                "{} {}",
+                gib(e.margin_bytes),
+                if e.within_margin(g) {
+                    "kept"
+                } else {
+                    "NOT kept"
+                }
+            )),
+            right(format!(
+                "×{:.2}",
+                e.time.per_token_s / best.time.per_token_s
+            )),
+            right(format!(
+                "{}{}",
+                e.candidate.global_batch(),
+                if e.exact { "" } else { " (changed)" }
+            )),
+        ]);
+    }
+    out += &t.to_string();
+    out += "\n";
+    if s.ranked.len() > LISTED {
+        out += &format!(
+            "({} more fit; --json lists the first {LISTED})\n",
+            s.ranked.len() - LISTED
+        );
+    }
+    if s.ranked.iter().take(LISTED).any(|e| !e.simulated) {
+        out += "* gradient accumulation: the first micro-batch of the step simulated; the \
+                gradients later ones accumulate into are not (ranked after whole steps)\n";
+    }
+    out += &format!("Best: {}, because\n", best.candidate.name());
+    for why in layout::reasons(setup, s) {
+        out += &format!("  - {why}\n");
+    }
+    out += &format!("Its spec keys: {}\n", best.candidate.spec_keys());
+    out += &format!("Margin: {}.\n", layout::MARGIN_RULE);
+    out += &format!("Step time: {}.\n", layout::COST_MODEL);
+    out
 }

@@ -6,6 +6,7 @@ mod assumptions;
 mod common;
 mod diagnose_fit;
 mod estimate;
+mod fit_layouts;
 mod page;
 mod plot;
 mod rules;

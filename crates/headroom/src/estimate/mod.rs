@@ -134,6 +134,9 @@ pub enum Limit {
     Gpu,
     /// Never: the estimate is the run's demand.
     None,
+    /// At the GPU's capacity, and a run that runs out is not simulated again for its demand:
+    /// its numbers stop at the failure (a search only needs to know that it does not fit).
+    GpuUntilOom,
 }
 
 /// Like [`estimate`], for one rank of a layout whose ranks differ (DeepSpeed ZeRO's
@@ -219,7 +222,7 @@ fn estimate_ranks(
         ..AllocatorConfig::default()
     };
     let nccl = nccl_bytes(spec.parallel.as_ref());
-    let capacity = (limit == Limit::Gpu).then(|| gpu.allocator_capacity().saturating_sub(nccl));
+    let capacity = (limit != Limit::None).then(|| gpu.allocator_capacity().saturating_sub(nccl));
     // With an error, the limited run stops there and only the error is kept, unless the limit
     // had changed nothing by then: the run went on as the one without a limit.
     let mut options = sim::Options {
@@ -243,7 +246,7 @@ fn estimate_ranks(
     }
     // The run without a limit makes the same requests: its sample there is the same allocation.
     let oom_sample = sim.timeline.as_ref().and_then(|t| t.oom_sample);
-    if oom.is_some() && !sim.unlimited {
+    if oom.is_some() && !sim.unlimited && limit == Limit::Gpu {
         // The limited run stopped being physical at the failure; report the demand.
         options.capacity = None;
         options.after_oom = sim::AfterOom::GoOn;
@@ -304,5 +307,36 @@ pub(crate) fn beyond_any_device(prefix: &str, spec: &RunSpec, refused: &Simulate
              use a smaller batch_size or seq_len",
             spec.seq_len, refused.tensor, refused.requested_bytes, refused.phase, refused.step
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nccl_bytes;
+    use crate::spec::RunSpec;
+
+    fn nccl_mib(parallel: serde_json::Value) -> u64 {
+        let spec = RunSpec::from_value(&serde_json::json!({
+            "model": "llama-3.1-8b",
+            "seq_len": 4096,
+            "parallel": parallel,
+        }))
+        .expect("spec");
+        nccl_bytes(spec.parallel.as_ref()) >> 20
+    }
+
+    /// One communicator for a one-dimensional group over the world, one per mesh dimension
+    /// beside the default group's (bench/nccl-x4, call 3).
+    #[test]
+    fn nccl_is_charged_per_communicator_of_the_layout() {
+        let fsdp = nccl_mib(serde_json::json!({"strategy": "fsdp", "world_size": 4}));
+        let hsdp = nccl_mib(serde_json::json!({"strategy": "fsdp", "world_size": 4, "shard_size": 2}));
+        let tp_alone = nccl_mib(serde_json::json!({
+            "strategy": "none", "world_size": 4, "tp": 4, "sequence_parallel": true,
+        }));
+        let dp_tp = nccl_mib(serde_json::json!({
+            "strategy": "fsdp", "world_size": 4, "tp": 2, "sequence_parallel": true,
+        }));
+        assert_eq!((fsdp, tp_alone, hsdp, dp_tp), (992, 1386, 1964, 1964));
     }
 }

@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use super::assumptions::AssumptionsJson;
+use super::layouts::LayoutsJson;
 use crate::gpu::Gpu;
 use crate::plan::{self, Evaluation, FitReport, Knobs, Resident, Setup};
 
@@ -30,6 +31,12 @@ pub struct FitJson<'a> {
     pub pareto: Vec<ConfigurationJson>,
     /// The spec's estimate's versions, the GPU's constants and warnings.
     pub assumptions: AssumptionsJson<'a>,
+    /// Whether `pareto` was searched: the knobs keep data parallelism, so a tensor-parallel
+    /// spec leaves its layout to `layouts`.
+    pub knobs_searched: bool,
+    /// The layout search over several GPUs (data, tensor and sequence parallelism ×
+    /// micro-batch × recomputation).
+    pub layouts: LayoutsJson,
 }
 
 /// A configuration of the search, evaluated.
@@ -92,6 +99,8 @@ impl<'a> FitJson<'a> {
                 .map(|e| ConfigurationJson::new(setup, e))
                 .collect(),
             assumptions: AssumptionsJson::new(&r.estimate.assumptions, &setup.gpu),
+            knobs_searched: r.knobs_searched,
+            layouts: LayoutsJson::new(setup, &r.layouts),
         }
     }
 }

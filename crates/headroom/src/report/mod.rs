@@ -25,6 +25,7 @@ pub mod assumptions;
 pub mod diagnose;
 pub mod estimate;
 pub mod fit;
+pub mod layouts;
 pub mod measure;
 pub mod models;
 pub mod rules;

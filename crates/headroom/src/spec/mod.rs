@@ -23,6 +23,7 @@ pub use pipeline::{
     EngineSpec, Home, InstanceSpec, Pass, PassDef, PhaseDef, PipelineSpec, is_pipeline,
 };
 pub use pipeline_parallel::{PipelineParallel, PipelineSchedule};
+pub(crate) use run::check_tensor_parallel;
 pub use run::{
     AllocatorSpec, Attention, BackwardPrefetch, BuiltLora, ExpertsImpl, Framework, Fsdp1Options,
     FsdpUnits, Lora, LoraTargets, MixedPrecision, Mode, Optimizer, Parallel, Precision,

@@ -1402,7 +1402,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
 /// What a tensor-parallel layout needs of the model: a Llama-style decoder (the plan names
 /// its modules) whose heads, MLP width and vocabulary divide over the group, and an output
 /// head of its own (a tied one would be distributed twice).
-fn check_tensor_parallel(tensor: TensorParallel, arch: &Architecture) -> Result<()> {
+pub(crate) fn check_tensor_parallel(tensor: TensorParallel, arch: &Architecture) -> Result<()> {
     use crate::arch::Family;
     let tp = tensor.tp;
     if !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)

@@ -100,9 +100,9 @@ pub fn estimate(
     limit: Limit,
     config: &AllocatorConfig,
 ) -> Result<TraceEstimate> {
-    let capacity = (limit == Limit::Gpu).then(|| gpu.allocator_capacity());
+    let capacity = (limit != Limit::None).then(|| gpu.allocator_capacity());
     let mut outcome = Replay::new(trace, gpu, config, capacity).run()?;
-    if outcome.oom.is_some() && outcome.limit_acted {
+    if outcome.oom.is_some() && outcome.limit_acted && limit == Limit::Gpu {
         let oom = outcome.oom.take();
         outcome = Replay::new(trace, gpu, config, None).run()?;
         outcome.oom = oom;

@@ -10,6 +10,7 @@ mod diagnose_seeds;
 mod distributed;
 mod fit;
 mod layering;
+mod layouts;
 mod lint;
 mod oom_messages;
 mod oom_pastes;

@@ -1,0 +1,1111 @@
+//! The layout search of `fit --gpus N`: how to spread a full training run over N GPUs (data,
+//! tensor and sequence parallelism), at which micro-batch, with or without recomputing
+//! activations. Every candidate is simulated by the estimator at the GPU's capacity; none is
+//! computed from a formula. Candidates are ranked as a user picks one:
+//!
+//! 1. fidelity: layouts that keep the spec's global batch (the same optimisation) first, and
+//!    among them those simulated whole (one micro-batch a step) before those that accumulate
+//!    micro-batches, whose kept gradients the training loop's simulation does not run;
+//! 2. the safety margin ([`margin_bytes`]): a layout that fits with less to spare comes after
+//!    every one that keeps it;
+//! 3. estimated step time ([`StepTime`]: a cost model, not a measurement);
+//! 4. less device memory.
+//!
+//! Each parallel axis is one entry of [`AXES`]: the degrees it may take once the axes before
+//! it have chosen theirs, how a layout names it, and its communication in the cost model. A
+//! new axis (pipeline or context parallelism) is one more entry, and a field of `Parallel`.
+//!
+//! Candidates whose rank is provably the same simulation are simulated once ([`RankMemo`]);
+//! the others run on every core. A candidate that runs out of memory stops there: the
+//! search needs to know it does not fit, not its demand.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::{HALF_EFFICIENCY_TOKENS, SAFETY_MARGIN, Setup};
+use crate::arch::Architecture;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::estimate::{self, Estimate, Limit};
+use crate::gpu::Gpu;
+use crate::spec::{
+    Fsdp1Options, FsdpUnits, Mode, Parallel, Precision, RunSpec, Strategy, TensorParallel,
+    TrainerKind,
+};
+
+/// GPUs of one node: a tensor-parallel group stays within one, on NVLink.
+pub const GPUS_PER_NODE: u64 = 8;
+
+/// One parallel axis of a layout.
+pub struct Axis {
+    /// How `fit --json` names the axis (`layouts.axes`).
+    pub name: &'static str,
+    /// The layouts this axis makes of one the axes before it chose (each with this axis
+    /// set; none when no degree is valid).
+    expand: fn(&Context, &Parallel) -> Vec<Parallel>,
+    /// This axis in a layout's name, `None` when the layout does not use it.
+    words: fn(&Parallel) -> Option<String>,
+    /// This axis's communication in one step, under the cost model.
+    comm: fn(&CostInputs, &Parallel) -> Comm,
+}
+
+/// The axes, in the order they are chosen: the model-parallel ones first, then data
+/// parallelism over the GPUs they leave.
+pub const AXES: &[Axis] = &[
+    Axis {
+        name: "tp",
+        expand: tensor_degrees,
+        words: |p| {
+            let sp = if p.tensor.sequence_parallel {
+                " + SP"
+            } else {
+                ""
+            };
+            (p.tensor.tp > 1).then(|| format!("tp {}{sp}", p.tensor.tp))
+        },
+        comm: tensor_comm,
+    },
+    Axis {
+        name: "sp",
+        expand: sequence_choices,
+        // Named with tensor parallelism, whose ranks it shards the sequence over.
+        words: |_| None,
+        // Its collectives replace tensor parallelism's: counted there.
+        comm: |_, _| Comm::default(),
+    },
+    Axis {
+        name: "dp",
+        expand: data_strategies,
+        words: |p| Some(data_words(p)),
+        comm: data_comm,
+    },
+];
+
+/// What every axis reads: the model, the spec and the GPUs.
+pub struct Context<'a> {
+    pub spec: &'a RunSpec,
+    pub arch: &'a Architecture,
+    pub world: u64,
+}
+
+/// GPUs each model replica spans: the product of the model-parallel degrees.
+fn model_parallel(p: &Parallel) -> u64 {
+    p.tensor.tp
+}
+
+/// Data-parallel ranks of a layout.
+pub fn data_parallel(p: &Parallel) -> u64 {
+    p.world_size / model_parallel(p)
+}
+
+/// Tensor parallelism: degrees that divide the world, stay within a node, and divide the
+/// heads, KV heads, MLP width and vocabulary of a model whose plan the estimator knows.
+fn tensor_degrees(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
+    (1..=GPUS_PER_NODE.min(ctx.world))
+        .filter(|&tp| ctx.world.is_multiple_of(tp))
+        .filter(|&tp| {
+            let tensor = TensorParallel { tp, ..p.tensor };
+            tp == 1 || crate::spec::check_tensor_parallel(tensor, ctx.arch).is_ok()
+        })
+        .map(|tp| Parallel {
+            tensor: TensorParallel { tp, ..p.tensor },
+            ..p.clone()
+        })
+        .collect()
+}
+
+/// Sequence parallelism: off, and on where tensor parallelism shards a sequence that
+/// divides over it.
+fn sequence_choices(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
+    let tp = p.tensor.tp;
+    let mut out = vec![Parallel {
+        tensor: TensorParallel {
+            sequence_parallel: false,
+            ..p.tensor
+        },
+        ..p.clone()
+    }];
+    if tp > 1 && ctx.spec.seq_len.is_multiple_of(tp) {
+        out.push(Parallel {
+            tensor: TensorParallel {
+                sequence_parallel: true,
+                ..p.tensor
+            },
+            ..p.clone()
+        });
+    }
+    out
+}
+
+/// The strategies of the data-parallel dimension: with tensor parallelism FSDP2 over it (as
+/// torchtitan composes them; full shard or not resharding after forward) or nothing when
+/// one replica spans every GPU; without, DDP, DeepSpeed ZeRO-1/2/3, FSDP2 and HSDP over each
+/// shard group that divides the ranks. A spec with FSDP2's mixed precision keeps the FSDP2
+/// family, whose policy the others cannot say.
+fn data_strategies(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
+    let dp = data_parallel(p);
+    let with = |strategy, shard_size, reshard_after_forward| Parallel {
+        strategy,
+        world_size: ctx.world,
+        shard_size,
+        reshard_after_forward,
+        // FSDP2's units are the spec's; the other strategies have none.
+        units: if strategy == Strategy::Fsdp {
+            p.units
+        } else {
+            FsdpUnits::Layers
+        },
+        ..p.clone()
+    };
+    let mut out = Vec::new();
+    if p.tensor.tp > 1 && dp == 1 && p.tensor.sequence_parallel && p.mixed_precision.is_none() {
+        out.push(with(Strategy::NoDataParallel, 1, true));
+    }
+    if dp > 1 || p.tensor.tp == 1 {
+        out.push(with(Strategy::Fsdp, dp, true));
+        out.push(with(Strategy::Fsdp, dp, false));
+    }
+    if p.tensor.tp == 1 {
+        for shard in (2..dp).filter(|s| dp.is_multiple_of(*s)) {
+            out.push(with(Strategy::Fsdp, shard, true));
+        }
+        if p.mixed_precision.is_none() {
+            for strategy in [
+                Strategy::Ddp,
+                Strategy::Zero1,
+                Strategy::Zero2,
+                Strategy::Zero3,
+            ] {
+                out.push(with(strategy, dp, true));
+            }
+        }
+    }
+    out
+}
+
+fn data_words(p: &Parallel) -> String {
+    let dp = data_parallel(p);
+    match p.strategy {
+        Strategy::Fsdp if p.shard_size < dp => {
+            format!("dp {dp} (HSDP {} × {})", dp / p.shard_size, p.shard_size)
+        }
+        Strategy::Fsdp if !p.reshard_after_forward => format!("dp {dp} (FSDP2, no reshard)"),
+        Strategy::Fsdp => format!("dp {dp} (FSDP2)"),
+        Strategy::NoDataParallel => "dp 1".to_string(),
+        s => format!("dp {dp} ({})", s.name().to_uppercase()),
+    }
+}
+
+/// A layout, a micro-batch and recomputation: one candidate of the search.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    pub parallel: Parallel,
+    pub micro_batch: u64,
+    /// Micro-batches per optimizer step on each data-parallel rank.
+    pub accumulation: u64,
+    /// Activation checkpointing of every decoder layer (full recomputation).
+    pub recompute: bool,
+}
+
+impl Candidate {
+    /// Sequences per optimizer step over every data-parallel rank.
+    pub fn global_batch(&self) -> u64 {
+        self.micro_batch * self.accumulation * data_parallel(&self.parallel)
+    }
+
+    /// The layout in words: each axis it uses, then the micro-batch and recomputation.
+    pub fn name(&self) -> String {
+        let parts: Vec<String> = AXES
+            .iter()
+            .filter_map(|a| (a.words)(&self.parallel))
+            .collect();
+        format!(
+            "{}, micro-batch {} × {}{}",
+            parts.join(" × "),
+            self.micro_batch,
+            self.accumulation,
+            if self.recompute { ", recompute" } else { "" }
+        )
+    }
+
+    /// The spec this candidate runs: the spec (a training loop of its own, whose accumulation
+    /// changes nothing a step holds) with its layout, micro-batch and checkpointing replaced.
+    /// `estimate` of it gives this candidate's numbers to the byte.
+    pub fn spec(&self, base: &RunSpec) -> RunSpec {
+        let mut spec = base.clone();
+        spec.parallel = Some(self.parallel.clone());
+        spec.batch_size = self.micro_batch;
+        spec.gradient_checkpointing = self.recompute;
+        spec
+    }
+
+    /// The keys of the spec that differ from a spec without `parallel`: what to write in it.
+    pub fn spec_keys(&self) -> serde_json::Value {
+        let p = &self.parallel;
+        let mut parallel = serde_json::json!({
+            "strategy": p.strategy.name(),
+            "world_size": p.world_size,
+        });
+        if p.strategy == Strategy::Fsdp && !p.reshard_after_forward {
+            parallel["reshard_after_forward"] = false.into();
+        }
+        if p.strategy == Strategy::Fsdp && p.shard_size < data_parallel(p) {
+            parallel["shard_size"] = p.shard_size.into();
+        }
+        if p.tensor.tp > 1 {
+            parallel["tp"] = p.tensor.tp.into();
+            parallel["sequence_parallel"] = p.tensor.sequence_parallel.into();
+            parallel["framework"] = "torchtitan".into();
+        }
+        if let Some(mp) = &p.mixed_precision {
+            let mut policy = serde_json::json!({"param_dtype": mp.param_dtype.to_string()});
+            if let Some(reduce) = mp.reduce_dtype {
+                policy["reduce_dtype"] = reduce.to_string().into();
+            }
+            parallel["mixed_precision"] = policy;
+        }
+        let mut keys = serde_json::json!({
+            "batch_size": self.micro_batch,
+            "gradient_checkpointing": self.recompute,
+            "parallel": parallel,
+        });
+        if let Some(units) = (p.units != FsdpUnits::Layers).then(|| p.units.name()) {
+            keys["parallel"]["units"] = units.into();
+        }
+        keys
+    }
+}
+
+/// What the estimator said of a candidate's rank.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// It ran its steps at the GPU's capacity.
+    Fits(Numbers),
+    /// It ran out of memory in this phase and step.
+    OutOfMemory { phase: &'static str, step: u32 },
+    /// The estimator does not model it, or the spec refuses it: why.
+    Refused(String),
+}
+
+/// The numbers of a simulated rank that fits, as `estimate` reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Numbers {
+    pub peak_allocated_bytes: u64,
+    pub peak_reserved_bytes: u64,
+    pub nccl_bytes: u64,
+    /// Reserved, CUDA context and NCCL: what the process holds on the device.
+    pub device_bytes: u64,
+}
+
+/// A candidate, simulated and costed.
+#[derive(Clone, Debug)]
+pub struct Evaluated {
+    pub candidate: Candidate,
+    pub outcome: Outcome,
+    /// It keeps the spec's global batch.
+    pub exact: bool,
+    /// Its whole step is what the simulation runs: one micro-batch per optimizer step. With
+    /// gradient accumulation the micro-batches after the first also hold the gradients of
+    /// those before (FSDP2 accumulates its reduce-scattered shards, DDP under `no_sync` full
+    /// gradients), which the training loop's simulation does not run: such a candidate's
+    /// numbers are its first micro-batch's.
+    pub simulated: bool,
+    /// What it must keep free to be ranked among the safe ones.
+    pub margin_bytes: u64,
+    pub time: StepTime,
+}
+
+impl Evaluated {
+    pub fn numbers(&self) -> Option<&Numbers> {
+        match &self.outcome {
+            Outcome::Fits(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// Free device memory at the peak (of a candidate that fits).
+    pub fn headroom_bytes(&self, gpu: &Gpu) -> Option<i128> {
+        self.numbers()
+            .map(|n| gpu.total_bytes as i128 - n.device_bytes as i128)
+    }
+
+    /// It fits with its margin to spare.
+    pub fn within_margin(&self, gpu: &Gpu) -> bool {
+        self.headroom_bytes(gpu)
+            .is_some_and(|h| h >= self.margin_bytes as i128)
+    }
+}
+
+/// The margin a layout keeps to be ranked first: the estimate's error on reserved bytes,
+/// `SAFETY_MARGIN` of the device (every calibration row within 3.8%, p90 2%). NCCL's memory
+/// outside the allocator is part of the device total already, measured per layout's
+/// communicators (`estimate::nccl_bytes`; tensor-parallel meshes on H100s, bench/nccl-x4).
+pub fn margin_bytes(gpu: &Gpu) -> u64 {
+    debug_assert!(MARGIN_RULE.contains("3%"));
+    (gpu.total_bytes as f64 * SAFETY_MARGIN) as u64
+}
+
+/// [`margin_bytes`] in words, for reports.
+pub const MARGIN_RULE: &str = "3% of the GPU (the estimate's error on reserved bytes: every \
+    calibration row within 3.8%, p90 2%)";
+
+/// [`StepTime`] in words, for reports.
+pub const COST_MODEL: &str = "a model, not a measurement: 6 × parameters FLOPs per token (8 × \
+    with recomputation) at an H100's dense bf16 peak, slower for small micro-batches; tensor \
+    parallelism's collectives per layer at NVLink bandwidth, never hidden; FSDP/ZeRO gathers \
+    and reduce-scatters per micro-batch and DDP's all-reduce per step at NVLink or network \
+    bandwidth, counted where they exceed the compute they overlap";
+
+/// Dense bf16 tensor-core throughput of an H100 SXM (vendor figure, FLOP/s): the cost
+/// model's compute rate on every GPU, since it only compares layouts on one GPU.
+const PEAK_FLOPS: f64 = 989e12;
+/// NVLink 4 per direction per GPU (bytes/s): within a node.
+const NVLINK_BYTES_PER_S: f64 = 450e9;
+/// One 400 Gb/s NIC per GPU (bytes/s): between nodes.
+const NETWORK_BYTES_PER_S: f64 = 50e9;
+
+/// What the cost model reads of a candidate.
+pub struct CostInputs {
+    /// Parameters of the whole model.
+    params: f64,
+    layers: f64,
+    hidden: f64,
+    seq_len: f64,
+    micro_batch: f64,
+    recompute: bool,
+    /// Bytes per element of an FSDP/ZeRO all-gather and of a gradient reduction.
+    gather_bytes: f64,
+    reduce_bytes: f64,
+}
+
+/// Communication of one axis in one step (seconds under the cost model).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Comm {
+    /// On the critical path of every micro-batch (tensor parallelism's collectives).
+    pub exposed_per_micro_s: f64,
+    /// Overlapped with every micro-batch's compute (FSDP's gathers and reduce-scatters).
+    pub overlapped_per_micro_s: f64,
+    /// Once per optimizer step, overlapped with the last backward (DDP's all-reduce).
+    pub per_step_s: f64,
+}
+
+/// A candidate's step time under the cost model (seconds of one optimizer step). It is a
+/// model for ranking layouts, not a measurement: compute is `6 × parameters` FLOPs per token
+/// (`8 ×` with recomputation, which runs every forward again) at the H100's peak, scaled by
+/// the micro-batch's GPU efficiency; communication is ring collectives at NVLink or network
+/// bandwidth; what FSDP and DDP can overlap with compute only counts where it exceeds it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTime {
+    pub compute_s: f64,
+    /// Tensor parallelism's collectives, never overlapped.
+    pub tensor_s: f64,
+    /// Data parallelism's communication that compute does not hide.
+    pub data_exposed_s: f64,
+    /// Seconds per optimizer step.
+    pub total_s: f64,
+    /// Seconds per token of the global batch: what layouts are ranked by.
+    pub per_token_s: f64,
+}
+
+/// The cost of `c` for a model with `params` parameters.
+pub fn step_time(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> StepTime {
+    let p = &c.parallel;
+    let storage = match spec.precision {
+        Precision::Bf16 => DType::BF16,
+        _ => DType::F32,
+    };
+    let mp = p.mixed_precision.as_ref();
+    let gather = mp.map_or(storage, |m| m.param_dtype);
+    let reduce = mp.map_or(storage, |m| m.reduce_dtype.unwrap_or(m.param_dtype));
+    let tokens = (c.micro_batch * spec.seq_len) as f64;
+    let params = arch.param_count(spec.head()) as f64;
+    let flops_per_token = if c.recompute { 8.0 } else { 6.0 } * params;
+    let efficiency = 1.0 + HALF_EFFICIENCY_TOKENS / tokens;
+    let compute_s = flops_per_token * tokens / p.tensor.tp as f64 / PEAK_FLOPS * efficiency;
+    let inputs = CostInputs {
+        params,
+        layers: arch.layers as f64,
+        hidden: arch.hidden as f64,
+        seq_len: spec.seq_len as f64,
+        micro_batch: c.micro_batch as f64,
+        recompute: c.recompute,
+        gather_bytes: gather.bytes() as f64,
+        reduce_bytes: reduce.bytes() as f64,
+    };
+    let comm = AXES.iter().map(|a| (a.comm)(&inputs, p));
+    let tensor_s = tensor_comm(&inputs, p).exposed_per_micro_s;
+    let (mut exposed, mut overlapped, mut per_step) = (0.0, 0.0, 0.0);
+    for m in comm {
+        exposed += m.exposed_per_micro_s;
+        overlapped += m.overlapped_per_micro_s;
+        per_step += m.per_step_s;
+    }
+    let micro = c.accumulation as f64;
+    // The last backward (two thirds of a micro-batch's compute) hides a per-step reduction.
+    let data_exposed_s =
+        micro * (overlapped - compute_s).max(0.0) + (per_step - compute_s * 2.0 / 3.0).max(0.0);
+    let total_s = micro * (compute_s + exposed) + data_exposed_s;
+    StepTime {
+        compute_s: micro * compute_s,
+        tensor_s: micro * tensor_s,
+        data_exposed_s,
+        total_s,
+        per_token_s: total_s / (c.global_batch() * spec.seq_len) as f64,
+    }
+}
+
+/// A ring all-reduce moves `2 (n-1)/n` of the buffer per rank, an all-gather or a
+/// reduce-scatter `(n-1)/n`.
+fn ring(n: u64) -> f64 {
+    (n.saturating_sub(1)) as f64 / n.max(1) as f64
+}
+
+/// Tensor parallelism's activations collectives per micro-batch, per layer, of
+/// `micro_batch × seq_len × hidden` bf16 elements, as torchtitan's plan issues them
+/// (`sim/strategy/tp.rs`): without sequence parallelism two all-reduces in forward (the
+/// row-parallel outputs) and five in backward (each column-parallel input's gradient: q, k,
+/// v, gate, up); with it an all-gather and a reduce-scatter per block each way (the same
+/// bytes as an all-reduce). Recomputation runs the forward's again.
+fn tensor_comm(x: &CostInputs, p: &Parallel) -> Comm {
+    let tp = p.tensor.tp;
+    if tp == 1 {
+        return Comm::default();
+    }
+    let activation = x.micro_batch * x.seq_len * x.hidden * 2.0;
+    let (forward, backward) = if p.tensor.sequence_parallel {
+        (4.0, 4.0)
+    } else {
+        (2.0 * 2.0, 5.0 * 2.0)
+    };
+    let passes = if x.recompute { 2.0 * forward } else { forward } + backward;
+    let bytes = x.layers * passes * ring(tp) * activation;
+    Comm {
+        exposed_per_micro_s: bytes / NVLINK_BYTES_PER_S,
+        ..Comm::default()
+    }
+}
+
+/// Bandwidth of a collective over `ranks` ranks `stride` GPUs apart (the tensor-parallel
+/// ranks are the inner, adjacent ones): NVLink while they share a node.
+fn bandwidth(ranks: u64, stride: u64) -> f64 {
+    if ranks * stride <= GPUS_PER_NODE {
+        NVLINK_BYTES_PER_S
+    } else {
+        NETWORK_BYTES_PER_S
+    }
+}
+
+/// Data parallelism's traffic for this rank's `params / tp` parameters: FSDP2 and ZeRO-3
+/// gather them for forward and again for backward (once when not resharding) and
+/// reduce-scatter gradients every micro-batch; HSDP also all-reduces its shard over the
+/// replicas once a step; DDP and ZeRO-1/2 reduce gradients once a step (ZeRO-1/2 then
+/// gather the updated parameters).
+fn data_comm(x: &CostInputs, p: &Parallel) -> Comm {
+    let tp = model_parallel(p);
+    let dp = data_parallel(p);
+    let shard = x.params / tp as f64;
+    let over = |ranks: u64, stride: u64, bytes: f64| ring(ranks) * bytes / bandwidth(ranks, stride);
+    match p.strategy {
+        Strategy::NoDataParallel => Comm::default(),
+        Strategy::Fsdp | Strategy::Fsdp1 | Strategy::Zero3 => {
+            let s = p.shard_size;
+            let gathers = if p.reshard_after_forward || p.strategy == Strategy::Zero3 {
+                2.0
+            } else {
+                1.0
+            };
+            let replicas = dp / s;
+            Comm {
+                overlapped_per_micro_s: over(
+                    s,
+                    tp,
+                    shard * (gathers * x.gather_bytes + x.reduce_bytes),
+                ),
+                per_step_s: 2.0 * over(replicas, tp * s, shard / s as f64 * x.reduce_bytes),
+                ..Comm::default()
+            }
+        }
+        Strategy::Ddp => Comm {
+            per_step_s: 2.0 * over(dp, tp, shard * x.reduce_bytes),
+            ..Comm::default()
+        },
+        Strategy::Zero1 | Strategy::Zero2 => Comm {
+            per_step_s: over(dp, tp, shard * (x.reduce_bytes + x.gather_bytes)),
+            ..Comm::default()
+        },
+    }
+}
+
+/// Estimates of ranks already simulated, by what provably decides them: the rank's spec
+/// with the world size left out where the rank does not read it. DDP's rank is a full
+/// replica whatever the world (the world enters only NCCL's allowance, the same for every
+/// world of two or more); FSDP2 shards over `shard_size` (HSDP's replicas change nothing a
+/// rank allocates, `sim/strategy/fsdp.rs`) and NCCL's allowance is HSDP's for any number of
+/// replicas. Kept across searches (`fit` over several cluster sizes, the benchmark).
+#[derive(Default)]
+pub struct RankMemo {
+    outcomes: Mutex<HashMap<String, Outcome>>,
+}
+
+impl RankMemo {
+    /// What decides a rank's simulation on `gpu`.
+    fn key(spec: &RunSpec, gpu: &Gpu) -> String {
+        let mut spec = spec.clone();
+        if let Some(p) = spec.parallel.as_mut().filter(|p| p.tensor.tp == 1) {
+            match p.strategy {
+                Strategy::Ddp => {
+                    p.world_size = 2;
+                    p.shard_size = 2;
+                }
+                Strategy::Fsdp if p.shard_size < p.world_size => {
+                    p.world_size = 2 * p.shard_size;
+                }
+                _ => {}
+            }
+        }
+        format!("{spec:?} on {gpu:?}")
+    }
+
+    fn get(&self, key: &str) -> Option<Outcome> {
+        self.outcomes.lock().ok()?.get(key).cloned()
+    }
+
+    fn put(&self, key: String, outcome: Outcome) {
+        if let Ok(mut map) = self.outcomes.lock() {
+            map.insert(key, outcome);
+        }
+    }
+}
+
+/// Candidates evaluated so far by the search running in this process, and how many it has:
+/// what a progress bar shows.
+static DONE: AtomicUsize = AtomicUsize::new(0);
+static TOTAL: AtomicUsize = AtomicUsize::new(0);
+
+/// `(done, total)` of the layout search under way.
+pub fn progress() -> (usize, usize) {
+    (DONE.load(Ordering::Relaxed), TOTAL.load(Ordering::Relaxed))
+}
+
+/// The answer of the layout search.
+#[derive(Clone, Debug)]
+pub struct LayoutSearch {
+    pub gpus: u64,
+    /// Sequences per optimizer step the spec trains with over these GPUs.
+    pub global_batch: u64,
+    /// Every candidate the axes made.
+    pub candidates: usize,
+    /// Distinct rank simulations those needed (the others repeat one of them).
+    pub simulated: usize,
+    /// Candidates the estimator or the spec refuses, with each distinct reason.
+    pub refused: usize,
+    pub refusals: Vec<String>,
+    pub out_of_memory: usize,
+    /// The candidates that fit, best first.
+    pub ranked: Vec<Evaluated>,
+    /// When none fits: the layout that needs least, at micro-batch 1 with recomputation,
+    /// with its demand (`estimate` without a limit).
+    pub closest: Option<(Candidate, Estimate)>,
+}
+
+impl LayoutSearch {
+    pub fn best(&self) -> Option<&Evaluated> {
+        self.ranked.first()
+    }
+}
+
+/// Whether `setup` gets a layout search, or why not.
+pub fn applies(setup: &Setup) -> std::result::Result<(), String> {
+    let spec = &setup.spec;
+    if setup.gpus < 2 {
+        return Err("one GPU".into());
+    }
+    if spec.mode != Mode::Train {
+        return Err("a forward-only run".into());
+    }
+    if spec.lora.is_some() || spec.quantization.is_some() {
+        return Err("adapters (layouts are searched for full fine-tuning)".into());
+    }
+    if spec.trainer.kind != TrainerKind::Loop {
+        return Err(format!(
+            "trainer {} (layouts are searched for a training loop of its own, as torchtitan's; \
+             leave `trainer` out)",
+            spec.trainer.kind.name()
+        ));
+    }
+    let (_, arch) = spec
+        .architecture(setup.spec_dir, "")
+        .map_err(|e| e.to_string())?;
+    let ctx = Context {
+        spec,
+        arch: &arch,
+        world: u64::from(setup.gpus),
+    };
+    if !tensor_degrees(&ctx, &template(spec, ctx.world))
+        .iter()
+        .any(|p| p.tensor.tp > 1)
+    {
+        return Err(format!(
+            "tensor parallelism of a {} model over {} GPUs is not modelled (dense Llama, \
+             Mistral, Qwen2 and Qwen3 models with heads that divide over 2 to {GPUS_PER_NODE} \
+             GPUs are)",
+            arch.model_type, setup.gpus
+        ));
+    }
+    Ok(())
+}
+
+/// The spec's own parallel settings that every layout keeps (FSDP2's mixed precision and
+/// units), or plain ones; parameters and optimizer stay on the GPU.
+fn template(spec: &RunSpec, world: u64) -> Parallel {
+    let own = spec.parallel.clone();
+    Parallel {
+        world_size: world,
+        shard_size: world,
+        offload_params: false,
+        offload_optimizer: false,
+        tensor: TensorParallel::default(),
+        pipeline: Default::default(),
+        ..own.unwrap_or(Parallel {
+            strategy: Strategy::Fsdp,
+            world_size: world,
+            reshard_after_forward: true,
+            shard_size: world,
+            offload_params: false,
+            offload_optimizer: false,
+            mixed_precision: None,
+            units: FsdpUnits::Layers,
+            fsdp1: Fsdp1Options::default(),
+            tensor: TensorParallel::default(),
+            pipeline: Default::default(),
+        })
+    }
+}
+
+/// Sequences per optimizer step of the spec over `world` GPUs: its micro-batch on each
+/// data-parallel rank of its own layout (a training loop of its own steps after each).
+pub fn global_batch(spec: &RunSpec, world: u64) -> u64 {
+    let tp = spec.parallel.as_ref().map_or(1, |p| p.tensor.tp);
+    let dp = if world.is_multiple_of(tp) {
+        world / tp
+    } else {
+        world
+    };
+    spec.batch_size * dp
+}
+
+/// Every candidate the axes make over `world` GPUs: each layout at each micro-batch that
+/// keeps the global batch (`micro_batch × accumulation × dp`; where dp does not divide it,
+/// the micro-batch that comes closest, once a step), with and without recomputation.
+pub fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
+    let mut layouts = vec![template(ctx.spec, ctx.world)];
+    for axis in AXES {
+        layouts = layouts.iter().flat_map(|p| (axis.expand)(ctx, p)).collect();
+    }
+    let mut out = Vec::new();
+    for parallel in layouts {
+        let dp = data_parallel(&parallel);
+        let batches: Vec<(u64, u64)> = if global.is_multiple_of(dp) {
+            let per_rank = global / dp;
+            (1..=per_rank)
+                .filter(|m| per_rank.is_multiple_of(*m))
+                .map(|m| (m, per_rank / m))
+                .collect()
+        } else {
+            vec![(((global as f64 / dp as f64).round() as u64).max(1), 1)]
+        };
+        for (micro_batch, accumulation) in batches {
+            for recompute in [false, true] {
+                out.push(Candidate {
+                    parallel: parallel.clone(),
+                    micro_batch,
+                    accumulation,
+                    recompute,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The GPU a candidate's allocator gets: the setup's, less what resident models hold.
+fn gpu_for(setup: &Setup) -> Gpu {
+    let residents: u64 = setup.residents.iter().map(|r| r.weights_bytes).sum();
+    Gpu {
+        total_bytes: setup.gpu.total_bytes.saturating_sub(residents),
+        ..setup.gpu.clone()
+    }
+}
+
+/// Simulate one candidate's rank at the GPU's capacity, stopping at an out-of-memory error.
+fn simulate(spec: &RunSpec, spec_dir: Option<&Path>, gpu: &Gpu) -> Outcome {
+    let est = spec
+        .clone()
+        .rechecked()
+        .and_then(|s| estimate::estimate_with_trace(&s, spec_dir, gpu, Limit::GpuUntilOom, false))
+        .map(|(est, _)| est);
+    match est {
+        Ok(est) => match &est.oom {
+            Some(oom) => Outcome::OutOfMemory {
+                phase: oom.phase,
+                step: oom.step,
+            },
+            None => Outcome::Fits(Numbers {
+                peak_allocated_bytes: est.peak_allocated_bytes,
+                peak_reserved_bytes: est.peak_reserved_bytes,
+                nccl_bytes: est.nccl_bytes,
+                device_bytes: est.device_bytes(),
+            }),
+        },
+        Err(Error::BeyondAnyDevice { .. }) => Outcome::OutOfMemory {
+            phase: "forward",
+            step: 1,
+        },
+        Err(e) => Outcome::Refused(e.to_string()),
+    }
+}
+
+/// Search the layouts of `setup` over its GPUs, with a memo of its own.
+pub fn search(setup: &Setup) -> Result<LayoutSearch> {
+    search_with(setup, &RankMemo::default())
+}
+
+/// Search the layouts of `setup` over its GPUs, reusing the ranks `memo` knows.
+pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
+    applies(setup).map_err(|why| Error::Unsupported {
+        what: format!("a layout search of this spec ({why})"),
+        supported: "full fine-tuning of dense Llama, Mistral, Qwen2 and Qwen3 models over \
+                    2 or more GPUs"
+            .into(),
+    })?;
+    let spec = &setup.spec;
+    let (_, arch) = spec.architecture(setup.spec_dir, "")?;
+    let world = u64::from(setup.gpus);
+    let ctx = Context {
+        spec,
+        arch: &arch,
+        world,
+    };
+    let global = global_batch(spec, world);
+    let all = candidates(&ctx, global);
+    let gpu = gpu_for(setup);
+    let specs: Vec<RunSpec> = all.iter().map(|c| c.spec(spec)).collect();
+    let keys: Vec<String> = specs.iter().map(|s| RankMemo::key(s, &gpu)).collect();
+    // The first candidate of each distinct rank runs the simulation.
+    let mut first_of: HashMap<&str, usize> = HashMap::new();
+    let mut todo = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        if !first_of.contains_key(key.as_str()) {
+            first_of.insert(key, i);
+            if memo.get(key).is_none() {
+                todo.push(i);
+            }
+        }
+    }
+    DONE.store(0, Ordering::Relaxed);
+    TOTAL.store(todo.len(), Ordering::Relaxed);
+    let next = AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|scope| {
+        for _ in 0..threads.min(todo.len()) {
+            scope.spawn(|| {
+                loop {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&i) = todo.get(n) else { break };
+                    memo.put(keys[i].clone(), simulate(&specs[i], setup.spec_dir, &gpu));
+                    DONE.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    let mut evaluated = Vec::with_capacity(all.len());
+    for (candidate, key) in all.into_iter().zip(&keys) {
+        let outcome = memo.get(key).expect("simulated above");
+        evaluated.push(Evaluated {
+            exact: candidate.global_batch() == global,
+            simulated: candidate.accumulation == 1,
+            margin_bytes: margin_bytes(&setup.gpu),
+            time: step_time(spec, &arch, &candidate),
+            candidate,
+            outcome,
+        });
+    }
+    let candidates = evaluated.len();
+    let mut refusals: Vec<String> = Vec::new();
+    for e in &evaluated {
+        if let Outcome::Refused(why) = &e.outcome
+            && !refusals.contains(why)
+        {
+            refusals.push(why.clone());
+        }
+    }
+    let refused = evaluated
+        .iter()
+        .filter(|e| matches!(e.outcome, Outcome::Refused(_)))
+        .count();
+    let out_of_memory = evaluated
+        .iter()
+        .filter(|e| matches!(e.outcome, Outcome::OutOfMemory { .. }))
+        .count();
+    let mut ranked: Vec<Evaluated> = evaluated
+        .into_iter()
+        .filter(|e| e.numbers().is_some())
+        .collect();
+    ranked.sort_by(|a, b| rank_order(&setup.gpu, a, b));
+    let closest = if ranked.is_empty() {
+        closest(setup, &ctx, global)?
+    } else {
+        None
+    };
+    Ok(LayoutSearch {
+        gpus: world,
+        global_batch: global,
+        candidates,
+        simulated: todo.len(),
+        refused,
+        refusals,
+        out_of_memory,
+        ranked,
+        closest,
+    })
+}
+
+/// The order a user ranks fitting candidates in: the spec's global batch first, simulated
+/// whole before accumulating micro-batches the simulation does not run, then those that keep
+/// their margin, then the faster under the cost model, then the smaller.
+pub fn rank_order(gpu: &Gpu, a: &Evaluated, b: &Evaluated) -> std::cmp::Ordering {
+    let device = |e: &Evaluated| e.numbers().map_or(u64::MAX, |n| n.device_bytes);
+    (!a.exact)
+        .cmp(&!b.exact)
+        .then((!a.simulated).cmp(&!b.simulated))
+        .then((!a.within_margin(gpu)).cmp(&!b.within_margin(gpu)))
+        .then(a.time.per_token_s.total_cmp(&b.time.per_token_s))
+        .then(device(a).cmp(&device(b)))
+}
+
+/// When nothing fits: each layout at micro-batch 1 with recomputation (its least memory)
+/// estimated without a limit, and the one that needs least.
+fn closest(setup: &Setup, ctx: &Context, global: u64) -> Result<Option<(Candidate, Estimate)>> {
+    let gpu = gpu_for(setup);
+    let mut best: Option<(Candidate, Estimate)> = None;
+    for c in candidates(ctx, global)
+        .into_iter()
+        .filter(|c| c.recompute && c.micro_batch == 1)
+    {
+        let Ok(spec) = c.spec(&setup.spec).rechecked() else {
+            continue;
+        };
+        let Ok((est, _)) =
+            estimate::estimate_with_trace(&spec, setup.spec_dir, &gpu, Limit::None, false)
+        else {
+            continue;
+        };
+        if best
+            .as_ref()
+            .is_none_or(|(_, b)| est.device_bytes() < b.device_bytes())
+        {
+            best = Some((c, est));
+        }
+    }
+    Ok(best)
+}
+
+/// Why the best candidate is best, in sentences: its fidelity, its margin, and what the
+/// runner-up or the faster layouts that lack the margin give up.
+pub fn reasons(setup: &Setup, s: &LayoutSearch) -> Vec<String> {
+    let gpu = &setup.gpu;
+    let Some(best) = s.best() else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    out.push(if best.exact {
+        format!(
+            "it keeps the spec's global batch of {} sequences (the same optimisation)",
+            s.global_batch
+        )
+    } else {
+        format!(
+            "no layout that fits keeps the spec's global batch of {} sequences; it trains with {}",
+            s.global_batch,
+            best.candidate.global_batch()
+        )
+    });
+    if !best.simulated {
+        out.push(format!(
+            "no layout that fits runs the global batch without accumulation; its {} \
+             micro-batches per step are simulated as its first: the gradients later ones \
+             accumulate into are not (see `simulated`)",
+            best.candidate.accumulation
+        ));
+    }
+    let headroom = best.headroom_bytes(gpu).unwrap_or(0);
+    out.push(if best.within_margin(gpu) {
+        format!(
+            "it leaves {} free, above its margin of {}",
+            crate::units::signed_gib(headroom),
+            crate::units::gib(best.margin_bytes)
+        )
+    } else {
+        format!(
+            "no layout keeps its margin; it leaves {}, under its margin of {}",
+            crate::units::signed_gib(headroom),
+            crate::units::gib(best.margin_bytes)
+        )
+    });
+    let peers: Vec<&Evaluated> = s
+        .ranked
+        .iter()
+        .filter(|e| {
+            (e.exact, e.simulated, e.within_margin(gpu))
+                == (best.exact, best.simulated, best.within_margin(gpu))
+        })
+        .collect();
+    if let Some(next) = peers.get(1) {
+        out.push(format!(
+            "it is the fastest of the {} such layouts under the cost model: {} takes ×{:.2} ({})",
+            peers.len(),
+            next.candidate.name(),
+            next.time.per_token_s / best.time.per_token_s,
+            difference(&best.time, &next.time)
+        ));
+    }
+    let own = s
+        .ranked
+        .iter()
+        .position(|e| e.candidate.spec(&setup.spec) == setup.spec);
+    if let Some(i) = own.filter(|&i| i > 0) {
+        out.push(format!(
+            "the spec's own layout is #{} and takes ×{:.2}",
+            i + 1,
+            s.ranked[i].time.per_token_s / best.time.per_token_s
+        ));
+    }
+    let faster: Vec<&Evaluated> = s
+        .ranked
+        .iter()
+        .filter(|e| (e.exact, e.simulated) == (best.exact, best.simulated))
+        .filter(|e| !e.within_margin(gpu))
+        .filter(|e| e.time.per_token_s < best.time.per_token_s)
+        .collect();
+    if let Some(f) = faster.first() {
+        out.push(format!(
+            "{} faster layout{} fit{} with less than the margin: {} leaves {}",
+            faster.len(),
+            if faster.len() == 1 { "" } else { "s" },
+            if faster.len() == 1 { "s" } else { "" },
+            f.candidate.name(),
+            crate::units::signed_gib(f.headroom_bytes(gpu).unwrap_or(0))
+        ));
+    }
+    out
+}
+
+/// What makes `next` slower than `best`, in the part of the cost model that grows most.
+fn difference(best: &StepTime, next: &StepTime) -> String {
+    let parts = [
+        ("compute", next.compute_s - best.compute_s),
+        (
+            "tensor-parallel communication",
+            next.tensor_s - best.tensor_s,
+        ),
+        (
+            "data-parallel communication compute does not hide",
+            next.data_exposed_s - best.data_exposed_s,
+        ),
+    ];
+    let (what, more) = parts
+        .iter()
+        .copied()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .expect("three parts");
+    if more <= 0.0 {
+        return "no part of the step costs more; it trains a different batch".into();
+    }
+    format!("{:.0}% more {what}", 100.0 * more / best.total_s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn evaluated(tp: u64, exact: bool, headroom: u64, per_token_s: f64) -> Evaluated {
+        let gpu = crate::gpu::find("h100-80gb").expect("gpu");
+        let spec =
+            RunSpec::from_value(&serde_json::json!({"model": "llama-3.1-70b"})).expect("spec");
+        let parallel = Parallel {
+            tensor: TensorParallel {
+                tp,
+                sequence_parallel: tp > 1,
+                ..TensorParallel::default()
+            },
+            ..template(&spec, 64)
+        };
+        let device_bytes = gpu.total_bytes - headroom;
+        Evaluated {
+            margin_bytes: margin_bytes(&gpu),
+            candidate: Candidate {
+                parallel,
+                micro_batch: 1,
+                accumulation: 1,
+                recompute: false,
+            },
+            outcome: Outcome::Fits(Numbers {
+                peak_allocated_bytes: device_bytes / 2,
+                peak_reserved_bytes: device_bytes / 2,
+                nccl_bytes: 0,
+                device_bytes,
+            }),
+            exact,
+            simulated: true,
+            time: StepTime {
+                per_token_s,
+                ..StepTime::default()
+            },
+        }
+    }
+
+    #[test]
+    fn the_margin_is_the_estimate_error_whatever_the_mesh() {
+        let gpu = crate::gpu::find("h100-80gb").expect("gpu");
+        let plain = evaluated(1, true, 0, 1.0).margin_bytes;
+        let mesh = evaluated(8, true, 0, 1.0).margin_bytes;
+        assert_eq!(plain, (gpu.total_bytes as f64 * 0.03) as u64);
+        assert_eq!(mesh, plain);
+    }
+
+    /// A layout with 0.22 GiB to spare is not ranked first, however fast: every one that keeps
+    /// its margin comes before it; and keeping the spec's global batch comes before both.
+    #[test]
+    fn a_layout_short_of_its_margin_ranks_after_those_that_keep_it() {
+        let gpu = crate::gpu::find("h100-80gb").expect("gpu");
+        let tight = evaluated(8, true, 225 << 20, 1.0);
+        let roomy = evaluated(8, true, 20 << 30, 1.3);
+        let roomier = evaluated(1, true, 30 << 30, 1.3);
+        let other_batch = evaluated(8, false, 40 << 30, 0.5);
+        let accumulating = Evaluated {
+            simulated: false,
+            ..evaluated(8, true, 35 << 30, 0.9)
+        };
+        assert!(!tight.within_margin(&gpu) && roomy.within_margin(&gpu));
+        let mut all = [&other_batch, &accumulating, &tight, &roomier, &roomy];
+        all.sort_by(|a, b| rank_order(&gpu, a, b));
+        let order: Vec<(bool, u64)> = all
+            .iter()
+            .map(|e| (e.exact, e.headroom_bytes(&gpu).expect("fits") as u64))
+            .collect();
+        assert_eq!(
+            order,
+            [
+                (true, 30 << 30),
+                (true, 20 << 30),
+                (true, 225 << 20),
+                (true, 35 << 30),
+                (false, 40 << 30)
+            ],
+            "equally fast: less device memory first; accumulation not simulated after whole \
+             steps"
+        );
+    }
+}

@@ -32,7 +32,7 @@ QUANTIZATIONS = ("nf4",)
 STRATEGIES = ("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3", "none")
 PARALLEL_KEYS = (
     "strategy", "world_size", "reshard_after_forward", "shard_size", "offload_params", "offload_optimizer",
-    "mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel", "framework",
+    "mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel", "framework", "cp",
 )
 # tp > 1: whose parallelisation plan the harness applies (dist.py `_parallelize_tp`)
 FRAMEWORKS = ("torchtitan",)
@@ -89,6 +89,9 @@ class Parallel:
     tp: int = 1
     sequence_parallel: bool = False
     framework: str = "torchtitan"
+    # context parallelism (torchtitan's ring attention over SDPA): world_size = dp x cp x tp, FSDP2
+    # shards over dp x cp
+    cp: int = 1
 
     def to_json(self) -> dict:
         out = {
@@ -109,6 +112,9 @@ class Parallel:
         if self.tp > 1:
             out["tp"] = self.tp
             out["sequence_parallel"] = self.sequence_parallel
+            out["framework"] = self.framework
+        if self.cp > 1:
+            out["cp"] = self.cp
             out["framework"] = self.framework
         return out
 
@@ -427,6 +433,7 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
             raise SpecError(f"`parallel.units`: {units!r} is not allowed; use one of {', '.join(FSDP_UNITS)}")
     out.units = units
     _tensor_parallel(raw, out)
+    _context_parallel(raw, out, spec)
     if spec.mode != "train" and not forward_ok:
         raise SpecError(f"`parallel`: mode {spec.mode!r} is not allowed; sharded runs are measured in mode train")
     if spec.quantization or spec.lora is not None:
@@ -491,6 +498,35 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
     out.tp, out.sequence_parallel, out.framework = tp, sp, framework
     if tp > 1:
         out.shard_size = out.world_size // tp
+
+
+def _context_parallel(raw: dict, out: Parallel, spec) -> None:
+    """`cp`: the context-parallel mesh dimension (dist.py `_build_torchtitan`), between the data-
+    and tensor-parallel ones; FSDP2 shards over dp x cp as torchtitan's `dp_shard_cp` mesh does."""
+    cp = raw.get("cp", 1)
+    tp = out.tp
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or out.world_size % (cp * tp):
+        raise SpecError(
+            f"`parallel.cp`: {cp!r} is not allowed; use an integer >= 1 with cp x tp dividing world_size "
+            f"({out.world_size})"
+        )
+    if cp == 1:
+        return
+    if out.strategy != "fsdp":
+        raise SpecError(
+            f"`parallel.cp`: {cp} is not measured with strategy {out.strategy}; use fsdp (FSDP2 over dp x cp)"
+        )
+    if out.offload_params:
+        raise SpecError("`parallel.offload_params`: CPU offload is not measured with cp > 1; leave it out")
+    if spec.seq_len % (2 * cp) or (out.sequence_parallel and (spec.seq_len // cp) % tp):
+        raise SpecError(
+            f"`seq_len`: {spec.seq_len} is not allowed with cp {cp}; the load balancer cuts it into 2 x cp "
+            "chunks (and sequence parallelism each rank's share into tp)"
+        )
+    if spec.attention != "sdpa":
+        raise SpecError(f"`attention`: {spec.attention!r} is not allowed with cp > 1; ring attention replaces sdpa")
+    out.cp = cp
+    out.shard_size = out.world_size // tp
 
 
 def load_raw(path: str | Path):

@@ -104,6 +104,14 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
      module rebuilt on the GPU; the optimizer as for `fsdp` over the DTensor parameters.
   Forward and backward run under `loss_parallel()` (the cross-entropy over the vocabulary shards).
 
+* `cp > 1` (context parallelism as torchtitan applies it; strategy `fsdp`, with or without `tp`):
+  the mesh is `(world_size // (cp * tp), cp, tp)` named `("dp", "cp", "tp")`; the tensor-parallel plan
+  as above on `mesh["tp"]` when `tp > 1`; `fully_shard` over `mesh["dp", "cp"]._flatten("dp_cp")`
+  (torchtitan's `dp_shard_cp`). Each step's forward and backward run inside torchtitan's
+  `create_context_parallel_ctx`: `set_rotate_method("allgather")` and `context_parallel(mesh["cp"],
+  buffers=[inputs], buffer_seq_dims=[1], no_restore_buffers={inputs})` on `inputs = ids.clone()` (the step's
+  fresh batch, sharded in place with the head-tail load balancer); labels are the inputs.
+
 * `ddp`: `with torch.device("cuda"): model = cls.from_config(cfg, dtype=...)` as measure.py;
   gradient checkpointing as above; `DistributedDataParallel(model, device_ids=[local_rank])` with
   its defaults (bucket_cap_mb 25, gradient_as_bucket_view False, broadcast of rank 0's

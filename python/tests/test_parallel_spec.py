@@ -44,7 +44,7 @@ class ParallelSpecTest(unittest.TestCase):
             sorted(ddp),
             sorted(
                 set(specmod.PARALLEL_KEYS)
-                - {"mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel",
+                - {"mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel", "cp",
                    "framework"}
             ),
         )
@@ -229,7 +229,7 @@ class Fsdp1SpecTest(unittest.TestCase):
             ("fsdp1", True, 8, False, True, "pre", None, "layers"),
         )
         out = parse({"strategy": "fsdp1", "world_size": 8}).to_json()["parallel"]
-        self.assertEqual(sorted(out), sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units", "tp", "sequence_parallel", "framework"}))
+        self.assertEqual(sorted(out), sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units", "tp", "sequence_parallel", "framework", "cp"}))
         self.assertEqual((out["use_orig_params"], out["backward_prefetch"]), (True, "pre"))
 
     def test_every_option_round_trips(self):

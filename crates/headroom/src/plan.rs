@@ -581,10 +581,11 @@ pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
         .spec
         .parallel
         .as_ref()
-        .is_some_and(|p| p.tensor.tp > 1)
+        .is_some_and(|p| p.tensor.tp > 1 || p.tensor.cp > 1)
     {
         return Err(crate::error::Error::Unsupported {
-            what: "fit and remedies of a tensor-parallel spec (parallel.tp > 1)".into(),
+            what: "fit and remedies of a tensor- or context-parallel spec (parallel.tp or cp > 1)"
+                .into(),
             supported: "`headroom estimate` of a tensor-parallel layout; fit and diagnose \
                         search data parallelism"
                 .into(),

@@ -35,6 +35,7 @@ struct Uses {
     /// FSDP1 over several ranks.
     fsdp1: bool,
     tensor_parallel: bool,
+    context_parallel: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -66,6 +67,7 @@ impl Uses {
             .as_ref()
             .is_some_and(|p| p.strategy == crate::spec::Strategy::Fsdp1);
         self.tensor_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1);
+        self.context_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.cp > 1);
     }
 
     /// Whether the estimate depends on `library`'s version. A TRL version given always counts:
@@ -164,6 +166,14 @@ impl Assumptions {
                 "tensor parallelism is measured as rank 0 of a fake process group (bench/tp): \
                  NCCL's communicators, one per mesh dimension, are carried over from FSDP2's \
                  and HSDP's, not measured"
+                    .to_string(),
+            );
+        }
+        if uses.context_parallel {
+            warnings.push(
+                "context parallelism is measured as rank 0 of a fake process group (bench/cp): \
+                 the ring's collectives allocate their outputs, NCCL's communicators are carried \
+                 over from HSDP's, not measured"
                     .to_string(),
             );
         }

@@ -102,9 +102,9 @@ pub fn nccl_bytes(parallel: Option<&crate::spec::Parallel>) -> u64 {
         None => 0,
         Some(p) if p.world_size <= 1 && p.strategy.is_deepspeed() => 1094 * MIB,
         Some(p) if p.world_size <= 1 => 0,
-        // A tensor-parallel layout holds one communicator per mesh dimension, as HSDP's two
-        // groups (carried over, not measured on its own).
-        Some(p) if p.tensor.tp > 1 && p.shard_size > 1 => 1964 * MIB,
+        // A tensor- or context-parallel layout holds one communicator per mesh dimension, as
+        // HSDP's two groups (carried over, not measured on its own).
+        Some(p) if (p.tensor.tp > 1 || p.tensor.cp > 1) && p.shard_size > 1 => 1964 * MIB,
         Some(p) => match p.strategy {
             Strategy::Ddp | Strategy::NoDataParallel => 992 * MIB,
             // FSDP1's process groups are FSDP2's (carried over, not measured on their own).

@@ -67,6 +67,8 @@ pub struct ParallelJson<'a> {
     /// Tensor-parallel ranks (1: none); the strategy spreads `world_size / tp`.
     pub tp: u64,
     pub sequence_parallel: bool,
+    /// Context-parallel ranks (1: none): each holds `seq_len / cp` of every sequence.
+    pub cp: u64,
 }
 
 /// A rank, named by its global index and its pipeline stage.
@@ -120,6 +122,7 @@ impl<'a> EstimateJson<'a> {
                 world_size: p.world_size,
                 tp: p.tensor.tp,
                 sequence_parallel: p.tensor.sequence_parallel,
+                cp: p.tensor.cp,
             }),
             worst_rank: WorstRankJson {
                 rank: est.worst_rank,

@@ -117,6 +117,8 @@ pub(crate) enum Bwd {
     SdpaCudnn {
         workspace: u64,
     },
+    /// Context parallelism's ring attention over the flash kernel (`ring_attention`).
+    RingAttention(super::ring_attention::Ring),
     /// The memory-efficient kernel: bytes of its backward's workspace, fp32 accumulator and
     /// `delta`.
     SdpaEfficient {

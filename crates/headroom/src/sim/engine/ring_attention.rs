@@ -22,23 +22,8 @@
 //! the arrived `[dk, dv]` are cast back; dk and dv are views of one buffer.
 
 use super::component::Component;
-use super::tracer::{T, Tracer};
+use super::tracer::{Ring, T, Tracer};
 use crate::dtype::DType;
-
-/// One layer's ring attention on this rank: its local queries (`batch`, `heads`, `seq`,
-/// `head_dim`) and keys and values of `kv_heads`, and what the flash backward allocates
-/// beside the gradients for a full step and for a partial one (half the queries, all keys).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Ring {
-    pub cp: u64,
-    pub batch: u64,
-    pub heads: u64,
-    pub kv_heads: u64,
-    pub seq: u64,
-    pub head_dim: u64,
-    pub workspace_full: u64,
-    pub workspace_partial: u64,
-}
 
 impl Ring {
     fn q_numel(&self) -> u64 {

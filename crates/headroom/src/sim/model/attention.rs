@@ -5,8 +5,7 @@ use super::{AttentionImpl, Batch};
 use crate::arch::{Architecture, Family};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
-use crate::sim::engine::ring_attention::Ring;
-use crate::sim::engine::tracer::{Bwd, T, Tracer};
+use crate::sim::engine::tracer::{Bwd, Ring, T, Tracer};
 
 /// The kernel behind `F.scaled_dot_product_attention`, in PyTorch 2.11's order of preference
 /// on Hopper: flash (half precision, no mask), cuDNN (half precision with a mask), memory

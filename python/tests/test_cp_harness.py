@@ -8,14 +8,14 @@ so the run stands the CUDA flash op in with it inside the ring (bench/cp/README.
 The collectives (the keys' and values' all-gather, their gradients' all-to-all) are torch's own."""
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import unittest
 from pathlib import Path
 
-PYTHON_DIR = Path(__file__).resolve().parents[1]
+from tests.test_tp_harness import env, has_torch
+
 CONFIG = {
     "model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256,
@@ -70,26 +70,11 @@ runpy.run_module("headroom_measure", run_name="__main__")
 '''
 
 
-def has_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def spec(parallel: dict, **fields) -> dict:
     return {
         "model": "tiny-llama", "model_config": CONFIG, "precision": "bf16", "optimizer": "adamw",
         "batch_size": 2, "seq_len": 64, "gradient_checkpointing": True, "parallel": parallel, **fields,
     }  # fmt: skip
-
-
-def env(world: int) -> dict:
-    out = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]))
-    out.update(HEADROOM_DIST_CPU="1", HEADROOM_FAKE_WORLD=str(world), WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
-    return out
 
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")
@@ -129,7 +114,6 @@ class ContextParallelSpecTest(unittest.TestCase):
         self.assertIn(field, str(caught.exception))
 
     def test_bad_layouts_name_the_field(self):
-        sys.path.insert(0, str(PYTHON_DIR))
         self.refused(spec({"strategy": "fsdp", "world_size": 6, "cp": 4}), "parallel.cp")
         self.refused(spec({"strategy": "ddp", "world_size": 4, "cp": 2}), "parallel.cp")
         self.refused(spec({"strategy": "fsdp", "world_size": 4, "cp": 4}, seq_len=36), "seq_len")

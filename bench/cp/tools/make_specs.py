@@ -2,21 +2,16 @@
 dp x cp, optionally tensor parallelism with or without sequence parallelism) of three 7-8B models cut to 4 layers at
 their real widths, at 16k to 64k tokens, each measured as rank 0 of its world under torch's fake process group."""
 
+import importlib.util
 import json
 from pathlib import Path
 
-MODELS = {
-    "l8b": ("llama-3.1-8b", {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-                              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                              "vocab_size": 128256, "rope_theta": 500000.0}),
-    "q7b": ("qwen2.5-7b", {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
-                            "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128,
-                            "vocab_size": 152064, "rope_theta": 1000000.0}),
-    "q3-8b": ("qwen3-8b", {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
-                            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                            "vocab_size": 151936, "rope_theta": 1000000.0}),
-}
-MP = {"param_dtype": "bf16", "reduce_dtype": "fp32"}
+# bench/tp's specs: the same three models at their real widths, cut to 4 layers.
+_tp = importlib.util.spec_from_file_location("tp_make_specs", Path(__file__).resolve().parents[2] / "tp/tools/make_specs.py")
+tp_make_specs = importlib.util.module_from_spec(_tp)
+_tp.loader.exec_module(tp_make_specs)
+MP = tp_make_specs.MP
+
 # model, world, cp, tp, sp, batch, seq, checkpointing, FSDP2 mixed-precision policy (fp32 masters)
 LAYOUTS = [
     ("l8b", 4, 2, 1, False, 1, 16384, True, False),
@@ -32,29 +27,26 @@ SNAPSHOTS = (1, 3, 5)  # rows that keep a memory history
 
 
 def line_of(key, world, cp, tp, sp, batch, seq, gc, mp):
-    model, config = MODELS[key]
+    """bench/tp's spec of the model and the step, with this layout."""
+    spec = tp_make_specs.line_of(key, "fsdp", world, tp, sp, batch, seq, gc, mp)["spec"]
     parallel = {"strategy": "fsdp", "world_size": world, "cp": cp}
     if tp > 1:
         parallel.update({"tp": tp, "sequence_parallel": sp})
     if mp:
         parallel["mixed_precision"] = MP
-    spec = {
-        "model": model,
-        "model_config": {**config, "num_hidden_layers": 4, "tie_word_embeddings": False},
-        "precision": "fp32" if mp else "bf16",
-        "optimizer": "adamw",
-        "batch_size": batch,
-        "seq_len": seq,
-        "gradient_checkpointing": gc,
-        "parallel": parallel,
-    }
+    spec["parallel"] = parallel
     layout = f"w{world}-cp{cp}" + (f"-tp{tp}" if tp > 1 else "") + ("-sp" if sp else "")
     row_id = f"cp/{key}-L4/bs{batch}/s{seq}/{'gc' if gc else 'nogc'}/{layout}/fsdp" + ("-mp" if mp else "")
     return {"id": row_id, "spec": spec, "fake": True}
 
 
-lines = [line_of(*layout) for layout in LAYOUTS]
-for i in SNAPSHOTS:
-    lines[i]["snapshot"] = lines[i]["id"].replace("/", "-") + ".pickle"
-here = Path(__file__).resolve().parent
-here.parent.joinpath("specs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+def main():
+    lines = [line_of(*layout) for layout in LAYOUTS]
+    for i in SNAPSHOTS:
+        lines[i]["snapshot"] = lines[i]["id"].replace("/", "-") + ".pickle"
+    here = Path(__file__).resolve().parent
+    here.parent.joinpath("specs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+if __name__ == "__main__":
+    main()

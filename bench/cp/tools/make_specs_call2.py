@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_specs import line_of  # noqa: E402
+from make_specs import line_of  # noqa: E402  (this folder's, which imports bench/tp's models)
 
 # model, world, cp, tp, sp, batch, seq, checkpointing, FSDP2 mixed-precision policy (fp32 masters)
 LAYOUTS = [

@@ -6,7 +6,7 @@ use headroom::gpu;
 use headroom::spec::RunSpec;
 use serde_json::{Value, json};
 
-use crate::common::{self, rel};
+use crate::common;
 
 fn rows() -> Vec<Value> {
     common::jsonl(&[
@@ -20,52 +20,17 @@ fn rows() -> Vec<Value> {
 /// run's reserved peak within the accuracy gate's 8%.
 #[test]
 fn every_phase_of_every_context_parallel_row() {
-    let mut checked = 0;
-    for row in rows() {
-        let id = row["id"].as_str().expect("id");
-        let spec = RunSpec::from_value(&row["spec"]).expect(id);
-        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
-        let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
-        let rank = &row["measured"]["ranks"][0];
-        for step in 1..=3u32 {
-            for (key, name) in [
-                ("fwd_peak", "forward"),
-                ("bwd_peak", "backward"),
-                ("opt_peak", "optimizer"),
-            ] {
-                let measured = rank["steps"][step as usize - 1][key].as_u64().expect(key);
-                let e = est
-                    .phases
-                    .iter()
-                    .find(|p| p.step == step && p.phase == name)
-                    .expect("phase");
-                let err = rel(e.peak_allocated, measured);
-                assert!(err.abs() < 0.002, "{id} step {step} {name}: {err:+.5}");
-                checked += 1;
-            }
-        }
-        let reserved = rel(
-            est.peak_reserved_bytes,
-            row["measured"]["peak_reserved_bytes"]
-                .as_u64()
-                .expect("reserved"),
-        );
-        assert!(reserved.abs() < 0.08, "{id}: reserved {reserved:+.4}");
-        assert_eq!(
-            est.params,
-            row["measured"]["params"].as_u64().expect("params"),
-            "{id}: the model's parameters, not rank 0's shard"
-        );
-    }
+    let checked: usize = rows()
+        .iter()
+        .map(|row| common::check_every_phase(row, 0.002, 0.08).1)
+        .sum();
     assert!(checked >= 108, "{checked} phases checked");
 }
 
 fn spec(seq_len: u64, parallel: Value) -> Value {
     json!({
         "model": "llama-3.1-8b",
-        "model_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "vocab_size": 128256, "num_hidden_layers": 2, "tie_word_embeddings": false},
+        "model_config": common::llama_3_1_8b_widths(2),
         "precision": "bf16",
         "batch_size": 1,
         "seq_len": seq_len,
@@ -170,4 +135,20 @@ fn bad_layouts_name_the_field() {
         &|v| v["model_config"]["model_type"] = json!("gemma2"),
         "parallel.cp with a gemma2 model",
     );
+}
+
+/// A pipeline's instances take their batch whole: context parallelism there is refused by name.
+#[test]
+fn a_pipeline_instance_with_context_parallelism_is_refused() {
+    let mut policy = spec(4096, json!({"strategy": "fsdp", "world_size": 4, "cp": 2}));
+    policy["optimizer"] = json!("adamw");
+    let pipeline = json!({
+        "policy": policy,
+        "reference": {"model": "qwen2.5-1.5b", "precision": "bf16", "batch_size": 1, "seq_len": 4096},
+        "placement": "resident",
+    });
+    let err = headroom::spec::PipelineSpec::from_value(&pipeline)
+        .expect_err("refused")
+        .to_string();
+    assert!(err.contains("parallel.cp"), "{err}");
 }

@@ -104,6 +104,14 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
      module rebuilt on the GPU; the optimizer as for `fsdp` over the DTensor parameters.
   Forward and backward run under `loss_parallel()` (the cross-entropy over the vocabulary shards).
 
+* `cp > 1` (context parallelism as torchtitan applies it; strategy `fsdp`, with or without `tp`):
+  the mesh is `(world_size // (cp * tp), cp, tp)` named `("dp", "cp", "tp")`; the tensor-parallel plan
+  as above on `mesh["tp"]` when `tp > 1`; `fully_shard` over `mesh["dp", "cp"]._flatten("dp_cp")`
+  (torchtitan's `dp_shard_cp`). Each step's forward and backward run inside torchtitan's
+  `create_context_parallel_ctx`: `set_rotate_method("allgather")` and `context_parallel(mesh["cp"],
+  buffers=[inputs], buffer_seq_dims=[1], no_restore_buffers={inputs})` on `inputs = ids.clone()` (the step's
+  fresh batch, sharded in place with the head-tail load balancer); labels are the inputs.
+
 * `ddp`: `with torch.device("cuda"): model = cls.from_config(cfg, dtype=...)` as measure.py;
   gradient checkpointing as above; `DistributedDataParallel(model, device_ids=[local_rank])` with
   its defaults (bucket_cap_mb 25, gradient_as_bucket_view False, broadcast of rank 0's
@@ -132,6 +140,7 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -259,25 +268,47 @@ def _parallelize_tp(model, tp_mesh, sequence_parallel: bool) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
-def _build_tp(spec: Spec, cfg, cls, dtype, device):
-    """Tensor parallelism as torchtitan applies it (`parallel.tp`), then FSDP2 over the
-    data-parallel mesh dimension (strategy fsdp) or nothing more (strategy none)."""
+def _build_torchtitan(spec: Spec, cfg, cls, dtype, device):
+    """torchtitan's layouts (`parallel.tp`, `parallel.cp`): tensor parallelism on the `tp` mesh
+    dimension, then FSDP2 over the data-parallel dimensions (`dp`, flattened with `cp` as
+    torchtitan's `dp_shard_cp`; strategy fsdp) or nothing more (strategy none). Returns the model and
+    the `cp` mesh the steps run `context_parallel` on (None without context parallelism)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import OffloadPolicy
 
     par = spec.parallel
-    dp = par.world_size // par.tp
+    dp = par.world_size // (par.tp * par.cp)
     with torch.device("meta"):
         model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
     _enable_gc(spec, model)
-    mesh = init_device_mesh(device.type, (dp, par.tp), mesh_dim_names=("dp", "tp"))
-    _parallelize_tp(model, mesh["tp"], par.sequence_parallel)
+    if par.cp > 1:
+        mesh = init_device_mesh(device.type, (dp, par.cp, par.tp), mesh_dim_names=("dp", "cp", "tp"))
+        shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    else:
+        mesh = init_device_mesh(device.type, (dp, par.tp), mesh_dim_names=("dp", "tp"))
+        shard_mesh = mesh["dp"]
+    if par.tp > 1:
+        _parallelize_tp(model, mesh["tp"], par.sequence_parallel)
     if par.strategy == "fsdp":
-        _fully_shard_units(model, par.units, _fully_shard_kwargs(torch, par, mesh["dp"], OffloadPolicy()))
+        _fully_shard_units(model, par.units, _fully_shard_kwargs(torch, par, shard_mesh, OffloadPolicy()))
     model.to_empty(device=device)
     _initialize(model, device)
-    return model
+    return model, (mesh["cp"] if par.cp > 1 else None)
+
+
+def _context_parallel(cp_mesh, inputs):
+    """torchtitan's `create_context_parallel_ctx` around one step's forward and backward: the
+    all-gather rotation of the ring (torchtitan's default `context_parallel_rotate_method`), the
+    batch sharded in place on the sequence with the head-tail load balancer and not restored.
+    HF derives the rotary positions from the shard's length (torchtitan shards `freqs_cis`
+    instead: the same bytes); passing the load-balanced positions would make transformers read
+    them as packed sequences and build a mask, which the ring refuses."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    set_rotate_method("allgather")
+    return context_parallel(cp_mesh, buffers=[inputs], buffer_seq_dims=[1], no_restore_buffers={inputs})
 
 
 def _initialize(model, device) -> None:
@@ -566,13 +597,14 @@ def measure_dist(
     engine = None
     counts = None
     pipeline_step = None
+    cp_mesh = None
     if par.pp > 1:
         from . import pp
 
         chunks, pipeline_step, counts = pp.build(spec, cfg, cls, dtype, device, rank)
         model = torch.nn.ModuleList(chunks)
-    elif par.tp > 1:
-        model = _build_tp(spec, cfg, cls, dtype, device)
+    elif par.tp > 1 or par.cp > 1:
+        model, cp_mesh = _build_torchtitan(spec, cfg, cls, dtype, device)
         hf_model = model
     elif par.strategy == "fsdp":
         model = _build_fsdp(spec, cfg, cls, dtype, device)
@@ -628,8 +660,6 @@ def measure_dist(
         peak_reserved = max(peak_reserved, r)
         reset()
 
-    import contextlib
-
     def loss_context():
         """torchtitan's `loss_parallel()` around forward and backward: the cross-entropy runs on
         the vocabulary shards the column-parallel head leaves."""
@@ -658,20 +688,28 @@ def measure_dist(
             steps.append(rec)
             print(f"[rank {rank} {time.time() - t0:6.1f}s] step {step + 1}: {json.dumps(rec)}", file=sys.stderr, flush=True)
             continue
-        with loss_context():
-            loss = _train_forward(spec, model, ids, autocast)
-        phase_end(rec, "fwd_peak")
-        value = float(loss.detach())
-        # A sanity check (random weights: about ln(vocab)); under the fake process group a
-        # tensor-parallel loss reduces nothing and may not be finite (written as null).
-        losses.append(round(value, 4) if math.isfinite(value) else None)
-        if engine is not None:
-            engine.backward(loss)
-        else:
+        with contextlib.ExitStack() as step_context:
+            inputs = ids
+            if cp_mesh is not None:
+                # The step's batch, which `context_parallel` shards in place (torchtitan's data
+                # loader hands each step a fresh one).
+                inputs = ids.clone()
+                step_context.enter_context(_context_parallel(cp_mesh, inputs))
             with loss_context():
-                loss.backward()
-        del loss
-        phase_end(rec, "bwd_peak")
+                loss = _train_forward(spec, model, inputs, autocast)
+            phase_end(rec, "fwd_peak")
+            value = float(loss.detach())
+            # A sanity check (random weights: about ln(vocab)); under the fake process group a
+            # tensor-parallel loss reduces nothing and may not be finite (written as null).
+            losses.append(round(value, 4) if math.isfinite(value) else None)
+            if engine is not None:
+                engine.backward(loss)
+            else:
+                with loss_context():
+                    loss.backward()
+            del loss
+            phase_end(rec, "bwd_peak")
+        del inputs
         if engine is not None:
             engine.step()
         else:

@@ -32,7 +32,7 @@ QUANTIZATIONS = ("nf4",)
 STRATEGIES = ("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3", "none")
 PARALLEL_KEYS = (
     "strategy", "world_size", "reshard_after_forward", "shard_size", "offload_params", "offload_optimizer",
-    "mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel", "framework",
+    "mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel", "framework", "cp",
     "pp", "vpp", "microbatches", "schedule", "layers_per_stage",
 )
 # pp > 1: torch.distributed.pipelining's schedules the harness drives (pp.py)
@@ -98,6 +98,9 @@ class Parallel:
     microbatches: int = 1
     schedule: str = "1f1b"
     layers_per_stage: list[int] | None = None
+    # context parallelism (torchtitan's ring attention over SDPA): world_size = dp x cp x tp, FSDP2
+    # shards over dp x cp
+    cp: int = 1
 
     def to_json(self) -> dict:
         out = {
@@ -123,6 +126,9 @@ class Parallel:
             out.update(pp=self.pp, vpp=self.vpp, microbatches=self.microbatches, schedule=self.schedule)
             if self.layers_per_stage is not None:
                 out["layers_per_stage"] = list(self.layers_per_stage)
+        if self.cp > 1:
+            out["cp"] = self.cp
+            out["framework"] = self.framework
         return out
 
 
@@ -378,9 +384,14 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
         raise SpecError(
             f"`parallel.shard_size`: {shard!r} is not allowed; use an integer >= 1 that divides world_size ({world})"
         )
-    # Under tensor parallelism the data-parallel group is world_size / tp (to_json writes it).
-    tp_raw = raw.get("tp", 1)
-    dp = world // tp_raw if type(tp_raw) is int and tp_raw >= 1 and world % tp_raw == 0 else world
+    # Under tensor or pipeline parallelism the data-parallel group is world_size / (tp x pp) (to_json
+    # writes it).
+    model_parallel = 1
+    for key in ("tp", "pp"):
+        degree = raw.get(key, 1)
+        if type(degree) is int and degree >= 1 and world % (model_parallel * degree) == 0:
+            model_parallel *= degree
+    dp = world // model_parallel
     if shard not in (world, dp) and strategy not in fsdps:
         raise SpecError(
             f"`parallel.shard_size`: {shard!r} applies only to strategy fsdp / fsdp1, not {strategy}; "
@@ -444,6 +455,7 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
     out.units = units
     _pipeline_parallel(raw, out)
     _tensor_parallel(raw, out)
+    _context_parallel(raw, out, spec)
     if spec.mode != "train" and not forward_ok:
         raise SpecError(f"`parallel`: mode {spec.mode!r} is not allowed; sharded runs are measured in mode train")
     if spec.quantization or spec.lora is not None:
@@ -549,6 +561,35 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
     ):
         raise SpecError(f"`parallel.layers_per_stage`: {split!r} is not allowed; use {pp * out.vpp} positive layer counts")
     out.layers_per_stage = split
+
+
+def _context_parallel(raw: dict, out: Parallel, spec) -> None:
+    """`cp`: the context-parallel mesh dimension (dist.py `_build_torchtitan`), between the data-
+    and tensor-parallel ones; FSDP2 shards over dp x cp as torchtitan's `dp_shard_cp` mesh does."""
+    cp = raw.get("cp", 1)
+    tp = out.tp
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or out.world_size % (cp * tp):
+        raise SpecError(
+            f"`parallel.cp`: {cp!r} is not allowed; use an integer >= 1 with cp x tp dividing world_size "
+            f"({out.world_size})"
+        )
+    if cp == 1:
+        return
+    if out.strategy != "fsdp":
+        raise SpecError(
+            f"`parallel.cp`: {cp} is not measured with strategy {out.strategy}; use fsdp (FSDP2 over dp x cp)"
+        )
+    if out.offload_params:
+        raise SpecError("`parallel.offload_params`: CPU offload is not measured with cp > 1; leave it out")
+    if spec.seq_len % (2 * cp) or (out.sequence_parallel and (spec.seq_len // cp) % tp):
+        raise SpecError(
+            f"`seq_len`: {spec.seq_len} is not allowed with cp {cp}; the load balancer cuts it into 2 x cp "
+            "chunks (and sequence parallelism each rank's share into tp)"
+        )
+    if spec.attention != "sdpa":
+        raise SpecError(f"`attention`: {spec.attention!r} is not allowed with cp > 1; ring attention replaces sdpa")
+    out.cp = cp
+    out.shard_size = out.world_size // tp
 
 
 def load_raw(path: str | Path):

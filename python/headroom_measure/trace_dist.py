@@ -53,6 +53,12 @@ def refuse_untraceable_parallel(par) -> None:
             "tensor parallelism (strategy none or fsdp with tp > 1); `headroom estimate` models "
             f"{par.strategy} natively"
         )
+    for key, degree, what in (("pp", par.pp, "pipeline schedules"), ("cp", par.cp, "context parallelism's ring")):
+        if degree > 1:
+            raise TraceError(
+                f"`parallel.{key}: {degree}`: the tracer does not run {what} yet; it runs FSDP2 and tensor "
+                f"parallelism; `headroom estimate` models {what} natively"
+            )
 
 
 class Streams:
@@ -212,7 +218,7 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
         )
         dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
         if par.tp > 1:
-            model = d._build_tp(spec, cfg, cls, dtype, device)
+            model, _ = d._build_torchtitan(spec, cfg, cls, dtype, device)
         else:
             model = d._build_fsdp(spec, cfg, cls, dtype, device)
         _ModuleNames.current.name(model)

@@ -44,7 +44,7 @@ class ParallelSpecTest(unittest.TestCase):
             sorted(ddp),
             sorted(
                 set(specmod.PARALLEL_KEYS)
-                - {"mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel",
+                - {"mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel", "cp",
                    "framework", "pp", "vpp", "microbatches", "schedule", "layers_per_stage"}
             ),
         )
@@ -232,7 +232,7 @@ class Fsdp1SpecTest(unittest.TestCase):
         pipeline = {"pp", "vpp", "microbatches", "schedule", "layers_per_stage"}
         self.assertEqual(
             sorted(out),
-            sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units", "tp", "sequence_parallel", "framework"} - pipeline),
+            sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units", "tp", "sequence_parallel", "framework", "cp"} - pipeline),
         )
         self.assertEqual((out["use_orig_params"], out["backward_prefetch"]), (True, "pre"))
 

@@ -52,7 +52,7 @@ raw = json.loads(sys.argv[1])
 s = specmod.parse(raw)
 dist.init_process_group("fake", rank=0, world_size=s.parallel.world_size, store=FakeStore())
 cfg = hd._hf_config(s, raw["model_config"])
-model = hd._build_tp(s, cfg, transformers.AutoModelForCausalLM, torch.bfloat16, torch.device("cpu"))
+model, _ = hd._build_torchtitan(s, cfg, transformers.AutoModelForCausalLM, torch.bfloat16, torch.device("cpu"))
 ids = torch.randint(0, cfg.vocab_size, (2, 32))
 with loss_parallel():
     model(input_ids=ids, labels=ids).loss.backward()

@@ -71,19 +71,24 @@ def line_of(key, strategy, world, tp, sp, batch, seq, gc, mp):
     return {"id": row_id, "spec": spec, "fake": True}
 
 
-lines = lines_of(LAYOUTS)
-for i in (2, 3):  # two rows, with and without sequence parallelism, keep a memory history
-    line = json.loads(lines[i])
-    line["snapshot"] = line["id"].replace("/", "-") + ".pickle"
-    lines[i] = json.dumps(line)
-here = Path(__file__).resolve().parent
-here.parent.joinpath("specs.jsonl").write_text("\n".join(lines) + "\n")
-# Call 2: the new layouts, then the two rows whose reserved the estimate missed again, with a memory history,
-call2 = lines_of(LAYOUTS_CALL2)
-# ... and a tensor-parallel-alone row, whose optimizer step the estimate missed.
-for i in (4, 5, 9):
-    line = json.loads(lines[i])
-    line["snapshot"] = line["id"].replace("/", "-") + ".pickle"
-    call2.append(json.dumps(line))
-here.joinpath("specs-call2.jsonl").write_text("\n".join(call2) + "\n")
-print(len(lines), "specs,", len(call2), "in call 2")
+def main():
+    lines = lines_of(LAYOUTS)
+    for i in (2, 3):  # two rows, with and without sequence parallelism, keep a memory history
+        line = json.loads(lines[i])
+        line["snapshot"] = line["id"].replace("/", "-") + ".pickle"
+        lines[i] = json.dumps(line)
+    here = Path(__file__).resolve().parent
+    here.parent.joinpath("specs.jsonl").write_text("\n".join(lines) + "\n")
+    # Call 2: the new layouts, then the two rows whose reserved the estimate missed again, with a memory history,
+    call2 = lines_of(LAYOUTS_CALL2)
+    # ... and a tensor-parallel-alone row, whose optimizer step the estimate missed.
+    for i in (4, 5, 9):
+        line = json.loads(lines[i])
+        line["snapshot"] = line["id"].replace("/", "-") + ".pickle"
+        call2.append(json.dumps(line))
+    here.joinpath("specs-call2.jsonl").write_text("\n".join(call2) + "\n")
+    print(len(lines), "specs,", len(call2), "in call 2")
+
+
+if __name__ == "__main__":
+    main()

@@ -55,9 +55,13 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
             ),
             _ => String::new(),
         };
+        let context = match p.tensor.cp {
+            1 => String::new(),
+            cp => format!(" × context parallel {cp} (ring attention)"),
+        };
         out += &format!(
-            "{}{tensor}{pipeline} over {} GPUs: every number below is rank {}'s (the one that \
-             needs most)\n",
+            "{}{tensor}{context}{pipeline} over {} GPUs: every number below is rank {}'s (the one \
+             that needs most)\n",
             p.strategy.name(),
             p.world_size,
             est.worst_rank

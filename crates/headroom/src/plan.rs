@@ -595,9 +595,9 @@ pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
         .spec
         .parallel
         .as_ref()
-        .filter(|p| p.tensor.tp > 1 || p.pipeline.pp > 1)
+        .filter(|p| p.tensor.tp > 1 || p.tensor.cp > 1 || p.pipeline.pp > 1)
     {
-        let (what, supported) = if p.tensor.tp > 1 {
+        let (what, supported) = if p.tensor.tp > 1 && p.tensor.cp == 1 && p.pipeline.pp == 1 {
             (
                 "remedies of a tensor-parallel spec (parallel.tp > 1)",
                 "`headroom estimate` of a tensor-parallel layout, and `fit`, whose layout search \
@@ -605,9 +605,9 @@ pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
             )
         } else {
             (
-                "remedies of a pipeline-parallel spec (parallel.pp > 1)",
-                "`headroom estimate` of a pipeline-parallel layout; remedies search data \
-                 parallelism",
+                "remedies of a context- or pipeline-parallel spec (parallel.cp or pp > 1)",
+                "`headroom estimate` of a context- or pipeline-parallel layout; remedies search \
+                 data parallelism",
             )
         };
         return Err(Error::Unsupported {
@@ -621,11 +621,16 @@ pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
 /// The spec as given, with its residents and ranks, whatever its data- and tensor-parallel
 /// layout.
 fn as_given(setup: &Setup) -> Result<(Estimate, Evaluation)> {
-    if setup.spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1) {
+    if setup
+        .spec
+        .parallel
+        .as_ref()
+        .is_some_and(|p| p.pipeline.pp > 1 || p.tensor.cp > 1)
+    {
         return Err(Error::Unsupported {
-            what: "fit of a pipeline-parallel spec (parallel.pp > 1)".into(),
-            supported: "`headroom estimate` of a pipeline-parallel layout; fit's layout search \
-                        covers data and tensor parallelism"
+            what: "fit of a context- or pipeline-parallel spec (parallel.cp or pp > 1)".into(),
+            supported: "`headroom estimate` of a context- or pipeline-parallel layout; fit's \
+                        layout search covers data and tensor parallelism"
                 .into(),
         });
     }

@@ -357,6 +357,9 @@ pub fn families(row: &Row) -> Vec<String> {
             "parallel: tensor parallel".to_string()
         });
     }
+    if s.parallel.as_ref().is_some_and(|p| p.tensor.cp > 1) {
+        out.push("parallel: context parallel (ring attention)".to_string());
+    }
     if let Some(pipeline) = s
         .parallel
         .as_ref()

@@ -36,6 +36,7 @@ struct Uses {
     fsdp1: bool,
     tensor_parallel: bool,
     pipeline_parallel: bool,
+    context_parallel: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -68,6 +69,7 @@ impl Uses {
             .is_some_and(|p| p.strategy == crate::spec::Strategy::Fsdp1);
         self.tensor_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1);
         self.pipeline_parallel |= spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1);
+        self.context_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.cp > 1);
     }
 
     /// Whether the estimate depends on `library`'s version. A TRL version given always counts:
@@ -175,6 +177,14 @@ impl Assumptions {
                  (bench/pp), whose sends complete at once: NCCL's communicator is carried over \
                  from DDP's, and what NCCL's send works hold until they are waited on is not \
                  measured"
+                    .to_string(),
+            );
+        }
+        if uses.context_parallel {
+            warnings.push(
+                "context parallelism is measured as rank 0 of a fake process group (bench/cp): \
+                 the ring's collectives allocate their outputs, NCCL's communicators are carried \
+                 over from HSDP's, not measured"
                     .to_string(),
             );
         }

@@ -107,7 +107,10 @@ pub fn nccl_bytes(parallel: Option<&crate::spec::Parallel>) -> u64 {
         None => 0,
         Some(p) if p.world_size <= 1 && p.strategy.is_deepspeed() => 1094 * MIB,
         Some(p) if p.world_size <= 1 => 0,
-        Some(p) if p.tensor.tp > 1 && p.shard_size > 1 => 1964 * MIB,
+        // A tensor- or context-parallel layout over data parallelism holds one communicator
+        // per mesh dimension beside the default group's (measured for dp × tp, carried over to
+        // context parallelism).
+        Some(p) if (p.tensor.tp > 1 || p.tensor.cp > 1) && p.shard_size > 1 => 1964 * MIB,
         // Tensor parallelism alone: tp 2 over 2 and tp 4 over 4 H100s read the same.
         Some(p) if p.tensor.tp > 1 && p.strategy == Strategy::NoDataParallel => 1386 * MIB,
         Some(p) => match p.strategy {

@@ -67,6 +67,8 @@ pub struct ParallelJson<'a> {
     /// Tensor-parallel ranks (1: none); the strategy spreads `world_size / tp`.
     pub tp: u64,
     pub sequence_parallel: bool,
+    /// Context-parallel ranks (1: none): each holds `seq_len / cp` of every sequence.
+    pub cp: u64,
     /// Absent without pipeline parallelism.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineParallelJson>,
@@ -163,6 +165,7 @@ impl<'a> EstimateJson<'a> {
                 world_size: p.world_size,
                 tp: p.tensor.tp,
                 sequence_parallel: p.tensor.sequence_parallel,
+                cp: p.tensor.cp,
                 pipeline: (p.pipeline.pp > 1).then(|| PipelineParallelJson {
                     pp: p.pipeline.pp,
                     vpp: p.pipeline.vpp,

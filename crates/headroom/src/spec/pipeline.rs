@@ -710,6 +710,14 @@ fn check_instance(spec: &RunSpec, home: Home, at: &str) -> Result<()> {
             supported: "4-bit models loaded on the GPU (home: gpu)".into(),
         });
     }
+    if spec.parallel.as_ref().is_some_and(|p| p.tensor.cp > 1) {
+        // The passes of a pipeline's instances take their batch whole; context parallelism
+        // shards it per step (measured in the harness's own loop).
+        return Err(Error::Unsupported {
+            what: format!("{at}.parallel.cp"),
+            supported: "context parallelism in a run spec (`headroom estimate` takes it)".into(),
+        });
+    }
     if home == Home::Cpu
         && spec.parallel.as_ref().is_some_and(|p| {
             !(p.strategy == Strategy::Fsdp && p.world_size == 1 && p.offload_params)

@@ -286,6 +286,10 @@ pub struct TensorParallel {
     /// the blocks (all-gather before each block, reduce-scatter after it).
     pub sequence_parallel: bool,
     pub framework: Framework,
+    /// Context parallelism on the mesh dimension between the data- and tensor-parallel ones
+    /// (`world_size = dp × cp × tp`): each rank holds `seq_len / cp` of every sequence and
+    /// attention runs as a ring; FSDP2 shards over `dp × cp`. 1: none.
+    pub cp: u64,
 }
 
 impl Default for TensorParallel {
@@ -294,6 +298,7 @@ impl Default for TensorParallel {
             tp: 1,
             sequence_parallel: false,
             framework: Framework::Torchtitan,
+            cp: 1,
         }
     }
 }
@@ -490,6 +495,7 @@ const PARALLEL_KEYS: &[&str] = &[
     "microbatches",
     "schedule",
     "layers_per_stage",
+    "cp",
 ];
 
 impl RunSpec {
@@ -853,12 +859,32 @@ impl RunSpec {
                     "tensor-parallel layouts are modelled for training; leave `mode` out",
                 ));
             }
-            if tensor.sequence_parallel && !self.seq_len.is_multiple_of(tensor.tp) {
+            if tensor.cp > 1 && self.mode == Mode::Forward {
+                return Err(Error::field(
+                    "mode",
+                    "forward",
+                    "context-parallel layouts are modelled for training; leave `mode` out",
+                ));
+            }
+            if tensor.cp > 1 && !self.seq_len.is_multiple_of(2 * tensor.cp) {
                 return Err(Error::field(
                     "seq_len",
                     self.seq_len,
                     format!(
-                        "sequence parallelism shards the sequence over tp = {}: use a multiple of it",
+                        "context parallelism's load balancer cuts each sequence into 2 × cp = {} \
+                         chunks: use a multiple of it",
+                        2 * tensor.cp
+                    ),
+                ));
+            }
+            let local = self.seq_len / tensor.cp;
+            if tensor.sequence_parallel && !local.is_multiple_of(tensor.tp) {
+                return Err(Error::field(
+                    "seq_len",
+                    self.seq_len,
+                    format!(
+                        "sequence parallelism shards each rank's {local} tokens (seq_len / cp) over \
+                         tp = {}: use a multiple of cp × tp",
                         tensor.tp
                     ),
                 ));
@@ -1100,6 +1126,9 @@ impl RunSpec {
         {
             check_pipeline_parallel(pipeline, arch, self.batch_size)?;
         }
+        if self.parallel.as_ref().is_some_and(|p| p.tensor.cp > 1) {
+            check_context_parallel(self, arch)?;
+        }
         if self.trainer.use_liger_kernel
             && !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
         {
@@ -1319,13 +1348,13 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             Error::field("parallel.reshard_after_forward", v, "use true or false")
         })?,
     };
-    if tensor.tp > 1 && set("shard_size") {
+    if (tensor.tp > 1 || tensor.cp > 1) && set("shard_size") {
         return Err(Error::field(
             "parallel.shard_size",
             &obj["shard_size"],
             format!(
-                "FSDP2 shards over the data-parallel dimension (world_size / tp = {dp}) with tp > 1; \
-                 leave it out"
+                "FSDP2 shards over the data-parallel dimensions (world_size / tp = {dp}) with tp \
+                 or cp > 1; leave it out"
             ),
         ));
     }
@@ -1403,12 +1432,8 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
 /// its modules) whose heads, MLP width and vocabulary divide over the group, and an output
 /// head of its own (a tied one would be distributed twice).
 pub(crate) fn check_tensor_parallel(tensor: TensorParallel, arch: &Architecture) -> Result<()> {
-    use crate::arch::Family;
     let tp = tensor.tp;
-    if !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
-        || arch.moe.is_some()
-        || arch.mla.is_some()
-    {
+    if !torchtitan_plan_applies(arch) {
         return Err(Error::Unsupported {
             what: format!("parallel.tp with a {} model", arch.model_type),
             supported: "tensor parallelism of dense Llama, Mistral, Qwen2 and Qwen3 models".into(),
@@ -1504,9 +1529,50 @@ fn check_pipeline_layout(
     Ok(())
 }
 
-/// `tp`, `sequence_parallel` and `framework`: tensor parallelism composed with FSDP2 over
-/// the data-parallel dimension (strategy fsdp) or alone (strategy none, `world_size = tp`),
-/// within each of the pipeline's stages (`world_size` here: the ranks of one).
+/// Whether torchtitan's Llama plans name the model's modules: a dense Llama-style decoder.
+fn torchtitan_plan_applies(arch: &Architecture) -> bool {
+    use crate::arch::Family;
+    matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
+        && arch.moe.is_none()
+        && arch.mla.is_none()
+}
+
+/// What a context-parallel layout needs of the model and the run: a dense Llama-style decoder
+/// whose attention is SDPA's causal flash kernel on every layer (the ring replaces it; a mask,
+/// a sliding window or the eager kernel is not what `context_parallel` dispatches).
+fn check_context_parallel(spec: &RunSpec, arch: &Architecture) -> Result<()> {
+    if !torchtitan_plan_applies(arch) {
+        return Err(Error::Unsupported {
+            what: format!("parallel.cp with a {} model", arch.model_type),
+            supported: "context parallelism of dense Llama, Mistral, Qwen2 and Qwen3 models".into(),
+        });
+    }
+    if spec.attention_for(arch) != Attention::Sdpa {
+        return Err(Error::Unsupported {
+            what: "parallel.cp with eager attention".into(),
+            supported: "context parallelism's ring over SDPA (attention: sdpa)".into(),
+        });
+    }
+    if arch.sliding_window.is_some() {
+        return Err(Error::Unsupported {
+            what: format!("parallel.cp with a sliding window ({})", arch.model_type),
+            supported: "causal attention over the whole sequence".into(),
+        });
+    }
+    let policy = spec.parallel.as_ref().and_then(|p| p.mixed_precision);
+    if spec.precision == Precision::Fp32 && !policy.is_some_and(|m| m.param_dtype.is_half()) {
+        return Err(Error::Unsupported {
+            what: format!("parallel.cp with precision {}", spec.precision.name()),
+            supported: "bf16 or fp16 compute: the ring runs the flash kernel".into(),
+        });
+    }
+    Ok(())
+}
+
+/// `tp`, `sequence_parallel`, `framework` and `cp`: tensor parallelism composed with FSDP2
+/// over the data-parallel dimension (strategy fsdp) or alone (strategy none, `world_size =
+/// tp`), and context parallelism between them (strategy fsdp); within each of the pipeline's
+/// stages (`world_size` here: the ranks of one).
 fn parse_tensor_parallel(
     obj: &serde_json::Map<String, Value>,
     strategy: Strategy,
@@ -1568,10 +1634,33 @@ fn parse_tensor_parallel(
              strategy fsdp",
         ));
     }
+    let cp = positive(obj, "cp", 1).map_err(field)?;
+    if !world_size.is_multiple_of(cp * tp) {
+        return Err(Error::field(
+            "parallel.cp",
+            cp,
+            format!("cp × tp must divide world_size ({world_size}): world_size = dp × cp × tp"),
+        ));
+    }
+    if cp > 1 && strategy != Strategy::Fsdp {
+        return Err(Error::field(
+            "parallel.strategy",
+            strategy.name(),
+            "with cp > 1 use fsdp: torchtitan shards the parameters over dp × cp (its \
+             dp_shard_cp mesh)",
+        ));
+    }
+    if cp > 1 && boolean(obj, "offload_params").map_err(field)? {
+        return Err(Error::Unsupported {
+            what: "parallel.offload_params with cp > 1".into(),
+            supported: "context parallelism with the parameters on the GPU".into(),
+        });
+    }
     Ok(TensorParallel {
         tp,
         sequence_parallel,
         framework,
+        cp,
     })
 }
 

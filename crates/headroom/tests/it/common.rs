@@ -16,3 +16,66 @@ pub fn jsonl(texts: &[&str]) -> Vec<Value> {
 pub fn rel(estimated: u64, measured: u64) -> f64 {
     (estimated as f64 - measured as f64) / measured as f64
 }
+
+/// The estimate of a measured sharded row (rank 0 of its world), after checking it: every
+/// forward, backward and optimizer peak of every step within `phase_limit`, the run's reserved
+/// peak within `reserved_limit` (relative errors), and the model's whole parameter count.
+/// Returns it and the phases checked.
+pub fn check_every_phase(
+    row: &Value,
+    phase_limit: f64,
+    reserved_limit: f64,
+) -> (headroom::estimate::Estimate, usize) {
+    let id = row["id"].as_str().expect("id");
+    let spec = headroom::spec::RunSpec::from_value(&row["spec"]).expect(id);
+    let gpu =
+        headroom::gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
+    let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
+    let rank = &row["measured"]["ranks"][0];
+    let mut checked = 0;
+    for step in 1..=3u32 {
+        for (key, name) in [
+            ("fwd_peak", "forward"),
+            ("bwd_peak", "backward"),
+            ("opt_peak", "optimizer"),
+        ] {
+            let measured = rank["steps"][step as usize - 1][key].as_u64().expect(key);
+            let e = est
+                .phases
+                .iter()
+                .find(|p| p.step == step && p.phase == name)
+                .expect("phase");
+            let err = rel(e.peak_allocated, measured);
+            assert!(
+                err.abs() < phase_limit,
+                "{id} step {step} {name}: {err:+.5}"
+            );
+            checked += 1;
+        }
+    }
+    let reserved = rel(
+        est.peak_reserved_bytes,
+        row["measured"]["peak_reserved_bytes"]
+            .as_u64()
+            .expect("reserved"),
+    );
+    assert!(
+        reserved.abs() < reserved_limit,
+        "{id}: reserved {reserved:+.4}"
+    );
+    assert_eq!(
+        est.params,
+        row["measured"]["params"].as_u64().expect("params"),
+        "{id}: a DTensor counts its global size"
+    );
+    (est, checked)
+}
+
+/// Llama-3.1-8B's `config.json` at its real widths, cut to `layers` decoder layers.
+pub fn llama_3_1_8b_widths(layers: u64) -> Value {
+    serde_json::json!({
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256, "num_hidden_layers": layers, "tie_word_embeddings": false,
+    })
+}

@@ -6,6 +6,7 @@ mod arbitrary_specs;
 mod assumptions;
 mod catalog;
 mod common;
+mod context_parallel;
 mod diagnose_seeds;
 mod distributed;
 mod fit;

@@ -6,7 +6,7 @@ use headroom::gpu;
 use headroom::spec::RunSpec;
 use serde_json::{Value, json};
 
-use crate::common::{self, rel};
+use crate::common;
 
 fn rows() -> Vec<Value> {
     common::jsonl(&[
@@ -21,41 +21,13 @@ fn rows() -> Vec<Value> {
 fn every_phase_of_every_tensor_parallel_row() {
     let mut checked = 0;
     for row in rows() {
-        let id = row["id"].as_str().expect("id");
-        let spec = RunSpec::from_value(&row["spec"]).expect(id);
-        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
-        let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
-        let rank = &row["measured"]["ranks"][0];
-        for step in 1..=3u32 {
-            for (key, name) in [
-                ("fwd_peak", "forward"),
-                ("bwd_peak", "backward"),
-                ("opt_peak", "optimizer"),
-            ] {
-                let measured = rank["steps"][step as usize - 1][key].as_u64().expect(key);
-                let e = est
-                    .phases
-                    .iter()
-                    .find(|p| p.step == step && p.phase == name)
-                    .expect("phase");
-                let err = rel(e.peak_allocated, measured);
-                assert!(err.abs() < 0.001, "{id} step {step} {name}: {err:+.5}");
-                checked += 1;
-            }
-        }
-        let reserved = rel(
-            est.peak_reserved_bytes,
-            row["measured"]["peak_reserved_bytes"]
-                .as_u64()
-                .expect("reserved"),
-        );
-        assert!(reserved.abs() < 0.02, "{id}: reserved {reserved:+.4}");
-        assert_eq!(est.worst_rank, 0, "{id}: tensor-parallel ranks hold alike");
+        let (est, phases) = common::check_every_phase(&row, 0.001, 0.02);
         assert_eq!(
-            est.params,
-            row["measured"]["params"].as_u64().expect("params"),
-            "{id}: a DTensor counts its global size"
+            est.worst_rank, 0,
+            "{}: tensor-parallel ranks hold alike",
+            row["id"]
         );
+        checked += phases;
     }
     assert!(checked >= 140, "{checked} phases checked");
 }
@@ -63,9 +35,7 @@ fn every_phase_of_every_tensor_parallel_row() {
 fn spec(parallel: Value) -> Value {
     json!({
         "model": "llama-3.1-8b",
-        "model_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "vocab_size": 128256, "num_hidden_layers": 2, "tie_word_embeddings": false},
+        "model_config": common::llama_3_1_8b_widths(2),
         "precision": "bf16",
         "batch_size": 2,
         "seq_len": 4096,

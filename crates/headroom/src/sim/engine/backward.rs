@@ -256,6 +256,10 @@ impl Tracer {
                 let ws = self.empty(workspace, DType::U8, "attention backward workspace");
                 self.drop(ws);
             }
+            Bwd::RingAttention(ring) => {
+                let grads = self.ring_attention_backward(ring, self.dtype(g));
+                out.extend(grads.map(Some));
+            }
             Bwd::SdpaEfficient {
                 workspace,
                 accumulator,

@@ -16,6 +16,7 @@ use crate::sim::model::{AttentionImpl, Batch};
 use crate::sim::model::{liger, load, quant, trl};
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::Strategy;
+use crate::sim::strategy::cp::{ContextParallel, ShardedBatch};
 use crate::sim::strategy::ddp::Ddp;
 use crate::sim::strategy::fsdp::Fsdp;
 use crate::sim::strategy::fsdp_offload::FsdpOffload;
@@ -259,13 +260,18 @@ impl Instance {
                 data: wrapper,
             }));
         }
+        // A context-parallel rank runs its `seq_len / cp` tokens of every sequence.
+        let cp = parallel.map_or(1, |p| p.tensor.cp);
+        if cp > 1 {
+            wrapper = Strategy::Context(Box::new(ContextParallel { cp, data: wrapper }));
+        }
         model.strategy = RefCell::new(wrapper);
         Instance {
             spec: spec.clone(),
             model,
             batch: Batch {
                 b: spec.rows(),
-                s: spec.seq_len,
+                s: spec.seq_len / cp,
             },
             autocast,
             params,
@@ -275,6 +281,13 @@ impl Instance {
             trainable_count,
             weights_loaded,
         }
+    }
+
+    /// The step's batch as context parallelism shards it, where it does.
+    pub(crate) fn shard_batch(&self, t: &mut Tracer, ids: T) -> Option<ShardedBatch> {
+        let strategy = self.model.strategy.borrow();
+        let cp = strategy.context_parallel()?;
+        Some(cp.shard_batch(t, ids, self.spec.rows(), self.spec.seq_len))
     }
 
     /// The training forward up to the loss (DDP's pre-forward first).

@@ -96,7 +96,13 @@ fn simulate_rank(
     let has_optimizer = spec.optimizer != Optimizer::None;
     let mut instance = Instance::build(&mut t, spec, arch, Home::Gpu, rank);
     let batch = instance.batch;
-    let ids = t.empty_as(batch.n(), DType::I64, Component::Inputs, "input_ids");
+    // The whole batch, also where context parallelism runs each rank's share of it.
+    let ids = t.empty_as(
+        batch.b * spec.seq_len,
+        DType::I64,
+        Component::Inputs,
+        "input_ids",
+    );
     // Building (or loading) the model is reported as step 0's "load" phase.
     let mut phases = vec![t.mem.phase_peak()];
     // Collectives' buffers are not part of the compared state: sharded runs simulate every
@@ -137,8 +143,11 @@ fn simulate_rank(
         } else {
             let start = memo.begin_pass(&mut t, step, ids);
             let mut loss: Option<T> = None;
+            let mut sharded = None;
             phase(&mut t, "forward", &mut |t| {
-                loss = Some(instance.forward_for_loss(t, ids));
+                sharded = instance.shard_batch(t, ids);
+                let inputs = sharded.as_ref().map_or(ids, |s| s.inputs);
+                loss = Some(instance.forward_for_loss(t, inputs));
             });
             if t.mem.stopped() {
                 break;
@@ -148,6 +157,9 @@ fn simulate_rank(
             phase(&mut t, "backward", &mut |t| instance.backward(t, loss));
             if t.mem.stopped() {
                 break;
+            }
+            if let Some(sharded) = sharded {
+                sharded.release(&mut t);
             }
             if let Some(start) = start {
                 memo.end_pass(&mut t, start, backward, ids);

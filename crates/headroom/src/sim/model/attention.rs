@@ -5,7 +5,7 @@ use super::{AttentionImpl, Batch};
 use crate::arch::{Architecture, Family};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
-use crate::sim::engine::tracer::{Bwd, T, Tracer};
+use crate::sim::engine::tracer::{Bwd, Ring, T, Tracer};
 
 /// The kernel behind `F.scaled_dot_product_attention`, in PyTorch 2.11's order of preference
 /// on Hopper: flash (half precision, no mask), cuDNN (half precision with a mask), memory
@@ -403,6 +403,39 @@ fn sdpa(
     }
     t.drop_all(&[q_c, k_c, v_c]);
     out
+}
+
+/// `sdpa_attention_forward` under context parallelism over `cp` ranks: SDPA's flash kernel with
+/// `enable_gqa` as [`sdpa`] picks it, run as torch's ring (`Tracer::ring_attention`) on this
+/// rank's `batch.s` rows; the output comes back head-major, so `.transpose(1, 2).contiguous()`
+/// copies it. The flash backward's workspace is sized by the query rows of each step (all of
+/// them at step 0, the second half after) and, under grouped-query attention, by the key rows
+/// (always the whole chunk).
+pub(crate) fn ring(t: &mut Tracer, hd: Heads, q: T, k: T, v: T, batch: Batch, cp: u64) -> T {
+    let dtype = t.dtype(q);
+    let gqa = hd.heads != hd.kv_heads;
+    let workspace = |rows: u64| {
+        let shape = QueryShape {
+            seq: rows,
+            ..QueryShape::of(hd, batch)
+        };
+        let expanded = 2 * batch.b * batch.s * hd.heads * hd.qk_dim * dtype.bytes();
+        shape.fused_backward_workspace(false, dtype.bytes()) + if gqa { expanded } else { 0 }
+    };
+    let ring = Ring {
+        cp,
+        batch: batch.b,
+        heads: hd.heads,
+        kv_heads: hd.kv_heads,
+        seq: batch.s,
+        head_dim: hd.qk_dim,
+        workspace_full: workspace(batch.s),
+        workspace_partial: workspace(batch.s / 2),
+    };
+    let out = t.ring_attention(ring, q, k, v);
+    let copy = t.contiguous_copy(out);
+    t.drop(out);
+    copy
 }
 
 /// Flash attention and cuDNN attention: output in the query's layout, fp32 log-sum-exp per

@@ -962,7 +962,10 @@ impl Model {
                 // Rotary embeddings (and eager attention) hand back head-major gradients.
                 let rotary_copy = (a.family != Family::Gpt2 && !self.liger.rope)
                     || self.attention == AttentionImpl::Eager;
-                let value_copy = self.attention == AttentionImpl::Eager;
+                // So do eager attention and context parallelism's ring (its dk and dv are one
+                // contiguous buffer).
+                let value_copy = self.attention == AttentionImpl::Eager
+                    || self.strategy.borrow().context_parallel().is_some();
                 let (ql, kl, vl) = (
                     self.active(layer.q.expect("q_proj")),
                     self.active(layer.k.expect("k_proj")),
@@ -1040,19 +1043,23 @@ impl Model {
             cache.borrow_mut().push(entry);
         }
         let sinks = layer.sinks.map(|p| t.param(p));
-        let out = attention::attention(
-            t,
-            a,
-            Heads::of(a),
-            self.attention,
-            q,
-            k,
-            v,
-            ctx.mask,
-            batch,
-            self.dropout_in_attention(),
-            sinks,
-        );
+        let cp = self.strategy.borrow().context_parallel().map(|c| c.cp);
+        let out = match cp {
+            Some(cp) => attention::ring(t, Heads::of(a), q, k, v, batch, cp),
+            None => attention::attention(
+                t,
+                a,
+                Heads::of(a),
+                self.attention,
+                q,
+                k,
+                v,
+                ctx.mask,
+                batch,
+                self.dropout_in_attention(),
+                sinks,
+            ),
+        };
         t.drop_all(&[q, k, v]);
         let o = layer.o.expect("o_proj");
         let proj = self.hooked_linear(t, o, out);

@@ -10,12 +10,15 @@
 //! - [`zero3`] and [`zero3_gather`]: DeepSpeed ZeRO stage 3 and its per-module gathers;
 //! - [`tp`]: tensor parallelism (with or without sequence parallelism) wrapping the strategy
 //!   of the data-parallel mesh dimension, whose hooks it passes on;
+//! - [`cp`]: context parallelism (the sequence sharded, ring attention) wrapping the strategy
+//!   of the other mesh dimensions likewise;
 //! - [`pp`]: pipeline schedules, the order a rank runs its stages' forwards and backwards (the
 //!   harness's `stages` runs a pipeline rank in that order).
 //!
-//! Context and expert parallelism take their places here as further variants with the same
+//! Expert parallelism takes its place here as a further variant with the same
 //! hooks.
 
+pub(crate) mod cp;
 pub(crate) mod ddp;
 pub(crate) mod fsdp;
 pub(crate) mod fsdp1;
@@ -28,6 +31,7 @@ pub(crate) mod zero3_gather;
 
 use super::engine::tracer::{ParamId, Tracer};
 use crate::sim::optim::OptimizerState;
+use cp::ContextParallel;
 use ddp::Ddp;
 use fsdp::Fsdp;
 use fsdp_offload::FsdpOffload;
@@ -54,6 +58,8 @@ pub(crate) enum Strategy {
     Zero3(Box<Zero3>),
     /// Tensor parallelism over the strategy of the data-parallel dimension.
     Tensor(Box<TensorParallel>),
+    /// Context parallelism over the strategy of the other dimensions.
+    Context(Box<ContextParallel>),
 }
 
 /// A part of the model FSDP2 may wrap as a unit of its own: a decoder layer, the input
@@ -89,14 +95,42 @@ impl Strategy {
     pub(crate) fn tensor_parallel(&self) -> Option<&TensorParallel> {
         match self {
             Strategy::Tensor(tensor) => Some(tensor),
+            Strategy::Context(context) => context.data.tensor_parallel(),
+            _ => None,
+        }
+    }
+
+    /// The context-parallel layout, where there is one.
+    pub(crate) fn context_parallel(&self) -> Option<&ContextParallel> {
+        match self {
+            Strategy::Context(context) => Some(context),
+            Strategy::Tensor(tensor) => tensor.data.context_parallel(),
+            _ => None,
+        }
+    }
+
+    /// The strategy a mesh-dimension layout (tensor, context parallelism) wraps, whose hooks
+    /// it passes on.
+    fn wrapped(&self) -> Option<&Strategy> {
+        match self {
+            Strategy::Tensor(tensor) => Some(&tensor.data),
+            Strategy::Context(context) => Some(&context.data),
+            _ => None,
+        }
+    }
+
+    fn wrapped_mut(&mut self) -> Option<&mut Strategy> {
+        match self {
+            Strategy::Tensor(tensor) => Some(&mut tensor.data),
+            Strategy::Context(context) => Some(&mut context.data),
             _ => None,
         }
     }
 
     /// Before the model is called: DDP rebuilds its buckets once and broadcasts buffers.
     pub(crate) fn before_forward(&mut self, t: &mut Tracer) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.before_forward(t);
+        if let Some(data) = self.wrapped_mut() {
+            return data.before_forward(t);
         }
         if let Strategy::Ddp(ddp) = self {
             ddp.pre_forward(t);
@@ -105,8 +139,8 @@ impl Strategy {
 
     /// An FSDP2 unit's forward pre-hook: its parameters are brought to the GPU.
     pub(crate) fn unit_pre_forward(&mut self, t: &mut Tracer, unit: Unit) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.unit_pre_forward(t, unit);
+        if let Some(data) = self.wrapped_mut() {
+            return data.unit_pre_forward(t, unit);
         }
         match self {
             Strategy::FsdpOffload(offload) => offload.unshard(t, unit),
@@ -118,8 +152,8 @@ impl Strategy {
 
     /// An FSDP2 unit's forward post-hook.
     pub(crate) fn unit_post_forward(&mut self, t: &mut Tracer, unit: Unit) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.unit_post_forward(t, unit);
+        if let Some(data) = self.wrapped_mut() {
+            return data.unit_post_forward(t, unit);
         }
         match self {
             Strategy::FsdpOffload(offload) => offload.reshard(t, unit),
@@ -138,10 +172,8 @@ impl Strategy {
         params: &[ParamId],
         input_grad: bool,
     ) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor
-                .data
-                .module_pre_forward(t, module, params, input_grad);
+        if let Some(data) = self.wrapped_mut() {
+            return data.module_pre_forward(t, module, params, input_grad);
         }
         if let Strategy::Zero3(zero3) = self
             && let Some(g) = zero3.gathers.as_mut()
@@ -152,8 +184,8 @@ impl Strategy {
 
     /// The forward post-hook of the innermost running module.
     pub(crate) fn module_post_forward(&mut self, t: &mut Tracer) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.module_post_forward(t);
+        if let Some(data) = self.wrapped_mut() {
+            return data.module_post_forward(t);
         }
         if let Strategy::Zero3(zero3) = self
             && let Some(g) = zero3.gathers.as_mut()
@@ -164,8 +196,8 @@ impl Strategy {
 
     /// A checkpointed region's recomputation has run.
     pub(crate) fn recompute_ends(&mut self, t: &mut Tracer) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.recompute_ends(t);
+        if let Some(data) = self.wrapped_mut() {
+            return data.recompute_ends(t);
         }
         if let Strategy::Zero3(zero3) = self
             && let Some(g) = zero3.gathers.as_mut()
@@ -176,8 +208,8 @@ impl Strategy {
 
     /// `loss.backward()` starts.
     pub(crate) fn backward_begins(&mut self) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.backward_begins();
+        if let Some(data) = self.wrapped_mut() {
+            return data.backward_begins();
         }
         if let Strategy::Zero3(zero3) = self
             && let Some(g) = zero3.gathers.as_mut()
@@ -188,8 +220,8 @@ impl Strategy {
 
     /// A gradient reached unit `unit` (see [`BackwardHooks`](super::engine::tracer::BackwardHooks)).
     pub(crate) fn unit_backward_begins(&mut self, t: &mut Tracer, unit: u32) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.unit_backward_begins(t, unit);
+        if let Some(data) = self.wrapped_mut() {
+            return data.unit_backward_begins(t, unit);
         }
         match self {
             Strategy::Fsdp(fsdp) => fsdp.pre_backward(t, unit),
@@ -205,8 +237,8 @@ impl Strategy {
 
     /// Every node of unit `unit` that this backward runs has run.
     pub(crate) fn unit_backward_done(&mut self, t: &mut Tracer, unit: u32) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.unit_backward_done(t, unit);
+        if let Some(data) = self.wrapped_mut() {
+            return data.unit_backward_done(t, unit);
         }
         match self {
             Strategy::Fsdp(fsdp) => fsdp.unit_backward_done(t, unit),
@@ -222,8 +254,8 @@ impl Strategy {
 
     /// `AccumulateGrad` stored `param`'s gradient.
     pub(crate) fn grad_accumulated(&mut self, t: &mut Tracer, param: ParamId) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.grad_accumulated(t, param);
+        if let Some(data) = self.wrapped_mut() {
+            return data.grad_accumulated(t, param);
         }
         match self {
             Strategy::Zero(zero) => zero.grad_hook(t, param),
@@ -235,8 +267,8 @@ impl Strategy {
     /// The backward engine has finished: FSDP2's final callback, DeepSpeed's backward
     /// epilogue, DDP learning the order the gradients became ready in.
     pub(crate) fn finish_backward(&mut self, t: &mut Tracer) {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.finish_backward(t);
+        if let Some(data) = self.wrapped_mut() {
+            return data.finish_backward(t);
         }
         match self {
             Strategy::Ddp(ddp) => ddp.learn_ready_order(t),
@@ -251,8 +283,8 @@ impl Strategy {
     /// `optimizer.step()` where the strategy wraps the optimizer (DeepSpeed's engines);
     /// false where the plain optimizer steps the trainable parameters.
     pub(crate) fn step(&mut self, t: &mut Tracer, optimizer: &mut OptimizerState) -> bool {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.step(t, optimizer);
+        if let Some(data) = self.wrapped_mut() {
+            return data.step(t, optimizer);
         }
         match self {
             Strategy::Zero(zero) => zero.step(t, optimizer),
@@ -265,8 +297,8 @@ impl Strategy {
     /// Bytes the strategy keeps on the host, where it decides them (CPU offload of shards,
     /// DeepSpeed's `offload_optimizer`); `None` where the model's own placement does.
     pub(crate) fn host_bytes(&self, t: &Tracer) -> Option<u64> {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.host_bytes(t);
+        if let Some(data) = self.wrapped() {
+            return data.host_bytes(t);
         }
         match self {
             Strategy::Fsdp(fsdp) => Some(fsdp.host_bytes(t)),
@@ -280,8 +312,8 @@ impl Strategy {
     /// The tensors `model.cpu()` moves where the strategy holds the model's parameters as
     /// shards of its own; `None`: the model's parameters.
     pub(crate) fn shards(&self) -> Option<Vec<ParamId>> {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.shards();
+        if let Some(data) = self.wrapped() {
+            return data.shards();
         }
         match self {
             Strategy::Fsdp(fsdp) => Some(fsdp.shards()),
@@ -293,16 +325,16 @@ impl Strategy {
     /// Whether the parameters come to the GPU unit by unit from host memory during a pass
     /// (then the model is never moved in whole).
     pub(crate) fn streams_from_host(&self) -> bool {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.streams_from_host();
+        if let Some(data) = self.wrapped() {
+            return data.streams_from_host();
         }
         matches!(self, Strategy::FsdpOffload(_))
     }
 
     /// Parameter bytes a pass copies in from host memory.
     pub(crate) fn streamed_bytes(&self, t: &Tracer) -> u64 {
-        if let Strategy::Tensor(tensor) = self {
-            return tensor.data.streamed_bytes(t);
+        if let Some(data) = self.wrapped() {
+            return data.streamed_bytes(t);
         }
         match self {
             Strategy::FsdpOffload(offload) => offload.streamed_bytes(t),

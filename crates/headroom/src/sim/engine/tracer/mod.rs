@@ -117,6 +117,8 @@ pub(crate) enum Bwd {
     SdpaCudnn {
         workspace: u64,
     },
+    /// Context parallelism's ring attention over the flash kernel (`ring_attention`).
+    RingAttention(Ring),
     /// The memory-efficient kernel: bytes of its backward's workspace, fp32 accumulator and
     /// `delta`.
     SdpaEfficient {
@@ -220,6 +222,22 @@ pub(crate) enum Bwd {
     /// `baddbmm(W, B, A)` with a frozen `W`: each factor's gradient is a `bmm` scaled by
     /// alpha.
     Baddbmm,
+}
+
+/// One layer's ring attention (`ring_attention`) on this rank: its local queries (`batch`,
+/// `heads`, `seq`, `head_dim`) and keys and values of `kv_heads`, and what the flash backward
+/// allocates beside the gradients for a full step and for a partial one (half the queries,
+/// all keys).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Ring {
+    pub cp: u64,
+    pub batch: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub seq: u64,
+    pub head_dim: u64,
+    pub workspace_full: u64,
+    pub workspace_partial: u64,
 }
 
 /// What the backward of TRL's chunked log-prob function needs to know

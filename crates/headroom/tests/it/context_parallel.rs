@@ -1,0 +1,154 @@
+//! Context-parallel estimates (torchtitan's: ring attention over SDPA, FSDP2 over dp × cp,
+//! optionally tensor parallelism) against bench/cp: rank 0 of worlds of 4 to 32 under torch's
+//! fake process group on one H100, 16k to 128k tokens; and the spec's checks of the layout.
+
+use headroom::gpu;
+use headroom::spec::RunSpec;
+use serde_json::{Value, json};
+
+use crate::common;
+
+fn rows() -> Vec<Value> {
+    common::jsonl(&[
+        include_str!("../../../../bench/cp/rows-h100-torch2.11.jsonl"),
+        include_str!("../../../../bench/cp/rows-call2-h100-torch2.11.jsonl"),
+    ])
+}
+
+/// Every forward, backward and optimizer peak of every step of every row within 0.2% (the
+/// rows with a small vocabulary are those where the ring's own buffers set the peak), and the
+/// run's reserved peak within the accuracy gate's 8%.
+#[test]
+fn every_phase_of_every_context_parallel_row() {
+    let checked: usize = rows()
+        .iter()
+        .map(|row| common::check_every_phase(row, 0.002, 0.08).1)
+        .sum();
+    assert!(checked >= 108, "{checked} phases checked");
+}
+
+fn spec(seq_len: u64, parallel: Value) -> Value {
+    json!({
+        "model": "llama-3.1-8b",
+        "model_config": common::llama_3_1_8b_widths(2),
+        "precision": "bf16",
+        "batch_size": 1,
+        "seq_len": seq_len,
+        "gradient_checkpointing": true,
+        "parallel": parallel,
+    })
+}
+
+fn estimate(seq_len: u64, parallel: Value) -> headroom::estimate::Estimate {
+    let spec = RunSpec::from_value(&spec(seq_len, parallel)).expect("valid spec");
+    headroom::estimate::estimate(&spec, None, &gpu::find("h100-80gb").expect("gpu"))
+        .expect("estimate")
+}
+
+/// A rank holds `seq_len / cp` tokens: twice the ranks for twice the sequence keep the logits
+/// and the loss (the peak at 32k tokens) the same, and FSDP2 shards the weights over dp × cp.
+#[test]
+fn each_rank_holds_its_share_of_the_sequence() {
+    let two = estimate(32768, json!({"strategy": "fsdp", "world_size": 4, "cp": 2}));
+    let four = estimate(65536, json!({"strategy": "fsdp", "world_size": 4, "cp": 4}));
+    let logits = |e: &headroom::estimate::Estimate| {
+        e.breakdown
+            .iter()
+            .find(|(c, _)| c.key() == "logits_and_loss")
+            .map(|(_, b)| *b)
+            .expect("logits")
+    };
+    assert_eq!(logits(&two), logits(&four));
+    let plain = estimate(32768, json!({"strategy": "fsdp", "world_size": 4}));
+    assert_eq!(plain.weights_loaded_bytes, two.weights_loaded_bytes);
+    assert!(
+        logits(&two) * 3 / 2 < logits(&plain),
+        "a rank's logits are its share's"
+    );
+}
+
+/// A bad layout is refused naming the field, the value and what is allowed; what is not
+/// modelled is refused by name.
+#[test]
+fn bad_layouts_name_the_field() {
+    let refused = |seq_len: u64, parallel: Value, edit: &dyn Fn(&mut Value), field: &str| {
+        let mut value = spec(seq_len, parallel.clone());
+        edit(&mut value);
+        let err = RunSpec::from_value(&value)
+            .and_then(|s| s.architecture(None, "").map(|_| s))
+            .expect_err(&value.to_string())
+            .to_string();
+        assert!(err.contains(field), "{parallel}: {err}");
+    };
+    let none = |_: &mut Value| {};
+    refused(
+        4096,
+        json!({"strategy": "fsdp", "world_size": 6, "cp": 4}),
+        &none,
+        "parallel.cp",
+    );
+    refused(
+        4096,
+        json!({"strategy": "fsdp", "world_size": 8, "cp": 4, "tp": 4}),
+        &none,
+        "parallel.cp",
+    );
+    refused(
+        4096,
+        json!({"strategy": "ddp", "world_size": 4, "cp": 2}),
+        &none,
+        "parallel.strategy",
+    );
+    refused(
+        4100,
+        json!({"strategy": "fsdp", "world_size": 4, "cp": 4}),
+        &none,
+        "seq_len",
+    );
+    refused(
+        4104,
+        json!({"strategy": "fsdp", "world_size": 16, "cp": 4, "tp": 4, "sequence_parallel": true}),
+        &none,
+        "seq_len",
+    );
+    refused(
+        4096,
+        json!({"strategy": "fsdp", "world_size": 8, "cp": 2, "shard_size": 2}),
+        &none,
+        "parallel.shard_size",
+    );
+    refused(
+        4096,
+        json!({"strategy": "fsdp", "world_size": 4, "cp": 2}),
+        &|v| v["attention"] = json!("eager"),
+        "eager attention",
+    );
+    refused(
+        4096,
+        json!({"strategy": "fsdp", "world_size": 4, "cp": 2}),
+        &|v| v["precision"] = json!("fp32"),
+        "precision fp32",
+    );
+    refused(
+        4096,
+        json!({"strategy": "fsdp", "world_size": 4, "cp": 2}),
+        &|v| v["model_config"]["model_type"] = json!("gemma2"),
+        "parallel.cp with a gemma2 model",
+    );
+}
+
+/// A pipeline's instances take their batch whole: context parallelism there is refused by name.
+#[test]
+fn a_pipeline_instance_with_context_parallelism_is_refused() {
+    let mut policy = spec(4096, json!({"strategy": "fsdp", "world_size": 4, "cp": 2}));
+    policy["optimizer"] = json!("adamw");
+    let pipeline = json!({
+        "policy": policy,
+        "reference": {"model": "qwen2.5-1.5b", "precision": "bf16", "batch_size": 1, "seq_len": 4096},
+        "placement": "resident",
+    });
+    let err = headroom::spec::PipelineSpec::from_value(&pipeline)
+        .expect_err("refused")
+        .to_string();
+    assert!(err.contains("parallel.cp"), "{err}");
+}

@@ -39,7 +39,7 @@ def refuse_untraceable(spec):
     from .trainers import TrainerSpec
 
     if isinstance(spec, TrainerSpec):
-        if spec.trainer in ("trl-sft", "trl-dpo", "trl-grpo"):
+        if spec.trainer == "trl-grpo":
             raise TraceError(
                 f"`trainer: {spec.trainer}`: TRL's fused LM head scores the valid positions with Triton kernels on "
                 "CUDA (trl/kernels/chunked_logprob.py), a path the CPU does not take, and picks those positions by "
@@ -79,6 +79,8 @@ class Recorder:
         # node's gradients into the buffers of the nodes they flow to.
         self.accumulating = False
         self.scalar_reads = 0
+        # Answers to operators whose output shape depends on values (`trace_trl.MaskAnswers`).
+        self.answers = None
 
     # -- what the step loop calls ------------------------------------------------------------
 
@@ -144,7 +146,11 @@ class Recorder:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 if func is local_scalar:
                     return recorder._scalar(args[0])
-                out = func(*args, **(kwargs or {}))
+                out = NotImplemented
+                if recorder.answers is not None:
+                    out = recorder.answers.dispatch(recorder, func, args, kwargs)
+                if out is NotImplemented:
+                    out = func(*args, **(kwargs or {}))
                 recorder._after(func, args, out)
                 return out
 
@@ -175,15 +181,19 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 self._maybe_alloc(t, str(func))
         if name in KERNEL_MARKERS_GEMM:
-            bias_epilogue = name == "addmm" and isinstance(args[0], torch.Tensor) and args[0].dim() == 1
-            # The autograd engine runs the backward on its own thread, whose cuBLAS handle has
-            # its own workspace.
-            thread = 0 if torch._C._current_autograd_node() is None else 1
-            self.events.append(["gemm", bias_epilogue, thread])
+            self.gemm(name == "addmm" and isinstance(args[0], torch.Tensor) and args[0].dim() == 1)
         elif name == "sum" and func._overloadname == "dim_IntList":
             self._outer_sum(args)
         elif name in ATTENTION_BACKWARD:
             self._attention_backward(ATTENTION_BACKWARD[name], args)
+
+    def gemm(self, bias_epilogue: bool):
+        """A cuBLAS GEMM, whose workspace the Rust side sizes. The autograd engine runs the
+        backward on its own thread, whose cuBLAS handle has its own workspace."""
+        import torch
+
+        thread = 0 if torch._C._current_autograd_node() is None else 1
+        self.events.append(["gemm", bias_epilogue, thread])
 
     def _accumulate_in_place(self, args, out) -> bool:
         """The autograd engine sums two gradients of one input in place into the first when it
@@ -379,7 +389,7 @@ def _run_trainer(rec: Recorder, ts, fields: dict, progress):
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
 
-    from . import trainers
+    from . import trace_trl, trainers
 
     rec.phase("load")
     ckpt = tempfile.mkdtemp(prefix="headroom-trace-ckpt-")
@@ -416,10 +426,15 @@ def _run_trainer(rec: Recorder, ts, fields: dict, progress):
 
         def marked_backward(loss, **kwargs):
             rec.phase(f"step {trainer.state.global_step + 1} backward")
-            return backward(loss, **kwargs)
+            rec.watch_accumulation(loss.grad_fn)
+            try:
+                return backward(loss, **kwargs)
+            finally:
+                rec.accumulating = False
 
         accelerator.backward = marked_backward
-        trainer.train()
+        with trace_trl.on_cuda(rec, ts, trainer):
+            trainer.train()
         trainer_box.clear()
         del trainer, accelerator, backward
     finally:

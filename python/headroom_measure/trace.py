@@ -39,13 +39,11 @@ def refuse_untraceable(spec):
     from .trainers import TrainerSpec
 
     if isinstance(spec, TrainerSpec):
-        if spec.trainer == "trl-grpo":
+        if spec.trainer == "trl-dpo" and spec.precompute_ref_log_probs:
             raise TraceError(
-                f"`trainer: {spec.trainer}`: TRL's fused LM head scores the valid positions with Triton kernels on "
-                "CUDA (trl/kernels/chunked_logprob.py), a path the CPU does not take, and picks those positions by "
-                "value"
-                + (", and generation stops when every sequence has ended" if spec.trainer == "trl-grpo" else "")
-                + f"; fake tensors cannot follow it. `headroom estimate` models {spec.trainer} natively"
+                "`precompute_ref_log_probs: true`: TRL writes the reference log-probabilities into the dataset's "
+                "Arrow cache (`.numpy()`), which needs values fake tensors do not have; `headroom estimate` models "
+                "trl-dpo natively"
             )
         if spec.use_liger_kernel:
             raise TraceError("`use_liger_kernel`: liger's Triton kernels do not run on fake tensors")
@@ -168,6 +166,9 @@ class Recorder:
         import torch
 
         self.scalar_reads += 1
+        known = self.answers.scalar(t) if self.answers is not None else None
+        if known is not None:
+            return known
         return True if t.dtype == torch.bool else 1
 
     def _after(self, func, args, out):
@@ -458,7 +459,10 @@ class _BuildOnTheDevice:
     config (`from_config`, the dtype and attention `model_init_kwargs` give, `num_labels` for a
     reward head) where it would load the checkpoint."""
 
-    MODULES = ("trl.trainer.utils", "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.reward_trainer")
+    MODULES = (
+        "trl.trainer.utils", "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.grpo_trainer",
+        "trl.trainer.reward_trainer",
+    )
 
     def __init__(self, ts):
         self.ts = ts

@@ -54,15 +54,13 @@ class TraceCliTest(unittest.TestCase):
             self.assertEqual(out.returncode, 2, out.stderr)
             self.assertIn("quantization", out.stderr)
 
-    def test_trl_trainers_whose_head_runs_triton_are_refused_by_name(self):
-        for trainer in ("trl-sft", "trl-dpo"):
-            with tempfile.TemporaryDirectory() as tmp:
-                spec = {**TINY, "trainer": trainer}
-                out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
-                self.assertEqual(out.returncode, 2, out.stderr)
-                self.assertIn(f"`trainer: {trainer}`", out.stderr)
-                self.assertIn("fused LM head", out.stderr)
-                self.assertNotIn("Traceback", out.stderr)
+    def test_dpo_with_precomputed_reference_log_probs_is_refused_by_name(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = {**TINY, "trainer": "trl-dpo", "precompute_ref_log_probs": True}
+            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn("`precompute_ref_log_probs: true`", out.stderr)
+            self.assertNotIn("Traceback", out.stderr)
 
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")

@@ -162,11 +162,12 @@ class Recorder:
         """A value read back to Python (`.item()`, `bool(t)`), which fake tensors do not have.
         The reads the traced code makes decide no allocation: transformers' masking asks "is
         every row unpacked / unpadded" (true of the harness's dense batch) and the optimizers
-        read their step counter for the bias correction (any positive value)."""
+        read their step counter for the bias correction (any positive value). A mask whose value
+        the answers know (a NaN check) reads as that."""
         import torch
 
         self.scalar_reads += 1
-        known = self.answers.scalar(t) if self.answers is not None else None
+        known = self.answers.uniform(t) if self.answers is not None else None
         if known is not None:
             return known
         return True if t.dtype == torch.bool else 1

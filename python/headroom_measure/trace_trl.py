@@ -1,4 +1,4 @@
-"""TRL's SFT and DPO trainers under the tracer, as they run on CUDA.
+"""TRL's SFT, DPO and GRPO trainers under the tracer, as they run on CUDA.
 
 TRL's fused LM head (`trl/kernels/chunked_logprob.py`) decides by the device: on CUDA
 (`_use_triton`) it scores only the positions whose label is valid (`hidden[mask]`) and folds each
@@ -17,6 +17,9 @@ size. The tracer takes CUDA's path:
   recording modes), and the count of valid next-token labels answers every boolean mask of that
   batch's `(rows, length - 1)` shape. The answered operators allocate what CUDA's do: `nonzero`'s
   index tensor (`(count, 2)` int64, freed after the gather) and the gathered output.
+- **GRPO.** Its batches come from generation, not a collator: every completion runs to
+  `max_completion_length` as in the measured runs (`generate`'s stop check answered by length),
+  so the masks are full, and NaN checks of the rewards read false.
 """
 
 from __future__ import annotations
@@ -98,10 +101,6 @@ class MaskAnswers:
 
     def learn(self, shape, count: int):
         self.counts[tuple(int(d) for d in shape)] = int(count)
-
-    def scalar(self, t):
-        """A boolean read back to the host, where its value is known; None otherwise."""
-        return self.uniform(t)
 
     def uniform(self, t):
         """The value of every element of `t`, where known; None otherwise."""

@@ -39,13 +39,17 @@ def refuse_untraceable(spec):
     from .trainers import TrainerSpec
 
     if isinstance(spec, TrainerSpec):
-        if spec.trainer in ("trl-sft", "trl-dpo", "trl-grpo"):
+        if spec.trainer == "trl-grpo":
             raise TraceError(
-                f"`trainer: {spec.trainer}`: TRL's fused LM head scores the valid positions with Triton kernels on "
-                "CUDA (trl/kernels/chunked_logprob.py), a path the CPU does not take, and picks those positions by "
-                "value"
-                + (", and generation stops when every sequence has ended" if spec.trainer == "trl-grpo" else "")
-                + f"; fake tensors cannot follow it. `headroom estimate` models {spec.trainer} natively"
+                "`trainer: trl-grpo`: generation stops when every sampled sequence has ended, and the completion "
+                "masks follow the sampled tokens, values fake tensors do not have; `headroom estimate` models "
+                "trl-grpo natively"
+            )
+        if spec.trainer == "trl-dpo" and spec.precompute_ref_log_probs:
+            raise TraceError(
+                "`precompute_ref_log_probs: true`: TRL writes the reference log-probabilities into the dataset's "
+                "Arrow cache (`.numpy()`), which needs values fake tensors do not have; `headroom estimate` models "
+                "trl-dpo natively"
             )
         if spec.use_liger_kernel:
             raise TraceError("`use_liger_kernel`: liger's Triton kernels do not run on fake tensors")
@@ -84,6 +88,8 @@ class Recorder:
         # The stream an allocation is made on (0: the default stream); a sharded run's tracer
         # follows the streams its wrapper switches to (`trace_dist.Streams`).
         self.stream_of = lambda: 0
+        # Answers to operators whose output shape depends on values (`trace_trl.MaskAnswers`).
+        self.answers = None
 
     # -- what the step loop calls ------------------------------------------------------------
 
@@ -155,7 +161,11 @@ class Recorder:
                     return NotImplemented
                 if func is local_scalar:
                     return recorder._scalar(args[0])
-                out = func(*args, **(kwargs or {}))
+                out = NotImplemented
+                if recorder.answers is not None:
+                    out = recorder.answers.dispatch(recorder, func, args, kwargs)
+                if out is NotImplemented:
+                    out = func(*args, **(kwargs or {}))
                 recorder._after(func, args, out)
                 return out
 
@@ -187,15 +197,19 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 self._maybe_alloc(t, str(func))
         if name in KERNEL_MARKERS_GEMM:
-            bias_epilogue = name == "addmm" and isinstance(args[0], torch.Tensor) and args[0].dim() == 1
-            # The autograd engine runs the backward on its own thread, whose cuBLAS handle has
-            # its own workspace.
-            thread = 0 if torch._C._current_autograd_node() is None else 1
-            self.events.append(["gemm", bias_epilogue, thread])
+            self.gemm(name == "addmm" and isinstance(args[0], torch.Tensor) and args[0].dim() == 1)
         elif name == "sum" and func._overloadname == "dim_IntList":
             self._outer_sum(args)
         elif name in ATTENTION_BACKWARD:
             self._attention_backward(ATTENTION_BACKWARD[name], args)
+
+    def gemm(self, bias_epilogue: bool):
+        """A cuBLAS GEMM, whose workspace the Rust side sizes. The autograd engine runs the
+        backward on its own thread, whose cuBLAS handle has its own workspace."""
+        import torch
+
+        thread = 0 if torch._C._current_autograd_node() is None else 1
+        self.events.append(["gemm", bias_epilogue, thread])
 
     def _accumulate_in_place(self, args, out) -> bool:
         """The autograd engine sums two gradients of one input in place into the first when it
@@ -413,7 +427,7 @@ def _run_trainer(rec: Recorder, ts, fields: dict, progress):
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
 
-    from . import trainers
+    from . import trace_trl, trainers
 
     rec.phase("load")
     ckpt = tempfile.mkdtemp(prefix="headroom-trace-ckpt-")
@@ -450,10 +464,15 @@ def _run_trainer(rec: Recorder, ts, fields: dict, progress):
 
         def marked_backward(loss, **kwargs):
             rec.phase(f"step {trainer.state.global_step + 1} backward")
-            return backward(loss, **kwargs)
+            rec.watch_accumulation(loss.grad_fn)
+            try:
+                return backward(loss, **kwargs)
+            finally:
+                rec.accumulating = False
 
         accelerator.backward = marked_backward
-        trainer.train()
+        with trace_trl.on_cuda(rec, ts, trainer):
+            trainer.train()
         trainer_box.clear()
         del trainer, accelerator, backward
     finally:

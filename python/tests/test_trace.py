@@ -54,15 +54,23 @@ class TraceCliTest(unittest.TestCase):
             self.assertEqual(out.returncode, 2, out.stderr)
             self.assertIn("quantization", out.stderr)
 
-    def test_trl_trainers_whose_head_runs_triton_are_refused_by_name(self):
-        for trainer in ("trl-sft", "trl-dpo"):
-            with tempfile.TemporaryDirectory() as tmp:
-                spec = {**TINY, "trainer": trainer}
-                out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
-                self.assertEqual(out.returncode, 2, out.stderr)
-                self.assertIn(f"`trainer: {trainer}`", out.stderr)
-                self.assertIn("fused LM head", out.stderr)
-                self.assertNotIn("Traceback", out.stderr)
+    def test_dpo_with_precomputed_reference_log_probs_is_refused_by_name(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = {**TINY, "trainer": "trl-dpo", "precompute_ref_log_probs": True}
+            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn("`precompute_ref_log_probs: true`", out.stderr)
+            self.assertNotIn("Traceback", out.stderr)
+
+    def test_grpo_whose_generation_ends_by_value_is_refused_by_name(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = {k: v for k, v in TINY.items() if k != "seq_len"}
+            spec.update(trainer="trl-grpo", prompt_len=32, completion_len=16, num_generations=2)
+            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn("`trainer: trl-grpo`", out.stderr)
+            self.assertIn("generation stops", out.stderr)
+            self.assertNotIn("Traceback", out.stderr)
 
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")

@@ -1,0 +1,193 @@
+"""TRL's SFT and DPO trainers under the tracer, as they run on CUDA.
+
+TRL's fused LM head (`trl/kernels/chunked_logprob.py`) decides by the device: on CUDA
+(`_use_triton`) it scores only the positions whose label is valid (`hidden[mask]`) and folds each
+logits tile with Triton kernels that write into buffers the Python wrapper allocates; on the CPU it
+scores every position and folds each tile with torch ops that allocate temporaries of the tile's
+size. The tracer takes CUDA's path:
+
+- **Triton.** `_use_triton` is true, and the two kernel launches do nothing: every tensor they
+  write (the running statistics, the logits tile turned into its gradient) is allocated by the
+  wrapper, and a Triton launch asks the caching allocator for nothing. `_addmm_fp32` takes CUDA's
+  `addmm(..., out_dtype=float32, out=acc)`, a GEMM into the fp32 accumulator that allocates nothing
+  but cuBLAS's workspace (a GEMM marker), where the CPU path copies both operands to fp32.
+- **Valid positions.** `hidden[mask]`, `labels[mask]` and the backward's `masked_select` have a
+  shape that depends on how many labels are valid. The harness builds the batches, so that number
+  is known: the trainer's collator is run a second time on the real batch (outside the fake and
+  recording modes), and the count of valid next-token labels answers every boolean mask of that
+  batch's `(rows, length - 1)` shape. The answered operators allocate what CUDA's do: `nonzero`'s
+  index tensor (`(count, 2)` int64, freed after the gather) and the gathered output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+class _NoOpLaunch:
+    """A Triton kernel's `kernel[grid](...)` launch that does nothing: it writes only into tensors
+    its caller allocated, and fake tensors have no values to write."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+class _TritonShim:
+    """What the wrapper asks of the `triton` module when torch ships without it (the CPU wheel)."""
+
+    @staticmethod
+    def cdiv(a, b):
+        return -(-a // b)
+
+
+def addmm_fp32_cuda(rec, acc, a, b) -> None:
+    """`_addmm_fp32` as it runs on CUDA: half-precision operands go to a GEMM with fp32 output into
+    `acc` (`torch.addmm(..., out_dtype=torch.float32, out=acc)`), which allocates nothing but the
+    cuBLAS workspace; fp32 operands add in place as on every device."""
+    import torch
+
+    if a.dtype in (torch.float16, torch.bfloat16):
+        rec.gemm(bias_epilogue=False)
+    else:
+        acc.addmm_(a, b)
+
+
+class TritonPath:
+    """The fused LM head's CUDA branch, for the life of a `with` block."""
+
+    def __init__(self, rec):
+        self.rec = rec
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        import trl.kernels.chunked_logprob as kernel
+        import trl.trainer.utils as utils
+
+        rec = self.rec
+
+        def patch(module, name, value):
+            had = hasattr(module, name)
+            old = getattr(module, name, None)
+            setattr(module, name, value)
+            self._stack.callback(lambda: setattr(module, name, old) if had else delattr(module, name))
+
+        patch(kernel, "_use_triton", lambda device: True)
+        patch(utils, "_use_triton", lambda device: True)
+        patch(kernel, "_forward_kernel", _NoOpLaunch())
+        patch(kernel, "_backward_kernel", _NoOpLaunch())
+        patch(kernel, "_addmm_fp32", lambda acc, a, b: addmm_fp32_cuda(rec, acc, a, b))
+        if not hasattr(kernel, "triton"):
+            patch(kernel, "triton", _TritonShim())
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+
+class MaskAnswers:
+    """The number of true elements of the boolean masks the traced code selects by, keyed by the
+    mask's shape; `Recorder` asks it before a value-dependent operator runs."""
+
+    def __init__(self):
+        self.counts: dict[tuple, int] = {}
+
+    def learn(self, shape, count: int):
+        self.counts[tuple(int(d) for d in shape)] = int(count)
+
+    def count(self, mask) -> int:
+        from .trace import TraceError
+
+        key = tuple(int(d) for d in mask.shape)
+        answer = self.counts.get(key)
+        if answer is None:
+            known = ", ".join(str(list(k)) for k in self.counts) or "none"
+            raise TraceError(
+                f"a boolean mask of shape {list(key)} selects by value, and the tracer knows the number of valid "
+                f"positions only for the batches' label masks (shapes {known})"
+            )
+        return answer
+
+    def dispatch(self, rec, func, args, kwargs):
+        """The value-dependent operators, answered; `NotImplemented` for every other operator."""
+        import torch
+
+        aten = torch.ops.aten
+        if func is aten.nonzero.default:
+            return self._nonzero(rec, args[0])
+        if func is aten.masked_select.default:
+            # CUDA's `masked_select`: both expanded to one shape, then `index` by the mask.
+            x, mask = torch.broadcast_tensors(args[0], args[1])
+            return self._index(rec, aten.index.Tensor, (x, [mask]))
+        if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
+            if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+                return self._index(rec, func, args, kwargs)
+        return NotImplemented
+
+    def _nonzero(self, rec, mask):
+        import torch
+
+        out = torch.empty((self.count(mask), mask.dim()), dtype=torch.long, device=mask.device)
+        rec._maybe_alloc(out, "aten.nonzero.default")
+        return out
+
+    def _index(self, rec, func, args, kwargs=None):
+        """`index` and `index_put` with a boolean index, as ATen's `expandTensors` runs them: the
+        mask's `nonzero`, one int64 index per mask dimension (views of it), then the operator."""
+        import torch
+
+        indices = []
+        for i in args[1]:
+            if i is not None and i.dtype in (torch.bool, torch.uint8):
+                indices.extend(self._nonzero(rec, i).unbind(1))
+            else:
+                indices.append(i)
+        out = func(args[0], indices, *args[2:], **(kwargs or {}))
+        # The output is allocated while the index tensor is alive.
+        rec._maybe_alloc(out, str(func))
+        return out
+
+
+def learn_label_masks(trainer, answers: MaskAnswers):
+    """Wrap the trainer's collator: each batch is also collated for real, outside the fake and
+    recording modes, and the count of its valid next-token labels answers its label mask.
+    `labels` (SFT) or `completion_mask` (DPO) say which positions are scored. DPO's batch is the
+    chosen rows over the rejected ones, and its metrics select each half by its own mask: a half's
+    shape is answered when both halves have the same count (otherwise the shape is ambiguous)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    collate = trainer.data_collator
+
+    def learning(features):
+        with _disable_current_modes():
+            real = collate(features)
+            if "labels" in real:
+                valid = real["labels"][:, 1:] != -100
+            else:
+                valid = real["completion_mask"][:, 1:] != 0
+                chosen, rejected = (int(torch.count_nonzero(h)) for h in valid.chunk(2, dim=0))
+                if chosen == rejected:
+                    answers.learn(valid.chunk(2, dim=0)[0].shape, chosen)
+            answers.learn(valid.shape, int(torch.count_nonzero(valid)))
+        return collate(features)
+
+    trainer.data_collator = learning
+
+
+FUSED_HEAD_TRAINERS = ("trl-sft", "trl-dpo")
+
+
+@contextlib.contextmanager
+def on_cuda(rec, ts, trainer):
+    """`trainer.train()` of a trainer with TRL's fused LM head as it runs on CUDA: the Triton
+    path, and the label masks answered from the real batches. Other trainers run as they are."""
+    if ts.trainer not in FUSED_HEAD_TRAINERS:
+        yield
+        return
+    rec.answers = MaskAnswers()
+    learn_label_masks(trainer, rec.answers)
+    try:
+        with TritonPath(rec):
+            yield
+    finally:
+        rec.answers = None

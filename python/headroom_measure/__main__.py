@@ -11,7 +11,8 @@
 `pipeline` measures a pipeline: instances built in one process, phases of train / forward /
 generate passes, host offload (see pipeline.py); it prints the record (rank 0 under torchrun).
 `dist` measures a spec with a `parallel` block on N GPUs, one process each (see dist.py); rank 0
-appends the record to --out and prints it.
+appends the record to --out and prints it. With `parallel.framework: megatron` it measures Megatron-core
+as rank 0 of a fake world (HEADROOM_FAKE_WORLD; see megatron.py).
 `trace` runs the spec's steps under fake tensors on the CPU (no GPU needed) and writes a headroom
 trace file (docs/trace-format.md) for `headroom trace` to replay through the allocator.
 `batch` runs every line of SPECS.jsonl ({"id", "spec", optional "hint_bytes"}) in a fresh process
@@ -186,9 +187,23 @@ def cmd_dist(args) -> int:
     if spec.expandable_segments:
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
-    from .dist import measure_dist
+    if spec.parallel.framework == "megatron":
+        from .megatron import megatron_options, measure_megatron
 
-    record = measure_dist(spec, fields, row_id=args.id, snapshot=args.snapshot, stacks=args.stacks)
+        try:
+            megatron_options(spec)
+            __import__("megatron.core")
+        except specmod.SpecError as err:
+            return _fail(str(err))
+        except ImportError:
+            return _fail("megatron-core not installed; `pip install megatron-core==0.19.0` to measure framework megatron")
+        if not os.environ.get("HEADROOM_FAKE_WORLD"):
+            return _fail("framework megatron is measured as rank 0 of a fake process group: set HEADROOM_FAKE_WORLD")
+        record = measure_megatron(spec, fields, row_id=args.id, snapshot=args.snapshot, stacks=args.stacks)
+    else:
+        from .dist import measure_dist
+
+        record = measure_dist(spec, fields, row_id=args.id, snapshot=args.snapshot, stacks=args.stacks)
     if record is not None:
         line = json.dumps(record)
         with open(args.out, "a") as out:

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use super::megatron::{Megatron, parse_megatron};
 use super::parse::{boolean, choice, parse_document, positive, read_document, unknown_key};
 use super::trainer::{TRAINER_KEYS, TrainerKind, TrainerSpec};
 use super::versions::Versions;
@@ -302,6 +303,10 @@ pub enum Framework {
     /// o/down row-parallel, the embedding row-parallel, the head column-parallel with
     /// `loss_parallel`), then FSDP2 over the data-parallel mesh dimension.
     Torchtitan,
+    /// Megatron-core's GPTModel (local layer spec) with its own tensor-parallel layers,
+    /// `DistributedDataParallel` over `world_size / tp` ranks and its optimizer
+    /// (`spec::megatron`).
+    Megatron,
 }
 
 /// `FullyShardedDataParallel`'s settings that change memory.
@@ -440,6 +445,8 @@ pub struct RunSpec {
     pub experts: ExpertsImpl,
     /// The busiest expert's tokens over an even share (`routing.max_tokens_per_expert_factor`).
     pub routing_factor: f64,
+    /// Megatron-core's settings (`megatron:`), with `parallel.framework: megatron`.
+    pub megatron: Option<Megatron>,
 }
 
 const KEYS: &[&str] = &[
@@ -462,10 +469,11 @@ const KEYS: &[&str] = &[
     "versions",
     "experts_implementation",
     "routing",
+    "megatron",
 ];
 
 /// What an unknown key in a run spec (or its sections) is not.
-const RUN_SPEC_KEY: &str = "a run-spec key";
+pub(crate) const RUN_SPEC_KEY: &str = "a run-spec key";
 
 const PARALLEL_KEYS: &[&str] = &[
     "strategy",
@@ -685,6 +693,10 @@ impl RunSpec {
             },
             versions: Versions::from_value(obj.get("versions"))?,
             trainer,
+            megatron: match obj.get("megatron") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(parse_megatron(v)?),
+            },
         };
         spec.check_sizes()?;
         spec.check_combinations()?;
@@ -757,6 +769,7 @@ impl RunSpec {
 
     fn check_combinations(&self) -> Result<()> {
         self.check_trainer()?;
+        super::megatron::check_combinations(self)?;
         if self.kbit_prepare && self.quantization.is_none() {
             return Err(Error::field(
                 "kbit_prepare",
@@ -1059,11 +1072,12 @@ impl RunSpec {
     /// modelled, LoRA targets that exist and ranks that fit.
     pub fn check_against(&self, arch: &Architecture) -> Result<()> {
         use crate::arch::Family;
+        super::megatron::check_against(self, arch)?;
         if let Some(tensor) = self
             .parallel
             .as_ref()
             .map(|p| p.tensor)
-            .filter(|t| t.tp > 1)
+            .filter(|t| t.tp > 1 && t.framework == Framework::Torchtitan)
         {
             check_tensor_parallel(tensor, arch)?;
         }
@@ -1421,7 +1435,10 @@ fn parse_tensor_parallel(
         Some(_) => choice(
             obj,
             "framework",
-            &[("torchtitan", Framework::Torchtitan)],
+            &[
+                ("torchtitan", Framework::Torchtitan),
+                ("megatron", Framework::Megatron),
+            ],
             Framework::Torchtitan,
         )
         .map_err(field)?,
@@ -1432,6 +1449,14 @@ fn parse_tensor_parallel(
             true,
             "it shards the sequence over the tensor-parallel ranks; set tp >= 2 or leave it out",
         ));
+    }
+    if framework == Framework::Megatron {
+        // Megatron's own DDP spreads the data-parallel dimension (`spec::megatron` checks it).
+        return Ok(TensorParallel {
+            tp,
+            sequence_parallel,
+            framework,
+        });
     }
     if tp > 1 && !matches!(strategy, Strategy::Fsdp | Strategy::NoDataParallel) {
         return Err(Error::field(

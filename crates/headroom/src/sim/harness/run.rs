@@ -13,7 +13,7 @@ use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{Keep, Memory, OnOom};
 use crate::sim::engine::tracer::{T, Tracer};
 use crate::sim::memo::{Memo, Script};
-use crate::spec::{Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
+use crate::spec::{Framework, Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
 
 /// Simulate the run of `spec` on `arch` as `options` say.
 ///
@@ -22,6 +22,13 @@ use crate::spec::{Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
 /// first, then the larger reserved and allocated peaks). Without a limit another rank may
 /// need more, so such a run that runs out stops there.
 pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
+    if spec
+        .parallel
+        .as_ref()
+        .is_some_and(|p| p.tensor.framework == Framework::Megatron)
+    {
+        return super::megatron::simulate(spec, arch, options);
+    }
     let ranks_differ = spec.parallel.as_ref().is_some_and(Parallel::ranks_differ);
     let run = |rank| {
         let mut t = Tracer::new(

@@ -9,7 +9,9 @@
 //! - [`zero`]: DeepSpeed ZeRO stages 1 and 2;
 //! - [`zero3`] and [`zero3_gather`]: DeepSpeed ZeRO stage 3 and its per-module gathers;
 //! - [`tp`]: tensor parallelism (with or without sequence parallelism) wrapping the strategy
-//!   of the data-parallel mesh dimension, whose hooks it passes on.
+//!   of the data-parallel mesh dimension, whose hooks it passes on;
+//! - [`megatron`]: Megatron-core's `DistributedDataParallel` (one fp32 gradient buffer) and its
+//!   mixed-precision or distributed optimizer, under Megatron's own tensor-parallel layers.
 //!
 //! Pipeline, context and expert parallelism take their places here as further variants with
 //! the same hooks.
@@ -18,6 +20,7 @@ pub(crate) mod ddp;
 pub(crate) mod fsdp;
 pub(crate) mod fsdp1;
 pub(crate) mod fsdp_offload;
+pub(crate) mod megatron;
 pub(crate) mod tp;
 pub(crate) mod zero;
 pub(crate) mod zero3;
@@ -29,6 +32,7 @@ use ddp::Ddp;
 use fsdp::Fsdp;
 use fsdp_offload::FsdpOffload;
 use fsdp1::Fsdp1;
+use megatron::MegatronDdp;
 use tp::TensorParallel;
 use zero::Zero;
 use zero3::Zero3;
@@ -51,6 +55,8 @@ pub(crate) enum Strategy {
     Zero3(Box<Zero3>),
     /// Tensor parallelism over the strategy of the data-parallel dimension.
     Tensor(Box<TensorParallel>),
+    /// Megatron-core's DDP and optimizer.
+    Megatron(Box<MegatronDdp>),
 }
 
 /// A part of the model FSDP2 may wrap as a unit of its own: a decoder layer, the input
@@ -225,6 +231,7 @@ impl Strategy {
         match self {
             Strategy::Zero(zero) => zero.grad_hook(t, param),
             Strategy::Zero3(zero3) => zero3.grad_hook(t, param),
+            Strategy::Megatron(megatron) => megatron.grad_accumulated(t, param),
             _ => {}
         }
     }
@@ -254,6 +261,7 @@ impl Strategy {
         match self {
             Strategy::Zero(zero) => zero.step(t, optimizer),
             Strategy::Zero3(zero3) => zero3.step(t),
+            Strategy::Megatron(megatron) => megatron.step(t),
             _ => return false,
         }
         true

@@ -220,6 +220,12 @@ pub(crate) enum Bwd {
     /// `baddbmm(W, B, A)` with a frozen `W`: each factor's gradient is a `bmm` scaled by
     /// alpha.
     Baddbmm,
+    /// Megatron's `_VocabParallelCrossEntropy` over `tokens` rows: the gradient is the saved
+    /// fp32 softmax, updated in place at the targets (`grad_2d[arange, target] -=
+    /// 1 - target_mask.float()`) and scaled by the incoming gradient.
+    VocabParallelCrossEntropy {
+        tokens: u64,
+    },
 }
 
 /// What the backward of TRL's chunked log-prob function needs to know

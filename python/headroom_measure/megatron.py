@@ -21,7 +21,8 @@ Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `
    share_embeddings_and_output_weights=tie_word_embeddings)`: the local (non-Transformer-Engine) layer spec,
    whose core attention is Megatron's `DotProductAttention` (baddbmm, softmax in fp32, bmm). The weights are
    created on the GPU and initialised in place, as Megatron does (`use_cpu_initialization=False`).
-4. `Float16Module(config, model)` (bf16), then `DistributedDataParallel(config, DistributedDataParallelConfig(
+4. `model.cuda()` (the local spec's `torch.nn.RMSNorm` weights are made on the host), `Float16Module(config,
+   model)` (bf16), then `DistributedDataParallel(config, DistributedDataParallelConfig(
    grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=D), module)`, as
    `get_model` does with `--bf16` (which turns on `accumulate_allreduce_grads_in_fp32`).
 5. `get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-5, weight_decay=0.01, bf16=True,
@@ -165,6 +166,8 @@ def build(spec: Spec, fields: dict, options: dict):
         rotary_base=int(fields.get("rope_theta", 10000)),
         share_embeddings_and_output_weights=bool(fields.get("tie_word_embeddings", False)),
     )
+    # Megatron-LM's get_model: to the GPU (the torch norms are made on the host), then bf16.
+    model.cuda(torch.cuda.current_device())
     model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

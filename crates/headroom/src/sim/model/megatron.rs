@@ -24,17 +24,20 @@
 //! - `DotProductAttention`: key and value `repeat_interleave`d to the heads; `baddbmm` into a
 //!   new `[b·np, s, s]` bf16 tensor beside the persistent "mpu" buffer it is given
 //!   (`get_global_memory_buffer`); `FusedScaleMaskSoftmax`'s torch path: `.float()`, the
-//!   cached causal mask filled in place, `Softmax` (saves its fp32 result), `.bfloat16()`;
+//!   causal mask (made at every call: fp32 ones, `triu`, `.bool()`) filled in place and saved,
+//!   `Softmax` (saves its fp32 result), `.bfloat16()`;
 //!   `bmm` with the values, then `permute(...).contiguous()`.
 //! - `bias_dropout_add` without fusion: dropout 0 is the identity, `residual + out`.
-//! - the MLP: `linear_fc1` to `2f`, `chunk`, `silu(x0) * x1`, `linear_fc2`.
+//! - the MLP: `linear_fc1` to `2f`, `chunk`, `silu(x0) * (x1 + glu_linear_offset)` (the sum
+//!   a new tensor), `linear_fc2`.
 //! - the output layer's logits (bf16, freed once the loss is computed) and
 //!   `_VocabParallelCrossEntropy`: `.float()` (the fp32 copy is worked in place into the
 //!   softmax, which it saves), the row max with its indices, the targets masked and shifted.
 //! - recomputation: `tensor_parallel.checkpoint` of whole layers (`full`, chunks as
 //!   `spec::Megatron::checkpointed_chunks` says) or of each layer's core attention
-//!   (`selective`, from q, k and v after the rotary embedding); the recomputation runs in
-//!   backward when the region's gradient arrives.
+//!   (`selective`, from q, k and v after the rotary embedding), reentrant: the recomputation
+//!   runs the whole region when its gradient arrives and keeps its output through the
+//!   region's backward.
 
 use std::cell::RefCell;
 use std::ops::Range;
@@ -81,13 +84,11 @@ enum Region {
     CoreAttention,
 }
 
-/// Tensors Megatron caches for the life of the process: the "mpu" buffer `baddbmm` is given,
-/// the causal mask (`get_default_causal_mask`, an `lru_cache`) and the rotary `freqs`
-/// (`RotaryEmbedding.forward`, an `lru_cache`).
+/// Tensors Megatron keeps for the life of the process: the "mpu" buffer `baddbmm` is given
+/// and the rotary `freqs` (`RotaryEmbedding.forward`, an `lru_cache`).
 #[derive(Default)]
 struct Cache {
     mpu: Option<T>,
-    mask: Option<T>,
     freqs: Option<T>,
     /// This step's checkpointed regions, by id.
     regions: Vec<Region>,
@@ -110,7 +111,8 @@ pub(crate) struct GptModel {
 impl GptModel {
     /// `GPTModel(config, layer_spec, ...)` on the GPU (`use_cpu_initialization=False`: each
     /// weight made in place, in construction order, which is `named_parameters()` order), the
-    /// norms fp32 as `torch.nn.RMSNorm` makes them; then `Float16Module`'s `bfloat16()`.
+    /// norms fp32 on the host as `torch.nn.RMSNorm` makes them; `model.cuda()` moves those,
+    /// then `Float16Module`'s `bfloat16()` casts them.
     pub(crate) fn build(t: &mut Tracer, arch: &Architecture, tp: u64, megatron: Megatron) -> Self {
         let widths = Widths {
             hidden: arch.hidden,
@@ -132,8 +134,16 @@ impl GptModel {
         } = widths;
         let mut params = Vec::new();
         let mut vectors = Vec::new();
+        let mut norms = Vec::new();
         let mut param = |t: &mut Tracer, numel: u64, dtype: DType, label: &'static str| {
-            let p = t.parameter(numel, dtype, true, label);
+            // `torch.nn.RMSNorm` makes its weight on the host; the layers make theirs on the GPU.
+            let p = if dtype == DType::F32 {
+                let p = t.parameter_deferred(numel, dtype, true, label);
+                norms.push(p);
+                p
+            } else {
+                t.parameter(numel, dtype, true, label)
+            };
             params.push(p);
             vectors.push(dtype == DType::F32 || label.ends_with("bias"));
             p
@@ -158,6 +168,10 @@ impl GptModel {
             .collect();
         let final_norm = param(t, h, DType::F32, "final_layernorm.weight");
         let output = param(t, v * h, DType::BF16, "output_layer.weight");
+        // `model.cuda()` (Megatron-LM's `get_model`), then `Float16Module`'s `bfloat16()`.
+        for p in norms {
+            t.materialize(p);
+        }
         for &p in &params {
             t.cast_parameter(p, DType::BF16);
         }
@@ -190,7 +204,7 @@ impl GptModel {
             let chunk = chunks.iter().find(|c| c.start == layer).cloned();
             let end = chunk.as_ref().map_or(layer + 1, |c| c.end);
             if let Some(chunk) = chunk {
-                let id = t.begin_region(&[hidden]);
+                let id = t.begin_reentrant_region(&[hidden]);
                 self.push_region(id, Region::Layers(chunk));
             }
             for l in layer..end {
@@ -344,7 +358,7 @@ impl GptModel {
         let key_rot = self.rotary(t, key, freqs, batch.s);
         t.drop(key);
         let context = if self.megatron.recompute == Recompute::Selective {
-            let id = t.begin_region(&[query_rot, key_rot, value]);
+            let id = t.begin_reentrant_region(&[query_rot, key_rot, value]);
             self.push_region(id, Region::CoreAttention);
             let out = self.core_attention(t, query_rot, key_rot, value, batch);
             t.end_region();
@@ -432,10 +446,13 @@ impl GptModel {
         let mask = self.causal_mask(t, s);
         let masked = t.view(scores32, scores_numel, "masked_fill_ (in place)");
         t.record(Bwd::MaskedFill, &[Some(scores32)], &[masked], &[mask]);
-        let probs32 = t.softmax_f32(masked);
-        t.drop_all(&[masked, scores32]);
+        // `Softmax` on an fp32 input: its backward (`_softmax_backward_data` without
+        // half-to-float) takes a gradient-sized scratch besides its result, as `_safe_softmax`'s.
+        let probs32 = t.empty(scores_numel, DType::F32, "softmax (fp32)");
+        t.record(Bwd::SafeSoftmax, &[Some(masked)], &[probs32], &[probs32]);
         let probs = t.to(probs32, t.dtype(query));
-        t.drop(probs32);
+        // `probs` rebound, then `forward_torch_softmax` returns: its mask and fp32 input go.
+        t.drop_all(&[probs32, mask, masked, scores32]);
         let context = t.bmm(probs, value, n * heads * d);
         let out = t.contiguous_copy(context);
         t.drop_all(&[context, probs, scores, key, value]);
@@ -457,24 +474,19 @@ impl GptModel {
         }
     }
 
-    /// `get_default_causal_mask(s)` (an `lru_cache`): `triu(ones(s, s), 1).bool()`.
+    /// `get_default_causal_mask(s)`, made again at every call: `triu(ones(s, s), 1).bool()`.
     fn causal_mask(&self, t: &mut Tracer, s: u64) -> T {
-        if let Some(mask) = self.cache.borrow().mask {
-            return mask;
-        }
         let outer = std::mem::replace(&mut t.component, Component::Inputs);
         let ones = t.empty(s * s, DType::F32, "torch.ones(s, s)");
         let upper = t.empty(s * s, DType::F32, "torch.triu");
         t.drop(ones);
-        let mask = t.empty(s * s, DType::Bool, "causal mask (cached)");
+        let mask = t.empty(s * s, DType::Bool, "causal mask");
         t.drop(upper);
         t.component = outer;
-        t.mark_persistent(mask);
-        self.cache.borrow_mut().mask = Some(mask);
         mask
     }
 
-    /// `MLP.forward`: `linear_fc1`, `glu` (`chunk`, `silu(x0) * x1`), `linear_fc2`.
+    /// `MLP.forward`: `linear_fc1`, `glu` (`chunk`, `silu(x0) * (x1 + offset)`), `linear_fc2`.
     fn mlp(&self, t: &mut Tracer, layer: &Layer, x: T) -> T {
         let Widths { hidden: h, ffn: f, .. } = self.widths;
         let up = t.linear(x, layer.fc1, None, 2 * f, false);
@@ -483,8 +495,10 @@ impl GptModel {
         t.record(Bwd::Split, &[Some(up)], &halves, &[]);
         t.drop(up);
         let act = t.silu(halves[0]);
-        let gated = t.mul(act, halves[1]);
-        t.drop_all(&[act, halves[0], halves[1]]);
+        // `x_linear + config.glu_linear_offset`: a new tensor even for an offset of 0.
+        let linear = t.add_scalar(halves[1]);
+        let gated = t.mul(act, linear);
+        t.drop_all(&[linear, act, halves[0], halves[1]]);
         let out = t.linear(gated, layer.fc2, None, h, false);
         t.drop(gated);
         out
@@ -526,14 +540,16 @@ impl GptModel {
         out
     }
 
-    /// `tensor_parallel.checkpoint`'s recomputation of region `region` in backward.
+    /// `tensor_parallel.checkpoint`'s recomputation of region `region` in backward: the whole
+    /// region runs again (a reentrant checkpoint), its output kept through the region's
+    /// backward.
     pub(crate) fn recompute(&self, t: &mut Tracer, region: u32, batch: Batch) {
         let kind = self.cache.borrow().regions[region as usize].clone();
         let inputs = t.region_inputs(region);
         let freqs = self.cache.borrow().freqs.expect("the forward made the freqs");
         t.begin_recompute(region);
         let outer = std::mem::replace(&mut t.component, Component::Activations);
-        match kind {
+        let out = match kind {
             Region::Layers(layers) => {
                 let mut hidden = t.share(inputs[0]);
                 for l in layers {
@@ -541,13 +557,14 @@ impl GptModel {
                     t.drop(hidden);
                     hidden = next;
                 }
-                t.drop(hidden);
+                hidden
             }
             Region::CoreAttention => {
-                let out = self.core_attention(t, inputs[0], inputs[1], inputs[2], batch);
-                t.drop(out);
+                self.core_attention(t, inputs[0], inputs[1], inputs[2], batch)
             }
-        }
+        };
+        t.hold_recomputed_output(region, out);
+        t.drop(out);
         t.component = outer;
         t.end_recompute();
     }

@@ -296,6 +296,11 @@ struct Region {
     nodes: Vec<RegionNode>,
     recomputed: bool,
     pending: usize,
+    /// A reentrant checkpoint (`torch.utils.checkpoint(use_reentrant=True)`, Megatron's
+    /// `tensor_parallel.checkpoint`): its recomputation runs the whole region, and the output
+    /// it recomputed lives until the region's backward is done.
+    reentrant: bool,
+    recomputed_output: Option<T>,
 }
 
 /// A node recorded inside a checkpointed region.
@@ -1006,9 +1011,26 @@ impl Tracer {
             nodes: Vec::with_capacity(room),
             recomputed: false,
             pending: 0,
+            reentrant: false,
+            recomputed_output: None,
         });
         self.region = Some(id);
         id
+    }
+
+    /// Enter the forward of a reentrant checkpointed region (see [`Region::reentrant`]).
+    pub(crate) fn begin_reentrant_region(&mut self, inputs: &[T]) -> u32 {
+        let id = self.begin_region(inputs);
+        self.regions[id as usize].reentrant = true;
+        id
+    }
+
+    /// The output a reentrant region's recomputation made: kept until its backward is done.
+    pub(crate) fn hold_recomputed_output(&mut self, region: u32, output: T) {
+        let kept = self.share(output);
+        if let Some(old) = self.regions[region as usize].recomputed_output.replace(kept) {
+            self.drop(old);
+        }
     }
 
     pub(crate) fn end_region(&mut self) {
@@ -1043,6 +1065,9 @@ impl Tracer {
             return false;
         };
         let r = &self.regions[region as usize];
+        if r.reentrant {
+            return false;
+        }
         match r.last_saving() {
             None => true,
             Some(last) => next > last || (next == last && !r.nodes[last].saves_output),
@@ -1208,7 +1233,11 @@ impl Tracer {
             r.pending -= 1;
             if r.pending == 0 {
                 let inputs = std::mem::take(&mut r.inputs);
+                let output = r.recomputed_output.take();
                 self.drop_all(&inputs);
+                if let Some(output) = output {
+                    self.drop(output);
+                }
             }
         }
     }

@@ -2,9 +2,10 @@
 # On a 4-GPU device machine, from the repository root: every spec line of specs.jsonl and both
 # pipelines twice, as a real world under torchrun (NCCL, every rank measured) and as rank 0 of
 # the same world under torch's fake process group (one process). The 2-rank real runs use GPUs
-# 0-1 while fake runs use GPUs 2-3; the 4-rank real runs use all four; the remaining fake runs
-# then share the GPUs, one process each; GPU 3 also records one single-GPU snapshot for the trace
-# corpus. Rows: $OUT/nccl.jsonl and $OUT/fake.jsonl; logs $OUT/log.txt.
+# 0-1 while the 2-rank fakes use GPU 2 and the 4-rank fakes GPU 3 (SNAPSHOT=1: GPU 3 also records
+# one single-GPU snapshot for the trace corpus); the 4-rank real runs and pipelines use all four;
+# the pipelines' fakes then take one GPU each. Rows: $OUT/nccl.jsonl and $OUT/fake.jsonl; logs
+# $OUT/log.txt.
 #   bash bench/nccl-x4/run.sh     (PHASES=B: the 4-rank real runs alone; SPECS=FILE other spec lines;
 #                                  PIPELINES="" none of the pipelines)
 set -u
@@ -45,35 +46,36 @@ done
 # Only the runs are waited for: a bare `wait` would also wait for the log's tee.
 phases=${PHASES:-ABC}
 pids=()
-# A: the 2-rank real runs on GPUs 0-1, beside the 2-rank fake runs on GPU 2 and the first 4-rank fakes on GPU 3.
+# A: the 2-rank real runs on GPUs 0-1, beside the 2-rank fakes on GPU 2 and the 4-rank fakes on GPU 3.
 if [[ $phases == *A* ]]; then
 ( for l in "${w2[@]}"; do real 0,1 "$(field "$l" id)" "$(field "$l" spec)"; done ) &
 pids+=($!)
 ( for l in "${w2[@]}"; do fake 2 2 "$(field "$l" id)" "$(field "$l" spec)"; done ) &
 pids+=($!)
-( for l in "${w4[@]:0:2}"; do fake 3 4 "$(field "$l" id)" "$(field "$l" spec)"; done
-  # A snapshot for the trace corpus (bench/trace): the one row whose traced reserved memory is off.
-  l=$(cat "$here/snapshot-pythia-eager.jsonl")
-  CUDA_VISIBLE_DEVICES=3 timeout -k 10 120 python3 -m headroom_measure run --spec-json "$(field "$l" spec)" \
-    --id "$(field "$l" id)" --snapshot /tmp/x4/pythia-eager-fwd.pickle > /tmp/x4/pythia.log 2>&1
-  echo "[snapshot rc=$?] $(field "$l" id)"; gzip -9 /tmp/x4/pythia-eager-fwd.pickle && cp /tmp/x4/pythia-eager-fwd.pickle.gz "$OUT/" ) &
+( for l in "${w4[@]}"; do fake 3 4 "$(field "$l" id)" "$(field "$l" spec)"; done
+  if [ -n "${SNAPSHOT-}" ]; then
+    # A snapshot for the trace corpus (bench/trace): the one row whose traced reserved memory is off.
+    l=$(cat "$here/snapshot-pythia-eager.jsonl")
+    CUDA_VISIBLE_DEVICES=3 timeout -k 10 120 python3 -m headroom_measure run --spec-json "$(field "$l" spec)" \
+      --id "$(field "$l" id)" --snapshot /tmp/x4/pythia-eager-fwd.pickle > /tmp/x4/pythia.log 2>&1
+    echo "[snapshot rc=$?] $(field "$l" id)"; gzip -9 /tmp/x4/pythia-eager-fwd.pickle && cp /tmp/x4/pythia-eager-fwd.pickle.gz "$OUT/"
+  fi ) &
 pids+=($!)
 wait "${pids[@]}"
 fi
-# B: the 4-rank real runs and pipelines.
+# B: the 4-rank real runs, then the pipelines.
 if [[ $phases == *B* ]]; then
 for l in "${w4[@]}"; do real 0,1,2,3 "$(field "$l" id)" "$(field "$l" spec)"; done
 for p in ${PIPELINES-verl slime}; do real 0,1,2,3 "$p-fsdp2-q7b-w4" --pipeline "$here/pipelines/$p-fsdp2-q7b-w4.yaml"; done
 fi
-# C: the remaining fakes, one GPU each.
+# C: the pipelines' fakes, one GPU each.
 if [[ $phases == *C* ]]; then
 pids=()
-fake 0 4 "$(field "${w4[2]}" id)" "$(field "${w4[2]}" spec)" &
-pids+=($!)
-fake 1 4 verl-fsdp2-q7b-w4 --pipeline "$here/pipelines/verl-fsdp2-q7b-w4.yaml" &
-pids+=($!)
-fake 2 4 slime-fsdp2-q7b-w4 --pipeline "$here/pipelines/slime-fsdp2-q7b-w4.yaml" &
-pids+=($!)
+gpu=0
+for p in ${PIPELINES-verl slime}; do
+  fake $gpu 4 "$p-fsdp2-q7b-w4" --pipeline "$here/pipelines/$p-fsdp2-q7b-w4.yaml" &
+  pids+=($!); gpu=$((gpu + 1))
+done
 wait "${pids[@]}"
 fi
 echo "== done in $SECONDS s: $(cat "$OUT/nccl.jsonl" 2>/dev/null | wc -l) real rows, $(cat "$OUT/fake.jsonl" 2>/dev/null | wc -l) fake rows"

@@ -92,19 +92,22 @@ impl Estimate {
 /// What a rank holds outside the caching allocator beyond the CUDA context once its process
 /// groups are up (eager NCCL init), read on 2 and 4 H200s, torch 2.11 (bench/distributed: device
 /// used after step 3, less reserved, less the single-GPU context, identical within 14 MiB over
-/// every row of a strategy): one communicator for DDP and FSDP2, two for HSDP (shard and
-/// replicate groups), DeepSpeed's groups for ZeRO. DeepSpeed sets up its groups on one rank
-/// too (bench/distributed/h200x1/h200x1-torch2.11.jsonl: 1094 MiB without offload, up to 42 MiB more with it); a
-/// one-rank FSDP2 or DDP group is not measured and counts nothing.
+/// every row of a strategy), and read the same way on 2 and 4 H100s (bench/nccl-x4: 998 MiB for
+/// one communicator, 1,968-1,970 for three): the default group's communicator for DDP and FSDP2
+/// over the world, three for HSDP and for FSDP2 under tensor parallelism (the default group and
+/// one per mesh dimension), two for tensor parallelism alone (the default group and the tp
+/// group), DeepSpeed's groups for ZeRO. DeepSpeed sets up its groups on one rank too
+/// (bench/distributed/h200x1/h200x1-torch2.11.jsonl: 1094 MiB without offload, up to 42 MiB
+/// more with it); a one-rank FSDP2 or DDP group is not measured and counts nothing.
 pub fn nccl_bytes(parallel: Option<&crate::spec::Parallel>) -> u64 {
     const MIB: u64 = 1 << 20;
     match parallel {
         None => 0,
         Some(p) if p.world_size <= 1 && p.strategy.is_deepspeed() => 1094 * MIB,
         Some(p) if p.world_size <= 1 => 0,
-        // A tensor-parallel layout holds one communicator per mesh dimension, as HSDP's two
-        // groups (carried over, not measured on its own).
         Some(p) if p.tensor.tp > 1 && p.shard_size > 1 => 1964 * MIB,
+        // Tensor parallelism alone: tp 2 over 2 and tp 4 over 4 H100s read the same.
+        Some(p) if p.tensor.tp > 1 && p.strategy == Strategy::NoDataParallel => 1386 * MIB,
         Some(p) => match p.strategy {
             Strategy::Ddp | Strategy::NoDataParallel => 992 * MIB,
             // FSDP1's process groups are FSDP2's (carried over, not measured on their own).

@@ -49,7 +49,12 @@ from .spec import Spec, SpecError
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-MEGATRON_KEYS = ("distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers")
+MEGATRON_KEYS = (
+    "distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+)
+# initialize_model_parallel's other sizes: measured at 1 only
+UNMEASURED_SIZES = ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -62,6 +67,9 @@ def megatron_options(spec: Spec) -> dict:
     unknown = sorted(set(raw) - set(MEGATRON_KEYS))
     if unknown:
         raise SpecError(f"`megatron.{unknown[0]}` is not a megatron key; known keys: {', '.join(MEGATRON_KEYS)}")
+    for key in UNMEASURED_SIZES:
+        if raw.get(key, 1) != 1:
+            raise SpecError(f"`megatron.{key}`: {raw[key]!r} is not measured; use 1 (tensor and data parallelism only)")
     out = {
         "distributed_optimizer": raw.get("distributed_optimizer", False),
         "recompute_granularity": raw.get("recompute_granularity"),

@@ -45,11 +45,13 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
             ),
             _ => String::new(),
         };
+        let strategy = match p.tensor.framework {
+            headroom::spec::Framework::Megatron => "megatron-core ddp",
+            headroom::spec::Framework::Torchtitan => p.strategy.name(),
+        };
         out += &format!(
             "{}{tensor} over {} GPUs: every number below is rank {}'s (the one that needs most)\n",
-            p.strategy.name(),
-            p.world_size,
-            est.worst_rank
+            strategy, p.world_size, est.worst_rank
         );
     }
     out += "\n";

@@ -35,6 +35,8 @@ struct Uses {
     /// FSDP1 over several ranks.
     fsdp1: bool,
     tensor_parallel: bool,
+    /// Megatron-core's GPTModel, DDP and optimizer (`parallel.framework: megatron`).
+    megatron: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -65,7 +67,10 @@ impl Uses {
             .parallel
             .as_ref()
             .is_some_and(|p| p.strategy == crate::spec::Strategy::Fsdp1);
-        self.tensor_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1);
+        let framework = spec.parallel.as_ref().map(|p| p.tensor.framework);
+        self.megatron |= framework == Some(crate::spec::Framework::Megatron);
+        self.tensor_parallel |= framework == Some(crate::spec::Framework::Torchtitan)
+            && spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1);
     }
 
     /// Whether the estimate depends on `library`'s version. A TRL version given always counts:
@@ -164,6 +169,16 @@ impl Assumptions {
                 "tensor parallelism is measured as rank 0 of a fake process group (bench/tp): \
                  NCCL's communicators, one per mesh dimension, are carried over from FSDP2's \
                  and HSDP's, not measured"
+                    .to_string(),
+            );
+        }
+        if uses.megatron {
+            warnings.push(
+                "framework megatron follows megatron-core 0.19 with its local layer spec (no \
+                 Transformer Engine or apex: their fused norms, attention, cross-entropy and \
+                 gradient-accumulation fusion are not modelled), measured as rank 0 of a fake \
+                 process group (bench/megatron): NCCL's communicators for Megatron's process \
+                 groups are carried over from FSDP2's and HSDP's, not measured"
                     .to_string(),
             );
         }

@@ -9,9 +9,7 @@ use std::ops::Range;
 use serde_json::Value;
 
 use super::parse::{boolean, choice, positive, unknown_key};
-use super::run::{
-    Framework, Mode, Optimizer, Precision, RUN_SPEC_KEY, RunSpec, Strategy, Task,
-};
+use super::run::{Framework, Mode, Optimizer, Precision, RUN_SPEC_KEY, RunSpec, Strategy, Task};
 use crate::arch::Architecture;
 use crate::error::{Error, Result};
 
@@ -20,6 +18,17 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
     "recompute_granularity",
     "recompute_method",
     "recompute_num_layers",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+];
+
+/// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
+/// name above it.
+const UNMODELLED_SIZES: &[(&str, &str)] = &[
+    ("pipeline_model_parallel_size", "pipeline parallelism"),
+    ("context_parallel_size", "context parallelism"),
+    ("expert_model_parallel_size", "expert parallelism"),
 ];
 
 /// Megatron-core's memory settings.
@@ -41,7 +50,10 @@ pub enum Recompute {
     Selective,
     /// `full`: whole layers checkpointed, `layers` at a time (`uniform`), or the first
     /// `layers` one by one (`block`).
-    Full { method: RecomputeMethod, layers: u64 },
+    Full {
+        method: RecomputeMethod,
+        layers: u64,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,6 +95,16 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
     })?;
     unknown_key(obj, "megatron.", MEGATRON_KEYS, RUN_SPEC_KEY)?;
     let field = |e: Error| e.prefixed("megatron");
+    for &(key, what) in UNMODELLED_SIZES {
+        if positive(obj, key, 1).map_err(field)? > 1 {
+            return Err(Error::Unsupported {
+                what: format!("megatron.{key} {} ({what})", obj[key]),
+                supported: "Megatron-core with tensor and data parallelism (pipeline, context \
+                            and expert parallel sizes 1)"
+                    .into(),
+            });
+        }
+    }
     let distributed_optimizer = boolean(obj, "distributed_optimizer").map_err(field)?;
     #[derive(Clone, Copy, PartialEq)]
     enum Granularity {
@@ -95,7 +117,10 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         Some(_) => choice(
             obj,
             "recompute_granularity",
-            &[("selective", Granularity::Selective), ("full", Granularity::Full)],
+            &[
+                ("selective", Granularity::Selective),
+                ("full", Granularity::Full),
+            ],
             Granularity::None,
         )
         .map_err(field)?,
@@ -321,6 +346,11 @@ mod tests {
                 .contains("applies to recompute_granularity full")
         );
         assert!(err(json!({"distributed_optimizer": "yes"})).contains("true or false"));
+        let pp = err(json!({"pipeline_model_parallel_size": 2}));
+        assert!(pp.contains("pipeline parallelism"), "{pp}");
+        assert!(err(json!({"expert_model_parallel_size": 8})).contains("expert parallelism"));
+        assert!(err(json!({"context_parallel_size": 0})).contains("integer >= 1"));
+        assert!(parse_megatron(&json!({"pipeline_model_parallel_size": 1})).is_ok());
         assert_eq!(
             parse_megatron(&json!({"recompute_granularity": "full"})).unwrap(),
             Megatron {

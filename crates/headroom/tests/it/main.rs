@@ -11,6 +11,7 @@ mod distributed;
 mod fit;
 mod layering;
 mod lint;
+mod megatron;
 mod oom_messages;
 mod oom_pastes;
 mod params;

@@ -99,10 +99,13 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
             break;
         }
         t.mem.begin_measured_phase("backward", step);
-        t.backward(loss, &mut Hooks {
-            model: &model,
-            batch,
-        });
+        t.backward(
+            loss,
+            &mut Hooks {
+                model: &model,
+                batch,
+            },
+        );
         t.drop(loss);
         phases.push(t.mem.phase_peak());
         if t.mem.stopped() {
@@ -113,11 +116,7 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
         phases.push(t.mem.phase_peak());
     }
     t.drop_all(&[ids, positions, loss_mask]);
-    let params: u64 = arch
-        .parameters(spec.head())
-        .iter()
-        .map(Param::numel)
-        .sum();
+    let params: u64 = arch.parameters(spec.head()).iter().map(Param::numel).sum();
     Simulation {
         rank: 0,
         params,

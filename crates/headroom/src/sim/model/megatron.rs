@@ -306,7 +306,12 @@ impl GptModel {
         let out = t.empty(t.numel(x), t.dtype(x), "rms_norm output");
         let rstd = t.empty(rows, DType::F32, "rms_norm rstd");
         let w = t.param(weight);
-        t.record(Bwd::LayerNorm, &[Some(x), Some(w), None], &[out], &[x, rstd]);
+        t.record(
+            Bwd::LayerNorm,
+            &[Some(x), Some(w), None],
+            &[out],
+            &[x, rstd],
+        );
         t.drop(rstd);
         out
     }
@@ -488,10 +493,15 @@ impl GptModel {
 
     /// `MLP.forward`: `linear_fc1`, `glu` (`chunk`, `silu(x0) * (x1 + offset)`), `linear_fc2`.
     fn mlp(&self, t: &mut Tracer, layer: &Layer, x: T) -> T {
-        let Widths { hidden: h, ffn: f, .. } = self.widths;
+        let Widths {
+            hidden: h, ffn: f, ..
+        } = self.widths;
         let up = t.linear(x, layer.fc1, None, 2 * f, false);
         let half = t.numel(up) / 2;
-        let halves = [t.view(up, half, "x[0] (chunk)"), t.view(up, half, "x[1] (chunk)")];
+        let halves = [
+            t.view(up, half, "x[0] (chunk)"),
+            t.view(up, half, "x[1] (chunk)"),
+        ];
         t.record(Bwd::Split, &[Some(up)], &halves, &[]);
         t.drop(up);
         let act = t.silu(halves[0]);
@@ -508,7 +518,12 @@ impl GptModel {
     /// `_VocabParallelCrossEntropy`, the losses copied back to `[b, s]`.
     fn cross_entropy(&self, t: &mut Tracer, logits: T, n: u64) -> T {
         let v = self.widths.vocab;
-        let labels = t.empty_as(n, DType::I64, Component::Inputs, "labels.transpose.contiguous");
+        let labels = t.empty_as(
+            n,
+            DType::I64,
+            Component::Inputs,
+            "labels.transpose.contiguous",
+        );
         let logits32 = t.empty(n * v, DType::F32, "logits.float() (softmax, in place)");
         let max = t.empty(n, DType::F32, "logits_max");
         let argmax = t.empty(n, DType::I64, "max indices");
@@ -534,7 +549,15 @@ impl GptModel {
             &[loss],
             &[logits32, target_mask, masked_target],
         );
-        t.drop_all(&[sum_exp, predicted, masked_target, target_mask, max, logits32, labels]);
+        t.drop_all(&[
+            sum_exp,
+            predicted,
+            masked_target,
+            target_mask,
+            max,
+            logits32,
+            labels,
+        ]);
         let out = t.contiguous_copy(loss);
         t.drop(loss);
         out
@@ -546,7 +569,11 @@ impl GptModel {
     pub(crate) fn recompute(&self, t: &mut Tracer, region: u32, batch: Batch) {
         let kind = self.cache.borrow().regions[region as usize].clone();
         let inputs = t.region_inputs(region);
-        let freqs = self.cache.borrow().freqs.expect("the forward made the freqs");
+        let freqs = self
+            .cache
+            .borrow()
+            .freqs
+            .expect("the forward made the freqs");
         t.begin_recompute(region);
         let outer = std::mem::replace(&mut t.component, Component::Activations);
         let out = match kind {
@@ -559,9 +586,7 @@ impl GptModel {
                 }
                 hidden
             }
-            Region::CoreAttention => {
-                self.core_attention(t, inputs[0], inputs[1], inputs[2], batch)
-            }
+            Region::CoreAttention => self.core_attention(t, inputs[0], inputs[1], inputs[2], batch),
         };
         t.hold_recomputed_output(region, out);
         t.drop(out);

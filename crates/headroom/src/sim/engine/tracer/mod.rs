@@ -1028,7 +1028,10 @@ impl Tracer {
     /// The output a reentrant region's recomputation made: kept until its backward is done.
     pub(crate) fn hold_recomputed_output(&mut self, region: u32, output: T) {
         let kept = self.share(output);
-        if let Some(old) = self.regions[region as usize].recomputed_output.replace(kept) {
+        if let Some(old) = self.regions[region as usize]
+            .recomputed_output
+            .replace(kept)
+        {
             self.drop(old);
         }
     }

@@ -6,13 +6,11 @@
 //! gradient buffers' (in-place) reductions, `optimizer.step()`. Zeroing the gradient buffer
 //! and the main gradients frees nothing.
 
-use headroom_alloc::CachingAllocator;
-
 use super::simulation::{AfterOom, Options, STEPS, Simulation};
 use crate::arch::{Architecture, Param};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
-use crate::sim::engine::memory::{Keep, Memory, OnOom};
+use crate::sim::engine::memory::OnOom;
 use crate::sim::engine::tracer::{BackwardHooks, Bwd, ParamId, T, Tracer};
 use crate::sim::model::Batch;
 use crate::sim::model::megatron::GptModel;
@@ -43,16 +41,7 @@ impl BackwardHooks for Hooks<'_> {
 
 /// Simulate the Megatron run of `spec` (`parallel.framework: megatron`) on `arch`.
 pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
-    let mut t = Tracer::new(
-        Memory::new(
-            CachingAllocator::new(options.allocator.clone(), options.capacity),
-            Keep {
-                trace: options.record_trace,
-                timeline: options.record_timeline,
-            },
-        ),
-        options.workspaces,
-    );
+    let mut t = options.process();
     if options.after_oom == AfterOom::StopUnlessUnlimited {
         t.mem.on_oom(OnOom::StopUnlessUnlimited);
     }
@@ -116,31 +105,9 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
         phases.push(t.mem.phase_peak());
     }
     t.drop_all(&[ids, positions, loss_mask]);
+    // Every parameter trains; a tensor-parallel weight counts its global size.
     let params: u64 = arch.parameters(spec.head()).iter().map(Param::numel).sum();
-    Simulation {
-        rank: 0,
-        params,
-        trainable_params: params,
-        weights_loaded,
-        peak_reserved: phases
-            .iter()
-            .filter(|p| p.step > 0)
-            .map(|p| p.peak_reserved)
-            .max()
-            .unwrap_or(0),
-        peak: t.mem.peak().clone(),
-        host_bytes: 0,
-        engine_bytes: 0,
-        phases,
-        oom: t.mem.oom().cloned(),
-        refused: t.mem.refused().cloned(),
-        trace: t.mem.take_trace(),
-        timeline: t.mem.take_timeline(),
-        repeated_steps: 0,
-        replayed_steps: 0,
-        replayed_passes: 0,
-        unlimited: !t.mem.stopped() && t.mem.unlimited(),
-    }
+    Simulation::of_process(t, (params, params), weights_loaded, 0, phases)
 }
 
 /// The forward and pretrain_gpt's `loss_func`: `losses.view(-1).float()` (already fp32)

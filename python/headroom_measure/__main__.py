@@ -66,6 +66,12 @@ def cmd_run(args) -> int:
         fields = specmod.resolve_model_config(spec, load_catalog(args.catalog))
     except (specmod.SpecError, OSError, json.JSONDecodeError) as err:
         return _fail(str(err))
+    if spec.parallel is not None and spec.parallel.framework == "megatron":
+        return _fail(
+            "framework megatron is measured by `dist` as rank 0 of a fake process group: "
+            f"HEADROOM_FAKE_WORLD={spec.parallel.world_size} WORLD_SIZE={spec.parallel.world_size} RANK=0 "
+            "LOCAL_RANK=0 python -m headroom_measure dist SPEC --out FILE"
+        )
     missing = missing_dependencies()
     if missing:
         return _fail(

@@ -1,16 +1,14 @@
 //! `megatron:`, the settings of a run under `parallel.framework: megatron` that change memory:
 //! Megatron-core's `DistributedOptimizer` (`use_distributed_optimizer`) and activation
 //! recomputation (`recompute_granularity`, `recompute_method`, `recompute_num_layers` of
-//! `TransformerConfig`). What is modelled of Megatron, and what is refused by name, is checked
-//! here in one place.
+//! `TransformerConfig`), read here; `RunSpec::check_megatron` says what of Megatron is
+//! modelled and refuses the rest by name.
 
 use std::ops::Range;
 
 use serde_json::Value;
 
-use super::parse::{boolean, choice, positive, unknown_key};
-use super::run::{Framework, Mode, Optimizer, Precision, RUN_SPEC_KEY, RunSpec, Strategy, Task};
-use crate::arch::Architecture;
+use super::parse::{RUN_SPEC_KEY, boolean, choice, positive, unknown_key};
 use crate::error::{Error, Result};
 
 pub(crate) const MEGATRON_KEYS: &[&str] = &[
@@ -161,149 +159,6 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         distributed_optimizer,
         recompute,
     })
-}
-
-/// What a Megatron run is modelled for: training a causal LM in bf16 with Adam, Megatron's
-/// own DDP (strategy ddp) over `world_size / tp` ranks, no pipeline, HF's checkpointing,
-/// LoRA or quantization; sequence parallelism needs Transformer Engine's or apex's norm (the
-/// local layer spec's `WrappedTorchNorm` refuses it).
-pub(crate) fn check_combinations(spec: &RunSpec) -> Result<()> {
-    let framework = spec.parallel.as_ref().map(|p| p.tensor.framework);
-    let Some(parallel) = spec
-        .parallel
-        .as_ref()
-        .filter(|_| framework == Some(Framework::Megatron))
-    else {
-        if spec.megatron.is_some() {
-            return Err(Error::field(
-                "megatron",
-                "this key",
-                "it applies to parallel.framework megatron; leave it out or set that",
-            ));
-        }
-        return Ok(());
-    };
-    if parallel.strategy != Strategy::Ddp {
-        return Err(Error::field(
-            "parallel.strategy",
-            parallel.strategy.name(),
-            "with framework megatron use ddp (Megatron's DistributedDataParallel over \
-             world_size / tp ranks; megatron.distributed_optimizer shards the optimizer)",
-        ));
-    }
-    if parallel.tensor.sequence_parallel {
-        return Err(Error::Unsupported {
-            what: "parallel.sequence_parallel with framework megatron".into(),
-            supported: "Megatron-core's local layer spec, which refuses sequence parallelism \
-                        (its torch norm has no sequence-parallel gradients; Transformer \
-                        Engine's is not modelled)"
-                .into(),
-        });
-    }
-    let refused = |what: &str| Error::Unsupported {
-        what: format!("{what} with framework megatron"),
-        supported: "training a causal LM (mode train) in precision bf16 with optimizer adamw, \
-                    without lora, quantization or trainer"
-            .into(),
-    };
-    if spec.task != Task::CausalLm {
-        return Err(refused("task seq-cls"));
-    }
-    if spec.mode != Mode::Train {
-        return Err(refused("mode forward"));
-    }
-    if spec.precision != Precision::Bf16 {
-        return Err(refused(&format!("precision {}", spec.precision.name())));
-    }
-    if spec.optimizer != Optimizer::AdamW {
-        return Err(refused(&format!("optimizer {}", spec.optimizer.name())));
-    }
-    if spec.lora.is_some() {
-        return Err(refused("lora"));
-    }
-    if spec.quantization.is_some() {
-        return Err(refused("quantization"));
-    }
-    if spec.trainer.kind != super::TrainerKind::Loop {
-        return Err(refused("trainer"));
-    }
-    if spec.gradient_checkpointing {
-        return Err(Error::field(
-            "gradient_checkpointing",
-            true,
-            "it is HF's checkpointing; with framework megatron use \
-             megatron.recompute_granularity (full or selective)",
-        ));
-    }
-    if spec.allocator.expandable_segments {
-        return Err(Error::Unsupported {
-            what: "allocator.expandable_segments with framework megatron".into(),
-            supported: "the default caching allocator (the measured rows use it)".into(),
-        });
-    }
-    Ok(())
-}
-
-/// What Megatron's GPTModel with the local layer spec needs of the model: a dense Llama-style
-/// decoder (RMSNorm, SwiGLU, rotary), an output layer of its own, and heads, query groups,
-/// MLP width and vocabulary that divide over the tensor-parallel ranks (query groups at
-/// least `tp`: fewer are all-gathered, which is not modelled).
-pub(crate) fn check_against(spec: &RunSpec, arch: &Architecture) -> Result<()> {
-    use crate::arch::Family;
-    let Some(megatron) = spec.megatron.filter(|_| {
-        spec.parallel
-            .as_ref()
-            .is_some_and(|p| p.tensor.framework == Framework::Megatron)
-    }) else {
-        return Ok(());
-    };
-    if !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
-        || arch.moe.is_some()
-        || arch.mla.is_some()
-    {
-        return Err(Error::Unsupported {
-            what: format!("framework megatron with a {} model", arch.model_type),
-            supported: "Megatron's GPTModel as dense Llama, Mistral, Qwen2 and Qwen3 models".into(),
-        });
-    }
-    if arch.tie_word_embeddings {
-        return Err(Error::Unsupported {
-            what: format!(
-                "framework megatron with tied word embeddings ({})",
-                arch.model_type
-            ),
-            supported: "models with an output layer of their own (tie_word_embeddings false)"
-                .into(),
-        });
-    }
-    let tp = spec.parallel.as_ref().map_or(1, |p| p.tensor.tp);
-    for (what, value) in [
-        ("num_attention_heads", arch.heads),
-        ("num_key_value_heads", arch.kv_heads),
-        ("intermediate_size", arch.intermediate),
-        ("vocab_size", arch.vocab),
-    ] {
-        if !value.is_multiple_of(tp) {
-            return Err(Error::field(
-                "parallel.tp",
-                tp,
-                format!("it must divide the model's {what} ({value})"),
-            ));
-        }
-    }
-    if let Recompute::Full {
-        method: RecomputeMethod::Block,
-        layers,
-    } = megatron.recompute
-        && layers > arch.layers as u64
-    {
-        return Err(Error::field(
-            "megatron.recompute_num_layers",
-            layers,
-            format!("use at most num_hidden_layers ({})", arch.layers),
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

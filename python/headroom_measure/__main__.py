@@ -11,7 +11,8 @@
 `pipeline` measures a pipeline: instances built in one process, phases of train / forward /
 generate passes, host offload (see pipeline.py); it prints the record (rank 0 under torchrun).
 `dist` measures a spec with a `parallel` block on N GPUs, one process each (see dist.py); rank 0
-appends the record to --out and prints it.
+appends the record to --out and prints it. With `parallel.framework: megatron` it measures Megatron-core
+as rank 0 of a fake world (HEADROOM_FAKE_WORLD; see megatron.py).
 `trace` runs the spec's steps under fake tensors on the CPU (no GPU needed) and writes a headroom
 trace file (docs/trace-format.md) for `headroom trace` to replay through the allocator.
 `batch` runs every line of SPECS.jsonl ({"id", "spec", optional "hint_bytes"}) in a fresh process
@@ -65,6 +66,12 @@ def cmd_run(args) -> int:
         fields = specmod.resolve_model_config(spec, load_catalog(args.catalog))
     except (specmod.SpecError, OSError, json.JSONDecodeError) as err:
         return _fail(str(err))
+    if spec.parallel is not None and spec.parallel.framework == "megatron":
+        return _fail(
+            "framework megatron is measured by `dist` as rank 0 of a fake process group: "
+            f"HEADROOM_FAKE_WORLD={spec.parallel.world_size} WORLD_SIZE={spec.parallel.world_size} RANK=0 "
+            "LOCAL_RANK=0 python -m headroom_measure dist SPEC --out FILE"
+        )
     missing = missing_dependencies()
     if missing:
         return _fail(
@@ -186,9 +193,23 @@ def cmd_dist(args) -> int:
     if spec.expandable_segments:
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
-    from .dist import measure_dist
+    if spec.parallel.framework == "megatron":
+        from .megatron import megatron_options, measure_megatron
 
-    record = measure_dist(spec, fields, row_id=args.id, snapshot=args.snapshot, stacks=args.stacks)
+        try:
+            megatron_options(spec)
+            __import__("megatron.core")
+        except specmod.SpecError as err:
+            return _fail(str(err))
+        except ImportError:
+            return _fail("megatron-core not installed; `pip install megatron-core==0.19.0` to measure framework megatron")
+        if not os.environ.get("HEADROOM_FAKE_WORLD"):
+            return _fail("framework megatron is measured as rank 0 of a fake process group: set HEADROOM_FAKE_WORLD")
+        record = measure_megatron(spec, fields, row_id=args.id, snapshot=args.snapshot, stacks=args.stacks)
+    else:
+        from .dist import measure_dist
+
+        record = measure_dist(spec, fields, row_id=args.id, snapshot=args.snapshot, stacks=args.stacks)
     if record is not None:
         line = json.dumps(record)
         with open(args.out, "a") as out:

@@ -37,8 +37,9 @@ PARALLEL_KEYS = (
 )
 # pp > 1: torch.distributed.pipelining's schedules the harness drives (pp.py)
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
-# tp > 1: whose parallelisation plan the harness applies (dist.py `_parallelize_tp`)
-FRAMEWORKS = ("torchtitan",)
+# whose parallelisation the harness applies: torchtitan's plan (dist.py `_parallelize_tp`, tp > 1) or
+# Megatron-core's GPTModel with its own DDP and optimizer (megatron.py, strategy ddp)
+FRAMEWORKS = ("torchtitan", "megatron")
 # fsdp: which modules fully_shard makes units of (dist.py `_fully_shard_units`)
 FSDP_UNITS = ("layers", "layers-keep-root", "layers-embedding", "accelerate")
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
@@ -51,7 +52,7 @@ BACKWARD_PREFETCH = ("pre", "post", "none")
 KNOWN_KEYS = {
     "model", "model_config", "task", "mode", "precision", "optimizer", "batch_size", "seq_len",
     "gradient_checkpointing", "attention", "lora", "quantization", "kbit_prepare", "allocator",
-    "parallel", "autocast", "experts_implementation", "routing",
+    "parallel", "autocast", "experts_implementation", "routing", "megatron",
 }
 LORA_KEYS = ("r", "alpha", "targets", "dropout", "target_parameters")
 
@@ -118,7 +119,7 @@ class Parallel:
         if self.strategy == "fsdp1":
             out["use_orig_params"] = self.use_orig_params
             out["backward_prefetch"] = self.backward_prefetch
-        if self.tp > 1:
+        if self.tp > 1 or self.framework != "torchtitan":
             out["tp"] = self.tp
             out["sequence_parallel"] = self.sequence_parallel
             out["framework"] = self.framework
@@ -490,7 +491,14 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
     framework = raw.get("framework", "torchtitan")
     if framework not in FRAMEWORKS:
         raise SpecError(f"`parallel.framework`: {framework!r} is not allowed; use one of {', '.join(FRAMEWORKS)}")
-    if tp > 1 and out.strategy not in ("fsdp", "none"):
+    if framework == "megatron" and out.strategy != "ddp":
+        raise SpecError(
+            f"`parallel.strategy`: {out.strategy!r} is not allowed with framework megatron; use ddp (Megatron's "
+            "DistributedDataParallel over world_size / tp ranks; megatron.distributed_optimizer shards its optimizer)"
+        )
+    if framework == "megatron" and raw.get("shard_size") not in (None, out.world_size // tp, out.world_size):
+        raise SpecError("`parallel.shard_size`: it applies to fsdp; leave it out with framework megatron")
+    if tp > 1 and framework != "megatron" and out.strategy not in ("fsdp", "none"):
         raise SpecError(
             f"`parallel.tp`: {tp} is not measured with strategy {out.strategy}; use fsdp (FSDP2 over the "
             "data-parallel dimension) or none (tensor parallelism alone)"
@@ -518,7 +526,7 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
     if tp > 1 and out.offload_params:
         raise SpecError("`parallel.offload_params`: CPU offload is not measured with tp > 1; leave it out")
     out.tp, out.sequence_parallel, out.framework = tp, sp, framework
-    if tp > 1:
+    if tp > 1 or framework == "megatron":
         out.shard_size = out.world_size // tp
 
 

@@ -349,7 +349,7 @@ class TensorParallelSpecTest(unittest.TestCase):
         cases = [
             ({"strategy": "fsdp", "world_size": 6, "tp": 4}, "parallel.tp"),
             ({"strategy": "fsdp", "world_size": 4, "tp": 2, "sequence_parallel": "yes"}, "parallel.sequence_parallel"),
-            ({"strategy": "fsdp", "world_size": 4, "tp": 2, "framework": "megatron"}, "parallel.framework"),
+            ({"strategy": "fsdp", "world_size": 4, "tp": 2, "framework": "nemo"}, "parallel.framework"),
             ({"strategy": "ddp", "world_size": 4, "tp": 2}, "parallel.tp"),
             ({"strategy": "none", "world_size": 4, "tp": 2, "sequence_parallel": True}, "parallel.strategy"),
             ({"strategy": "none", "world_size": 2, "tp": 2}, "parallel.sequence_parallel"),

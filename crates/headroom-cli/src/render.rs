@@ -59,10 +59,14 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
             1 => String::new(),
             cp => format!(" × context parallel {cp} (ring attention)"),
         };
+        let strategy = match p.tensor.framework {
+            headroom::spec::Framework::Megatron => "megatron-core ddp",
+            headroom::spec::Framework::Torchtitan => p.strategy.name(),
+        };
         out += &format!(
             "{}{tensor}{context}{pipeline} over {} GPUs: every number below is rank {}'s (the one \
              that needs most)\n",
-            p.strategy.name(),
+            strategy,
             p.world_size,
             est.worst_rank
         );

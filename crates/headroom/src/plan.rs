@@ -586,6 +586,12 @@ fn tensor_parallel(spec: &RunSpec) -> bool {
     spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1)
 }
 
+/// Whether Megatron-core lays the model out (its own DDP and optimizer, not the strategies
+/// the planner searches).
+fn megatron(p: &Parallel) -> bool {
+    p.tensor.framework == crate::spec::Framework::Megatron
+}
+
 /// The spec as given, with its residents and ranks.
 pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
     // Remedies change data parallelism, offload and the step; they would drop a tensor- or
@@ -595,9 +601,15 @@ pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
         .spec
         .parallel
         .as_ref()
-        .filter(|p| p.tensor.tp > 1 || p.tensor.cp > 1 || p.pipeline.pp > 1)
+        .filter(|p| p.tensor.tp > 1 || p.tensor.cp > 1 || p.pipeline.pp > 1 || megatron(p))
     {
-        let (what, supported) = if p.tensor.tp > 1 && p.tensor.cp == 1 && p.pipeline.pp == 1 {
+        let (what, supported) = if megatron(p) {
+            (
+                "remedies of a Megatron-core spec (parallel.framework megatron)",
+                "`headroom estimate` of a Megatron-core layout; remedies search data parallelism \
+                 as PyTorch and DeepSpeed apply it",
+            )
+        } else if p.tensor.tp > 1 && p.tensor.cp == 1 && p.pipeline.pp == 1 {
             (
                 "remedies of a tensor-parallel spec (parallel.tp > 1)",
                 "`headroom estimate` of a tensor-parallel layout, and `fit`, whose layout search \
@@ -625,12 +637,14 @@ fn as_given(setup: &Setup) -> Result<(Estimate, Evaluation)> {
         .spec
         .parallel
         .as_ref()
-        .is_some_and(|p| p.pipeline.pp > 1 || p.tensor.cp > 1)
+        .is_some_and(|p| p.pipeline.pp > 1 || p.tensor.cp > 1 || megatron(p))
     {
         return Err(Error::Unsupported {
-            what: "fit of a context- or pipeline-parallel spec (parallel.cp or pp > 1)".into(),
-            supported: "`headroom estimate` of a context- or pipeline-parallel layout; fit's \
-                        layout search covers data and tensor parallelism"
+            what: "fit of a context- or pipeline-parallel or Megatron-core spec (parallel.cp or \
+                   pp > 1, framework megatron)"
+                .into(),
+            supported: "`headroom estimate` of such a layout; fit's layout search covers data \
+                        parallelism and torchtitan's tensor parallelism"
                 .into(),
         });
     }

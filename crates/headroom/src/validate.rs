@@ -337,6 +337,15 @@ pub fn families(row: &Row) -> Vec<String> {
     ];
     out.push(format!("gpu: {}", row.gpu.name));
     out.push(match &s.parallel {
+        Some(p) if p.tensor.framework == crate::spec::Framework::Megatron => format!(
+            "parallel: megatron-core ddp{} over {} ranks",
+            if s.megatron.is_some_and(|m| m.distributed_optimizer) {
+                " (distributed optimizer)"
+            } else {
+                ""
+            },
+            p.world_size
+        ),
         Some(p) => format!(
             "parallel: {} over {} ranks",
             p.strategy.name(),
@@ -351,7 +360,9 @@ pub fn families(row: &Row) -> Vec<String> {
         out.push("parallel: FSDP2 MixedPrecisionPolicy".to_string());
     }
     if let Some(tensor) = s.parallel.as_ref().map(|p| p.tensor).filter(|t| t.tp > 1) {
-        out.push(if tensor.sequence_parallel {
+        out.push(if tensor.framework == crate::spec::Framework::Megatron {
+            "parallel: tensor parallel (megatron-core)".to_string()
+        } else if tensor.sequence_parallel {
             "parallel: tensor parallel with sequence parallelism".to_string()
         } else {
             "parallel: tensor parallel".to_string()

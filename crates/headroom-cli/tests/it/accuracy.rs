@@ -69,9 +69,10 @@ fn transformers_releases_within_one_percent() {
 /// H100 (and the hold-out runs estimated before they were measured), and FSDP2 under
 /// `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` over fp32 masters, rank 0 of
 /// worlds of 1 (NCCL) to 64 (fake process group), wrapped as verl, slime and accelerate wrap,
-/// ZeRO-1/2/3 and FSDP2 at up to 512 ranks, and tensor parallelism with and without sequence
-/// parallelism (alone or under FSDP2): each within 3% on peak allocated and 8% on reserved, as
-/// the trainers, FSDP2 and parallelism issues ask.
+/// ZeRO-1/2/3 and FSDP2 at up to 512 ranks, tensor parallelism with and without sequence
+/// parallelism (alone or under FSDP2), and Megatron-core's GPTModel under its DDP and
+/// (distributed) optimizer with recomputation: each within 3% on peak allocated and 8% on
+/// reserved, as the trainers, FSDP2 and parallelism issues ask.
 #[test]
 fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
     for rows in [
@@ -83,6 +84,7 @@ fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
         "bench/fsdp1/rows-h100-torch2.11.jsonl",
         "bench/tp/rows-h100-torch2.11.jsonl",
         "bench/tp/rows-call2-h100-torch2.11.jsonl",
+        "bench/megatron/rows-call2-h100-torch2.11.jsonl",
     ] {
         within_gates(
             rows,

@@ -37,6 +37,8 @@ struct Uses {
     tensor_parallel: bool,
     pipeline_parallel: bool,
     context_parallel: bool,
+    /// Megatron-core's GPTModel, DDP and optimizer (`parallel.framework: megatron`).
+    megatron: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -67,7 +69,10 @@ impl Uses {
             .parallel
             .as_ref()
             .is_some_and(|p| p.strategy == crate::spec::Strategy::Fsdp1);
-        self.tensor_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1);
+        let framework = spec.parallel.as_ref().map(|p| p.tensor.framework);
+        self.megatron |= framework == Some(crate::spec::Framework::Megatron);
+        self.tensor_parallel |= framework == Some(crate::spec::Framework::Torchtitan)
+            && spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1);
         self.pipeline_parallel |= spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1);
         self.context_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.cp > 1);
     }
@@ -185,6 +190,16 @@ impl Assumptions {
                 "context parallelism is measured as rank 0 of a fake process group (bench/cp): \
                  the ring's collectives allocate their outputs, NCCL's communicators are carried \
                  over from HSDP's, not measured"
+                    .to_string(),
+            );
+        }
+        if uses.megatron {
+            warnings.push(
+                "framework megatron follows megatron-core 0.19 with its local layer spec (no \
+                 Transformer Engine or apex: their fused norms, attention, cross-entropy and \
+                 gradient-accumulation fusion are not modelled), measured as rank 0 of a fake \
+                 process group (bench/megatron): NCCL's communicators for Megatron's process \
+                 groups are carried over from FSDP2's and HSDP's, not measured"
                     .to_string(),
             );
         }

@@ -9,6 +9,7 @@
 //!
 //! [`load`] reads a file and tells the two apart.
 
+mod megatron;
 mod parse;
 mod pipeline;
 mod pipeline_parallel;
@@ -18,6 +19,7 @@ mod versions;
 
 use std::path::Path;
 
+pub use megatron::{Megatron, Recompute, RecomputeMethod};
 pub use parse::parse_document;
 pub use pipeline::{
     EngineSpec, Home, InstanceSpec, Pass, PassDef, PhaseDef, PipelineSpec, is_pipeline,

@@ -42,6 +42,9 @@ pub(crate) fn read_document(path: &Path) -> Result<Value> {
     parse_document(&limits::read_text(path)?, path)
 }
 
+/// What an unknown key in a run spec (or its sections) is not.
+pub(crate) const RUN_SPEC_KEY: &str = "a run-spec key";
+
 /// Refuse the first key of `obj` outside `known`, naming it with its `prefix` (`lora.`,
 /// `phases[0].`), what kind of key it is not (`a run-spec key`), the nearest known key when
 /// one is close enough to be a typo, and every known key.

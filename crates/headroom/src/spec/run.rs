@@ -7,7 +7,10 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::parse::{boolean, choice, parse_document, positive, read_document, unknown_key};
+use super::megatron::{Megatron, Recompute, RecomputeMethod, parse_megatron};
+use super::parse::{
+    RUN_SPEC_KEY, boolean, choice, parse_document, positive, read_document, unknown_key,
+};
 use super::pipeline_parallel::{self, PipelineParallel};
 use super::trainer::{TRAINER_KEYS, TrainerKind, TrainerSpec};
 use super::versions::Versions;
@@ -310,6 +313,10 @@ pub enum Framework {
     /// o/down row-parallel, the embedding row-parallel, the head column-parallel with
     /// `loss_parallel`), then FSDP2 over the data-parallel mesh dimension.
     Torchtitan,
+    /// Megatron-core's GPTModel (local layer spec) with its own tensor-parallel layers,
+    /// `DistributedDataParallel` over `world_size / tp` ranks and its optimizer
+    /// (`spec::megatron`).
+    Megatron,
 }
 
 /// `FullyShardedDataParallel`'s settings that change memory.
@@ -449,6 +456,8 @@ pub struct RunSpec {
     pub experts: ExpertsImpl,
     /// The busiest expert's tokens over an even share (`routing.max_tokens_per_expert_factor`).
     pub routing_factor: f64,
+    /// Megatron-core's settings (`megatron:`), with `parallel.framework: megatron`.
+    pub megatron: Option<Megatron>,
 }
 
 const KEYS: &[&str] = &[
@@ -471,10 +480,8 @@ const KEYS: &[&str] = &[
     "versions",
     "experts_implementation",
     "routing",
+    "megatron",
 ];
-
-/// What an unknown key in a run spec (or its sections) is not.
-const RUN_SPEC_KEY: &str = "a run-spec key";
 
 const PARALLEL_KEYS: &[&str] = &[
     "strategy",
@@ -700,6 +707,10 @@ impl RunSpec {
             },
             versions: Versions::from_value(obj.get("versions"))?,
             trainer,
+            megatron: match obj.get("megatron") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(parse_megatron(v)?),
+            },
         };
         spec.check_sizes()?;
         spec.check_combinations()?;
@@ -772,6 +783,7 @@ impl RunSpec {
 
     fn check_combinations(&self) -> Result<()> {
         self.check_trainer()?;
+        self.check_megatron()?;
         if self.kbit_prepare && self.quantization.is_none() {
             return Err(Error::field(
                 "kbit_prepare",
@@ -901,6 +913,150 @@ impl RunSpec {
                 "optimizer",
                 self.optimizer.name(),
                 "a `mode: forward` pass has no optimizer; use optimizer: none or leave it out",
+            ));
+        }
+        Ok(())
+    }
+
+    /// What a Megatron run is modelled for: training a causal LM in bf16 with Adam, Megatron's
+    /// own DDP (strategy ddp) over `world_size / tp` ranks, no pipeline, HF's checkpointing,
+    /// LoRA or quantization; sequence parallelism needs Transformer Engine's or apex's norm (the
+    /// local layer spec's `WrappedTorchNorm` refuses it).
+    fn check_megatron(&self) -> Result<()> {
+        let framework = self.parallel.as_ref().map(|p| p.tensor.framework);
+        let Some(parallel) = self
+            .parallel
+            .as_ref()
+            .filter(|_| framework == Some(Framework::Megatron))
+        else {
+            if self.megatron.is_some() {
+                return Err(Error::field(
+                    "megatron",
+                    "this key",
+                    "it applies to parallel.framework megatron; leave it out or set that",
+                ));
+            }
+            return Ok(());
+        };
+        if parallel.strategy != Strategy::Ddp {
+            return Err(Error::field(
+                "parallel.strategy",
+                parallel.strategy.name(),
+                "with framework megatron use ddp (Megatron's DistributedDataParallel over \
+                 world_size / tp ranks; megatron.distributed_optimizer shards the optimizer)",
+            ));
+        }
+        if parallel.tensor.sequence_parallel {
+            return Err(Error::Unsupported {
+                what: "parallel.sequence_parallel with framework megatron".into(),
+                supported: "Megatron-core's local layer spec, which refuses sequence parallelism \
+                            (its torch norm has no sequence-parallel gradients; Transformer \
+                            Engine's is not modelled)"
+                    .into(),
+            });
+        }
+        let refused = |what: &str| Error::Unsupported {
+            what: format!("{what} with framework megatron"),
+            supported: "training a causal LM (mode train) in precision bf16 with optimizer adamw, \
+                        without lora, quantization or trainer"
+                .into(),
+        };
+        if self.task != Task::CausalLm {
+            return Err(refused("task seq-cls"));
+        }
+        if self.mode != Mode::Train {
+            return Err(refused("mode forward"));
+        }
+        if self.precision != Precision::Bf16 {
+            return Err(refused(&format!("precision {}", self.precision.name())));
+        }
+        if self.optimizer != Optimizer::AdamW {
+            return Err(refused(&format!("optimizer {}", self.optimizer.name())));
+        }
+        if self.lora.is_some() {
+            return Err(refused("lora"));
+        }
+        if self.quantization.is_some() {
+            return Err(refused("quantization"));
+        }
+        if self.trainer.kind != TrainerKind::Loop {
+            return Err(refused("trainer"));
+        }
+        if self.gradient_checkpointing {
+            return Err(Error::field(
+                "gradient_checkpointing",
+                true,
+                "it is HF's checkpointing; with framework megatron use \
+                 megatron.recompute_granularity (full or selective)",
+            ));
+        }
+        if self.allocator.expandable_segments {
+            return Err(Error::Unsupported {
+                what: "allocator.expandable_segments with framework megatron".into(),
+                supported: "the default caching allocator (the measured rows use it)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// What Megatron's GPTModel with the local layer spec needs of the model: a dense Llama-style
+    /// decoder (RMSNorm, SwiGLU, rotary), an output layer of its own, and heads, query groups,
+    /// MLP width and vocabulary that divide over the tensor-parallel ranks (query groups at
+    /// least `tp`: fewer are all-gathered, which is not modelled).
+    fn check_megatron_against(&self, arch: &Architecture) -> Result<()> {
+        use crate::arch::Family;
+        let Some(megatron) = self.megatron.filter(|_| {
+            self.parallel
+                .as_ref()
+                .is_some_and(|p| p.tensor.framework == Framework::Megatron)
+        }) else {
+            return Ok(());
+        };
+        if !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
+            || arch.moe.is_some()
+            || arch.mla.is_some()
+        {
+            return Err(Error::Unsupported {
+                what: format!("framework megatron with a {} model", arch.model_type),
+                supported: "Megatron's GPTModel as dense Llama, Mistral, Qwen2 and Qwen3 models"
+                    .into(),
+            });
+        }
+        if arch.tie_word_embeddings {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "framework megatron with tied word embeddings ({})",
+                    arch.model_type
+                ),
+                supported: "models with an output layer of their own (tie_word_embeddings false)"
+                    .into(),
+            });
+        }
+        let tp = self.parallel.as_ref().map_or(1, |p| p.tensor.tp);
+        for (what, value) in [
+            ("num_attention_heads", arch.heads),
+            ("num_key_value_heads", arch.kv_heads),
+            ("intermediate_size", arch.intermediate),
+            ("vocab_size", arch.vocab),
+        ] {
+            if !value.is_multiple_of(tp) {
+                return Err(Error::field(
+                    "parallel.tp",
+                    tp,
+                    format!("it must divide the model's {what} ({value})"),
+                ));
+            }
+        }
+        if let Recompute::Full {
+            method: RecomputeMethod::Block,
+            layers,
+        } = megatron.recompute
+            && layers > arch.layers as u64
+        {
+            return Err(Error::field(
+                "megatron.recompute_num_layers",
+                layers,
+                format!("use at most num_hidden_layers ({})", arch.layers),
             ));
         }
         Ok(())
@@ -1110,11 +1266,12 @@ impl RunSpec {
     /// modelled, LoRA targets that exist and ranks that fit.
     pub fn check_against(&self, arch: &Architecture) -> Result<()> {
         use crate::arch::Family;
+        self.check_megatron_against(arch)?;
         if let Some(tensor) = self
             .parallel
             .as_ref()
             .map(|p| p.tensor)
-            .filter(|t| t.tp > 1)
+            .filter(|t| t.tp > 1 && t.framework == Framework::Torchtitan)
         {
             check_tensor_parallel(tensor, arch)?;
         }
@@ -1593,7 +1750,10 @@ fn parse_tensor_parallel(
         Some(_) => choice(
             obj,
             "framework",
-            &[("torchtitan", Framework::Torchtitan)],
+            &[
+                ("torchtitan", Framework::Torchtitan),
+                ("megatron", Framework::Megatron),
+            ],
             Framework::Torchtitan,
         )
         .map_err(field)?,
@@ -1604,6 +1764,23 @@ fn parse_tensor_parallel(
             true,
             "it shards the sequence over the tensor-parallel ranks; set tp >= 2 or leave it out",
         ));
+    }
+    if framework == Framework::Megatron {
+        if positive(obj, "cp", 1).map_err(field)? > 1 {
+            return Err(Error::Unsupported {
+                what: "parallel.cp with framework megatron".into(),
+                supported: "context parallelism as torchtitan applies it (framework torchtitan, \
+                            strategy fsdp)"
+                    .into(),
+            });
+        }
+        // Megatron's own DDP spreads the data-parallel dimension (`spec::megatron` checks it).
+        return Ok(TensorParallel {
+            tp,
+            sequence_parallel,
+            framework,
+            cp: 1,
+        });
     }
     if tp > 1 && !matches!(strategy, Strategy::Fsdp | Strategy::NoDataParallel) {
         return Err(Error::field(

@@ -13,6 +13,7 @@ mod fit;
 mod layering;
 mod layouts;
 mod lint;
+mod megatron;
 mod oom_messages;
 mod oom_pastes;
 mod params;

@@ -89,7 +89,7 @@ fn bad_layouts_name_the_field() {
         "parallel.strategy",
     );
     refused(
-        json!({"strategy": "fsdp", "world_size": 4, "tp": 2, "framework": "megatron"}),
+        json!({"strategy": "fsdp", "world_size": 4, "tp": 2, "framework": "nemo"}),
         "parallel.framework",
     );
     refused(

@@ -443,6 +443,16 @@ impl Tracer {
                     }));
                 }
             }
+            Bwd::VocabParallelCrossEntropy { tokens } => {
+                let mask = self.empty(tokens, DType::F32, "target_mask.float()");
+                let update = self.empty(tokens, DType::F32, "1.0 - target_mask");
+                self.drop(mask);
+                let arange = self.empty(tokens, DType::I64, "arange(rows)");
+                let picked = self.empty(tokens, DType::F32, "grad_2d[arange, target]");
+                let updated = self.empty(tokens, DType::F32, "grad_2d[arange, target] - update");
+                self.drop_all(&[picked, updated, arange, update]);
+                out.push(needs(0).map(|_| self.share(saved[0])));
+            }
             Bwd::LogSoftmaxParallel => out.push(needs(0).map(|_| self.share(g))),
             Bwd::NllLossParallel => {
                 out.push(needs(0).map(|(numel, dtype)| {

@@ -3,17 +3,15 @@
 //! backward, `optimizer.step()` and `zero_grad(set_to_none=True)`, each phase's peak read
 //! like `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`.
 
-use headroom_alloc::CachingAllocator;
-
 use super::instance::Instance;
 use super::simulation::{AfterOom, Options, STEPS, Simulation};
 use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
-use crate::sim::engine::memory::{Keep, Memory, OnOom};
+use crate::sim::engine::memory::OnOom;
 use crate::sim::engine::tracer::{T, Tracer};
 use crate::sim::memo::{Memo, Script};
-use crate::spec::{Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
+use crate::spec::{Framework, Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
 
 /// Simulate the run of `spec` on `arch` as `options` say.
 ///
@@ -25,20 +23,16 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
     if spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1) {
         return super::stages::simulate(spec, arch, options);
     }
+    if spec
+        .parallel
+        .as_ref()
+        .is_some_and(|p| p.tensor.framework == Framework::Megatron)
+    {
+        return super::megatron::simulate(spec, arch, options);
+    }
     let ranks_differ = spec.parallel.as_ref().is_some_and(Parallel::ranks_differ);
     let run = |rank| {
-        let mut t = Tracer::new(
-            Memory::new(
-                CachingAllocator::new(options.allocator.clone(), options.capacity),
-                Keep {
-                    trace: options.record_trace,
-                    // The memo takes a repeated step without its samples: keeping the timeline
-                    // simulates every step (the memo changes no number).
-                    timeline: options.record_timeline,
-                },
-            ),
-            options.workspaces,
-        );
+        let mut t = options.process();
         match options.after_oom {
             AfterOom::GoOn => {}
             AfterOom::StopUnlessUnlimited if ranks_differ => t.mem.on_oom(OnOom::Stop),

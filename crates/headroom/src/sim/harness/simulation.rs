@@ -2,10 +2,12 @@
 
 use headroom_alloc::AllocatorConfig;
 
+use headroom_alloc::CachingAllocator;
+
 use super::instance::Instance;
 use crate::gpu::{Gpu, Workspaces};
 use crate::sim::engine::memory::{
-    PeakRecord, PhasePeak, RecordedTimeline, SimulatedEvent, SimulatedOom,
+    Keep, Memory, PeakRecord, PhasePeak, RecordedTimeline, SimulatedEvent, SimulatedOom,
 };
 use crate::sim::engine::tracer::Tracer;
 
@@ -65,6 +67,22 @@ impl Options {
             repeat_steps: true,
         }
     }
+
+    /// A fresh process: a tracer over this allocator, keeping what the options ask for.
+    pub(crate) fn process(&self) -> Tracer {
+        Tracer::new(
+            Memory::new(
+                CachingAllocator::new(self.allocator.clone(), self.capacity),
+                Keep {
+                    trace: self.record_trace,
+                    // The memo takes a repeated step without its samples: keeping the timeline
+                    // simulates every step (the memo changes no number).
+                    timeline: self.record_timeline,
+                },
+            ),
+            self.workspaces,
+        )
+    }
 }
 
 /// What simulating a run produced.
@@ -120,15 +138,34 @@ impl Simulation {
 
     /// What the process `t` that ran `instance` through `phases` (the load first) reports,
     /// every step simulated.
-    pub(crate) fn of_run(mut t: Tracer, instance: &Instance, phases: Vec<PhasePeak>) -> Self {
+    pub(crate) fn of_run(t: Tracer, instance: &Instance, phases: Vec<PhasePeak>) -> Self {
+        let host_bytes = instance.host_bytes(&t);
+        Self::of_process(
+            t,
+            (instance.param_count, instance.trainable_count),
+            instance.weights_loaded,
+            host_bytes,
+            phases,
+        )
+    }
+
+    /// What the process `t` reports after `phases` (the load first), every step simulated, of
+    /// a model of `(params, trainable)` parameters whose weights took `weights_loaded` bytes.
+    pub(crate) fn of_process(
+        mut t: Tracer,
+        (params, trainable_params): (u64, u64),
+        weights_loaded: u64,
+        host_bytes: u64,
+        phases: Vec<PhasePeak>,
+    ) -> Self {
         Simulation {
             rank: 0,
-            params: instance.param_count,
-            trainable_params: instance.trainable_count,
-            weights_loaded: instance.weights_loaded,
+            params,
+            trainable_params,
+            weights_loaded,
             peak_reserved: Self::steps_peak_reserved(&phases),
             peak: t.mem.peak().clone(),
-            host_bytes: instance.host_bytes(&t),
+            host_bytes,
             engine_bytes: 0,
             phases,
             oom: t.mem.oom().cloned(),

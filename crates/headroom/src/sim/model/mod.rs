@@ -9,6 +9,7 @@ pub(crate) mod attention;
 pub(crate) mod heads;
 pub(crate) mod liger;
 pub(crate) mod load;
+pub(crate) mod megatron;
 pub(crate) mod mla;
 pub(crate) mod moe;
 pub(crate) mod quant;

@@ -13,7 +13,9 @@
 //! - [`cp`]: context parallelism (the sequence sharded, ring attention) wrapping the strategy
 //!   of the other mesh dimensions likewise;
 //! - [`pp`]: pipeline schedules, the order a rank runs its stages' forwards and backwards (the
-//!   harness's `stages` runs a pipeline rank in that order).
+//!   harness's `stages` runs a pipeline rank in that order);
+//! - [`megatron`]: Megatron-core's `DistributedDataParallel` (one fp32 gradient buffer) and its
+//!   mixed-precision or distributed optimizer, under Megatron's own tensor-parallel layers.
 //!
 //! Expert parallelism takes its place here as a further variant with the same
 //! hooks.
@@ -23,6 +25,7 @@ pub(crate) mod ddp;
 pub(crate) mod fsdp;
 pub(crate) mod fsdp1;
 pub(crate) mod fsdp_offload;
+pub(crate) mod megatron;
 pub(crate) mod pp;
 pub(crate) mod tp;
 pub(crate) mod zero;
@@ -36,6 +39,7 @@ use ddp::Ddp;
 use fsdp::Fsdp;
 use fsdp_offload::FsdpOffload;
 use fsdp1::Fsdp1;
+use megatron::MegatronDdp;
 use tp::TensorParallel;
 use zero::Zero;
 use zero3::Zero3;
@@ -60,6 +64,8 @@ pub(crate) enum Strategy {
     Tensor(Box<TensorParallel>),
     /// Context parallelism over the strategy of the other dimensions.
     Context(Box<ContextParallel>),
+    /// Megatron-core's DDP and optimizer.
+    Megatron(Box<MegatronDdp>),
 }
 
 /// A part of the model FSDP2 may wrap as a unit of its own: a decoder layer, the input
@@ -260,6 +266,7 @@ impl Strategy {
         match self {
             Strategy::Zero(zero) => zero.grad_hook(t, param),
             Strategy::Zero3(zero3) => zero3.grad_hook(t, param),
+            Strategy::Megatron(megatron) => megatron.grad_accumulated(t, param),
             _ => {}
         }
     }
@@ -289,6 +296,7 @@ impl Strategy {
         match self {
             Strategy::Zero(zero) => zero.step(t, optimizer),
             Strategy::Zero3(zero3) => zero3.step(t),
+            Strategy::Megatron(megatron) => megatron.step(t),
             _ => return false,
         }
         true

@@ -222,6 +222,12 @@ pub(crate) enum Bwd {
     /// `baddbmm(W, B, A)` with a frozen `W`: each factor's gradient is a `bmm` scaled by
     /// alpha.
     Baddbmm,
+    /// Megatron's `_VocabParallelCrossEntropy` over `tokens` rows: the gradient is the saved
+    /// fp32 softmax, updated in place at the targets (`grad_2d[arange, target] -=
+    /// 1 - target_mask.float()`) and scaled by the incoming gradient.
+    VocabParallelCrossEntropy {
+        tokens: u64,
+    },
 }
 
 /// One layer's ring attention (`ring_attention`) on this rank: its local queries (`batch`,
@@ -308,6 +314,11 @@ struct Region {
     nodes: Vec<RegionNode>,
     recomputed: bool,
     pending: usize,
+    /// A reentrant checkpoint (`torch.utils.checkpoint(use_reentrant=True)`, Megatron's
+    /// `tensor_parallel.checkpoint`): its recomputation runs the whole region, and the output
+    /// it recomputed lives until the region's backward is done.
+    reentrant: bool,
+    recomputed_output: Option<T>,
 }
 
 /// A node recorded inside a checkpointed region.
@@ -1043,9 +1054,29 @@ impl Tracer {
             nodes: Vec::with_capacity(room),
             recomputed: false,
             pending: 0,
+            reentrant: false,
+            recomputed_output: None,
         });
         self.region = Some(id);
         id
+    }
+
+    /// Enter the forward of a reentrant checkpointed region (see [`Region::reentrant`]).
+    pub(crate) fn begin_reentrant_region(&mut self, inputs: &[T]) -> u32 {
+        let id = self.begin_region(inputs);
+        self.regions[id as usize].reentrant = true;
+        id
+    }
+
+    /// The output a reentrant region's recomputation made: kept until its backward is done.
+    pub(crate) fn hold_recomputed_output(&mut self, region: u32, output: T) {
+        let kept = self.share(output);
+        if let Some(old) = self.regions[region as usize]
+            .recomputed_output
+            .replace(kept)
+        {
+            self.drop(old);
+        }
     }
 
     pub(crate) fn end_region(&mut self) {
@@ -1080,6 +1111,9 @@ impl Tracer {
             return false;
         };
         let r = &self.regions[region as usize];
+        if r.reentrant {
+            return false;
+        }
         match r.last_saving() {
             None => true,
             Some(last) => next > last || (next == last && !r.nodes[last].saves_output),
@@ -1317,7 +1351,11 @@ impl Tracer {
             r.pending -= 1;
             if r.pending == 0 {
                 let inputs = std::mem::take(&mut r.inputs);
+                let output = r.recomputed_output.take();
                 self.drop_all(&inputs);
+                if let Some(output) = output {
+                    self.drop(output);
+                }
             }
         }
     }

@@ -1,0 +1,64 @@
+"""Writes bench/megatron/specs.jsonl: Megatron-core GPTModel rows (local layer spec) as rank 0 of a fake world."""
+import json
+from pathlib import Path
+
+MODELS = {
+    "l8b": ("llama-3.1-8b", {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+            "rope_theta": 500000.0, "tie_word_embeddings": False}),
+    "q7b": ("qwen2.5-7b", {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+            "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 152064,
+            "rope_theta": 1000000.0, "tie_word_embeddings": False}),
+    "q3-8b": ("qwen3-8b", {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+              "rope_theta": 1000000.0, "tie_word_embeddings": False}),
+}
+# (model, layers, batch, seq, world, tp, distributed optimizer, recompute (granularity, method, layers), snapshot)
+# Call 1 took snapshots of rows 4, 6 and 9; call 2 (every row again, the harness moving the model to the GPU
+# before Float16Module as Megatron-LM does) of rows 1, 7 and 12.
+ROWS = [
+    ("l8b", 2, 1, 2048, 1, 1, False, None, True),
+    ("l8b", 2, 1, 2048, 4, 1, True, ("full", "uniform", 1), False),
+    ("l8b", 4, 1, 2048, 2, 2, False, None, False),
+    ("l8b", 4, 2, 2048, 8, 2, True, ("selective", None, None), False),
+    ("l8b", 4, 1, 4096, 4, 4, False, ("selective", None, None), False),
+    ("l8b", 4, 2, 4096, 16, 4, True, ("full", "uniform", 1), False),
+    ("l8b", 4, 2, 2048, 8, 8, False, ("full", "block", 2), True),
+    ("l8b", 4, 1, 4096, 64, 8, True, None, False),
+    ("q7b", 4, 1, 2048, 8, 4, True, None, False),
+    ("q3-8b", 4, 1, 2048, 16, 2, True, ("selective", None, None), False),
+    ("q3-8b", 4, 2, 4096, 32, 8, False, ("full", "uniform", 2), False),
+    ("q7b", 4, 1, 4096, 2, 2, False, ("full", "block", 1), True),
+]
+
+
+def row(key, layers, b, s, world, tp, dist_opt, recompute, snapshot):
+    model, config = MODELS[key]
+    mega = {"distributed_optimizer": dist_opt}
+    tag = "do" if dist_opt else "nodo"
+    rc = "norc"
+    if recompute:
+        gran, method, n = recompute
+        mega["recompute_granularity"] = gran
+        rc = gran
+        if method:
+            mega["recompute_method"], mega["recompute_num_layers"] = method, n
+            rc = f"full-{method}{n}"
+    rid = f"megatron/{key}-L{layers}/bs{b}/s{s}/w{world}-tp{tp}-{tag}/{rc}"
+    line = {
+        "id": rid,
+        "spec": {"model": model, "model_config": {**config, "num_hidden_layers": layers}, "precision": "bf16",
+                 "optimizer": "adamw", "batch_size": b, "seq_len": s,
+                 "parallel": {"strategy": "ddp", "world_size": world, "tp": tp, "framework": "megatron"},
+                 "megatron": mega},
+        "fake": True,
+    }
+    if snapshot:
+        line["snapshot"] = rid.replace("/", "-") + ".pickle"
+    return line
+
+
+# The largest rows (tp 1 and 2) are kept apart: two run on the GPU at a time.
+out = Path(__file__).resolve().parents[1] / "specs.jsonl"
+out.write_text("".join(json.dumps(row(*r)) + "\n" for r in ROWS))
+print(out, len(ROWS))

@@ -1,0 +1,128 @@
+//! A Megatron-core run as the measuring harness performs it (`python/headroom_measure/
+//! megatron.py`): rank 0 builds `GPTModel`, `Float16Module`, `DistributedDataParallel` and the
+//! optimizer, makes the inputs, then takes three steps of what `forward_backward_no_pipelining`
+//! does with one micro-batch: the forward and pretrain_gpt's loss
+//! (`sum(losses.view(-1).float() * loss_mask) / loss_mask.sum()`), `backward()` with the
+//! gradient buffers' (in-place) reductions, `optimizer.step()`. Zeroing the gradient buffer
+//! and the main gradients frees nothing.
+
+use super::simulation::{AfterOom, Options, STEPS, Simulation};
+use crate::arch::{Architecture, Param};
+use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::memory::OnOom;
+use crate::sim::engine::tracer::{BackwardHooks, Bwd, ParamId, T, Tracer};
+use crate::sim::model::Batch;
+use crate::sim::model::megatron::GptModel;
+use crate::sim::optim::OptimizerState;
+use crate::sim::strategy::Strategy;
+use crate::sim::strategy::megatron::MegatronDdp;
+use crate::spec::{Optimizer, RunSpec};
+
+/// What the backward engine calls into: the recomputation of checkpointed regions and the
+/// gradient buffer's hook.
+struct Hooks<'a> {
+    model: &'a GptModel,
+    batch: Batch,
+}
+
+impl BackwardHooks for Hooks<'_> {
+    fn recompute(&mut self, tracer: &mut Tracer, region: u32) {
+        self.model.recompute(tracer, region, self.batch);
+    }
+
+    fn grad_accumulated(&mut self, tracer: &mut Tracer, param: ParamId) {
+        self.model
+            .strategy
+            .borrow_mut()
+            .grad_accumulated(tracer, param);
+    }
+}
+
+/// Simulate the Megatron run of `spec` (`parallel.framework: megatron`) on `arch`.
+pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
+    let mut t = options.process();
+    if options.after_oom == AfterOom::StopUnlessUnlimited {
+        t.mem.on_oom(OnOom::StopUnlessUnlimited);
+    }
+    let parallel = spec
+        .parallel
+        .as_ref()
+        .expect("framework megatron comes with a parallel block");
+    let tp = parallel.tensor.tp;
+    let dp = parallel.world_size / tp;
+    let megatron = spec.megatron.unwrap_or_default();
+    // torch.zeros(1, device="cuda") after init_process_group.
+    let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
+    t.drop(zero);
+    let model = GptModel::build(&mut t, arch, tp, megatron);
+    let ddp = MegatronDdp::wrap(
+        &mut t,
+        &model.params,
+        &model.vectors,
+        dp,
+        megatron.distributed_optimizer,
+    );
+    *model.strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));
+    let weights_loaded = t.mem.allocated();
+    let mut phases = vec![t.mem.phase_peak()];
+    let batch = Batch {
+        b: spec.batch_size,
+        s: spec.seq_len,
+    };
+    let outer = std::mem::replace(&mut t.component, Component::Inputs);
+    let ids = t.empty(batch.n(), DType::I64, "input_ids");
+    let positions = t.empty(batch.s, DType::I64, "position_ids (arange)");
+    let loss_mask = t.empty(batch.n(), DType::F32, "loss_mask");
+    t.component = outer;
+    // Megatron's optimizer wraps its own; this one is never stepped.
+    let mut unused = OptimizerState::new(Optimizer::None);
+    for step in 1..=STEPS {
+        if t.mem.stopped() {
+            break;
+        }
+        t.mem.begin_measured_phase("forward", step);
+        let loss = forward_loss(&mut t, &model, ids, loss_mask, batch);
+        phases.push(t.mem.phase_peak());
+        if t.mem.stopped() {
+            break;
+        }
+        t.mem.begin_measured_phase("backward", step);
+        t.backward(
+            loss,
+            &mut Hooks {
+                model: &model,
+                batch,
+            },
+        );
+        t.drop(loss);
+        phases.push(t.mem.phase_peak());
+        if t.mem.stopped() {
+            break;
+        }
+        t.mem.begin_measured_phase("optimizer", step);
+        model.strategy.borrow_mut().step(&mut t, &mut unused);
+        phases.push(t.mem.phase_peak());
+    }
+    t.drop_all(&[ids, positions, loss_mask]);
+    // Every parameter trains; a tensor-parallel weight counts its global size.
+    let params: u64 = arch.parameters(spec.head()).iter().map(Param::numel).sum();
+    Simulation::of_process(t, (params, params), weights_loaded, 0, phases)
+}
+
+/// The forward and pretrain_gpt's `loss_func`: `losses.view(-1).float()` (already fp32)
+/// times the mask, summed, over `loss_mask.sum()`.
+fn forward_loss(t: &mut Tracer, model: &GptModel, ids: T, loss_mask: T, batch: Batch) -> T {
+    let losses = model.forward(t, ids, batch);
+    let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
+    let masked = t.mul(losses, loss_mask);
+    t.drop(losses);
+    let sum = t.empty(1, DType::F32, "torch.sum(losses * loss_mask)");
+    t.record(Bwd::Sum, &[Some(masked)], &[sum], &[]);
+    t.drop(masked);
+    let tokens = t.empty(1, DType::F32, "loss_mask.sum()");
+    let loss = t.mul(sum, tokens);
+    t.drop_all(&[sum, tokens]);
+    t.component = outer;
+    loss
+}

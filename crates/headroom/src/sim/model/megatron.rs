@@ -1,0 +1,596 @@
+//! Megatron-core 0.19's `GPTModel` built from the local layer spec (`get_gpt_layer_local_spec`:
+//! no Transformer Engine, no apex), translated line by line into tracer ops as one
+//! tensor-parallel rank runs it. Shapes: `s` positions by `b` sequences (Megatron keeps the
+//! sequence first), `n = s * b` rows; `np`, `ng`, `f`, `v` are this rank's heads, query
+//! groups, MLP width and vocabulary (`1/tp` of each).
+//!
+//! What each module allocates (`models/gpt/gpt_model.py`, `transformer/transformer_layer.py`,
+//! `transformer/attention.py`, `transformer/dot_product_attention.py`,
+//! `fusions/fused_softmax.py`, `models/common/embeddings/rope_utils.py`,
+//! `tensor_parallel/layers.py`, `tensor_parallel/cross_entropy.py`, `transformer/mlp.py`):
+//! - `VocabParallelEmbedding`: with tp > 1 the ids outside this rank's rows are masked and
+//!   shifted (`input_.clone() - start`), the lookup zeroed there and all-reduced in place;
+//!   `LanguageModelEmbedding` then copies it to `[s, b, h]` (`transpose(0, 1).contiguous()`).
+//! - the norms are `torch.nn.RMSNorm` (`WrappedTorchNorm`, made fp32 and cast to bf16 by
+//!   `Float16Module`): `_fused_rms_norm` saves its input and an fp32 `rstd` per row.
+//! - `ColumnParallelLinear` / `RowParallelLinear` (`LinearWithGradAccumulationAndAsync...`
+//!   without gradient-accumulation fusion): `matmul(x, w.t())` saving input and weight, a qkv
+//!   bias added out of place; the tensor-parallel reductions are in place.
+//! - attention: the fused qkv output viewed per query group and split; the query `reshape`
+//!   copies (the split is not contiguous); Qwen3's q/k norms; rotary embeddings unfused:
+//!   `t[..., :rot]` is `t` itself, the empty `t[..., rot:]` a slice whose backward zero-fills
+//!   the input's size, `t * cos + rotate_half(t) * sin` (`cat(-x2, x1)`), `cat((t, t_pass))`;
+//!   `cos`/`sin` computed from the cached `freqs` at every call and saved by the products.
+//! - `DotProductAttention`: key and value `repeat_interleave`d to the heads; `baddbmm` into a
+//!   new `[b·np, s, s]` bf16 tensor beside the persistent "mpu" buffer it is given
+//!   (`get_global_memory_buffer`); `FusedScaleMaskSoftmax`'s torch path: `.float()`, the
+//!   causal mask (made at every call: fp32 ones, `triu`, `.bool()`) filled in place and saved,
+//!   `Softmax` (saves its fp32 result), `.bfloat16()`;
+//!   `bmm` with the values, then `permute(...).contiguous()`.
+//! - `bias_dropout_add` without fusion: dropout 0 is the identity, `residual + out`.
+//! - the MLP: `linear_fc1` to `2f`, `chunk`, `silu(x0) * (x1 + glu_linear_offset)` (the sum
+//!   a new tensor), `linear_fc2`.
+//! - the output layer's logits (bf16, freed once the loss is computed) and
+//!   `_VocabParallelCrossEntropy`: `.float()` (the fp32 copy is worked in place into the
+//!   softmax, which it saves), the row max with its indices, the targets masked and shifted.
+//! - recomputation: `tensor_parallel.checkpoint` of whole layers (`full`, chunks as
+//!   `spec::Megatron::checkpointed_chunks` says) or of each layer's core attention
+//!   (`selective`, from q, k and v after the rotary embedding), reentrant: the recomputation
+//!   runs the whole region when its gradient arrives and keeps its output through the
+//!   region's backward.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use super::Batch;
+use crate::arch::{Architecture, Family};
+use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{Bwd, ParamId, T, Tracer};
+use crate::sim::strategy::Strategy;
+use crate::spec::{Megatron, Recompute};
+
+/// One rank's widths.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Widths {
+    pub hidden: u64,
+    /// Attention heads and query groups of this rank.
+    pub heads: u64,
+    pub groups: u64,
+    pub head_dim: u64,
+    /// MLP width (`ffn_hidden_size / tp`) and vocabulary rows (`vocab / tp`) of this rank.
+    pub ffn: u64,
+    pub vocab: u64,
+    pub tp: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Layer {
+    input_norm: ParamId,
+    proj: ParamId,
+    qkv: ParamId,
+    qkv_bias: Option<ParamId>,
+    q_norm: Option<ParamId>,
+    k_norm: Option<ParamId>,
+    mlp_norm: ParamId,
+    fc1: ParamId,
+    fc2: ParamId,
+}
+
+/// A checkpointed region: whole layers, or one layer's core attention.
+#[derive(Clone, Debug)]
+enum Region {
+    Layers(Range<usize>),
+    CoreAttention,
+}
+
+/// Tensors Megatron keeps for the life of the process: the "mpu" buffer `baddbmm` is given
+/// and the rotary `freqs` (`RotaryEmbedding.forward`, an `lru_cache`).
+#[derive(Default)]
+struct Cache {
+    mpu: Option<T>,
+    freqs: Option<T>,
+    /// This step's checkpointed regions, by id.
+    regions: Vec<Region>,
+}
+
+pub(crate) struct GptModel {
+    pub(crate) widths: Widths,
+    embedding: ParamId,
+    layers: Vec<Layer>,
+    final_norm: ParamId,
+    output: ParamId,
+    /// Every parameter in `named_parameters()` order, and which are vectors (1-D).
+    pub(crate) params: Vec<ParamId>,
+    pub(crate) vectors: Vec<bool>,
+    megatron: Megatron,
+    pub(crate) strategy: RefCell<Strategy>,
+    cache: RefCell<Cache>,
+}
+
+impl GptModel {
+    /// `GPTModel(config, layer_spec, ...)` on the GPU (`use_cpu_initialization=False`: each
+    /// weight made in place, in construction order, which is `named_parameters()` order), the
+    /// norms fp32 on the host as `torch.nn.RMSNorm` makes them; `model.cuda()` moves those,
+    /// then `Float16Module`'s `bfloat16()` casts them.
+    pub(crate) fn build(t: &mut Tracer, arch: &Architecture, tp: u64, megatron: Megatron) -> Self {
+        let widths = Widths {
+            hidden: arch.hidden,
+            heads: arch.heads / tp,
+            groups: arch.kv_heads / tp,
+            head_dim: arch.head_dim,
+            ffn: arch.intermediate / tp,
+            vocab: arch.vocab / tp,
+            tp,
+        };
+        let Widths {
+            hidden: h,
+            heads,
+            groups,
+            head_dim: d,
+            ffn: f,
+            vocab: v,
+            ..
+        } = widths;
+        let mut params = Vec::new();
+        let mut vectors = Vec::new();
+        let mut norms = Vec::new();
+        let mut param = |t: &mut Tracer, numel: u64, dtype: DType, label: &'static str| {
+            // `torch.nn.RMSNorm` makes its weight on the host; the layers make theirs on the GPU.
+            let p = if dtype == DType::F32 {
+                let p = t.parameter_deferred(numel, dtype, true, label);
+                norms.push(p);
+                p
+            } else {
+                t.parameter(numel, dtype, true, label)
+            };
+            params.push(p);
+            vectors.push(dtype == DType::F32 || label.ends_with("bias"));
+            p
+        };
+        let embedding = param(t, v * h, DType::BF16, "word_embeddings.weight");
+        let qkv_width = (heads + 2 * groups) * d;
+        let layers = (0..arch.layers)
+            .map(|_| Layer {
+                input_norm: param(t, h, DType::F32, "input_layernorm.weight"),
+                proj: param(t, h * heads * d, DType::BF16, "linear_proj.weight"),
+                qkv: param(t, qkv_width * h, DType::BF16, "linear_qkv.weight"),
+                qkv_bias: (arch.family == Family::Qwen2)
+                    .then(|| param(t, qkv_width, DType::BF16, "linear_qkv.bias")),
+                q_norm: (arch.family == Family::Qwen3)
+                    .then(|| param(t, d, DType::F32, "q_layernorm.weight")),
+                k_norm: (arch.family == Family::Qwen3)
+                    .then(|| param(t, d, DType::F32, "k_layernorm.weight")),
+                mlp_norm: param(t, h, DType::F32, "pre_mlp_layernorm.weight"),
+                fc1: param(t, 2 * f * h, DType::BF16, "linear_fc1.weight"),
+                fc2: param(t, h * f, DType::BF16, "linear_fc2.weight"),
+            })
+            .collect();
+        let final_norm = param(t, h, DType::F32, "final_layernorm.weight");
+        let output = param(t, v * h, DType::BF16, "output_layer.weight");
+        // `model.cuda()` (Megatron-LM's `get_model`), then `Float16Module`'s `bfloat16()`.
+        for p in norms {
+            t.materialize(p);
+        }
+        for &p in &params {
+            t.cast_parameter(p, DType::BF16);
+        }
+        GptModel {
+            widths,
+            embedding,
+            layers,
+            final_norm,
+            output,
+            params,
+            vectors,
+            megatron,
+            strategy: RefCell::new(Strategy::Local),
+            cache: RefCell::new(Cache::default()),
+        }
+    }
+
+    /// `ddp_model(input_ids, position_ids, None, labels=input_ids)`: the per-token losses
+    /// `[b, s]` (fp32).
+    pub(crate) fn forward(&self, t: &mut Tracer, ids: T, batch: Batch) -> T {
+        self.cache.borrow_mut().regions.clear();
+        let n = batch.n();
+        let outer = std::mem::replace(&mut t.component, Component::Activations);
+        let embedded = self.embedding_forward(t, ids, n);
+        let freqs = self.rotary_freqs(t, batch.s);
+        let mut hidden = embedded;
+        let chunks = self.megatron.checkpointed_chunks(self.layers.len());
+        let mut layer = 0;
+        while layer < self.layers.len() {
+            let chunk = chunks.iter().find(|c| c.start == layer).cloned();
+            let end = chunk.as_ref().map_or(layer + 1, |c| c.end);
+            if let Some(chunk) = chunk {
+                let id = t.begin_reentrant_region(&[hidden]);
+                self.push_region(id, Region::Layers(chunk));
+            }
+            for l in layer..end {
+                let next = self.layer_forward(t, l, hidden, freqs, batch);
+                t.drop(hidden);
+                hidden = next;
+            }
+            if self.checkpointed_layer(layer) {
+                t.end_region();
+            }
+            layer = end;
+        }
+        let normed = self.rms_norm(t, hidden, self.final_norm, n);
+        t.drop(hidden);
+        t.component = Component::LogitsAndLoss;
+        let logits = t.linear(normed, self.output, None, self.widths.vocab, false);
+        t.drop(normed);
+        let loss = self.cross_entropy(t, logits, n);
+        t.drop(logits);
+        t.component = outer;
+        loss
+    }
+
+    fn push_region(&self, id: u32, region: Region) {
+        let regions = &mut self.cache.borrow_mut().regions;
+        debug_assert_eq!(regions.len(), id as usize, "regions are numbered in order");
+        regions.push(region);
+    }
+
+    fn checkpointed_layer(&self, layer: usize) -> bool {
+        self.megatron
+            .checkpointed_chunks(self.layers.len())
+            .iter()
+            .any(|c| c.start == layer)
+    }
+
+    /// `VocabParallelEmbedding` then `LanguageModelEmbedding`'s copy to `[s, b, h]`.
+    fn embedding_forward(&self, t: &mut Tracer, ids: T, n: u64) -> T {
+        let h = self.widths.hidden;
+        let masks = (self.widths.tp > 1).then(|| {
+            let outer = std::mem::replace(&mut t.component, Component::Inputs);
+            let below = t.empty(n, DType::Bool, "ids < vocab_start");
+            let above = t.empty(n, DType::Bool, "ids >= vocab_end");
+            let mask = t.empty(n, DType::Bool, "input_mask");
+            t.drop_all(&[above, below]);
+            let clone = t.empty(n, DType::I64, "input_.clone()");
+            let shifted = t.empty(n, DType::I64, "input_.clone() - vocab_start");
+            t.drop(clone);
+            t.component = outer;
+            (mask, shifted)
+        });
+        let lookup_ids = masks.map_or(ids, |(_, shifted)| shifted);
+        let looked_up = t.embedding(self.embedding, lookup_ids, n, h);
+        let embedded = t.contiguous_copy(looked_up);
+        t.drop(looked_up);
+        if let Some((mask, shifted)) = masks {
+            t.drop_all(&[mask, shifted]);
+        }
+        embedded
+    }
+
+    /// `RotaryEmbedding.forward(s)` (an `lru_cache`): `outer(arange(s), inv_freq)` doubled,
+    /// `[s, 1, 1, d]` fp32, made once.
+    fn rotary_freqs(&self, t: &mut Tracer, s: u64) -> T {
+        if let Some(freqs) = self.cache.borrow().freqs {
+            return freqs;
+        }
+        let d = self.widths.head_dim;
+        let seq = t.empty(s, DType::F32, "arange(max_seq_len)");
+        let outer = t.empty(s * d / 2, DType::F32, "outer(seq, inv_freq)");
+        t.drop(seq);
+        let freqs = t.empty(s * d, DType::F32, "rotary freqs (cached)");
+        t.drop(outer);
+        t.mark_persistent(freqs);
+        self.cache.borrow_mut().freqs = Some(freqs);
+        freqs
+    }
+
+    /// `TransformerLayer.forward`.
+    fn layer_forward(&self, t: &mut Tracer, l: usize, x: T, freqs: T, batch: Batch) -> T {
+        let layer = self.layers[l];
+        let n = batch.n();
+        let normed = self.rms_norm(t, x, layer.input_norm, n);
+        let attention = self.attention(t, &layer, normed, freqs, batch);
+        t.drop(normed);
+        let hidden = t.add(x, attention);
+        t.drop(attention);
+        let normed = self.rms_norm(t, hidden, layer.mlp_norm, n);
+        let mlp = self.mlp(t, &layer, normed);
+        t.drop(normed);
+        let out = t.add(hidden, mlp);
+        t.drop_all(&[mlp, hidden]);
+        out
+    }
+
+    /// `torch.nn.RMSNorm` over `rows` rows (`_fused_rms_norm`):
+    /// the output and an fp32 `rstd` per row, both the input and `rstd` saved.
+    fn rms_norm(&self, t: &mut Tracer, x: T, weight: ParamId, rows: u64) -> T {
+        let out = t.empty(t.numel(x), t.dtype(x), "rms_norm output");
+        let rstd = t.empty(rows, DType::F32, "rms_norm rstd");
+        let w = t.param(weight);
+        t.record(
+            Bwd::LayerNorm,
+            &[Some(x), Some(w), None],
+            &[out],
+            &[x, rstd],
+        );
+        t.drop(rstd);
+        out
+    }
+
+    /// `SelfAttention.forward` up to `linear_proj`'s (all-reduced) output.
+    fn attention(&self, t: &mut Tracer, layer: &Layer, x: T, freqs: T, batch: Batch) -> T {
+        let Widths {
+            hidden: h,
+            heads,
+            groups,
+            head_dim: d,
+            ..
+        } = self.widths;
+        let n = batch.n();
+        let qkv_width = (heads + 2 * groups) * d;
+        let mut mixed = t.linear(x, layer.qkv, None, qkv_width, false);
+        if let Some(bias) = layer.qkv_bias {
+            let b = t.param(bias);
+            let biased = t.add(mixed, b);
+            t.drop(mixed);
+            mixed = biased;
+        }
+        let (q_numel, kv_numel) = (n * heads * d, n * groups * d);
+        let parts = [
+            t.view(mixed, q_numel, "query (split)"),
+            t.view(mixed, kv_numel, "key (split)"),
+            t.view(mixed, kv_numel, "value (split)"),
+        ];
+        t.record(Bwd::Split, &[Some(mixed)], &parts, &[]);
+        t.drop(mixed);
+        let [query_split, key, value] = parts;
+        let mut query = t.contiguous_copy(query_split);
+        t.drop(query_split);
+        let mut key = key;
+        if let Some(q_norm) = layer.q_norm {
+            let normed = self.rms_norm(t, query, q_norm, n * heads);
+            t.drop(query);
+            query = normed;
+        }
+        if let Some(k_norm) = layer.k_norm {
+            // `_fused_rms_norm` makes its (non-contiguous) input contiguous first.
+            let contiguous = t.empty(kv_numel, t.dtype(key), "key.contiguous() (rms_norm)");
+            let normed = self.rms_norm(t, key, k_norm, n * groups);
+            t.drop_all(&[contiguous, key]);
+            key = normed;
+        }
+        let query_rot = self.rotary(t, query, freqs, batch.s);
+        t.drop(query);
+        let key_rot = self.rotary(t, key, freqs, batch.s);
+        t.drop(key);
+        let context = if self.megatron.recompute == Recompute::Selective {
+            let id = t.begin_reentrant_region(&[query_rot, key_rot, value]);
+            self.push_region(id, Region::CoreAttention);
+            let out = self.core_attention(t, query_rot, key_rot, value, batch);
+            t.end_region();
+            out
+        } else {
+            self.core_attention(t, query_rot, key_rot, value, batch)
+        };
+        t.drop_all(&[query_rot, key_rot, value]);
+        let out = t.linear(context, layer.proj, None, h, false);
+        t.drop(context);
+        out
+    }
+
+    /// `apply_rotary_pos_emb` without fusion (`_apply_rotary_pos_emb_bshd`) on `x`
+    /// (`[s, b, heads, d]`), with `freqs` covering the whole head.
+    fn rotary(&self, t: &mut Tracer, x: T, freqs: T, s: u64) -> T {
+        let numel = t.numel(x);
+        let d = self.widths.head_dim;
+        // A slice over a whole dimension is the tensor itself (`applySlice`); the empty
+        // remainder is a view whose backward zero-fills the input's size.
+        let rotated_part = t.share(x);
+        let pass = t.slice(x, 0);
+        let trig = |t: &mut Tracer, label: &'static str| {
+            let f = t.numel(freqs);
+            let raw = t.empty(f, DType::F32, "cos/sin(freqs)");
+            let scaled = t.empty(f, DType::F32, "* mscale");
+            t.drop(raw);
+            let cast = t.empty(s * d, t.dtype(x), label);
+            t.drop(scaled);
+            cast
+        };
+        let cos = trig(t, "cos_ (rotary)");
+        let sin = trig(t, "sin_ (rotary)");
+        let by_cos = t.mul(rotated_part, cos);
+        let halves = [
+            t.view(rotated_part, numel / 2, "x1 (chunk)"),
+            t.view(rotated_part, numel / 2, "x2 (chunk)"),
+        ];
+        t.record(Bwd::Split, &[Some(rotated_part)], &halves, &[]);
+        let negated = t.neg(halves[1]);
+        let rotated_half = t.cat2(negated, halves[0]);
+        t.drop(negated);
+        let by_sin = t.mul(rotated_half, sin);
+        t.drop(rotated_half);
+        let sum = t.add(by_cos, by_sin);
+        t.drop_all(&[by_sin, by_cos]);
+        let out = t.cat2(sum, pass);
+        t.drop(sum);
+        t.drop_all(&[halves[0], halves[1], sin, cos, pass, rotated_part]);
+        out
+    }
+
+    /// `DotProductAttention.forward`: the attention context `[s, b, np·d]`.
+    fn core_attention(&self, t: &mut Tracer, query: T, key: T, value: T, batch: Batch) -> T {
+        let Widths {
+            heads,
+            groups,
+            head_dim: d,
+            ..
+        } = self.widths;
+        let (b, s) = (batch.b, batch.s);
+        let n = b * s;
+        let repeat = |t: &mut Tracer, x: T, label: &'static str| {
+            if heads == groups {
+                return t.share(x);
+            }
+            let out = t.empty(n * heads * d, t.dtype(x), label);
+            t.record(Bwd::Reduce, &[Some(x)], &[out], &[]);
+            out
+        };
+        let key = repeat(t, key, "key.repeat_interleave");
+        let value = repeat(t, value, "value.repeat_interleave");
+        let scores_numel = b * heads * s * s;
+        let buffer = self.mpu_buffer(t, scores_numel);
+        let scores = t.empty(scores_numel, t.dtype(query), "baddbmm (attention scores)");
+        t.ensure_cublas_workspace();
+        t.record(
+            Bwd::Baddbmm,
+            &[Some(buffer), Some(query), Some(key)],
+            &[scores],
+            &[query, key],
+        );
+        // `FusedScaleMaskSoftmax.forward_torch_softmax`.
+        let scores32 = t.to(scores, DType::F32);
+        let mask = self.causal_mask(t, s);
+        let masked = t.view(scores32, scores_numel, "masked_fill_ (in place)");
+        t.record(Bwd::MaskedFill, &[Some(scores32)], &[masked], &[mask]);
+        // `Softmax` on an fp32 input: its backward (`_softmax_backward_data` without
+        // half-to-float) takes a gradient-sized scratch besides its result, as `_safe_softmax`'s.
+        let probs32 = t.empty(scores_numel, DType::F32, "softmax (fp32)");
+        t.record(Bwd::SafeSoftmax, &[Some(masked)], &[probs32], &[probs32]);
+        let probs = t.to(probs32, t.dtype(query));
+        // `probs` rebound, then `forward_torch_softmax` returns: its mask and fp32 input go.
+        t.drop_all(&[probs32, mask, masked, scores32]);
+        let context = t.bmm(probs, value, n * heads * d);
+        let out = t.contiguous_copy(context);
+        t.drop_all(&[context, probs, scores, key, value]);
+        out
+    }
+
+    /// `parallel_state.get_global_memory_buffer().get_tensor(shape, dtype, "mpu")`: allocated
+    /// once, at its largest.
+    fn mpu_buffer(&self, t: &mut Tracer, numel: u64) -> T {
+        let mut cache = self.cache.borrow_mut();
+        match cache.mpu {
+            Some(buffer) if t.numel(buffer) >= numel => buffer,
+            _ => {
+                let buffer = t.empty_as(numel, DType::BF16, Component::Workspaces, "mpu buffer");
+                t.mark_persistent(buffer);
+                cache.mpu = Some(buffer);
+                buffer
+            }
+        }
+    }
+
+    /// `get_default_causal_mask(s)`, made again at every call: `triu(ones(s, s), 1).bool()`.
+    fn causal_mask(&self, t: &mut Tracer, s: u64) -> T {
+        let outer = std::mem::replace(&mut t.component, Component::Inputs);
+        let ones = t.empty(s * s, DType::F32, "torch.ones(s, s)");
+        let upper = t.empty(s * s, DType::F32, "torch.triu");
+        t.drop(ones);
+        let mask = t.empty(s * s, DType::Bool, "causal mask");
+        t.drop(upper);
+        t.component = outer;
+        mask
+    }
+
+    /// `MLP.forward`: `linear_fc1`, `glu` (`chunk`, `silu(x0) * (x1 + offset)`), `linear_fc2`.
+    fn mlp(&self, t: &mut Tracer, layer: &Layer, x: T) -> T {
+        let Widths {
+            hidden: h, ffn: f, ..
+        } = self.widths;
+        let up = t.linear(x, layer.fc1, None, 2 * f, false);
+        let half = t.numel(up) / 2;
+        let halves = [
+            t.view(up, half, "x[0] (chunk)"),
+            t.view(up, half, "x[1] (chunk)"),
+        ];
+        t.record(Bwd::Split, &[Some(up)], &halves, &[]);
+        t.drop(up);
+        let act = t.silu(halves[0]);
+        // `x_linear + config.glu_linear_offset`: a new tensor even for an offset of 0.
+        let linear = t.add_scalar(halves[1]);
+        let gated = t.mul(act, linear);
+        t.drop_all(&[linear, act, halves[0], halves[1]]);
+        let out = t.linear(gated, layer.fc2, None, h, false);
+        t.drop(gated);
+        out
+    }
+
+    /// `compute_language_model_loss`: the labels copied to `[s, b]`,
+    /// `_VocabParallelCrossEntropy`, the losses copied back to `[b, s]`.
+    fn cross_entropy(&self, t: &mut Tracer, logits: T, n: u64) -> T {
+        let v = self.widths.vocab;
+        let labels = t.empty_as(
+            n,
+            DType::I64,
+            Component::Inputs,
+            "labels.transpose.contiguous",
+        );
+        let logits32 = t.empty(n * v, DType::F32, "logits.float() (softmax, in place)");
+        let max = t.empty(n, DType::F32, "logits_max");
+        let argmax = t.empty(n, DType::I64, "max indices");
+        t.drop(argmax);
+        let below = t.empty(n, DType::Bool, "target < vocab_start");
+        let above = t.empty(n, DType::Bool, "target >= vocab_end");
+        let target_mask = t.empty(n, DType::Bool, "target_mask");
+        t.drop_all(&[above, below]);
+        let clone = t.empty(n, DType::I64, "target.clone()");
+        let masked_target = t.empty(n, DType::I64, "target.clone() - vocab_start");
+        t.drop(clone);
+        let arange = t.empty(n, DType::I64, "arange(rows)");
+        let picked = t.empty(n, DType::F32, "logits_2d[arange, target]");
+        let predicted = t.empty(n, DType::F32, "predicted_logits.clone()");
+        t.drop_all(&[picked, arange]);
+        let sum_exp = t.empty(n, DType::F32, "sum_exp_logits");
+        let log = t.empty(n, DType::F32, "log(sum_exp_logits)");
+        let loss = t.empty(n, DType::F32, "loss");
+        t.drop(log);
+        t.record(
+            Bwd::VocabParallelCrossEntropy { tokens: n },
+            &[Some(logits)],
+            &[loss],
+            &[logits32, target_mask, masked_target],
+        );
+        t.drop_all(&[
+            sum_exp,
+            predicted,
+            masked_target,
+            target_mask,
+            max,
+            logits32,
+            labels,
+        ]);
+        let out = t.contiguous_copy(loss);
+        t.drop(loss);
+        out
+    }
+
+    /// `tensor_parallel.checkpoint`'s recomputation of region `region` in backward: the whole
+    /// region runs again (a reentrant checkpoint), its output kept through the region's
+    /// backward.
+    pub(crate) fn recompute(&self, t: &mut Tracer, region: u32, batch: Batch) {
+        let kind = self.cache.borrow().regions[region as usize].clone();
+        let inputs = t.region_inputs(region);
+        let freqs = self
+            .cache
+            .borrow()
+            .freqs
+            .expect("the forward made the freqs");
+        t.begin_recompute(region);
+        let outer = std::mem::replace(&mut t.component, Component::Activations);
+        let out = match kind {
+            Region::Layers(layers) => {
+                let mut hidden = t.share(inputs[0]);
+                for l in layers {
+                    let next = self.layer_forward(t, l, hidden, freqs, batch);
+                    t.drop(hidden);
+                    hidden = next;
+                }
+                hidden
+            }
+            Region::CoreAttention => self.core_attention(t, inputs[0], inputs[1], inputs[2], batch),
+        };
+        t.hold_recomputed_output(region, out);
+        t.drop(out);
+        t.component = outer;
+        t.end_recompute();
+    }
+}

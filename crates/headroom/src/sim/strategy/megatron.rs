@@ -1,0 +1,276 @@
+//! Megatron-core 0.19's `DistributedDataParallel` and mixed-precision optimizer as rank 0 of the
+//! data-parallel group sees them (`distributed/distributed_data_parallel.py`,
+//! `distributed/param_and_grad_buffer.py`, `optimizer/distrib_optimizer.py`,
+//! `optimizer/optimizer.py`, `optimizer/clip_grads.py`), with Megatron-LM's bf16 defaults
+//! (`grad_reduce_in_fp32`, `overlap_grad_reduce` off, `clip_grad` 1.0) and no Transformer
+//! Engine or apex (Adam is `torch.optim.AdamW`, foreach; multi-tensor ops are loops).
+//!
+//! - The bf16 parameters share one `_ParamAndGradBuffer`, laid out in reverse parameter order
+//!   ([`BufferLayout`]), one bucket since gradients are reduced after backward. Its fp32
+//!   `grad_data` holds every parameter's `main_grad`; a hook on each `AccumulateGrad` adds the
+//!   bf16 gradient into it (`main_grad.add_(grad)`) and drops it. With the distributed
+//!   optimizer a bf16 `param_data` buffer is allocated before it and every parameter is moved
+//!   into it (`param.data = view; copy_; del old`, last parameter first).
+//! - The optimizer's fp32 main parameters: `Float16OptimizerWithFloat16Params` makes
+//!   `param.detach().clone().float()` of every parameter; `DistributedOptimizer` of this
+//!   rank's `numel / dp` elements of the buffer (`shard_model_param.clone().float()`, per
+//!   parameter part, in buffer order). Both step them with `torch.optim.AdamW` over two
+//!   parameter groups, the matrices and then the vectors (norms, biases: weight decay 0),
+//!   whose states appear at the first step. Their gradients are views of `grad_data`.
+//! - `step()`: the gradient norm (`torch.norm` of each main gradient, one element each, kept
+//!   until the norm is summed), the clip (`dst.copy_(src * clip_coeff)`: a temporary the size
+//!   of each gradient in turn), AdamW, then `model_param.copy_(main_param)` in place.
+//!
+//! The reductions (`finish_grad_sync`, the parameter all-gather) work in place in the buffers.
+
+use super::super::engine::component::Component;
+use super::super::engine::tracer::{ParamId, T, Tracer};
+use crate::dtype::DType;
+use crate::sim::optim::OptimizerState;
+use crate::spec::Optimizer;
+
+/// `DistributedOptimizer._compute_per_buffer_param_layout` (or, without the distributed
+/// optimizer, `_compute_default_per_buffer_param_layout`) for one bucket: parameters from the
+/// last to the first, each starting at a multiple of 64 elements with the distributed
+/// optimizer (`pad_param_start`), the bucket's end padded to a multiple of `lcm(dp, 128)`
+/// (`pad_bucket_end`) so that it splits evenly over the data-parallel ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct BufferLayout {
+    /// Elements of the buffer, padding included.
+    pub(crate) numel: u64,
+    /// Each parameter's first element, in parameter order.
+    pub(crate) starts: Vec<u64>,
+    numels: Vec<u64>,
+}
+
+impl BufferLayout {
+    pub(crate) fn new(numels: &[u64], dp: u64, distributed_optimizer: bool) -> Self {
+        let mut starts = vec![0; numels.len()];
+        let mut next: u64 = 0;
+        for (i, &numel) in numels.iter().enumerate().rev() {
+            if distributed_optimizer {
+                next = next.next_multiple_of(64);
+            }
+            starts[i] = next;
+            next += numel;
+        }
+        let numel = if distributed_optimizer {
+            next.next_multiple_of(lcm(dp, 128))
+        } else {
+            next
+        };
+        BufferLayout {
+            numel,
+            starts,
+            numels: numels.to_vec(),
+        }
+    }
+
+    /// The parts of parameters inside rank `rank`'s `numel / dp` elements, in buffer order
+    /// (last parameter first): (parameter index, elements).
+    pub(crate) fn shard_parts(&self, dp: u64, rank: u64) -> Vec<(usize, u64)> {
+        let size = self.numel / dp;
+        let (lo, hi) = (rank * size, (rank + 1) * size);
+        (0..self.starts.len())
+            .rev()
+            .filter_map(|i| {
+                let (start, end) = (self.starts[i], self.starts[i] + self.numels[i]);
+                let overlap = end.min(hi).saturating_sub(start.max(lo));
+                (overlap > 0).then_some((i, overlap))
+            })
+            .collect()
+    }
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    a / gcd(a, b) * b
+}
+
+/// One fp32 main parameter and the model parameter it steps.
+struct MainParam {
+    main: ParamId,
+    vector: bool,
+}
+
+/// The wrapper and its optimizer; the buffers live as long as the process.
+pub(crate) struct MegatronDdp {
+    main: Vec<MainParam>,
+    /// AdamW's two parameter groups: the matrices, then the vectors.
+    optimizers: [OptimizerState; 2],
+}
+
+impl MegatronDdp {
+    /// `DistributedDataParallel(config, ddp_config, module)` over the model's parameters
+    /// (`params`, in `named_parameters()` order, `vectors` saying which are 1-D), then the
+    /// optimizer's main parameters, as rank 0 of `dp` data-parallel ranks builds them.
+    pub(crate) fn wrap(
+        t: &mut Tracer,
+        params: &[ParamId],
+        vectors: &[bool],
+        dp: u64,
+        distributed_optimizer: bool,
+    ) -> Self {
+        let numels: Vec<u64> = params.iter().map(|&p| t.numel(t.param(p))).collect();
+        let layout = BufferLayout::new(&numels, dp, distributed_optimizer);
+        let param_data = distributed_optimizer.then(|| {
+            let data = t.empty_as(
+                layout.numel,
+                DType::BF16,
+                Component::Weights,
+                "param_data (bf16 parameter buffer)",
+            );
+            t.mark_persistent(data);
+            data
+        });
+        let grad_data = t.empty_as(
+            layout.numel,
+            DType::F32,
+            Component::Gradients,
+            "grad_data (fp32 main_grad buffer)",
+        );
+        t.mark_persistent(grad_data);
+        if let Some(data) = param_data {
+            for &p in params.iter().rev() {
+                t.param_into_view(p, data, "parameter in param_data");
+            }
+        }
+        // `_get_param_groups`: the default group (matrices) sorts before the wd_mult 0 one.
+        let outer = std::mem::replace(&mut t.component, Component::OptimizerStates);
+        let mut main = Vec::new();
+        let mut add = |t: &mut Tracer, numel: u64, vector: bool| {
+            let clone = t.empty(numel, DType::BF16, "shard_model_param.clone()");
+            let p = t.parameter(numel, DType::F32, true, "fp32 main parameter");
+            t.recategorize(t.param(p), Component::OptimizerStates);
+            t.drop(clone);
+            main.push(MainParam { main: p, vector });
+        };
+        for vector in [false, true] {
+            if distributed_optimizer {
+                for (i, numel) in layout.shard_parts(dp, 0) {
+                    if vectors[i] == vector {
+                        add(t, numel, vector);
+                    }
+                }
+            } else {
+                for (i, &numel) in numels.iter().enumerate() {
+                    if vectors[i] == vector {
+                        add(t, numel, vector);
+                    }
+                }
+            }
+        }
+        t.component = outer;
+        MegatronDdp {
+            main,
+            optimizers: [
+                OptimizerState::new(Optimizer::AdamW),
+                OptimizerState::new(Optimizer::AdamW),
+            ],
+        }
+    }
+
+    /// The hook on `param`'s `AccumulateGrad`: `param.main_grad.add_(param.grad.data);
+    /// param.grad = None`.
+    pub(crate) fn grad_accumulated(&mut self, t: &mut Tracer, param: ParamId) {
+        if let Some(grad) = t.params[param].grad.take() {
+            t.drop(grad);
+        }
+    }
+
+    /// `optimizer.step()`: the norm and clip of the main gradients, AdamW per group, the copy
+    /// back into the model's parameters (in place).
+    pub(crate) fn step(&mut self, t: &mut Tracer) {
+        let outer = std::mem::replace(&mut t.component, Component::OptimizerTemporaries);
+        // `local_multi_tensor_l2_norm`: `[torch.norm(g) for g in grads]`, then their norm.
+        let norms: Vec<T> = self
+            .main
+            .iter()
+            .map(|_| t.empty(1, DType::F32, "torch.norm(main_grad)"))
+            .collect();
+        let total = t.empty(1, DType::F32, "l2 norm (device)");
+        let squared = t.empty(1, DType::F32, "grad_norm ** 2");
+        t.drop(total);
+        for norm in norms.into_iter().rev() {
+            t.drop(norm);
+        }
+        t.drop(squared);
+        // `clip_grad_by_total_norm_fp32` with a float coefficient below 1.
+        let overflow = t.empty(1, DType::I32, "dummy_overflow_buf");
+        for m in &self.main {
+            let numel = t.numel(t.param(m.main));
+            let scaled = t.empty(numel, DType::F32, "main_grad * clip_coeff");
+            t.drop(scaled);
+        }
+        t.drop(overflow);
+        t.component = outer;
+        for (group, vector) in [false, true].into_iter().enumerate() {
+            let params: Vec<ParamId> = self
+                .main
+                .iter()
+                .filter(|m| m.vector == vector)
+                .map(|m| m.main)
+                .collect();
+            if !params.is_empty() {
+                self.optimizers[group].step(t, &params);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without the distributed optimizer the buffer is the parameters back to back, last
+    /// first; with it each parameter starts on 64 elements and the end splits over dp.
+    #[test]
+    fn the_buffer_lays_parameters_out_last_first_with_megatrons_padding() {
+        let numels = [100, 7, 300];
+        let plain = BufferLayout::new(&numels, 4, false);
+        assert_eq!(plain.starts, vec![307, 300, 0]);
+        assert_eq!(plain.numel, 407);
+        let sharded = BufferLayout::new(&numels, 4, true);
+        // 300 at 0, 7 at 320 (300 rounded up to 64), 100 at 384 (327 rounded up); 484 ends
+        // on lcm(4, 128) = 128: 512.
+        assert_eq!(sharded.starts, vec![384, 320, 0]);
+        assert_eq!(sharded.numel, 512);
+        let odd = BufferLayout::new(&numels, 3, true);
+        assert_eq!(odd.numel, 768, "lcm(3, 128) = 384");
+    }
+
+    /// Rank r owns `numel / dp` elements; the parts of the parameters in it add up to them
+    /// less the padding inside, and every rank's parts cover every parameter once.
+    #[test]
+    fn shards_split_the_buffer_evenly_and_cover_every_parameter() {
+        let numels = [1000, 64, 4096, 10, 333];
+        let dp = 8;
+        let layout = BufferLayout::new(&numels, dp, true);
+        assert_eq!(layout.numel % dp, 0);
+        let mut covered = [0u64; 5];
+        for rank in 0..dp {
+            let parts = layout.shard_parts(dp, rank);
+            let held: u64 = parts.iter().map(|&(_, n)| n).sum();
+            assert!(held <= layout.numel / dp);
+            for (i, n) in parts {
+                covered[i] += n;
+            }
+        }
+        assert_eq!(covered.to_vec(), numels.to_vec());
+        // Rank 0 starts with the last parameter (the buffer's first).
+        assert_eq!(layout.shard_parts(dp, 0)[0].0, 4);
+    }
+
+    #[test]
+    fn lcm_of_data_parallel_sizes_and_128() {
+        assert_eq!(lcm(8, 128), 128);
+        assert_eq!(lcm(3, 128), 384);
+        assert_eq!(lcm(256, 128), 256);
+        assert_eq!(lcm(1, 128), 128);
+    }
+}

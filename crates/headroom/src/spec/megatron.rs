@@ -1,0 +1,220 @@
+//! `megatron:`, the settings of a run under `parallel.framework: megatron` that change memory:
+//! Megatron-core's `DistributedOptimizer` (`use_distributed_optimizer`) and activation
+//! recomputation (`recompute_granularity`, `recompute_method`, `recompute_num_layers` of
+//! `TransformerConfig`), read here; `RunSpec::check_megatron` says what of Megatron is
+//! modelled and refuses the rest by name.
+
+use std::ops::Range;
+
+use serde_json::Value;
+
+use super::parse::{RUN_SPEC_KEY, boolean, choice, positive, unknown_key};
+use crate::error::{Error, Result};
+
+pub(crate) const MEGATRON_KEYS: &[&str] = &[
+    "distributed_optimizer",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+];
+
+/// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
+/// name above it.
+const UNMODELLED_SIZES: &[(&str, &str)] = &[
+    ("pipeline_model_parallel_size", "pipeline parallelism"),
+    ("context_parallel_size", "context parallelism"),
+    ("expert_model_parallel_size", "expert parallelism"),
+];
+
+/// Megatron-core's memory settings.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Megatron {
+    /// `DistributedOptimizer`: fp32 main parameters and Adam states sharded over the
+    /// data-parallel ranks, the bf16 parameters viewing one contiguous buffer.
+    pub distributed_optimizer: bool,
+    pub recompute: Recompute,
+}
+
+/// `recompute_granularity`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recompute {
+    #[default]
+    None,
+    /// `selective` with its default `recompute_modules: [core_attn]`: the core attention of
+    /// every layer is checkpointed.
+    Selective,
+    /// `full`: whole layers checkpointed, `layers` at a time (`uniform`), or the first
+    /// `layers` one by one (`block`).
+    Full {
+        method: RecomputeMethod,
+        layers: u64,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecomputeMethod {
+    Uniform,
+    Block,
+}
+
+impl Megatron {
+    /// The layer ranges `TransformerBlock._checkpointed_forward` checkpoints as one
+    /// `tensor_parallel.checkpoint` each, of a block of `layers` layers: `uniform` chunks of
+    /// `n` layers over the whole block, `block` the first `n` layers one by one.
+    pub fn checkpointed_chunks(&self, layers: usize) -> Vec<Range<usize>> {
+        match self.recompute {
+            Recompute::None | Recompute::Selective => Vec::new(),
+            Recompute::Full {
+                method: RecomputeMethod::Uniform,
+                layers: n,
+            } => (0..layers)
+                .step_by(n as usize)
+                .map(|start| start..(start + n as usize).min(layers))
+                .collect(),
+            Recompute::Full {
+                method: RecomputeMethod::Block,
+                layers: n,
+            } => (0..(n as usize).min(layers)).map(|l| l..l + 1).collect(),
+        }
+    }
+}
+
+/// The `megatron` block.
+pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
+    let obj = value.as_object().ok_or_else(|| {
+        Error::field(
+            "megatron",
+            value,
+            format!("use a mapping {{{}}}", MEGATRON_KEYS.join(", ")),
+        )
+    })?;
+    unknown_key(obj, "megatron.", MEGATRON_KEYS, RUN_SPEC_KEY)?;
+    let field = |e: Error| e.prefixed("megatron");
+    for &(key, what) in UNMODELLED_SIZES {
+        if positive(obj, key, 1).map_err(field)? > 1 {
+            return Err(Error::Unsupported {
+                what: format!("megatron.{key} {} ({what})", obj[key]),
+                supported: "Megatron-core with tensor and data parallelism (pipeline, context \
+                            and expert parallel sizes 1)"
+                    .into(),
+            });
+        }
+    }
+    let distributed_optimizer = boolean(obj, "distributed_optimizer").map_err(field)?;
+    #[derive(Clone, Copy, PartialEq)]
+    enum Granularity {
+        None,
+        Selective,
+        Full,
+    }
+    let granularity = match obj.get("recompute_granularity") {
+        None | Some(Value::Null) => Granularity::None,
+        Some(_) => choice(
+            obj,
+            "recompute_granularity",
+            &[
+                ("selective", Granularity::Selective),
+                ("full", Granularity::Full),
+            ],
+            Granularity::None,
+        )
+        .map_err(field)?,
+    };
+    let given = |key: &str| obj.get(key).is_some_and(|v| !v.is_null());
+    if granularity != Granularity::Full {
+        for key in ["recompute_method", "recompute_num_layers"] {
+            if given(key) {
+                return Err(Error::field(
+                    format!("megatron.{key}"),
+                    &obj[key],
+                    "it applies to recompute_granularity full; leave it out",
+                ));
+            }
+        }
+    }
+    let recompute = match granularity {
+        Granularity::None => Recompute::None,
+        Granularity::Selective => Recompute::Selective,
+        Granularity::Full => Recompute::Full {
+            method: match obj.get("recompute_method") {
+                None | Some(Value::Null) => RecomputeMethod::Uniform,
+                Some(_) => choice(
+                    obj,
+                    "recompute_method",
+                    &[
+                        ("uniform", RecomputeMethod::Uniform),
+                        ("block", RecomputeMethod::Block),
+                    ],
+                    RecomputeMethod::Uniform,
+                )
+                .map_err(field)?,
+            },
+            layers: positive(obj, "recompute_num_layers", 1).map_err(field)?,
+        },
+    };
+    Ok(Megatron {
+        distributed_optimizer,
+        recompute,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn uniform_chunks_cover_every_layer_and_block_the_first_ones() {
+        let full = |method, layers| Megatron {
+            distributed_optimizer: false,
+            recompute: Recompute::Full { method, layers },
+        };
+        assert_eq!(
+            full(RecomputeMethod::Uniform, 2).checkpointed_chunks(4),
+            vec![0..2, 2..4]
+        );
+        assert_eq!(
+            full(RecomputeMethod::Uniform, 1).checkpointed_chunks(3),
+            vec![0..1, 1..2, 2..3]
+        );
+        assert_eq!(
+            full(RecomputeMethod::Block, 2).checkpointed_chunks(4),
+            vec![0..1, 1..2]
+        );
+        let selective = Megatron {
+            distributed_optimizer: true,
+            recompute: Recompute::Selective,
+        };
+        assert!(selective.checkpointed_chunks(4).is_empty());
+    }
+
+    #[test]
+    fn the_block_names_a_bad_key_or_value() {
+        let err = |v: Value| parse_megatron(&v).unwrap_err().to_string();
+        assert!(err(json!({"recompute": "full"})).contains("megatron.recompute"));
+        assert!(err(json!({"recompute_granularity": "all"})).contains("selective, full"));
+        assert!(
+            err(json!({"recompute_granularity": "selective", "recompute_num_layers": 2}))
+                .contains("applies to recompute_granularity full")
+        );
+        assert!(err(json!({"distributed_optimizer": "yes"})).contains("true or false"));
+        let pp = err(json!({"pipeline_model_parallel_size": 2}));
+        assert!(pp.contains("pipeline parallelism"), "{pp}");
+        assert!(err(json!({"expert_model_parallel_size": 8})).contains("expert parallelism"));
+        assert!(err(json!({"context_parallel_size": 0})).contains("integer >= 1"));
+        assert!(parse_megatron(&json!({"pipeline_model_parallel_size": 1})).is_ok());
+        assert_eq!(
+            parse_megatron(&json!({"recompute_granularity": "full"})).unwrap(),
+            Megatron {
+                distributed_optimizer: false,
+                recompute: Recompute::Full {
+                    method: RecomputeMethod::Uniform,
+                    layers: 1
+                },
+            }
+        );
+    }
+}

@@ -1,0 +1,326 @@
+"""Per-rank peak memory of Megatron-core training (`parallel.framework: megatron`), rank 0 of a world
+under torch's fake process group on one GPU.
+
+    HEADROOM_FAKE_WORLD=W WORLD_SIZE=W RANK=0 LOCAL_RANK=0 python -m headroom_measure dist --spec-json SPEC --out F
+
+The record has dist.py's shape (`measured.ranks[0]`: `load`, three `steps` of `fwd_peak`, `bwd_peak`,
+`opt_peak`, `peak_reserved`), so bench/fsdp2-mp/tools/run.sh drives it. How a run is built, in this order, as
+Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `setup_model_and_optimizer`):
+
+1. `init_process_group("fake", rank=0, world_size=W)`, `torch.cuda.set_device(0)`, `torch.zeros(1)`;
+   `parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)` (pp, cp and ep 1: the data-parallel
+   size is `W / tp`); `model_parallel_cuda_manual_seed(1234)`.
+2. `TransformerConfig` from the HF config: real widths, `num_hidden_layers` layers, RMSNorm, SwiGLU
+   (`gated_linear_unit`, `silu`), no linear biases but Qwen2's qkv bias, Qwen3's q/k norms, `bf16`,
+   `params_dtype=bf16`, `sequence_parallel`, dropouts 0, and no fused kernel Megatron would need TE or apex for
+   (`gradient_accumulation_fusion`, `bias_dropout_fusion`, `masked_softmax_fusion`, `apply_rope_fusion`,
+   `persist_layer_norm`, `cross_entropy_loss_fusion` all off); `recompute_granularity`, `recompute_method`,
+   `recompute_num_layers` from the spec's `megatron` block.
+3. `GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=...), vocab_size,
+   max_sequence_length=seq_len, position_embedding_type="rope", rotary_base=rope_theta,
+   share_embeddings_and_output_weights=tie_word_embeddings)`: the local (non-Transformer-Engine) layer spec,
+   whose core attention is Megatron's `DotProductAttention` (baddbmm, softmax in fp32, bmm). The weights are
+   created on the GPU and initialised in place, as Megatron does (`use_cpu_initialization=False`).
+4. `model.cuda()` (the local spec's `torch.nn.RMSNorm` weights are made on the host), `Float16Module(config,
+   model)` (bf16), then `DistributedDataParallel(config, DistributedDataParallelConfig(
+   grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=D), module)`, as
+   `get_model` does with `--bf16` (which turns on `accumulate_allreduce_grads_in_fp32`).
+5. `get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-5, weight_decay=0.01, bf16=True,
+   params_dtype=bf16, use_distributed_optimizer=D, clip_grad=1.0), [ddp_model])`: without TE or apex its
+   Adam is `torch.optim.AdamW`; fp32 main parameters in `Float16OptimizerWithFloat16Params` or, sharded over
+   the data-parallel ranks, in `DistributedOptimizer`.
+
+A step is what `forward_backward_no_pipelining` does with one micro-batch: `ddp_model.zero_grad_buffer()` and
+`optimizer.zero_grad()`; forward `ddp_model(input_ids, position_ids, None, labels=input_ids)` (per-token losses)
+and `loss = sum(losses.view(-1).float() * loss_mask) / tokens` (pretrain_gpt's `loss_func`), the fwd phase;
+`torch.autograd.backward(loss)` and `finalize_model_grads([ddp_model])` (the gradient buffers' reductions), the
+bwd phase; `optimizer.step()`, the opt phase.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+from .measure import STEPS, _versions
+from .spec import Spec, SpecError
+
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+MEGATRON_KEYS = (
+    "distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+)
+# initialize_model_parallel's other sizes: measured at 1 only
+UNMEASURED_SIZES = ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def megatron_options(spec: Spec) -> dict:
+    """The spec's `megatron` block, checked: `distributed_optimizer` (bool), `recompute_granularity` (None, full
+    or selective), `recompute_method` (uniform or block; full only), `recompute_num_layers`."""
+    raw = spec.raw.get("megatron") or {}
+    if not isinstance(raw, dict):
+        raise SpecError(f"`megatron`: {raw!r} is not allowed; use a mapping {{{', '.join(MEGATRON_KEYS)}}}")
+    unknown = sorted(set(raw) - set(MEGATRON_KEYS))
+    if unknown:
+        raise SpecError(f"`megatron.{unknown[0]}` is not a megatron key; known keys: {', '.join(MEGATRON_KEYS)}")
+    for key in UNMEASURED_SIZES:
+        if raw.get(key, 1) != 1:
+            raise SpecError(f"`megatron.{key}`: {raw[key]!r} is not measured; use 1 (tensor and data parallelism only)")
+    out = {
+        "distributed_optimizer": raw.get("distributed_optimizer", False),
+        "recompute_granularity": raw.get("recompute_granularity"),
+        "recompute_method": raw.get("recompute_method"),
+        "recompute_num_layers": raw.get("recompute_num_layers"),
+    }
+    if not isinstance(out["distributed_optimizer"], bool):
+        raise SpecError(f"`megatron.distributed_optimizer`: {out['distributed_optimizer']!r} is not allowed; use true or false")
+    if out["recompute_granularity"] not in RECOMPUTE_GRANULARITIES:
+        raise SpecError(
+            f"`megatron.recompute_granularity`: {out['recompute_granularity']!r} is not allowed; use full or selective"
+        )
+    if out["recompute_granularity"] == "full":
+        out["recompute_method"] = out["recompute_method"] or "uniform"
+        out["recompute_num_layers"] = out["recompute_num_layers"] or 1
+        if out["recompute_method"] not in RECOMPUTE_METHODS:
+            raise SpecError(
+                f"`megatron.recompute_method`: {out['recompute_method']!r} is not allowed; use uniform or block"
+            )
+        n = out["recompute_num_layers"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SpecError(f"`megatron.recompute_num_layers`: {n!r} is not allowed; use an integer >= 1")
+    elif out["recompute_method"] is not None or out["recompute_num_layers"] is not None:
+        raise SpecError("`megatron.recompute_method`: it applies to recompute_granularity full; leave it out")
+    if spec.gradient_checkpointing:
+        raise SpecError(
+            "`gradient_checkpointing`: true is HF's checkpointing; with framework megatron use "
+            "megatron.recompute_granularity"
+        )
+    if spec.precision != "bf16" or spec.optimizer != "adamw" or spec.task != "causal-lm" or spec.mode != "train":
+        raise SpecError(
+            "framework megatron is measured for training a causal LM with precision bf16 and optimizer adamw "
+            f"(got task {spec.task}, mode {spec.mode}, precision {spec.precision}, optimizer {spec.optimizer})"
+        )
+    if spec.lora is not None or spec.quantization is not None:
+        raise SpecError("`lora`/`quantization`: not measured with framework megatron; leave them out")
+    return out
+
+
+def transformer_config(spec: Spec, fields: dict, options: dict):
+    """Megatron's `TransformerConfig` for the HF config `fields` (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model_type = fields.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise SpecError(f"`model_config.model_type`: {model_type!r} is not measured with framework megatron; use one of {', '.join(MODEL_TYPES)}")
+    par = spec.parallel
+    heads = fields["num_attention_heads"]
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // heads
+    return TransformerConfig(
+        num_layers=fields["num_hidden_layers"],
+        hidden_size=fields["hidden_size"],
+        ffn_hidden_size=fields["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=fields.get("num_key_value_heads") or heads,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=fields.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model_type == "qwen2",
+        qk_layernorm=model_type == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        tensor_model_parallel_size=par.tp,
+        sequence_parallel=par.sequence_parallel,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        recompute_granularity=options["recompute_granularity"],
+        recompute_method=options["recompute_method"],
+        recompute_num_layers=options["recompute_num_layers"],
+    )
+
+
+def build(spec: Spec, fields: dict, options: dict):
+    """The model, wrapped as Megatron-LM's `get_model` wraps it, and its optimizer."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    config = transformer_config(spec, fields, options)
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    model = GPTModel(
+        config,
+        layer_spec,
+        vocab_size=fields["vocab_size"],
+        max_sequence_length=spec.seq_len,
+        position_embedding_type="rope",
+        rotary_base=int(fields.get("rope_theta", 10000)),
+        share_embeddings_and_output_weights=bool(fields.get("tie_word_embeddings", False)),
+    )
+    # Megatron-LM's get_model: to the GPU (the torch norms are made on the host), then bf16.
+    model.cuda(torch.cuda.current_device())
+    model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=options["distributed_optimizer"],
+    )
+    ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-5,
+            weight_decay=0.01,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            use_distributed_optimizer=options["distributed_optimizer"],
+            clip_grad=1.0,
+        ),
+        [ddp_model],
+        use_gloo_process_groups=False,
+    )
+    return ddp_model, optimizer
+
+
+def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None,
+                     stacks: str = "python") -> dict:
+    """Rank 0 of a fake world of `parallel.world_size`: build, then three steps; the record (dist.py's shape)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    t0 = time.time()
+    options = megatron_options(spec)
+    par = spec.parallel
+    world = par.world_size
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    torch.zeros(1, device=device)
+    free, total = torch.cuda.mem_get_info()
+    context = total - free
+    if snapshot:
+        if stacks == "none":
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
+        else:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks=stacks)
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    # No gloo groups: they serve checkpointing only, and the fake backend cannot make them.
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=par.tp, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(1234)
+
+    def phase_end(rec: dict, key: str):
+        torch.cuda.synchronize()
+        s = torch.cuda.memory_stats()
+        rec[key] = s.get("allocated_bytes.all.peak", 0)
+        rec["peak_reserved"] = max(rec.get("peak_reserved", 0), s.get("reserved_bytes.all.peak", 0))
+        torch.cuda.reset_peak_memory_stats()
+
+    ddp_model, optimizer = build(spec, fields, options)
+    ddp_model.train()
+    torch.cuda.synchronize()
+    s = torch.cuda.memory_stats()
+    load = {
+        "peak_allocated": s.get("allocated_bytes.all.peak", 0),
+        "peak_reserved": s.get("reserved_bytes.all.peak", 0),
+        "end_allocated": torch.cuda.memory_allocated(),
+        "end_reserved": torch.cuda.memory_reserved(),
+    }
+    # The global count: a tensor-parallel weight is 1/tp of its layer on every rank; norms are replicated.
+    params = sum(p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1) for p in ddp_model.parameters())
+
+    torch.manual_seed(1234)
+    ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
+    position_ids = torch.arange(spec.seq_len, device=device).unsqueeze(0).expand_as(ids)
+    loss_mask = torch.ones(spec.batch_size * spec.seq_len, device=device)
+    steps, losses = [], []
+    peak_reserved = load["peak_reserved"]
+    for step in range(STEPS):
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        rec = {"start_allocated": torch.cuda.memory_allocated()}
+        torch.cuda.reset_peak_memory_stats()
+        output = ddp_model(ids, position_ids, None, labels=ids)
+        loss = torch.sum(output.view(-1).float() * loss_mask) / loss_mask.sum()
+        del output
+        phase_end(rec, "fwd_peak")
+        value = float(loss.detach())
+        losses.append(round(value, 4) if math.isfinite(value) else None)
+        torch.autograd.backward(loss)
+        del loss
+        finalize_model_grads([ddp_model])
+        phase_end(rec, "bwd_peak")
+        optimizer.step()
+        phase_end(rec, "opt_peak")
+        rec["end_allocated"] = torch.cuda.memory_allocated()
+        peak_reserved = max(peak_reserved, rec["peak_reserved"])
+        steps.append(rec)
+        print(f"[{time.time() - t0:6.1f}s] step {step + 1}: {rec}", file=sys.stderr, flush=True)
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    free, total = torch.cuda.mem_get_info()
+    phase_peaks = [load["peak_allocated"]] + [v for r in steps for k, v in r.items() if k.endswith("_peak")]
+    rank0 = {
+        "rank": 0,
+        "local_rank": 0,
+        "load": load,
+        "steps": steps,
+        "peak_allocated_bytes": max(phase_peaks),
+        "peak_reserved_bytes": peak_reserved,
+        "cuda_context_bytes": context,
+        "device_used_end_bytes": total - free,
+        "losses": losses,
+    }
+    import megatron.core
+
+    spec_json = spec.to_json()
+    if spec.model_config is not None:
+        spec_json["model_config"] = dict(spec.model_config)
+    spec_json["megatron"] = {k: v for k, v in options.items() if v is not None}
+    env = {
+        "gpu": torch.cuda.get_device_properties(device).name,
+        "gpu_total_bytes": total,
+        **_versions(),
+        "megatron_core": megatron.core.__version__,
+        "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)",
+        "world_size": world,
+        "launcher": "fake process group (one process, rank 0)",
+        "process_group": "fake",
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "wall_s": round(time.time() - t0, 2),
+    }
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return {
+        "id": row_id or f"megatron/{spec.model}/w{world}-tp{par.tp}",
+        "spec": spec_json,
+        "measured": {
+            "peak_allocated_bytes": rank0["peak_allocated_bytes"],
+            "peak_reserved_bytes": peak_reserved,
+            "ranks": [rank0],
+            "params": params,
+            "trainable_params": params,
+        },
+        "env": env,
+    }

@@ -1,0 +1,66 @@
+"""The Megatron-core harness's spec (`parallel.framework: megatron` and the `megatron` block), checked without
+torch or megatron-core: what it measures and what it refuses by name, as the estimator does."""
+
+import unittest
+
+from headroom_measure import spec as specmod
+from headroom_measure.megatron import megatron_options
+
+CONFIG = {
+    "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024, "num_hidden_layers": 2,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def raw(parallel=None, megatron=None, **extra) -> dict:
+    out = {
+        "model": "m", "model_config": CONFIG, "precision": "bf16", "optimizer": "adamw", "batch_size": 1,
+        "seq_len": 64, "parallel": parallel or {"strategy": "ddp", "world_size": 8, "tp": 2, "framework": "megatron"},
+        **extra,
+    }  # fmt: skip
+    if megatron is not None:
+        out["megatron"] = megatron
+    return out
+
+
+class MegatronSpecTest(unittest.TestCase):
+    def test_the_block_parses_with_megatrons_defaults(self):
+        spec = specmod.parse(raw(megatron={"distributed_optimizer": True, "recompute_granularity": "full"}))
+        self.assertEqual((spec.parallel.framework, spec.parallel.tp, spec.parallel.shard_size), ("megatron", 2, 4))
+        self.assertEqual(
+            megatron_options(spec),
+            {"distributed_optimizer": True, "recompute_granularity": "full", "recompute_method": "uniform",
+             "recompute_num_layers": 1},
+        )  # fmt: skip
+        self.assertEqual(megatron_options(specmod.parse(raw()))["recompute_granularity"], None)
+
+    def test_the_row_spec_round_trips(self):
+        spec = specmod.parse(raw(parallel={"strategy": "ddp", "world_size": 4, "tp": 1, "framework": "megatron"}))
+        out = spec.parallel.to_json()
+        self.assertEqual((out["framework"], out["tp"]), ("megatron", 1))
+        self.assertEqual(specmod.parse(raw(parallel=out)).parallel.to_json(), out)
+
+    def test_what_is_not_measured_is_refused_by_name(self):
+        cases = [
+            (raw(megatron={"recompute_granularity": "some"}), "megatron.recompute_granularity"),
+            (raw(megatron={"recompute_num_layers": 2}), "megatron.recompute_method"),
+            (raw(megatron={"recompute_granularity": "full", "recompute_method": "every"}), "megatron.recompute_method"),
+            (raw(megatron={"pipeline_model_parallel_size": 2}), "megatron.pipeline_model_parallel_size"),
+            (raw(megatron={"foo": 1}), "megatron.foo"),
+            (raw(megatron={"distributed_optimizer": "yes"}), "megatron.distributed_optimizer"),
+            (raw(gradient_checkpointing=True), "gradient_checkpointing"),
+            (raw(optimizer="sgd"), "framework megatron"),
+        ]
+        for r, field in cases:
+            with self.subTest(field=field):
+                with self.assertRaises(specmod.SpecError) as err:
+                    megatron_options(specmod.parse(r))
+                self.assertIn(field, str(err.exception))
+        with self.assertRaises(specmod.SpecError) as err:
+            specmod.parse(raw(parallel={"strategy": "fsdp", "world_size": 8, "tp": 2, "framework": "megatron"}))
+        self.assertIn("parallel.strategy", str(err.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()

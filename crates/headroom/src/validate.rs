@@ -212,6 +212,23 @@ impl Gates {
     }
 }
 
+/// The largest phase peak of the steps of `ranks` (`headroom_measure dist`'s records: each
+/// rank's `steps`, each a mapping of `*_peak` phases), loading left out.
+fn ranks_steps_peak(ranks: &[Value]) -> Option<u64> {
+    ranks
+        .iter()
+        .filter_map(|r| r["steps"].as_array())
+        .flatten()
+        .filter_map(Value::as_object)
+        .flat_map(|phases| {
+            phases
+                .iter()
+                .filter(|(k, _)| k.ends_with("_peak"))
+                .filter_map(|(_, v)| v.as_u64())
+        })
+        .max()
+}
+
 /// Read a calibration JSONL file: one `{id, spec, measured, env}` object per line.
 pub fn load_rows(path: &Path) -> Result<Vec<Row>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
@@ -246,20 +263,9 @@ pub fn load_rows(path: &Path) -> Result<Vec<Row>> {
         };
         // The estimate's peak is over the steps (loading is a phase of its own); a record
         // with each rank's phases (`headroom_measure dist`) says its steps' peak apart.
-        let steps_peak = m["ranks"].as_array().and_then(|ranks| {
-            ranks
-                .iter()
-                .filter_map(|r| r["steps"].as_array())
-                .flatten()
-                .filter_map(Value::as_object)
-                .flat_map(|phases| {
-                    phases
-                        .iter()
-                        .filter(|(k, _)| k.ends_with("_peak"))
-                        .filter_map(|(_, v)| v.as_u64())
-                })
-                .max()
-        });
+        let steps_peak = m["ranks"]
+            .as_array()
+            .and_then(|ranks| ranks_steps_peak(ranks));
         let measured = Measured {
             peak_allocated_bytes: match steps_peak {
                 Some(peak) => peak,
@@ -272,6 +278,40 @@ pub fn load_rows(path: &Path) -> Result<Vec<Row>> {
         };
         let gpu_name = v["env"]["gpu"].as_str().unwrap_or("NVIDIA H200");
         let gpu = gpu::from_device_name(gpu_name).map_err(|e| at(format!("row {id}: {e}")))?;
+        // A pipeline's ranks hold different stages: a record of every rank (real NCCL) is one
+        // row per rank, each against the estimate of its own stage.
+        let pipeline_ranks = m["ranks"]
+            .as_array()
+            .filter(|r| r.len() > 1)
+            .filter(|_| spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1));
+        if let Some(ranks) = pipeline_ranks {
+            for r in ranks {
+                let rank = r["rank"]
+                    .as_u64()
+                    .ok_or_else(|| at(format!("row {id}: a rank's `rank` must be an integer")))?;
+                let (Some(peak_allocated_bytes), Some(peak_reserved_bytes)) = (
+                    ranks_steps_peak(std::slice::from_ref(r)),
+                    r["peak_reserved_bytes"].as_u64(),
+                ) else {
+                    return Err(at(format!(
+                        "row {id}: rank {rank} needs its `steps` and `peak_reserved_bytes`"
+                    )));
+                };
+                rows.push(Row {
+                    rank: Some(rank),
+                    id: format!("{id}/rank{rank}"),
+                    spec: spec.clone(),
+                    measured: Measured {
+                        peak_allocated_bytes,
+                        peak_reserved_bytes,
+                        cuda_context_bytes: r["cuda_context_bytes"].as_u64(),
+                        ..measured
+                    },
+                    gpu: gpu.clone(),
+                });
+            }
+            continue;
+        }
         let rank = (v["env"]["process_group"].as_str() == Some("fake"))
             .then(|| m["ranks"].as_array().filter(|r| r.len() == 1))
             .flatten()

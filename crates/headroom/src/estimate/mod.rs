@@ -98,7 +98,8 @@ impl Estimate {
 /// one communicator, 1,968-1,970 for three): the default group's communicator for DDP and FSDP2
 /// over the world, three for HSDP and for FSDP2 under tensor parallelism (the default group and
 /// one per mesh dimension), two for tensor parallelism alone (the default group and the tp
-/// group), DeepSpeed's groups for ZeRO. DeepSpeed sets up its groups on one rank too
+/// group), the default group and a point-to-point communicator per neighbour for pipeline
+/// parallelism, DeepSpeed's groups for ZeRO. DeepSpeed sets up its groups on one rank too
 /// (bench/distributed/h200x1/h200x1-torch2.11.jsonl: 1094 MiB without offload, up to 42 MiB
 /// more with it); a one-rank FSDP2 or DDP group is not measured and counts nothing.
 pub fn nccl_bytes(parallel: Option<&crate::spec::Parallel>) -> u64 {
@@ -113,6 +114,10 @@ pub fn nccl_bytes(parallel: Option<&crate::spec::Parallel>) -> u64 {
         Some(p) if (p.tensor.tp > 1 || p.tensor.cp > 1) && p.shard_size > 1 => 1964 * MIB,
         // Tensor parallelism alone: tp 2 over 2 and tp 4 over 4 H100s read the same.
         Some(p) if p.tensor.tp > 1 && p.strategy == Strategy::NoDataParallel => 1386 * MIB,
+        // Pipeline parallelism alone: the default group and the point-to-point communicator of
+        // each pair of neighbouring stages, read on both ranks of pp 2 over 2 H100s (every
+        // schedule alike; a middle rank's second neighbour is not measured).
+        Some(p) if p.pipeline.pp > 1 => 1440 * MIB,
         Some(p) => match p.strategy {
             Strategy::Ddp | Strategy::NoDataParallel => 992 * MIB,
             // FSDP1's process groups are FSDP2's (carried over, not measured on their own).
@@ -333,13 +338,20 @@ mod tests {
     #[test]
     fn nccl_is_charged_per_communicator_of_the_layout() {
         let fsdp = nccl_mib(serde_json::json!({"strategy": "fsdp", "world_size": 4}));
-        let hsdp = nccl_mib(serde_json::json!({"strategy": "fsdp", "world_size": 4, "shard_size": 2}));
+        let hsdp =
+            nccl_mib(serde_json::json!({"strategy": "fsdp", "world_size": 4, "shard_size": 2}));
         let tp_alone = nccl_mib(serde_json::json!({
             "strategy": "none", "world_size": 4, "tp": 4, "sequence_parallel": true,
         }));
         let dp_tp = nccl_mib(serde_json::json!({
             "strategy": "fsdp", "world_size": 4, "tp": 2, "sequence_parallel": true,
         }));
-        assert_eq!((fsdp, tp_alone, hsdp, dp_tp), (992, 1386, 1964, 1964));
+        let pp = nccl_mib(serde_json::json!({
+            "strategy": "none", "world_size": 2, "pp": 2, "microbatches": 2,
+        }));
+        assert_eq!(
+            (fsdp, tp_alone, pp, hsdp, dp_tp),
+            (992, 1386, 1440, 1964, 1964)
+        );
     }
 }

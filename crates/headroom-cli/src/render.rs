@@ -66,9 +66,7 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
         out += &format!(
             "{}{tensor}{context}{pipeline} over {} GPUs: every number below is rank {}'s (the one \
              that needs most)\n",
-            strategy,
-            p.world_size,
-            est.worst_rank
+            strategy, p.world_size, est.worst_rank
         );
     }
     out += "\n";

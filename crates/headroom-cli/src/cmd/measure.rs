@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 9] = [
+const HARNESS: [(&str, &str); 13] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -59,6 +59,22 @@ const HARNESS: [(&str, &str); 9] = [
     (
         "trace_dist.py",
         include_str!("../../../../python/headroom_measure/trace_dist.py"),
+    ),
+    (
+        "trace_trl.py",
+        include_str!("../../../../python/headroom_measure/trace_trl.py"),
+    ),
+    (
+        "pipeline.py",
+        include_str!("../../../../python/headroom_measure/pipeline.py"),
+    ),
+    (
+        "pp.py",
+        include_str!("../../../../python/headroom_measure/pp.py"),
+    ),
+    (
+        "megatron.py",
+        include_str!("../../../../python/headroom_measure/megatron.py"),
     ),
 ];
 
@@ -349,4 +365,26 @@ fn append_line(path: &Path, record: &Value) -> CliResult {
         .open(path)
         .map_err(|e| CliError::input(format!("--record {}: {e}", path.display())))?;
     writeln!(file, "{record}").map_err(|e| CliError::failure(format!("{}: {e}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HARNESS;
+
+    /// Every module of the harness package travels with the binary: one left out fails only
+    /// when a run reaches its import.
+    #[test]
+    fn every_harness_module_is_embedded() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python/headroom_measure");
+        let mut modules: Vec<String> = std::fs::read_dir(&dir)
+            .expect("the harness package")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".py"))
+            .collect();
+        modules.sort();
+        let mut embedded: Vec<String> = HARNESS.iter().map(|(name, _)| name.to_string()).collect();
+        embedded.sort();
+        assert_eq!(embedded, modules);
+    }
 }

@@ -1051,7 +1051,7 @@ impl RunSpec {
             method: RecomputeMethod::Block,
             layers,
         } = megatron.recompute
-            && layers > arch.layers as u64
+            && layers > arch.layers
         {
             return Err(Error::field(
                 "megatron.recompute_num_layers",
@@ -1585,6 +1585,18 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
     .checked()
 }
 
+/// `key` splits the model where a tied input embedding and output head would need one
+/// weight in two places.
+fn refuse_tied_embeddings(arch: &Architecture, key: &str) -> Result<()> {
+    if arch.tie_word_embeddings {
+        return Err(Error::Unsupported {
+            what: format!("{key} with tied word embeddings ({})", arch.model_type),
+            supported: "models with an output head of their own (tie_word_embeddings false)".into(),
+        });
+    }
+    Ok(())
+}
+
 /// What a tensor-parallel layout needs of the model: a Llama-style decoder (the plan names
 /// its modules) whose heads, MLP width and vocabulary divide over the group, and an output
 /// head of its own (a tied one would be distributed twice).
@@ -1596,15 +1608,7 @@ pub(crate) fn check_tensor_parallel(tensor: TensorParallel, arch: &Architecture)
             supported: "tensor parallelism of dense Llama, Mistral, Qwen2 and Qwen3 models".into(),
         });
     }
-    if arch.tie_word_embeddings {
-        return Err(Error::Unsupported {
-            what: format!(
-                "parallel.tp with tied word embeddings ({})",
-                arch.model_type
-            ),
-            supported: "models with an output head of their own (tie_word_embeddings false)".into(),
-        });
-    }
+    refuse_tied_embeddings(arch, "parallel.tp")?;
     for (what, value) in [
         ("num_attention_heads", arch.heads),
         ("num_key_value_heads", arch.kv_heads),
@@ -1636,15 +1640,7 @@ fn check_pipeline_parallel(
             supported: "pipeline parallelism of dense decoders".into(),
         });
     }
-    if arch.tie_word_embeddings {
-        return Err(Error::Unsupported {
-            what: format!(
-                "parallel.pp with tied word embeddings ({})",
-                arch.model_type
-            ),
-            supported: "models with an output head of their own (tie_word_embeddings false)".into(),
-        });
-    }
+    refuse_tied_embeddings(arch, "parallel.pp")?;
     pipeline.check(arch.layers, batch_size)
 }
 

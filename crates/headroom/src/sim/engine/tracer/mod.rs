@@ -756,19 +756,7 @@ impl Tracer {
     /// `enable_input_require_grads` hook on the embedding): it becomes a leaf whose gradient
     /// is accumulated, held by its `AccumulateGrad` node until the graph is freed.
     pub(crate) fn make_grad_leaf(&mut self, x: T) {
-        let id = self.params.len();
-        let held = self.share(x);
-        self.params.push(ParamRec {
-            tensor: held,
-            grad: None,
-            matrix: None,
-            node: None,
-            autocast: None,
-            grad_sum_stream: None,
-        });
-        let rec = self.rec_mut(x);
-        rec.requires_grad = true;
-        rec.param = Some(id);
+        let id = self.make_input_leaf(x);
         self.activation_leaves.push(id);
     }
 

@@ -1032,21 +1032,7 @@ impl RunSpec {
                     .into(),
             });
         }
-        let tp = self.parallel.as_ref().map_or(1, |p| p.tensor.tp);
-        for (what, value) in [
-            ("num_attention_heads", arch.heads),
-            ("num_key_value_heads", arch.kv_heads),
-            ("intermediate_size", arch.intermediate),
-            ("vocab_size", arch.vocab),
-        ] {
-            if !value.is_multiple_of(tp) {
-                return Err(Error::field(
-                    "parallel.tp",
-                    tp,
-                    format!("it must divide the model's {what} ({value})"),
-                ));
-            }
-        }
+        check_tp_divides(arch, self.parallel.as_ref().map_or(1, |p| p.tensor.tp))?;
         if let Recompute::Full {
             method: RecomputeMethod::Block,
             layers,
@@ -1609,6 +1595,12 @@ pub(crate) fn check_tensor_parallel(tensor: TensorParallel, arch: &Architecture)
         });
     }
     refuse_tied_embeddings(arch, "parallel.tp")?;
+    check_tp_divides(arch, tp)
+}
+
+/// Tensor parallelism splits the heads, the key/value heads, the MLP width and the
+/// vocabulary over `tp` ranks: each must divide evenly.
+fn check_tp_divides(arch: &Architecture, tp: u64) -> Result<()> {
     for (what, value) in [
         ("num_attention_heads", arch.heads),
         ("num_key_value_heads", arch.kv_heads),

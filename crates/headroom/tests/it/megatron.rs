@@ -18,44 +18,15 @@ fn every_phase_of_every_megatron_row() {
         "../../../../bench/megatron/rows-call2-h100-torch2.11.jsonl"
     )]) {
         let id = row["id"].as_str().expect("id");
-        let spec = RunSpec::from_value(&row["spec"]).expect(id);
-        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
-        let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
-        let rank = &row["measured"]["ranks"][0];
+        let (est, phases) = common::check_every_phase(&row, 0.01, 0.05);
+        checked += phases;
         let load = est.phases.iter().find(|p| p.step == 0).expect("load");
-        let measured_load = rank["load"]["peak_allocated"].as_u64().expect("load");
+        let measured_load = row["measured"]["ranks"][0]["load"]["peak_allocated"]
+            .as_u64()
+            .expect("load");
         assert!(
             rel(load.peak_allocated, measured_load).abs() < 0.001,
             "{id} load"
-        );
-        for step in 1..=3u32 {
-            for (key, name) in [
-                ("fwd_peak", "forward"),
-                ("bwd_peak", "backward"),
-                ("opt_peak", "optimizer"),
-            ] {
-                let measured = rank["steps"][step as usize - 1][key].as_u64().expect(key);
-                let e = est
-                    .phases
-                    .iter()
-                    .find(|p| p.step == step && p.phase == name)
-                    .expect("phase");
-                let err = rel(e.peak_allocated, measured);
-                assert!(err.abs() < 0.01, "{id} step {step} {name}: {err:+.5}");
-                checked += 1;
-            }
-        }
-        let reserved = rel(
-            est.peak_reserved_bytes,
-            row["measured"]["peak_reserved_bytes"]
-                .as_u64()
-                .expect("reserved"),
-        );
-        assert!(reserved.abs() < 0.05, "{id}: reserved {reserved:+.4}");
-        assert_eq!(
-            est.params,
-            row["measured"]["params"].as_u64().expect("params"),
-            "{id}: the global parameter count"
         );
     }
     assert_eq!(checked, 12 * 9, "every phase of the twelve rows");

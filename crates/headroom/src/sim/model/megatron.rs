@@ -244,18 +244,7 @@ impl GptModel {
     /// `VocabParallelEmbedding` then `LanguageModelEmbedding`'s copy to `[s, b, h]`.
     fn embedding_forward(&self, t: &mut Tracer, ids: T, n: u64) -> T {
         let h = self.widths.hidden;
-        let masks = (self.widths.tp > 1).then(|| {
-            let outer = std::mem::replace(&mut t.component, Component::Inputs);
-            let below = t.empty(n, DType::Bool, "ids < vocab_start");
-            let above = t.empty(n, DType::Bool, "ids >= vocab_end");
-            let mask = t.empty(n, DType::Bool, "input_mask");
-            t.drop_all(&[above, below]);
-            let clone = t.empty(n, DType::I64, "input_.clone()");
-            let shifted = t.empty(n, DType::I64, "input_.clone() - vocab_start");
-            t.drop(clone);
-            t.component = outer;
-            (mask, shifted)
-        });
+        let masks = (self.widths.tp > 1).then(|| crate::sim::strategy::tp::mask_ids(t, n));
         let lookup_ids = masks.map_or(ids, |(_, shifted)| shifted);
         let looked_up = t.embedding(self.embedding, lookup_ids, n, h);
         let embedded = t.contiguous_copy(looked_up);

@@ -729,7 +729,7 @@ impl Model {
         let Some(tp) = strategy.tensor_parallel() else {
             return t.embedding(self.embed, ids, n, self.arch.hidden);
         };
-        let (mask, shifted) = tp.mask_ids(t, n);
+        let (mask, shifted) = crate::sim::strategy::tp::mask_ids(t, n);
         let partial = t.embedding_sharded(self.embed, shifted, n, self.arch.hidden, tp.tp);
         t.drop(shifted);
         let out = tp.row_output(t, partial);

@@ -135,21 +135,6 @@ impl TensorParallel {
         out
     }
 
-    /// `_MaskPartial._partition_value` of the token ids: the mask of ids outside this rank's
-    /// vocabulary rows (kept until the lookup is reduced) and the shifted ids the lookup reads.
-    pub(crate) fn mask_ids(&self, t: &mut Tracer, n: u64) -> (T, T) {
-        let outer = std::mem::replace(&mut t.component, Component::Inputs);
-        let below = t.empty(n, DType::Bool, "ids < offset");
-        let above = t.empty(n, DType::Bool, "ids >= offset + rows");
-        let mask = t.empty(n, DType::Bool, "_MaskPartial mask");
-        t.drop_all(&[above, below]);
-        let clone = t.empty(n, DType::I64, "ids.clone()");
-        let shifted = t.empty(n, DType::I64, "ids - offset");
-        t.drop(clone);
-        t.component = outer;
-        (mask, shifted)
-    }
-
     /// `_log_softmax` of `loss.py` over the vocabulary shard `x` (fp32, `rows` rows): the
     /// all-reduced row max, `shifted = x - max`, `exp(shifted)` summed and all-reduced, then
     /// `shifted - log(sumexp)`; `_log_softmax`'s autograd node saves the result.
@@ -185,4 +170,20 @@ impl TensorParallel {
         t.drop(total_weight);
         out
     }
+}
+
+/// A vocabulary-parallel embedding's id masking (torch's `_MaskPartial._partition_value`,
+/// Megatron's `VocabParallelEmbedding`): the mask of ids outside this rank's vocabulary rows
+/// (kept until the lookup is reduced) and the shifted ids the lookup reads.
+pub(crate) fn mask_ids(t: &mut Tracer, n: u64) -> (T, T) {
+    let outer = std::mem::replace(&mut t.component, Component::Inputs);
+    let below = t.empty(n, DType::Bool, "ids < offset");
+    let above = t.empty(n, DType::Bool, "ids >= offset + rows");
+    let mask = t.empty(n, DType::Bool, "ids outside the rank's rows");
+    t.drop_all(&[above, below]);
+    let clone = t.empty(n, DType::I64, "ids.clone()");
+    let shifted = t.empty(n, DType::I64, "ids - offset");
+    t.drop(clone);
+    t.component = outer;
+    (mask, shifted)
 }

@@ -205,7 +205,12 @@ def cmd_dist(args) -> int:
             return _fail("megatron-core not installed; `pip install megatron-core==0.19.0` to measure framework megatron")
         if not os.environ.get("HEADROOM_FAKE_WORLD"):
             return _fail("framework megatron is measured as rank 0 of a fake process group: set HEADROOM_FAKE_WORLD")
-        record = measure_megatron(spec, fields, row_id=args.id, snapshot=args.snapshot, stacks=args.stacks)
+        if spec.parallel.pp > 1:
+            from .megatron_pp import measure_megatron_pp
+
+            record = measure_megatron_pp(spec, fields, row_id=args.id, snapshot=args.snapshot, stacks=args.stacks)
+        else:
+            record = measure_megatron(spec, fields, row_id=args.id, snapshot=args.snapshot, stacks=args.stacks)
     else:
         from .dist import measure_dist
 

@@ -141,6 +141,10 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
         tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        # An uneven split (`layers_per_stage`): the first and last stage's counts, the rest even.
+        num_layers_in_first_pipeline_stage=par.layers_per_stage[0] if par.layers_per_stage else None,
+        num_layers_in_last_pipeline_stage=par.layers_per_stage[-1] if par.layers_per_stage else None,
         sequence_parallel=par.sequence_parallel,
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
@@ -154,8 +158,9 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
     )
 
 
-def build(spec: Spec, fields: dict, options: dict):
-    """The model, wrapped as Megatron-LM's `get_model` wraps it, and its optimizer."""
+def build(spec: Spec, fields: dict, options: dict, pre_process: bool = True, post_process: bool = True):
+    """The model (a pipeline stage: the embedding with `pre_process`, the output layer and loss with
+    `post_process`), wrapped as Megatron-LM's `get_model` wraps it, and its optimizer."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -173,6 +178,8 @@ def build(spec: Spec, fields: dict, options: dict):
         position_embedding_type="rope",
         rotary_base=int(fields.get("rope_theta", 10000)),
         share_embeddings_and_output_weights=bool(fields.get("tie_word_embeddings", False)),
+        pre_process=pre_process,
+        post_process=post_process,
     )
     # Megatron-LM's get_model: to the GPU (the torch norms are made on the host), then bf16.
     model.cuda(torch.cuda.current_device())

@@ -496,7 +496,9 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
             f"`parallel.strategy`: {out.strategy!r} is not allowed with framework megatron; use ddp (Megatron's "
             "DistributedDataParallel over world_size / tp ranks; megatron.distributed_optimizer shards its optimizer)"
         )
-    if framework == "megatron" and raw.get("shard_size") not in (None, out.world_size // tp, out.world_size):
+    if framework == "megatron" and raw.get("shard_size") not in (
+        None, out.world_size // (tp * out.pp), out.world_size // tp, out.world_size
+    ):
         raise SpecError("`parallel.shard_size`: it applies to fsdp; leave it out with framework megatron")
     if tp > 1 and framework != "megatron" and out.strategy not in ("fsdp", "none"):
         raise SpecError(
@@ -518,7 +520,7 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
             "`parallel.sequence_parallel`: false is not allowed with strategy none: the norms stay plain "
             "tensors beside DTensors and AdamW's foreach step refuses the mix (torch 2.11); set it true or use fsdp"
         )
-    if tp > 1 and out.shard_size not in (out.world_size, out.world_size // tp):
+    if tp > 1 and framework != "megatron" and out.shard_size not in (out.world_size, out.world_size // tp):
         raise SpecError(
             f"`parallel.shard_size`: {out.shard_size!r} is not allowed with tp > 1: FSDP2 shards over the "
             f"data-parallel dimension (world_size / tp = {out.world_size // tp}); leave it out"
@@ -527,7 +529,7 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
         raise SpecError("`parallel.offload_params`: CPU offload is not measured with tp > 1; leave it out")
     out.tp, out.sequence_parallel, out.framework = tp, sp, framework
     if tp > 1 or framework == "megatron":
-        out.shard_size = out.world_size // tp
+        out.shard_size = out.world_size // (tp * out.pp)
 
 
 def _pipeline_parallel(raw: dict, out: Parallel) -> None:
@@ -548,8 +550,11 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
         return
     if out.world_size % pp:
         raise SpecError(f"`parallel.pp`: {pp} must divide world_size ({out.world_size})")
-    if out.strategy != "none":
+    megatron = raw.get("framework") == "megatron"
+    if out.strategy != "none" and not megatron:
         raise SpecError(f"`parallel.pp`: {pp} is measured with strategy none only, not {out.strategy}")
+    if megatron and raw.get("schedule", "1f1b") != "1f1b":
+        raise SpecError("`parallel.schedule`: framework megatron is measured with its 1f1b schedule only")
     schedule = raw.get("schedule", "1f1b")
     if schedule not in PP_SCHEDULES:
         raise SpecError(f"`parallel.schedule`: {schedule!r} is not allowed; use one of {', '.join(PP_SCHEDULES)}")
@@ -557,7 +562,7 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
     out.shard_size = out.world_size // pp  # no data-parallel dimension to shard over
     out.vpp = positive("vpp", 2 if schedule == "interleaved-1f1b" else 1)
     out.microbatches = positive("microbatches", pp)
-    if schedule == "1f1b" and out.microbatches < pp:
+    if schedule == "1f1b" and out.microbatches < pp and not megatron:
         raise SpecError(f"`parallel.microbatches`: {out.microbatches} is not allowed; Schedule1F1B needs at least pp ({pp})")
     if (schedule == "interleaved-1f1b") != (out.vpp > 1):
         raise SpecError(f"`parallel.vpp`: {out.vpp} is not allowed with schedule {schedule}; interleaved-1f1b takes 2 or more, the others 1")

@@ -10,6 +10,7 @@
 //! [`load`] reads a file and tells the two apart.
 
 mod megatron;
+mod megatron_pipeline;
 mod parse;
 mod pipeline;
 mod pipeline_parallel;

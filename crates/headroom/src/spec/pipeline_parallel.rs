@@ -199,7 +199,9 @@ pub(crate) fn parse(obj: &Map<String, Value>, world_size: u64) -> Result<Pipelin
         ));
     }
     let microbatches = positive(obj, "microbatches", pp).map_err(field)?;
-    if schedule == PipelineSchedule::OneFOneB && microbatches < pp {
+    // Megatron's 1F1B runs fewer micro-batches than stages (all in its warm-up and cool-down).
+    let megatron = obj.get("framework").and_then(Value::as_str) == Some("megatron");
+    if schedule == PipelineSchedule::OneFOneB && microbatches < pp && !megatron {
         // Schedule1F1B's constructor raises this.
         return Err(Error::field(
             "parallel.microbatches",

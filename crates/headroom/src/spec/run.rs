@@ -919,7 +919,7 @@ impl RunSpec {
     }
 
     /// What a Megatron run is modelled for: training a causal LM in bf16 with Adam, Megatron's
-    /// own DDP (strategy ddp) over `world_size / tp` ranks, no pipeline, HF's checkpointing,
+    /// own DDP (strategy ddp) over `world_size / (tp × pp)` ranks, no HF checkpointing,
     /// LoRA or quantization; sequence parallelism needs Transformer Engine's or apex's norm (the
     /// local layer spec's `WrappedTorchNorm` refuses it).
     fn check_megatron(&self) -> Result<()> {
@@ -1033,6 +1033,9 @@ impl RunSpec {
             });
         }
         check_tp_divides(arch, self.parallel.as_ref().map_or(1, |p| p.tensor.tp))?;
+        if let Some(parallel) = &self.parallel {
+            super::megatron_pipeline::check(&parallel.pipeline, arch.layers)?;
+        }
         if let Recompute::Full {
             method: RecomputeMethod::Block,
             layers,
@@ -1432,12 +1435,15 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
     };
     let world_size = positive(obj, "world_size", 1).map_err(field)?;
     let pipeline = pipeline_parallel::parse(obj, world_size)?;
-    check_pipeline_layout(
-        &pipeline,
-        strategy,
-        positive(obj, "tp", 1).map_err(field)?,
-        world_size,
-    )?;
+    // Megatron's pipeline composes with its own DDP and tensor parallelism (`megatron_pipeline`).
+    if obj.get("framework").and_then(Value::as_str) != Some("megatron") {
+        check_pipeline_layout(
+            &pipeline,
+            strategy,
+            positive(obj, "tp", 1).map_err(field)?,
+            world_size,
+        )?;
+    }
     let tensor = parse_tensor_parallel(obj, strategy, world_size / pipeline.pp)?;
     let dp = world_size / pipeline.pp / tensor.tp;
     // The harness writes every key; a key that does not apply is accepted at its default.

@@ -20,10 +20,12 @@ use crate::sim::strategy::megatron::MegatronDdp;
 use crate::spec::{Optimizer, RunSpec};
 
 /// What the backward engine calls into: the recomputation of checkpointed regions and the
-/// gradient buffer's hook.
-struct Hooks<'a> {
-    model: &'a GptModel,
-    batch: Batch,
+/// gradient buffer's hook on the model's parameters (those below `received`; from it on are a
+/// pipeline stage's received tensors, whose gradient the schedule takes).
+pub(super) struct Hooks<'a> {
+    pub(super) model: &'a GptModel,
+    pub(super) batch: Batch,
+    pub(super) received: ParamId,
 }
 
 impl BackwardHooks for Hooks<'_> {
@@ -32,6 +34,9 @@ impl BackwardHooks for Hooks<'_> {
     }
 
     fn grad_accumulated(&mut self, tracer: &mut Tracer, param: ParamId) {
+        if param >= self.received {
+            return;
+        }
         self.model
             .strategy
             .borrow_mut()
@@ -93,6 +98,7 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
             &mut Hooks {
                 model: &model,
                 batch,
+                received: ParamId::MAX,
             },
         );
         t.drop(loss);
@@ -110,10 +116,15 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
     Simulation::of_process(t, (params, params), weights_loaded, 0, phases)
 }
 
-/// The forward and pretrain_gpt's `loss_func`: `losses.view(-1).float()` (already fp32)
-/// times the mask, summed, over `loss_mask.sum()`.
+/// The forward and pretrain_gpt's `loss_func`.
 fn forward_loss(t: &mut Tracer, model: &GptModel, ids: T, loss_mask: T, batch: Batch) -> T {
     let losses = model.forward(t, ids, batch);
+    loss_func(t, losses, loss_mask)
+}
+
+/// pretrain_gpt's `loss_func` on the per-token `losses` (dropped): `losses.view(-1).float()`
+/// (already fp32) times the mask, summed, over `loss_mask.sum()`.
+pub(super) fn loss_func(t: &mut Tracer, losses: T, loss_mask: T) -> T {
     let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
     let masked = t.mul(losses, loss_mask);
     t.drop(losses);

@@ -7,6 +7,7 @@
 
 pub mod instance;
 pub(crate) mod megatron;
+pub(crate) mod megatron_stages;
 pub mod pipeline;
 pub mod run;
 pub mod simulation;

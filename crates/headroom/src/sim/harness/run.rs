@@ -20,15 +20,19 @@ use crate::spec::{Framework, Home, Mode, Optimizer, Parallel, RunSpec, TrainerKi
 /// first, then the larger reserved and allocated peaks). Without a limit another rank may
 /// need more, so such a run that runs out stops there.
 pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
-    if spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1) {
-        return super::stages::simulate(spec, arch, options);
-    }
+    let pipelined = spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1);
     if spec
         .parallel
         .as_ref()
         .is_some_and(|p| p.tensor.framework == Framework::Megatron)
     {
+        if pipelined {
+            return super::megatron_stages::simulate(spec, arch, options);
+        }
         return super::megatron::simulate(spec, arch, options);
+    }
+    if pipelined {
+        return super::stages::simulate(spec, arch, options);
     }
     let ranks_differ = spec.parallel.as_ref().is_some_and(Parallel::ranks_differ);
     let run = |rank| {

@@ -62,6 +62,19 @@ struct InFlight {
 /// Simulate every pipeline rank (or `options.only_rank`'s) and report the one that needs most,
 /// with each stage's peak.
 pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
+    worst_rank(spec, options, |t, pp_rank| {
+        simulate_rank(spec, arch, t, pp_rank)
+    })
+}
+
+/// Run `rank` (a process, a pipeline rank) for every pipeline rank, or for `options.only_rank`'s,
+/// and report the one that needs most (an error first, then the reserved and the allocated
+/// peak), with every rank's stages.
+pub(crate) fn worst_rank(
+    spec: &RunSpec,
+    options: &Options,
+    rank: impl Fn(Tracer, u64) -> Simulation,
+) -> Simulation {
     let parallel = spec.parallel.as_ref().expect("a pipeline-parallel spec");
     let pipeline = &parallel.pipeline;
     let world = parallel.world_size;
@@ -81,7 +94,7 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
             // Another rank may need more: a rank that runs out stops there.
             t.mem.on_oom(OnOom::Stop);
         }
-        let sim = simulate_rank(spec, arch, t, pp_rank);
+        let sim = rank(t, pp_rank);
         Simulation {
             rank: pp_rank * ranks_per_stage,
             ..sim

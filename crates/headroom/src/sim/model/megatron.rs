@@ -94,12 +94,29 @@ struct Cache {
     regions: Vec<Region>,
 }
 
+/// What a pipeline stage of `GPTModel` holds: its decoder layers, the embedding on the first
+/// stage (`pre_process`), the final norm, the output layer and the loss on the last
+/// (`post_process`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StagePart {
+    pub layers: u64,
+    pub pre_process: bool,
+    pub post_process: bool,
+}
+
+/// A stage's input: the token ids on the first stage, the received hidden states elsewhere.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum StageInput {
+    Ids(T),
+    Hidden(T),
+}
+
 pub(crate) struct GptModel {
     pub(crate) widths: Widths,
-    embedding: ParamId,
+    embedding: Option<ParamId>,
     layers: Vec<Layer>,
-    final_norm: ParamId,
-    output: ParamId,
+    /// The final norm and the output layer (the last stage's).
+    head: Option<(ParamId, ParamId)>,
     /// Every parameter in `named_parameters()` order, and which are vectors (1-D).
     pub(crate) params: Vec<ParamId>,
     pub(crate) vectors: Vec<bool>,
@@ -114,6 +131,23 @@ impl GptModel {
     /// norms fp32 on the host as `torch.nn.RMSNorm` makes them; `model.cuda()` moves those,
     /// then `Float16Module`'s `bfloat16()` casts them.
     pub(crate) fn build(t: &mut Tracer, arch: &Architecture, tp: u64, megatron: Megatron) -> Self {
+        let whole = StagePart {
+            layers: arch.layers,
+            pre_process: true,
+            post_process: true,
+        };
+        Self::build_stage(t, arch, tp, megatron, whole)
+    }
+
+    /// `GPTModel(..., pre_process, post_process)` of one pipeline stage, built as [`Self::build`]
+    /// builds the whole model.
+    pub(crate) fn build_stage(
+        t: &mut Tracer,
+        arch: &Architecture,
+        tp: u64,
+        megatron: Megatron,
+        part: StagePart,
+    ) -> Self {
         let widths = Widths {
             hidden: arch.hidden,
             heads: arch.heads / tp,
@@ -148,9 +182,11 @@ impl GptModel {
             vectors.push(dtype == DType::F32 || label.ends_with("bias"));
             p
         };
-        let embedding = param(t, v * h, DType::BF16, "word_embeddings.weight");
+        let embedding = part
+            .pre_process
+            .then(|| param(t, v * h, DType::BF16, "word_embeddings.weight"));
         let qkv_width = (heads + 2 * groups) * d;
-        let layers = (0..arch.layers)
+        let layers = (0..part.layers)
             .map(|_| Layer {
                 input_norm: param(t, h, DType::F32, "input_layernorm.weight"),
                 proj: param(t, h * heads * d, DType::BF16, "linear_proj.weight"),
@@ -166,8 +202,13 @@ impl GptModel {
                 fc2: param(t, h * f, DType::BF16, "linear_fc2.weight"),
             })
             .collect();
-        let final_norm = param(t, h, DType::F32, "final_layernorm.weight");
-        let output = param(t, v * h, DType::BF16, "output_layer.weight");
+        let head = part.post_process.then(|| {
+            let final_norm = param(t, h, DType::F32, "final_layernorm.weight");
+            (
+                final_norm,
+                param(t, v * h, DType::BF16, "output_layer.weight"),
+            )
+        });
         // `model.cuda()` (Megatron-LM's `get_model`), then `Float16Module`'s `bfloat16()`.
         for p in norms {
             t.materialize(p);
@@ -179,8 +220,7 @@ impl GptModel {
             widths,
             embedding,
             layers,
-            final_norm,
-            output,
+            head,
             params,
             vectors,
             megatron,
@@ -192,12 +232,23 @@ impl GptModel {
     /// `ddp_model(input_ids, position_ids, None, labels=input_ids)`: the per-token losses
     /// `[b, s]` (fp32).
     pub(crate) fn forward(&self, t: &mut Tracer, ids: T, batch: Batch) -> T {
-        self.cache.borrow_mut().regions.clear();
+        self.forward_stage(t, StageInput::Ids(ids), batch)
+    }
+
+    /// A stage's forward: its layers over the embedded ids or the received hidden states, then
+    /// on the last stage the losses; elsewhere the last layer's output `[s, b, h]`.
+    pub(crate) fn forward_stage(&self, t: &mut Tracer, input: StageInput, batch: Batch) -> T {
+        // Regions are numbered across the micro-batches whose graphs are alive.
+        let alive = t.region_count() as usize;
+        self.cache.borrow_mut().regions.truncate(alive);
         let n = batch.n();
         let outer = std::mem::replace(&mut t.component, Component::Activations);
-        let embedded = self.embedding_forward(t, ids, n);
+        let mut hidden = match input {
+            StageInput::Ids(ids) => self.embedding_forward(t, ids, n),
+            // `TransformerBlock` takes `self.input_tensor` as it is (not a view).
+            StageInput::Hidden(received) => t.share(received),
+        };
         let freqs = self.rotary_freqs(t, batch.s);
-        let mut hidden = embedded;
         let chunks = self.megatron.checkpointed_chunks(self.layers.len());
         let mut layer = 0;
         while layer < self.layers.len() {
@@ -217,10 +268,14 @@ impl GptModel {
             }
             layer = end;
         }
-        let normed = self.rms_norm(t, hidden, self.final_norm, n);
+        let Some((final_norm, output)) = self.head else {
+            t.component = outer;
+            return hidden;
+        };
+        let normed = self.rms_norm(t, hidden, final_norm, n);
         t.drop(hidden);
         t.component = Component::LogitsAndLoss;
-        let logits = t.linear(normed, self.output, None, self.widths.vocab, false);
+        let logits = t.linear(normed, output, None, self.widths.vocab, false);
         t.drop(normed);
         let loss = self.cross_entropy(t, logits, n);
         t.drop(logits);
@@ -246,7 +301,8 @@ impl GptModel {
         let h = self.widths.hidden;
         let masks = (self.widths.tp > 1).then(|| crate::sim::strategy::tp::mask_ids(t, n));
         let lookup_ids = masks.map_or(ids, |(_, shifted)| shifted);
-        let looked_up = t.embedding(self.embedding, lookup_ids, n, h);
+        let embedding = self.embedding.expect("the first stage holds the embedding");
+        let looked_up = t.embedding(embedding, lookup_ids, n, h);
         let embedded = t.contiguous_copy(looked_up);
         t.drop(looked_up);
         if let Some((mask, shifted)) = masks {

@@ -780,6 +780,18 @@ impl Tracer {
         id
     }
 
+    /// The last reference to a receive buffer made with [`Tracer::make_input_leaf`] goes (a
+    /// tensor received for one micro-batch): the leaf holds it no longer, nor its gradient.
+    pub(crate) fn release_input_leaf(&mut self, leaf: ParamId) {
+        let rec = &mut self.params[leaf];
+        let (tensor, grad) = (rec.tensor, rec.grad.take());
+        self.rec_mut(tensor).param = None;
+        if let Some(g) = grad {
+            self.drop(g);
+        }
+        self.drop(tensor);
+    }
+
     /// `leaf.grad` taken and set to `None`.
     pub(crate) fn take_grad(&mut self, leaf: ParamId) -> Option<T> {
         self.params[leaf].grad.take()

@@ -1,0 +1,66 @@
+"""Writes bench/megatron-pp/specs.jsonl: Megatron-core pipeline ranks (1F1B, local layer spec), each one rank of
+a fake world: the line's `rank` is the global rank the fake process group is initialised with, so the process is
+pipeline rank `rank // (world / pp)` (Megatron's rank order tp-cp-ep-dp-pp)."""
+import json
+from pathlib import Path
+
+MODELS = {
+    "l8b": ("llama-3.1-8b", {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+            "rope_theta": 500000.0, "tie_word_embeddings": False}),
+    "q7b": ("qwen2.5-7b", {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+            "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 152064,
+            "rope_theta": 1000000.0, "tie_word_embeddings": False}),
+}
+# (model, layers, batch, seq, world, tp, pp, microbatches, layers_per_stage, distributed optimizer,
+#  recompute (granularity, method, layers), rank, snapshot)
+ROWS = [
+    ("l8b", 8, 4, 1024, 2, 1, 2, 4, None, False, None, 0, True),
+    ("l8b", 8, 8, 1024, 8, 1, 4, 8, None, True, ("selective", None, None), 0, False),
+    ("l8b", 8, 8, 1024, 8, 1, 4, 8, None, True, ("selective", None, None), 2, True),
+    ("l8b", 8, 4, 1024, 2, 1, 2, 4, None, False, None, 1, False),
+    ("l8b", 8, 4, 2048, 16, 2, 4, 4, None, True, ("full", "uniform", 1), 12, False),
+    ("q7b", 8, 6, 2048, 8, 2, 2, 6, None, True, ("selective", None, None), 0, False),
+    ("q7b", 8, 6, 2048, 8, 2, 2, 6, None, True, ("selective", None, None), 4, False),
+    ("l8b", 4, 2, 2048, 4, 1, 4, 2, None, False, None, 1, False),
+    ("q7b", 8, 8, 1024, 8, 2, 4, 8, None, False, None, 4, False),
+    ("q7b", 6, 5, 1024, 8, 1, 2, 5, [2, 4], True, ("full", "block", 1), 4, False),
+]
+
+
+def row(key, layers, b, s, world, tp, pp, mb, split, dist_opt, recompute, rank, snapshot):
+    model, config = MODELS[key]
+    mega = {"distributed_optimizer": dist_opt}
+    tag = "do" if dist_opt else "nodo"
+    rc = "norc"
+    if recompute:
+        gran, method, n = recompute
+        mega["recompute_granularity"] = gran
+        rc = gran
+        if method:
+            mega["recompute_method"], mega["recompute_num_layers"] = method, n
+            rc = f"full-{method}{n}"
+    parallel = {"strategy": "ddp", "world_size": world, "tp": tp, "framework": "megatron", "pp": pp,
+                "microbatches": mb}
+    shape = f"pp{pp}-mb{mb}"
+    if split:
+        parallel["layers_per_stage"] = split
+        shape += "-split" + "-".join(map(str, split))
+    rid = f"megatron-pp/{key}-L{layers}/bs{b}/s{s}/w{world}-tp{tp}-{shape}-{tag}/{rc}/rank{rank}"
+    line = {
+        "id": rid,
+        "spec": {"model": model, "model_config": {**config, "num_hidden_layers": layers}, "precision": "bf16",
+                 "optimizer": "adamw", "batch_size": b, "seq_len": s, "parallel": parallel, "megatron": mega},
+        "fake": True,
+        "rank": rank,
+    }
+    if snapshot:
+        line["snapshot"] = rid.replace("/", "-") + ".pickle"
+    return line
+
+
+# Three run at a time on one H100: the two largest (rows 1 and 4, about 30 GB each) are apart from the
+# third largest (the last row).
+out = Path(__file__).resolve().parents[1] / "specs.jsonl"
+out.write_text("".join(json.dumps(row(*r)) + "\n" for r in ROWS))
+print(out, len(ROWS))

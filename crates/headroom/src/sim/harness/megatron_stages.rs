@@ -1,0 +1,278 @@
+//! A Megatron-core pipeline rank as the measuring harness runs one
+//! (`python/headroom_measure/megatron_pp.py`): pipeline rank `r` builds its stage of `GPTModel`
+//! (`model::megatron`: its `num_layers / pp` layers, or `layers_per_stage`'s, the embedding on
+//! the first stage, the final norm, output layer and loss on the last) with its own `Float16Module`,
+//! DDP gradient buffer and optimizer over `world_size / (tp × pp)` data-parallel ranks
+//! (`strategy::megatron`), makes one micro-batch's inputs, then takes three steps of
+//! `forward_backward_pipelining_without_interleaving` (`strategy::megatron_pp`'s steps) and
+//! `optimizer.step()`.
+//!
+//! What the schedule holds, after `schedules.py` and `p2p_communication.py` (Megatron-LM's
+//! `deallocate_pipeline_outputs=True`, `batch_p2p_comm=True`):
+//! - `total_num_tokens`, a zero-dimensional int tensor, for the whole schedule;
+//! - a receive is `torch.empty(shape, requires_grad=True)` made at each call, `[s, b, h]` in
+//!   bf16: the input of every micro-batch on all stages but the first (a leaf its backward
+//!   accumulates the input gradient into), the output's gradient on all stages but the last;
+//! - a forward's input and output stay in `input_tensors` / `output_tensors` until that
+//!   micro-batch's backward; `deallocate_output_tensor` swaps the output's storage for a
+//!   one-element tensor once sent, its `grad_fn` keeping the graph;
+//! - the locals (`input_tensor`, `output_tensor`, `output_tensor_grad`, `input_tensor_grad`)
+//!   hold their tensor until rebound, so a received tensor is made before the previous one
+//!   goes; the last input gradient goes when the schedule returns.
+//!
+//! Parameter gradients go into the fp32 `main_grad` buffer through the DDP hook at every
+//! micro-batch's backward; `finalize_model_grads` reduces in place.
+
+use super::megatron::{Hooks, loss_func};
+use super::simulation::{Options, STEPS, Simulation, StagePeak};
+use super::stages::worst_rank;
+use crate::arch::{Architecture, Param};
+use crate::dtype::DType;
+use crate::sim::engine::component::Component;
+use crate::sim::engine::tracer::{ParamId, T, Tracer};
+use crate::sim::model::Batch;
+use crate::sim::model::megatron::{GptModel, StageInput, StagePart};
+use crate::sim::optim::OptimizerState;
+use crate::sim::strategy::Strategy;
+use crate::sim::strategy::megatron::MegatronDdp;
+use crate::sim::strategy::megatron_pp::{Step, one_f_one_b};
+use crate::spec::{Optimizer, RunSpec};
+
+/// Simulate every pipeline rank of the Megatron run of `spec` (or `options.only_rank`'s) and
+/// report the one that needs most, with each stage's peak.
+pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
+    worst_rank(spec, options, |t, pp_rank| {
+        simulate_rank(spec, arch, t, pp_rank)
+    })
+}
+
+/// A tensor received from the previous stage, and the leaf its gradient accumulates into.
+#[derive(Clone, Copy)]
+struct Received {
+    tensor: T,
+    leaf: ParamId,
+}
+
+/// The schedule's lists and locals (see the module doc).
+#[derive(Default)]
+struct Schedule {
+    /// `input_tensors`, `output_tensors`: per micro-batch in flight, its input (none on the
+    /// first stage) and its (deallocated) output with the one-element tensor now its data.
+    in_flight: Vec<(Option<Received>, T, T)>,
+    /// `input_tensor`: received but not yet run (`in_list` false), or run and in the list.
+    input: Option<Received>,
+    input_in_list: bool,
+    /// `output_tensor`: this forward's output, or the popped one with its stand-in data.
+    output: Option<(T, Option<T>)>,
+    output_grad: Option<T>,
+    input_grad: Option<T>,
+}
+
+/// Pipeline rank `pp_rank`'s process `t`: load, then the measured steps.
+fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u64) -> Simulation {
+    let parallel = spec.parallel.as_ref().expect("a pipeline-parallel spec");
+    let pipeline = &parallel.pipeline;
+    let (pp, microbatches) = (pipeline.pp, pipeline.microbatches);
+    let tp = parallel.tensor.tp;
+    let dp = parallel.world_size / (tp * pp);
+    let megatron = spec.megatron.unwrap_or_default();
+    let part = StagePart {
+        layers: pipeline.stage_layers(arch.layers)[pp_rank as usize],
+        pre_process: pp_rank == 0,
+        post_process: pp_rank == pp - 1,
+    };
+    let batch = Batch {
+        b: spec.batch_size / microbatches,
+        s: spec.seq_len,
+    };
+    // torch.zeros(1, device="cuda") after init_process_group.
+    let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
+    t.drop(zero);
+    let model = GptModel::build_stage(&mut t, arch, tp, megatron, part);
+    let ddp = MegatronDdp::wrap(
+        &mut t,
+        &model.params,
+        &model.vectors,
+        dp,
+        megatron.distributed_optimizer,
+    );
+    *model.strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));
+    let weights_loaded = t.mem.allocated();
+    let received = t.params.len();
+    let mut phases = vec![t.mem.phase_peak()];
+    let outer = std::mem::replace(&mut t.component, Component::Inputs);
+    let ids = t.empty(batch.n(), DType::I64, "input_ids");
+    let positions = t.empty(batch.s, DType::I64, "position_ids (arange)");
+    let loss_mask = t.empty(batch.n(), DType::F32, "loss_mask");
+    t.component = outer;
+    let steps = one_f_one_b(pp, microbatches, pp_rank);
+    // Megatron's optimizer wraps its own; this one is never stepped.
+    let mut unused = OptimizerState::new(Optimizer::None);
+    for step in 1..=STEPS {
+        if t.mem.stopped() {
+            break;
+        }
+        t.mem.begin_measured_phase("schedule", step);
+        run_schedule(
+            &mut t,
+            &model,
+            &steps,
+            part,
+            (ids, loss_mask),
+            batch,
+            received,
+        );
+        phases.push(t.mem.phase_peak());
+        if t.mem.stopped() {
+            break;
+        }
+        t.mem.begin_measured_phase("optimizer", step);
+        model.strategy.borrow_mut().step(&mut t, &mut unused);
+        phases.push(t.mem.phase_peak());
+    }
+    t.drop_all(&[ids, positions, loss_mask]);
+    let params: u64 = arch.parameters(spec.head()).iter().map(Param::numel).sum();
+    let mut sim = Simulation::of_process(t, (params, params), weights_loaded, 0, phases);
+    sim.stages = vec![StagePeak {
+        stage: pp_rank,
+        pipeline_rank: pp_rank,
+        peak_allocated: sim.peak.allocated,
+        peak_reserved: sim.peak_reserved,
+    }];
+    sim
+}
+
+/// One `forward_backward_pipelining_without_interleaving` call: `steps` in order, the inputs
+/// `(ids, loss_mask)` of every micro-batch; parameters from `received` on are received tensors.
+fn run_schedule(
+    t: &mut Tracer,
+    model: &GptModel,
+    steps: &[Step],
+    part: StagePart,
+    (ids, loss_mask): (T, T),
+    batch: Batch,
+    received: ParamId,
+) {
+    let activation = batch.n() * model.widths.hidden;
+    let total_tokens = t.empty_as(1, DType::I32, Component::Inputs, "total_num_tokens");
+    let mut s = Schedule::default();
+    for &step in steps {
+        if t.mem.stopped() {
+            break;
+        }
+        match step {
+            Step::RecvForward => {
+                let next = (!part.pre_process).then(|| {
+                    let outer = std::mem::replace(&mut t.component, Component::Communication);
+                    let tensor = t.empty(activation, DType::BF16, "recv_forward (torch.empty)");
+                    t.component = outer;
+                    let leaf = t.make_input_leaf(tensor);
+                    Received { tensor, leaf }
+                });
+                release_input(t, &mut s);
+                s.input = next;
+                s.input_in_list = false;
+            }
+            Step::Forward(_) => {
+                let input = match s.input {
+                    Some(r) => StageInput::Hidden(r.tensor),
+                    None => StageInput::Ids(ids),
+                };
+                let mut output = model.forward_stage(t, input, batch);
+                if part.post_process {
+                    output = loss_func(t, output, loss_mask);
+                }
+                if let Some((previous, stand_in)) = s.output.take() {
+                    t.drop(previous);
+                    if let Some(stand_in) = stand_in {
+                        t.drop(stand_in);
+                    }
+                }
+                s.output = Some((output, None));
+            }
+            Step::RecvBackward => {
+                let next = (!part.post_process).then(|| {
+                    let outer = std::mem::replace(&mut t.component, Component::Communication);
+                    let grad = t.empty(activation, DType::BF16, "recv_backward (torch.empty)");
+                    t.component = outer;
+                    grad
+                });
+                if let Some(previous) = std::mem::replace(&mut s.output_grad, next) {
+                    t.drop(previous);
+                }
+            }
+            Step::Deallocate => {
+                let (output, _) = s.output.expect("a forward ran");
+                let input = s.input.map(|r| {
+                    t.share(r.tensor);
+                    r
+                });
+                s.input_in_list = true;
+                // `out.data = torch.empty((1,))`: the storage goes unless something else holds it.
+                let stand_in = t.empty(1, t.dtype(output), "deallocated output (torch.empty(1))");
+                if t.tensor_refs(output) == 1 {
+                    t.free_storage(output);
+                }
+                let kept = t.share(output);
+                s.in_flight.push((input, kept, stand_in));
+                s.output = Some((output, None));
+            }
+            Step::Pop => {
+                let (input, output, stand_in) = s.in_flight.remove(0);
+                release_input(t, &mut s);
+                // The list's reference becomes the local's.
+                s.input = input;
+                s.input_in_list = false;
+                if let Some((previous, previous_stand_in)) =
+                    s.output.replace((output, Some(stand_in)))
+                {
+                    t.drop(previous);
+                    if let Some(p) = previous_stand_in {
+                        t.drop(p);
+                    }
+                }
+            }
+            Step::Backward(_) => {
+                let (output, _) = s.output.expect("popped");
+                let mut hooks = Hooks {
+                    model,
+                    batch,
+                    received,
+                };
+                t.backward_graph(output, s.output_grad, &mut hooks);
+                let grad = s.input.and_then(|r| t.take_grad(r.leaf));
+                if let Some(previous) = std::mem::replace(&mut s.input_grad, grad) {
+                    t.drop(previous);
+                }
+            }
+            Step::DropInput => release_input(t, &mut s),
+        }
+    }
+    // The schedule returns: its locals go.
+    release_input(t, &mut s);
+    if let Some((output, stand_in)) = s.output.take() {
+        t.drop(output);
+        if let Some(stand_in) = stand_in {
+            t.drop(stand_in);
+        }
+    }
+    for held in [s.output_grad.take(), s.input_grad.take()]
+        .into_iter()
+        .flatten()
+    {
+        t.drop(held);
+    }
+    t.drop(total_tokens);
+    t.free_graph();
+}
+
+/// The local `input_tensor` is rebound: its tensor goes, with its leaf, unless the list still
+/// holds it.
+fn release_input(t: &mut Tracer, s: &mut Schedule) {
+    if let Some(r) = s.input.take() {
+        t.drop(r.tensor);
+        if !s.input_in_list {
+            t.release_input_leaf(r.leaf);
+        }
+    }
+}

@@ -1,0 +1,198 @@
+"""Per-rank peak memory of Megatron-core pipeline parallelism (`parallel.framework: megatron` with `pp > 1`),
+one rank of a world under torch's fake process group on one GPU.
+    HEADROOM_FAKE_WORLD=W HEADROOM_FAKE_RANK=R WORLD_SIZE=W RANK=0 LOCAL_RANK=0 \\
+        python -m headroom_measure dist --spec-json SPEC --out F
+The fake group is initialised with rank R of the world, so `parallel_state.initialize_model_parallel(tp, pp)`
+(rank order tp-cp-ep-dp-pp) makes this process pipeline rank `R // (W / pp)`: the first stage holds the
+embedding, the last the final norm, the output layer and the loss, every stage its `num_layers / pp` layers.
+Each stage is built as megatron.py builds the whole model (`GPTModel(pre_process, post_process)`, `model.cuda()`,
+`Float16Module`, Megatron's DDP, `get_megatron_optimizer`), with what Megatron-LM's training sets for a pipeline
+(`core_transformer_config_from_args`, `setup_model_and_optimizer`): `deallocate_pipeline_outputs=True`,
+`pipeline_dtype=bf16`, `batch_p2p_comm=True` (no p2p overlap), `config.no_sync_func = ddp_model.no_sync`,
+`config.finalize_model_grads_func = finalize_model_grads`.
+A step is `ddp_model.zero_grad_buffer()`, `optimizer.zero_grad()`, then Megatron's
+`forward_backward_pipelining_without_interleaving` over `microbatches` micro-batches of `batch_size /
+microbatches` sequences (the step phase: every forward, backward and receive, and `finalize_model_grads`),
+then `optimizer.step()` (the opt phase). The fake group's sends and receives move nothing, so a receive is the
+`torch.empty(..., requires_grad=True)` Megatron makes for it; the losses are meaningless.
+The inputs (`input_ids`, `position_ids`, `loss_mask` of one micro-batch) are made once and every micro-batch
+reads them; the loss function is pretrain_gpt's sum over the mask divided by the token count, returned as
+`(loss, {})` (nothing kept in `forward_data_store`). The order in which the schedule runs forwards and backwards
+is recorded in `env.order` (the Rust schedule's test compares it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .measure import STEPS, _versions
+from .spec import Spec
+
+
+def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None,
+                        stacks: str = "python") -> dict:
+    """Rank HEADROOM_FAKE_RANK of a fake world: build its stage, then three steps; the record (dist.py's shape)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .megatron import build, megatron_options
+
+    t0 = time.time()
+    options = megatron_options(spec)
+    par = spec.parallel
+    world, pp, n = par.world_size, par.pp, par.microbatches
+    rank = int(os.environ.get("HEADROOM_FAKE_RANK", "0"))
+    micro = spec.batch_size // n
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    torch.zeros(1, device=device)
+    free, total = torch.cuda.mem_get_info()
+    context = total - free
+    if snapshot:
+        if stacks == "none":
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
+        else:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks=stacks)
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=pp,
+        create_gloo_process_groups=False,
+    )
+    model_parallel_cuda_manual_seed(1234)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    ddp_model, optimizer = build(spec, fields, options, pre_process=first, post_process=last)
+    ddp_model.train()
+    config = ddp_model.config
+    config.deallocate_pipeline_outputs = True
+    config.no_sync_func = ddp_model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    torch.cuda.synchronize()
+    s = torch.cuda.memory_stats()
+    load = {
+        "peak_allocated": s.get("allocated_bytes.all.peak", 0),
+        "peak_reserved": s.get("reserved_bytes.all.peak", 0),
+        "end_allocated": torch.cuda.memory_allocated(),
+        "end_reserved": torch.cuda.memory_reserved(),
+    }
+    torch.manual_seed(1234)
+    ids = torch.randint(0, fields["vocab_size"], (micro, spec.seq_len), device=device)
+    position_ids = torch.arange(spec.seq_len, device=device).unsqueeze(0).expand_as(ids)
+    loss_mask = torch.ones(micro * spec.seq_len, device=device)
+
+    def loss_func(output_tensor):
+        loss = torch.sum(output_tensor.view(-1).float() * loss_mask) / loss_mask.sum()
+        return loss, {}
+
+    order = []
+
+    def forward_step(data_iterator, model):
+        order.append(f"F{pp_rank}.{sum(o[0] == 'F' for o in order)}")
+        output = model(ids, position_ids, None, labels=ids)
+        return output, loss_func
+
+    original_backward = schedules.backward_step
+
+    def logged_backward(*args, **kwargs):
+        order.append(f"B{pp_rank}.{sum(o[0] == 'B' for o in order)}")
+        return original_backward(*args, **kwargs)
+
+    schedules.backward_step = logged_backward
+
+    def phase_end(rec: dict, key: str):
+        torch.cuda.synchronize()
+        s = torch.cuda.memory_stats()
+        rec[key] = s.get("allocated_bytes.all.peak", 0)
+        rec["peak_reserved"] = max(rec.get("peak_reserved", 0), s.get("reserved_bytes.all.peak", 0))
+        torch.cuda.reset_peak_memory_stats()
+
+    steps, orders = [], []
+    peak_reserved = load["peak_reserved"]
+    for step in range(STEPS):
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        rec = {"start_allocated": torch.cuda.memory_allocated()}
+        torch.cuda.reset_peak_memory_stats()
+        order.clear()
+        schedules.forward_backward_pipelining_without_interleaving(
+            forward_step_func=forward_step,
+            data_iterator=iter(range(n)),
+            model=[ddp_model],
+            num_microbatches=n,
+            seq_length=spec.seq_len,
+            micro_batch_size=micro,
+            forward_only=False,
+        )
+        orders.append(" ".join(order))
+        phase_end(rec, "step_peak")
+        optimizer.step()
+        phase_end(rec, "opt_peak")
+        rec["end_allocated"] = torch.cuda.memory_allocated()
+        peak_reserved = max(peak_reserved, rec["peak_reserved"])
+        steps.append(rec)
+        print(f"[{time.time() - t0:6.1f}s] step {step + 1}: {rec}", file=sys.stderr, flush=True)
+    schedules.backward_step = original_backward
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    free, total = torch.cuda.mem_get_info()
+    phase_peaks = [load["peak_allocated"]] + [v for r in steps for k, v in r.items() if k.endswith("_peak")]
+    record_rank = {
+        "rank": rank,
+        "pipeline_rank": pp_rank,
+        "local_rank": 0,
+        "load": load,
+        "steps": steps,
+        "peak_allocated_bytes": max(phase_peaks),
+        "peak_reserved_bytes": peak_reserved,
+        "cuda_context_bytes": context,
+        "device_used_end_bytes": total - free,
+    }
+    import megatron.core
+
+    # This stage's parameters, a tensor-parallel weight at its global size.
+    stage_params = sum(
+        p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1) for p in ddp_model.parameters()
+    )
+    spec_json = spec.to_json()
+    if spec.model_config is not None:
+        spec_json["model_config"] = dict(spec.model_config)
+    spec_json["megatron"] = {k: v for k, v in options.items() if v is not None}
+    env = {
+        "gpu": torch.cuda.get_device_properties(device).name,
+        "gpu_total_bytes": total,
+        **_versions(),
+        "megatron_core": megatron.core.__version__,
+        "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)",
+        "schedule": "forward_backward_pipelining_without_interleaving",
+        "order": orders[-1],
+        "orders_agree": len(set(orders)) == 1,
+        "world_size": world,
+        "launcher": f"fake process group (one process, rank {rank})",
+        "process_group": "fake",
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "wall_s": round(time.time() - t0, 2),
+    }
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return {
+        "id": row_id or f"megatron/{spec.model}/w{world}-tp{par.tp}-pp{pp}/rank{rank}",
+        "spec": spec_json,
+        "measured": {
+            "peak_allocated_bytes": record_rank["peak_allocated_bytes"],
+            "peak_reserved_bytes": peak_reserved,
+            "ranks": [record_rank],
+            "params": stage_params,
+            "trainable_params": stage_params,
+        },
+        "env": env,
+    }

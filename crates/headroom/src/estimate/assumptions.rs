@@ -39,6 +39,8 @@ struct Uses {
     context_parallel: bool,
     /// Megatron-core's GPTModel, DDP and optimizer (`parallel.framework: megatron`).
     megatron: bool,
+    /// Megatron-core's pipeline schedule (framework megatron with pp > 1).
+    megatron_pipeline: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -73,7 +75,10 @@ impl Uses {
         self.megatron |= framework == Some(crate::spec::Framework::Megatron);
         self.tensor_parallel |= framework == Some(crate::spec::Framework::Torchtitan)
             && spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1);
-        self.pipeline_parallel |= spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1);
+        let pipelined = spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1);
+        let megatron = framework == Some(crate::spec::Framework::Megatron);
+        self.pipeline_parallel |= pipelined && !megatron;
+        self.megatron_pipeline |= pipelined && megatron;
         self.context_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.cp > 1);
     }
 
@@ -200,6 +205,14 @@ impl Assumptions {
                  gradient-accumulation fusion are not modelled), measured as rank 0 of a fake \
                  process group (bench/megatron): NCCL's communicators for Megatron's process \
                  groups are carried over from FSDP2's and HSDP's, not measured"
+                    .to_string(),
+            );
+        }
+        if uses.megatron_pipeline {
+            warnings.push(
+                "Megatron's pipeline parallelism is measured for its 1F1B schedule as single \
+                 ranks (first, middle and last) of a fake process group (bench/megatron-pp): \
+                 NCCL's point-to-point communicators between stages are not measured"
                     .to_string(),
             );
         }

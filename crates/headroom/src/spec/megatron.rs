@@ -24,7 +24,10 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
 /// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
 /// name above it.
 const UNMODELLED_SIZES: &[(&str, &str)] = &[
-    ("pipeline_model_parallel_size", "pipeline parallelism"),
+    (
+        "pipeline_model_parallel_size",
+        "pipeline parallelism: set parallel.pp",
+    ),
     ("context_parallel_size", "context parallelism"),
     ("expert_model_parallel_size", "expert parallelism"),
 ];

@@ -1,0 +1,181 @@
+//! Megatron-core pipeline parallelism (`parallel.framework: megatron` with `pp > 1`:
+//! `forward_backward_pipelining_without_interleaving` over stages of GPTModel with Megatron's
+//! DDP, distributed optimizer, tensor parallelism and recomputation) against bench/megatron-pp:
+//! first, middle and last ranks of pipelines of 2 and 4 under torch's fake process group on
+//! one H100; how the schedule bounds what a stage holds; and what the spec refuses by name.
+
+use headroom::gpu;
+use headroom::spec::RunSpec;
+use serde_json::{Value, json};
+
+use crate::common::{self, rel};
+
+/// The load, schedule and optimizer peaks of every step of every row's rank within 1%, its
+/// reserved peak within 8% (the accuracy gate).
+#[test]
+fn every_phase_of_every_megatron_pipeline_rank() {
+    let mut checked = 0;
+    for row in common::jsonl(&[include_str!(
+        "../../../../bench/megatron-pp/rows-h100-torch2.11.jsonl"
+    )]) {
+        let id = row["id"].as_str().expect("id");
+        let spec = RunSpec::from_value(&row["spec"]).expect(id);
+        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
+        let measured = &row["measured"]["ranks"][0];
+        let rank = measured["rank"].as_u64().expect("rank");
+        let est = headroom::estimate::estimate_rank(&spec, None, &gpu, rank).expect(id);
+        assert_eq!(est.worst_rank, rank, "{id}: the rank asked for");
+        let load = est.phases.iter().find(|p| p.step == 0).expect("load");
+        let measured_load = measured["load"]["peak_allocated"].as_u64().expect("load");
+        assert!(
+            rel(load.peak_allocated, measured_load).abs() < 0.001,
+            "{id} load"
+        );
+        for step in 1..=3u32 {
+            for (key, name) in [("step_peak", "schedule"), ("opt_peak", "optimizer")] {
+                let measured = measured["steps"][step as usize - 1][key]
+                    .as_u64()
+                    .expect(key);
+                let e = est
+                    .phases
+                    .iter()
+                    .find(|p| p.step == step && p.phase == name)
+                    .expect("phase");
+                let err = rel(e.peak_allocated, measured);
+                assert!(err.abs() < 0.01, "{id} step {step} {name}: {err:+.5}");
+                checked += 1;
+            }
+        }
+        let reserved = rel(
+            est.peak_reserved_bytes,
+            measured["peak_reserved_bytes"].as_u64().expect("reserved"),
+        );
+        assert!(reserved.abs() < 0.08, "{id}: reserved {reserved:+.4}");
+    }
+    assert_eq!(checked, 9 * 6, "every phase of the nine rows");
+}
+
+fn spec(layers: u64, batch: u64, parallel: Value, megatron: Value) -> Value {
+    json!({
+        "model": "llama-3.1-8b",
+        "model_config": common::llama_3_1_8b_widths(layers),
+        "precision": "bf16",
+        "optimizer": "adamw",
+        "batch_size": batch,
+        "seq_len": 2048,
+        "parallel": parallel,
+        "megatron": megatron,
+    })
+}
+
+fn pipeline(world: u64, tp: u64, pp: u64, microbatches: u64) -> Value {
+    json!({"strategy": "ddp", "world_size": world, "tp": tp, "framework": "megatron", "pp": pp,
+        "microbatches": microbatches})
+}
+
+fn estimate(layers: u64, batch: u64, parallel: Value) -> headroom::estimate::Estimate {
+    let spec = RunSpec::from_value(&spec(layers, batch, parallel, json!({}))).expect("valid");
+    headroom::estimate::estimate(&spec, None, &gpu::find("h100-80gb").expect("gpu"))
+        .expect("estimate")
+}
+
+fn stage_peak(est: &headroom::estimate::Estimate, stage: u64) -> u64 {
+    est.stages
+        .iter()
+        .find(|s| s.stage == stage)
+        .expect("stage")
+        .peak_allocated
+}
+
+/// 1F1B holds at most `pp - r` micro-batches on rank `r`: past `pp` micro-batches the first
+/// stage needs no more, below it less; the last stage runs each micro-batch's backward right
+/// after its forward, so it needs the same whatever their number.
+#[test]
+fn one_f_one_b_bounds_the_micro_batches_a_stage_holds() {
+    let two = estimate(8, 2, pipeline(4, 1, 4, 2));
+    let four = estimate(8, 4, pipeline(4, 1, 4, 4));
+    let eight = estimate(8, 8, pipeline(4, 1, 4, 8));
+    assert_eq!(stage_peak(&four, 0), stage_peak(&eight, 0), "first stage");
+    assert!(
+        stage_peak(&two, 0) < stage_peak(&four, 0),
+        "2 < pp micro-batches"
+    );
+    for est in [&two, &four] {
+        assert_eq!(stage_peak(est, 3), stage_peak(&eight, 3), "last stage");
+    }
+    // Each rank's stage, with the worst named by its first global rank.
+    assert_eq!(eight.stages.len(), 4);
+    assert_eq!(eight.worst_rank, 0, "the first stage holds the most");
+}
+
+/// The example's 64 H100s: 4 stages of 20 layers over 16 ranks each (tp 8 × dp 2), the first
+/// stage the worst.
+#[test]
+fn the_70b_example_lists_its_four_stages() {
+    let yaml = include_str!("../../../../examples/llama-3.1-70b-megatron-tp8-pp4-64xh100.yaml");
+    let spec = RunSpec::from_str_at(yaml, std::path::Path::new("example.yaml")).expect("example");
+    let est = headroom::estimate::estimate(&spec, None, &gpu::find("h100-80gb").expect("gpu"))
+        .expect("estimate");
+    assert_eq!(est.stages.len(), 4);
+    let peaks: Vec<u64> = (0..4).map(|s| stage_peak(&est, s)).collect();
+    assert!(peaks.windows(2).all(|w| w[0] > w[1]), "{peaks:?}");
+    assert_eq!(est.worst_rank, 0);
+    assert!(est.fits(), "the layout fits an H100");
+}
+
+/// What Megatron's pipeline cannot run, or what is not modelled, is refused naming the field,
+/// the value and what is allowed; what it runs and torch's schedule refuses is accepted.
+#[test]
+fn megatron_pipelines_are_checked_by_name() {
+    let check = |layers: u64, parallel: Value| {
+        RunSpec::from_value(&spec(layers, 4, parallel, json!({})))
+            .and_then(|s| s.architecture(None, "").map(|_| s))
+    };
+    let refused = |layers: u64, parallel: Value, words: &[&str]| {
+        let err = check(layers, parallel.clone())
+            .expect_err(&parallel.to_string())
+            .to_string();
+        for w in words {
+            assert!(err.contains(w), "{parallel}: {err}");
+        }
+    };
+    refused(
+        8,
+        json!({"strategy": "ddp", "world_size": 4, "framework": "megatron", "pp": 2, "vpp": 2,
+            "schedule": "interleaved-1f1b", "microbatches": 4}),
+        &["interleaved-1f1b", "1f1b"],
+    );
+    refused(
+        8,
+        json!({"strategy": "ddp", "world_size": 4, "framework": "megatron", "pp": 2,
+            "schedule": "gpipe", "microbatches": 4}),
+        &["gpipe"],
+    );
+    refused(6, pipeline(4, 1, 4, 4), &["parallel.pp", "4", "divides"]);
+    refused(
+        9,
+        json!({"strategy": "ddp", "world_size": 4, "framework": "megatron", "pp": 4,
+            "microbatches": 4, "layers_per_stage": [2, 3, 2, 2]}),
+        &["parallel.layers_per_stage", "[2, 3, 2, 2]", "middle"],
+    );
+    refused(
+        8,
+        json!({"strategy": "fsdp", "world_size": 4, "framework": "megatron", "pp": 2}),
+        &["parallel.strategy", "fsdp"],
+    );
+    // Megatron's 1F1B runs fewer micro-batches than stages; torch's Schedule1F1B does not.
+    assert!(check(8, pipeline(4, 1, 4, 2)).is_ok());
+    assert!(
+        check(
+            9,
+            json!({"strategy": "ddp", "world_size": 4, "framework": "megatron", "pp": 4,
+            "microbatches": 4, "layers_per_stage": [1, 3, 3, 2]})
+        )
+        .is_ok()
+    );
+    refused(
+        8,
+        json!({"strategy": "none", "world_size": 4, "pp": 4, "microbatches": 2}),
+        &["parallel.microbatches", "Schedule1F1B"],
+    );
+}

@@ -61,6 +61,18 @@ class MegatronSpecTest(unittest.TestCase):
             specmod.parse(raw(parallel={"strategy": "fsdp", "world_size": 8, "tp": 2, "framework": "megatron"}))
         self.assertIn("parallel.strategy", str(err.exception))
 
+    def test_a_pipeline_composes_with_megatrons_ddp_and_round_trips(self):
+        par = {"strategy": "ddp", "world_size": 16, "tp": 2, "framework": "megatron", "pp": 4, "microbatches": 2,
+               "layers_per_stage": [1, 2, 2, 3]}  # fmt: skip
+        spec = specmod.parse(raw(parallel=par))
+        # The data-parallel group: world_size / (tp x pp); fewer micro-batches than stages run in Megatron's 1F1B.
+        self.assertEqual((spec.parallel.pp, spec.parallel.microbatches, spec.parallel.shard_size), (4, 2, 2))
+        out = spec.parallel.to_json()
+        self.assertEqual(specmod.parse(raw(parallel=out)).parallel.to_json(), out)
+        with self.assertRaises(specmod.SpecError) as err:
+            specmod.parse(raw(parallel={**par, "schedule": "interleaved-1f1b", "vpp": 2}))
+        self.assertIn("parallel.schedule", str(err.exception))
+
 
 if __name__ == "__main__":
     unittest.main()

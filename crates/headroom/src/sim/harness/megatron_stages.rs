@@ -18,7 +18,10 @@
 //!   one-element tensor once sent, its `grad_fn` keeping the graph;
 //! - the locals (`input_tensor`, `output_tensor`, `output_tensor_grad`, `input_tensor_grad`)
 //!   hold their tensor until rebound, so a received tensor is made before the previous one
-//!   goes; the last input gradient goes when the schedule returns.
+//!   goes; the last input gradient goes when the schedule returns;
+//! - `set_input_tensor` keeps each forward's input as `TransformerBlock.input_tensor` until
+//!   the next forward's: the last micro-batch's input, with the gradient its backward
+//!   accumulated into it, lives through `optimizer.step()` into the next step.
 //!
 //! Parameter gradients go into the fp32 `main_grad` buffer through the DDP hook at every
 //! micro-batch's backward; `finalize_model_grads` reduces in place.
@@ -53,15 +56,15 @@ struct Received {
     leaf: ParamId,
 }
 
-/// The schedule's lists and locals (see the module doc).
+/// The schedule's lists and locals (see the module doc). Each holds its own reference to a
+/// received tensor, let go with [`let_go`].
 #[derive(Default)]
 struct Schedule {
     /// `input_tensors`, `output_tensors`: per micro-batch in flight, its input (none on the
     /// first stage) and its (deallocated) output with the one-element tensor now its data.
     in_flight: Vec<(Option<Received>, T, T)>,
-    /// `input_tensor`: received but not yet run (`in_list` false), or run and in the list.
+    /// `input_tensor`.
     input: Option<Received>,
-    input_in_list: bool,
     /// `output_tensor`: this forward's output, or the popped one with its stand-in data.
     output: Option<(T, Option<T>)>,
     output_grad: Option<T>,
@@ -106,6 +109,8 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     let loss_mask = t.empty(batch.n(), DType::F32, "loss_mask");
     t.component = outer;
     let steps = one_f_one_b(pp, microbatches, pp_rank);
+    // `TransformerBlock.input_tensor`, across steps.
+    let mut block_input: Option<Received> = None;
     // Megatron's optimizer wraps its own; this one is never stepped.
     let mut unused = OptimizerState::new(Optimizer::None);
     for step in 1..=STEPS {
@@ -113,15 +118,13 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
             break;
         }
         t.mem.begin_measured_phase("schedule", step);
-        run_schedule(
-            &mut t,
-            &model,
-            &steps,
+        let schedule = Run {
+            model: &model,
             part,
-            (ids, loss_mask),
             batch,
             received,
-        );
+        };
+        schedule.run(&mut t, &steps, (ids, loss_mask), &mut block_input);
         phases.push(t.mem.phase_peak());
         if t.mem.stopped() {
             break;
@@ -131,6 +134,9 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
         phases.push(t.mem.phase_peak());
     }
     t.drop_all(&[ids, positions, loss_mask]);
+    if let Some(r) = block_input {
+        let_go(&mut t, r);
+    }
     let params: u64 = arch.parameters(spec.head()).iter().map(Param::numel).sum();
     let mut sim = Simulation::of_process(t, (params, params), weights_loaded, 0, phases);
     sim.stages = vec![StagePeak {
@@ -142,137 +148,168 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     sim
 }
 
-/// One `forward_backward_pipelining_without_interleaving` call: `steps` in order, the inputs
-/// `(ids, loss_mask)` of every micro-batch; parameters from `received` on are received tensors.
-fn run_schedule(
-    t: &mut Tracer,
-    model: &GptModel,
-    steps: &[Step],
+/// What one `forward_backward_pipelining_without_interleaving` call runs on: the stage, its
+/// micro-batch, and the first parameter id of the received tensors' leaves.
+struct Run<'a> {
+    model: &'a GptModel,
     part: StagePart,
-    (ids, loss_mask): (T, T),
     batch: Batch,
     received: ParamId,
-) {
-    let activation = batch.n() * model.widths.hidden;
-    let total_tokens = t.empty_as(1, DType::I32, Component::Inputs, "total_num_tokens");
-    let mut s = Schedule::default();
-    for &step in steps {
-        if t.mem.stopped() {
-            break;
-        }
-        match step {
-            Step::RecvForward => {
-                let next = (!part.pre_process).then(|| {
-                    let outer = std::mem::replace(&mut t.component, Component::Communication);
-                    let tensor = t.empty(activation, DType::BF16, "recv_forward (torch.empty)");
-                    t.component = outer;
-                    let leaf = t.make_input_leaf(tensor);
-                    Received { tensor, leaf }
-                });
-                release_input(t, &mut s);
-                s.input = next;
-                s.input_in_list = false;
-            }
-            Step::Forward(_) => {
-                let input = match s.input {
-                    Some(r) => StageInput::Hidden(r.tensor),
-                    None => StageInput::Ids(ids),
-                };
-                let mut output = model.forward_stage(t, input, batch);
-                if part.post_process {
-                    output = loss_func(t, output, loss_mask);
-                }
-                if let Some((previous, stand_in)) = s.output.take() {
-                    t.drop(previous);
-                    if let Some(stand_in) = stand_in {
-                        t.drop(stand_in);
-                    }
-                }
-                s.output = Some((output, None));
-            }
-            Step::RecvBackward => {
-                let next = (!part.post_process).then(|| {
-                    let outer = std::mem::replace(&mut t.component, Component::Communication);
-                    let grad = t.empty(activation, DType::BF16, "recv_backward (torch.empty)");
-                    t.component = outer;
-                    grad
-                });
-                if let Some(previous) = std::mem::replace(&mut s.output_grad, next) {
-                    t.drop(previous);
-                }
-            }
-            Step::Deallocate => {
-                let (output, _) = s.output.expect("a forward ran");
-                let input = s.input.map(|r| {
-                    t.share(r.tensor);
-                    r
-                });
-                s.input_in_list = true;
-                // `out.data = torch.empty((1,))`: the storage goes unless something else holds it.
-                let stand_in = t.empty(1, t.dtype(output), "deallocated output (torch.empty(1))");
-                if t.tensor_refs(output) == 1 {
-                    t.free_storage(output);
-                }
-                let kept = t.share(output);
-                s.in_flight.push((input, kept, stand_in));
-                s.output = Some((output, None));
-            }
-            Step::Pop => {
-                let (input, output, stand_in) = s.in_flight.remove(0);
-                release_input(t, &mut s);
-                // The list's reference becomes the local's.
-                s.input = input;
-                s.input_in_list = false;
-                if let Some((previous, previous_stand_in)) =
-                    s.output.replace((output, Some(stand_in)))
-                {
-                    t.drop(previous);
-                    if let Some(p) = previous_stand_in {
-                        t.drop(p);
-                    }
-                }
-            }
-            Step::Backward(_) => {
-                let (output, _) = s.output.expect("popped");
-                let mut hooks = Hooks {
-                    model,
-                    batch,
-                    received,
-                };
-                t.backward_graph(output, s.output_grad, &mut hooks);
-                let grad = s.input.and_then(|r| t.take_grad(r.leaf));
-                if let Some(previous) = std::mem::replace(&mut s.input_grad, grad) {
-                    t.drop(previous);
-                }
-            }
-            Step::DropInput => release_input(t, &mut s),
-        }
-    }
-    // The schedule returns: its locals go.
-    release_input(t, &mut s);
-    if let Some((output, stand_in)) = s.output.take() {
-        t.drop(output);
-        if let Some(stand_in) = stand_in {
-            t.drop(stand_in);
-        }
-    }
-    for held in [s.output_grad.take(), s.input_grad.take()]
-        .into_iter()
-        .flatten()
-    {
-        t.drop(held);
-    }
-    t.drop(total_tokens);
-    t.free_graph();
 }
 
-/// The local `input_tensor` is rebound: its tensor goes, with its leaf, unless the list still
-/// holds it.
-fn release_input(t: &mut Tracer, s: &mut Schedule) {
-    if let Some(r) = s.input.take() {
-        t.drop(r.tensor);
-        if !s.input_in_list {
-            t.release_input_leaf(r.leaf);
+impl Run<'_> {
+    /// One call: `steps` in order over the inputs `(ids, loss_mask)` of every micro-batch;
+    /// `block_input` is the stage's `TransformerBlock.input_tensor`.
+    fn run(
+        &self,
+        t: &mut Tracer,
+        steps: &[Step],
+        (ids, loss_mask): (T, T),
+        block_input: &mut Option<Received>,
+    ) {
+        let Run {
+            model,
+            part,
+            batch,
+            received,
+        } = *self;
+        let activation = batch.n() * model.widths.hidden;
+        let total_tokens = t.empty_as(1, DType::I32, Component::Inputs, "total_num_tokens");
+        let mut s = Schedule::default();
+        for &step in steps {
+            if t.mem.stopped() {
+                break;
+            }
+            match step {
+                Step::RecvForward => {
+                    let next = (!part.pre_process).then(|| {
+                        let outer = std::mem::replace(&mut t.component, Component::Communication);
+                        let tensor = t.empty(activation, DType::BF16, "recv_forward (torch.empty)");
+                        t.component = outer;
+                        let leaf = t.make_input_leaf(tensor);
+                        Received { tensor, leaf }
+                    });
+                    if let Some(previous) = std::mem::replace(&mut s.input, next) {
+                        let_go(t, previous);
+                    }
+                }
+                Step::Forward(_) => {
+                    // `set_input_tensor(input_tensor)`, then the forward.
+                    let held = s.input.map(|r| {
+                        t.share(r.tensor);
+                        r
+                    });
+                    if let Some(previous) = std::mem::replace(block_input, held) {
+                        let_go(t, previous);
+                    }
+                    let input = match s.input {
+                        Some(r) => StageInput::Hidden(r.tensor),
+                        None => StageInput::Ids(ids),
+                    };
+                    let mut output = model.forward_stage(t, input, batch);
+                    if part.post_process {
+                        output = loss_func(t, output, loss_mask);
+                    }
+                    if let Some((previous, stand_in)) = s.output.take() {
+                        t.drop(previous);
+                        if let Some(stand_in) = stand_in {
+                            t.drop(stand_in);
+                        }
+                    }
+                    s.output = Some((output, None));
+                }
+                Step::RecvBackward => {
+                    let next = (!part.post_process).then(|| {
+                        let outer = std::mem::replace(&mut t.component, Component::Communication);
+                        let grad = t.empty(activation, DType::BF16, "recv_backward (torch.empty)");
+                        t.component = outer;
+                        grad
+                    });
+                    if let Some(previous) = std::mem::replace(&mut s.output_grad, next) {
+                        t.drop(previous);
+                    }
+                }
+                Step::Deallocate => {
+                    let (output, _) = s.output.expect("a forward ran");
+                    let input = s.input.map(|r| {
+                        t.share(r.tensor);
+                        r
+                    });
+                    // `out.data = torch.empty((1,))`: the storage goes unless something else
+                    // holds it.
+                    let stand_in =
+                        t.empty(1, t.dtype(output), "deallocated output (torch.empty(1))");
+                    if t.tensor_refs(output) == 1 {
+                        t.free_storage(output);
+                    }
+                    let kept = t.share(output);
+                    s.in_flight.push((input, kept, stand_in));
+                }
+                Step::Pop => {
+                    let (input, output, stand_in) = s.in_flight.remove(0);
+                    // The list's reference becomes the local's.
+                    if let Some(previous) = std::mem::replace(&mut s.input, input) {
+                        let_go(t, previous);
+                    }
+                    if let Some((previous, previous_stand_in)) =
+                        s.output.replace((output, Some(stand_in)))
+                    {
+                        t.drop(previous);
+                        if let Some(p) = previous_stand_in {
+                            t.drop(p);
+                        }
+                    }
+                }
+                Step::Backward(_) => {
+                    let (output, _) = s.output.expect("popped");
+                    let mut hooks = Hooks {
+                        model,
+                        batch,
+                        received,
+                    };
+                    t.backward_graph(output, s.output_grad, &mut hooks);
+                    // `input_tensor.grad`, which the input keeps too.
+                    let grad = s
+                        .input
+                        .and_then(|r| t.params[r.leaf].grad)
+                        .map(|g| t.share(g));
+                    if let Some(previous) = std::mem::replace(&mut s.input_grad, grad) {
+                        t.drop(previous);
+                    }
+                }
+                Step::DropInput => {
+                    if let Some(previous) = s.input.take() {
+                        let_go(t, previous);
+                    }
+                }
+            }
         }
+        // The schedule returns: its locals go.
+        if let Some(r) = s.input.take() {
+            let_go(t, r);
+        }
+        if let Some((output, stand_in)) = s.output.take() {
+            t.drop(output);
+            if let Some(stand_in) = stand_in {
+                t.drop(stand_in);
+            }
+        }
+        for held in [s.output_grad.take(), s.input_grad.take()]
+            .into_iter()
+            .flatten()
+        {
+            t.drop(held);
+        }
+        t.drop(total_tokens);
+        t.free_graph();
+    }
+}
+
+/// One holder of a received tensor lets it go; with the last, the tensor and the gradient
+/// accumulated into it are freed.
+fn let_go(t: &mut Tracer, r: Received) {
+    t.drop(r.tensor);
+    if t.tensor_refs(r.tensor) == 1 {
+        t.release_input_leaf(r.leaf);
     }
 }

@@ -13,7 +13,7 @@ use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::OnOom;
 use crate::sim::engine::tracer::{BackwardHooks, Bwd, ParamId, T, Tracer};
 use crate::sim::model::Batch;
-use crate::sim::model::megatron::GptModel;
+use crate::sim::model::megatron::{GptModel, StagePart};
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::Strategy;
 use crate::sim::strategy::megatron::MegatronDdp;
@@ -50,36 +50,19 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
     if options.after_oom == AfterOom::StopUnlessUnlimited {
         t.mem.on_oom(OnOom::StopUnlessUnlimited);
     }
-    let parallel = spec
-        .parallel
-        .as_ref()
-        .expect("framework megatron comes with a parallel block");
-    let tp = parallel.tensor.tp;
-    let dp = parallel.world_size / tp;
-    let megatron = spec.megatron.unwrap_or_default();
-    // torch.zeros(1, device="cuda") after init_process_group.
-    let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
-    t.drop(zero);
-    let model = GptModel::build(&mut t, arch, tp, megatron);
-    let ddp = MegatronDdp::wrap(
-        &mut t,
-        &model.params,
-        &model.vectors,
-        dp,
-        megatron.distributed_optimizer,
-    );
-    *model.strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));
+    let whole = StagePart {
+        layers: arch.layers,
+        pre_process: true,
+        post_process: true,
+    };
+    let model = load(&mut t, spec, arch, whole);
     let weights_loaded = t.mem.allocated();
     let mut phases = vec![t.mem.phase_peak()];
     let batch = Batch {
         b: spec.batch_size,
         s: spec.seq_len,
     };
-    let outer = std::mem::replace(&mut t.component, Component::Inputs);
-    let ids = t.empty(batch.n(), DType::I64, "input_ids");
-    let positions = t.empty(batch.s, DType::I64, "position_ids (arange)");
-    let loss_mask = t.empty(batch.n(), DType::F32, "loss_mask");
-    t.component = outer;
+    let [ids, positions, loss_mask] = inputs(&mut t, batch);
     // Megatron's optimizer wraps its own; this one is never stepped.
     let mut unused = OptimizerState::new(Optimizer::None);
     for step in 1..=STEPS {
@@ -114,6 +97,46 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
     // Every parameter trains; a tensor-parallel weight counts its global size.
     let params: u64 = arch.parameters(spec.head()).iter().map(Param::numel).sum();
     Simulation::of_process(t, (params, params), weights_loaded, 0, phases)
+}
+
+/// `torch.zeros(1)` after `init_process_group`, then the model (the stage `part` of it) with
+/// its DDP gradient buffer and optimizer over the `world_size / (tp × pp)` data-parallel ranks.
+pub(super) fn load(
+    t: &mut Tracer,
+    spec: &RunSpec,
+    arch: &Architecture,
+    part: StagePart,
+) -> GptModel {
+    let parallel = spec
+        .parallel
+        .as_ref()
+        .expect("framework megatron comes with a parallel block");
+    let tp = parallel.tensor.tp;
+    let dp = parallel.world_size / (tp * parallel.pipeline.pp);
+    let megatron = spec.megatron.unwrap_or_default();
+    let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
+    t.drop(zero);
+    let model = GptModel::build_stage(t, arch, tp, megatron, part);
+    let ddp = MegatronDdp::wrap(
+        t,
+        &model.params,
+        &model.vectors,
+        dp,
+        megatron.distributed_optimizer,
+    );
+    *model.strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));
+    model
+}
+
+/// The harness's inputs of one (micro-)batch, made once: `input_ids`, `position_ids`,
+/// `loss_mask`.
+pub(super) fn inputs(t: &mut Tracer, batch: Batch) -> [T; 3] {
+    let outer = std::mem::replace(&mut t.component, Component::Inputs);
+    let ids = t.empty(batch.n(), DType::I64, "input_ids");
+    let positions = t.empty(batch.s, DType::I64, "position_ids (arange)");
+    let loss_mask = t.empty(batch.n(), DType::F32, "loss_mask");
+    t.component = outer;
+    [ids, positions, loss_mask]
 }
 
 /// The forward and pretrain_gpt's `loss_func`.

@@ -26,7 +26,7 @@
 //! Parameter gradients go into the fp32 `main_grad` buffer through the DDP hook at every
 //! micro-batch's backward; `finalize_model_grads` reduces in place.
 
-use super::megatron::{Hooks, loss_func};
+use super::megatron::{Hooks, inputs, load, loss_func};
 use super::simulation::{Options, STEPS, Simulation, StagePeak};
 use super::stages::worst_rank;
 use crate::arch::{Architecture, Param};
@@ -36,8 +36,6 @@ use crate::sim::engine::tracer::{ParamId, T, Tracer};
 use crate::sim::model::Batch;
 use crate::sim::model::megatron::{GptModel, StageInput, StagePart};
 use crate::sim::optim::OptimizerState;
-use crate::sim::strategy::Strategy;
-use crate::sim::strategy::megatron::MegatronDdp;
 use crate::sim::strategy::megatron_pp::{Step, one_f_one_b};
 use crate::spec::{Optimizer, RunSpec};
 
@@ -76,9 +74,6 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     let parallel = spec.parallel.as_ref().expect("a pipeline-parallel spec");
     let pipeline = &parallel.pipeline;
     let (pp, microbatches) = (pipeline.pp, pipeline.microbatches);
-    let tp = parallel.tensor.tp;
-    let dp = parallel.world_size / (tp * pp);
-    let megatron = spec.megatron.unwrap_or_default();
     let part = StagePart {
         layers: pipeline.stage_layers(arch.layers)[pp_rank as usize],
         pre_process: pp_rank == 0,
@@ -88,26 +83,11 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
         b: spec.batch_size / microbatches,
         s: spec.seq_len,
     };
-    // torch.zeros(1, device="cuda") after init_process_group.
-    let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
-    t.drop(zero);
-    let model = GptModel::build_stage(&mut t, arch, tp, megatron, part);
-    let ddp = MegatronDdp::wrap(
-        &mut t,
-        &model.params,
-        &model.vectors,
-        dp,
-        megatron.distributed_optimizer,
-    );
-    *model.strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));
+    let model = load(&mut t, spec, arch, part);
     let weights_loaded = t.mem.allocated();
     let received = t.params.len();
     let mut phases = vec![t.mem.phase_peak()];
-    let outer = std::mem::replace(&mut t.component, Component::Inputs);
-    let ids = t.empty(batch.n(), DType::I64, "input_ids");
-    let positions = t.empty(batch.s, DType::I64, "position_ids (arange)");
-    let loss_mask = t.empty(batch.n(), DType::F32, "loss_mask");
-    t.component = outer;
+    let [ids, positions, loss_mask] = inputs(&mut t, batch);
     let steps = one_f_one_b(pp, microbatches, pp_rank);
     // `TransformerBlock.input_tensor`, across steps.
     let mut block_input: Option<Received> = None;
@@ -195,9 +175,8 @@ impl Run<'_> {
                 }
                 Step::Forward(_) => {
                     // `set_input_tensor(input_tensor)`, then the forward.
-                    let held = s.input.map(|r| {
+                    let held = s.input.inspect(|r| {
                         t.share(r.tensor);
-                        r
                     });
                     if let Some(previous) = std::mem::replace(block_input, held) {
                         let_go(t, previous);
@@ -231,9 +210,8 @@ impl Run<'_> {
                 }
                 Step::Deallocate => {
                     let (output, _) = s.output.expect("a forward ran");
-                    let input = s.input.map(|r| {
+                    let input = s.input.inspect(|r| {
                         t.share(r.tensor);
-                        r
                     });
                     // `out.data = torch.empty((1,))`: the storage goes unless something else
                     // holds it.

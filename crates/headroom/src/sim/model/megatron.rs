@@ -130,17 +130,7 @@ impl GptModel {
     /// weight made in place, in construction order, which is `named_parameters()` order), the
     /// norms fp32 on the host as `torch.nn.RMSNorm` makes them; `model.cuda()` moves those,
     /// then `Float16Module`'s `bfloat16()` casts them.
-    pub(crate) fn build(t: &mut Tracer, arch: &Architecture, tp: u64, megatron: Megatron) -> Self {
-        let whole = StagePart {
-            layers: arch.layers,
-            pre_process: true,
-            post_process: true,
-        };
-        Self::build_stage(t, arch, tp, megatron, whole)
-    }
-
-    /// `GPTModel(..., pre_process, post_process)` of one pipeline stage, built as [`Self::build`]
-    /// builds the whole model.
+    /// A pipeline stage (`pre_process`, `post_process`) holds the part `part` says.
     pub(crate) fn build_stage(
         t: &mut Tracer,
         arch: &Architecture,

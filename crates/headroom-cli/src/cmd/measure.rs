@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 13] = [
+const HARNESS: [(&str, &str); 14] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -75,6 +75,10 @@ const HARNESS: [(&str, &str); 13] = [
     (
         "megatron.py",
         include_str!("../../../../python/headroom_measure/megatron.py"),
+    ),
+    (
+        "megatron_pp.py",
+        include_str!("../../../../python/headroom_measure/megatron_pp.py"),
     ),
 ];
 

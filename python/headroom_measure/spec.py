@@ -532,7 +532,7 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
 
 def _pipeline_parallel(raw: dict, out: Parallel) -> None:
     """`pp`, `vpp`, `microbatches`, `schedule`, `layers_per_stage`: the pipeline mesh dimension (pp.py),
-    measured with strategy none (no data-parallel wrapper)."""
+    measured with strategy none (no data-parallel wrapper) or fsdp (FSDP2 over world_size / pp)."""
 
     def positive(key: str, default: int) -> int:
         value = raw.get(key, default)
@@ -548,13 +548,20 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
         return
     if out.world_size % pp:
         raise SpecError(f"`parallel.pp`: {pp} must divide world_size ({out.world_size})")
-    if out.strategy != "none":
-        raise SpecError(f"`parallel.pp`: {pp} is measured with strategy none only, not {out.strategy}")
+    if out.strategy not in ("none", "fsdp"):
+        raise SpecError(
+            f"`parallel.pp`: {pp} is measured with strategy none (world_size = pp) or fsdp (FSDP2 over "
+            f"world_size / pp), not {out.strategy}"
+        )
+    if raw.get("tp", 1) != 1 or raw.get("cp", 1) != 1:
+        raise SpecError("`parallel.tp`/`parallel.cp`: not measured inside a pipeline; leave them out with pp >= 2")
+    if out.strategy == "none" and out.world_size != pp:
+        raise SpecError(f"`parallel.world_size`: {out.world_size} must equal pp ({pp}) with strategy none")
     schedule = raw.get("schedule", "1f1b")
     if schedule not in PP_SCHEDULES:
         raise SpecError(f"`parallel.schedule`: {schedule!r} is not allowed; use one of {', '.join(PP_SCHEDULES)}")
     out.pp, out.schedule = pp, schedule
-    out.shard_size = out.world_size // pp  # no data-parallel dimension to shard over
+    out.shard_size = out.world_size // pp  # FSDP2 shards over the data-parallel dimension (1: none)
     out.vpp = positive("vpp", 2 if schedule == "interleaved-1f1b" else 1)
     out.microbatches = positive("microbatches", pp)
     if schedule == "1f1b" and out.microbatches < pp:

@@ -21,10 +21,19 @@
 //!   `ScheduleGPipe` until the next backward starts, `ScheduleInterleaved1F1B` sends it at once;
 //! - parameter gradients accumulate over the micro-batches (`scale_grads` divides them in
 //!   place at the end).
+//!
+//! With strategy fsdp (torchtitan's PP × FSDP2: a `(pp, dp)` mesh, pp outermost) each stage is
+//! `fully_shard`ed over the data-parallel ranks (`strategy::fsdp::Fsdp` over the stage's own
+//! parameters, `parallel.units` as torchtitan's `apply_fsdp` lays them out), and the schedule
+//! drives it as `stage.py` and `schedules.py` do: gradient sync off before every micro-batch's
+//! backward, the root's final callback after it, `perform_reduce_grad` after the stage's last
+//! backward (at the end of `step()` for the single-stage schedules, right after it for the
+//! interleaved one), and for the interleaved schedule the UNSHARD and RESHARD actions of
+//! `_add_unshard_reshard` ([`unshard_plan`]). The optimizer steps the shards.
 
 use super::instance::{ModelHooks, attention_impl, autocast_dtype, param_dtype};
 use super::simulation::{Options, STEPS, Simulation, StagePeak};
-use crate::arch::{Architecture, Module};
+use crate::arch::{Architecture, Module, Param};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{Keep, Memory, OnOom};
@@ -33,9 +42,12 @@ use crate::sim::model::Batch;
 use crate::sim::model::heads::{for_causal_lm_loss, lm_head};
 use crate::sim::model::transformer::{DecoderInput, Model};
 use crate::sim::optim::OptimizerState;
+use crate::sim::strategy::Strategy;
+use crate::sim::strategy::fsdp::Fsdp;
 use crate::sim::strategy::pp::{Action, rank_order};
-use crate::spec::{PipelineSchedule, RunSpec};
+use crate::spec::{self, PipelineParallel, PipelineSchedule, RunSpec};
 use headroom_alloc::CachingAllocator;
+use std::cell::{RefCell, RefMut};
 
 /// One stage of the rank.
 struct Stage {
@@ -48,6 +60,17 @@ struct Stage {
     /// Per micro-batch: the buffer the next stage's input gradient lands in (every stage but
     /// the last).
     output_grads: Vec<T>,
+}
+
+impl Stage {
+    /// The stage's FSDP2 state, when it is sharded.
+    fn fsdp(&self) -> Option<RefMut<'_, Fsdp>> {
+        RefMut::filter_map(self.model.strategy.borrow_mut(), |s| match s {
+            Strategy::Fsdp(fsdp) => Some(fsdp),
+            _ => None,
+        })
+        .ok()
+    }
 }
 
 /// A micro-batch between its forward and its backward on one stage (`fwd_cache`).
@@ -121,6 +144,11 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     };
     let dtype = param_dtype(spec);
     let autocast = autocast_dtype(spec);
+    let sharded = Some(parallel).filter(|p| p.strategy == spec::Strategy::Fsdp);
+    // Under FSDP2's mixed-precision policy the stages compute, and send, in `param_dtype`.
+    let compute_dtype = sharded
+        .and_then(|p| p.mixed_precision)
+        .map_or(dtype, |m| m.param_dtype);
     // torch.zeros(1, device="cuda"): the context and a first small segment; the tensor dies.
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);
@@ -136,19 +164,33 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
             ..arch.clone()
         };
         let from = t.params.len();
-        let mut model =
-            Model::build_on_meta(&mut t, &stage_arch, head, dtype, &|_| true, attention);
-        // `to_empty`: only the modules the stage kept.
-        for (offset, param) in stage_arch.parameters(head).iter().enumerate() {
-            let kept = param.layer.is_some()
+        let mut model = Model::build_on_meta(
+            &mut t,
+            &stage_arch,
+            head,
+            compute_dtype,
+            &|_| true,
+            attention,
+        );
+        let kept = |param: &Param| {
+            param.layer.is_some()
                 || (first && param.module == Module::Embed)
-                || (last && matches!(param.module, Module::FinalNorm | Module::LmHead));
-            if kept {
-                t.materialize(from + offset);
-                trainable.push(from + offset);
+                || (last && matches!(param.module, Module::FinalNorm | Module::LmHead))
+        };
+        if let Some(parallel) = sharded {
+            let fsdp = Fsdp::shard(&mut t, &stage_arch, head, from, dtype, parallel, &kept);
+            trainable.extend(fsdp.device_shards());
+            model.strategy = RefCell::new(Strategy::Fsdp(fsdp));
+        } else {
+            // `to_empty`: only the modules the stage kept.
+            for (offset, param) in stage_arch.parameters(head).iter().enumerate() {
+                if kept(param) {
+                    t.materialize(from + offset);
+                    trainable.push(from + offset);
+                }
             }
+            t.persistent_buffers(&stage_arch.buffers(), "rotary inv_freq");
         }
-        t.persistent_buffers(&stage_arch.buffers(), "rotary inv_freq");
         model.checkpointing = spec.gradient_checkpointing;
         model.inputs_require_grads = model.checkpointing;
         stages.push(Stage {
@@ -176,13 +218,20 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
         }
         t.mem.begin_measured_phase("schedule", step);
         if step == 1 {
-            initialize(&mut t, &mut stages, microbatches, batch, arch.hidden, dtype);
+            initialize(
+                &mut t,
+                &mut stages,
+                microbatches,
+                batch,
+                arch.hidden,
+                compute_dtype,
+            );
         }
         let losses = run_schedule(
             &mut t,
             &stages,
             &order,
-            pipeline.schedule,
+            pipeline,
             ids,
             batch,
             autocast,
@@ -274,11 +323,12 @@ fn run_schedule(
     t: &mut Tracer,
     stages: &[Stage],
     order: &[Action],
-    schedule: PipelineSchedule,
+    pipeline: &PipelineParallel,
     ids: T,
     batch: Batch,
     autocast: Option<DType>,
 ) -> Vec<T> {
+    let (schedule, microbatches) = (pipeline.schedule, pipeline.microbatches);
     let stage_of = |index: u64| {
         stages
             .iter()
@@ -294,7 +344,28 @@ fn run_schedule(
     let mut sending: Option<T> = None;
     // The last forward's output, as `_step_microbatches`'s local `output` holds it.
     let mut last_output: Option<T> = None;
-    for &action in order {
+    let interleaved = schedule == PipelineSchedule::Interleaved1F1B;
+    let plan = if interleaved {
+        unshard_plan(order)
+    } else {
+        vec![Default::default(); order.len()]
+    };
+    let mut backwards_done = vec![0u64; stages.len()];
+    for (&action, (reshard, unshard)) in order.iter().zip(&plan) {
+        for &stage in reshard {
+            if let Some(mut fsdp) = stage_of(stage).fsdp() {
+                fsdp.reshard_all(t);
+            }
+        }
+        for &stage in unshard {
+            if let Some(mut fsdp) = stage_of(stage).fsdp() {
+                fsdp.unshard_async(t);
+            }
+        }
+        let (Action::Forward { stage, .. } | Action::Backward { stage, .. }) = action;
+        if let Some(mut fsdp) = stage_of(stage).fsdp() {
+            fsdp.wait_unshard(t);
+        }
         match action {
             Action::Forward { stage, microbatch } => {
                 let s = stage_of(stage);
@@ -357,6 +428,11 @@ fn run_schedule(
                     autocast,
                     first_region: done.first_region,
                 };
+                // `backward_maybe_with_nosync`: no reduction, no resharding.
+                if let Some(mut fsdp) = s.fsdp() {
+                    fsdp.set_gradient_sync(false);
+                }
+                s.model.strategy.borrow_mut().backward_begins();
                 match done.loss {
                     Some(loss) => {
                         t.backward_graph(loss, None, &mut hooks);
@@ -367,7 +443,17 @@ fn run_schedule(
                         t.backward_graph(done.output, Some(grad), &mut hooks);
                     }
                 }
+                s.model.strategy.borrow_mut().finish_backward(t);
                 t.drop(done.output);
+                let position = stages.iter().position(|x| x.index == stage).expect("held");
+                backwards_done[position] += 1;
+                // The runtime's REDUCE_GRAD right after the stage's last backward.
+                if interleaved
+                    && backwards_done[position] == microbatches
+                    && let Some(mut fsdp) = s.fsdp()
+                {
+                    fsdp.reduce_grad(t);
+                }
                 if !s.first {
                     let grad = t.take_grad(s.inputs[microbatch as usize].1);
                     let held = match schedule {
@@ -384,10 +470,61 @@ fn run_schedule(
             }
         }
     }
+    for s in stages {
+        if let Some(mut fsdp) = s.fsdp() {
+            if interleaved {
+                // The RESHARDs that close the interleaved schedule.
+                fsdp.reshard_all(t);
+            } else {
+                // The single-stage schedules' `perform_reduce_grad`, before `step()` returns.
+                fsdp.reduce_grad(t);
+            }
+        }
+    }
     for held in sending.into_iter().chain(last_output) {
         t.drop(held);
     }
     t.free_graph();
     t.exit_autocast(outer);
     losses
+}
+
+/// `_add_unshard_reshard(max_active_stages=3)`: before each action, the stages to reshard
+/// (active, and not among the next three distinct stages to compute) and then to unshard
+/// (among them, not yet active), in that order.
+fn unshard_plan(order: &[Action]) -> Vec<(Vec<u64>, Vec<u64>)> {
+    const MAX_ACTIVE_STAGES: usize = 3;
+    let stage = |a: &Action| match *a {
+        Action::Forward { stage, .. } | Action::Backward { stage, .. } => stage,
+    };
+    // A set of small integers iterates in ascending order.
+    let mut active = std::collections::BTreeSet::new();
+    (0..order.len())
+        .map(|i| {
+            let mut next = Vec::new();
+            for a in &order[i..] {
+                if !next.contains(&stage(a)) {
+                    next.push(stage(a));
+                    if next.len() == MAX_ACTIVE_STAGES {
+                        break;
+                    }
+                }
+            }
+            let evict: Vec<u64> = active
+                .iter()
+                .copied()
+                .filter(|s| !next.contains(s))
+                .collect();
+            let fetch: Vec<u64> = next
+                .iter()
+                .copied()
+                .filter(|s| !active.contains(s))
+                .collect();
+            for s in &evict {
+                active.remove(s);
+            }
+            active.extend(fetch.iter().copied());
+            (evict, fetch)
+        })
+        .collect()
 }

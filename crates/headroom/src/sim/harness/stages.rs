@@ -227,15 +227,7 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
                 compute_dtype,
             );
         }
-        let losses = run_schedule(
-            &mut t,
-            &stages,
-            &order,
-            pipeline,
-            ids,
-            batch,
-            autocast,
-        );
+        let losses = run_schedule(&mut t, &stages, &order, pipeline, ids, batch, autocast);
         phases.push(t.mem.phase_peak());
         t.drop_all(&losses);
         if t.mem.stopped() {
@@ -527,4 +519,61 @@ fn unshard_plan(order: &[Action]) -> Vec<(Vec<u64>, Vec<u64>)> {
             (evict, fetch)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stages_of(plan: &[(Vec<u64>, Vec<u64>)]) -> (Vec<u64>, Vec<u64>) {
+        let reshards = plan.iter().flat_map(|p| p.0.clone()).collect();
+        let unshards = plan.iter().flat_map(|p| p.1.clone()).collect();
+        (reshards, unshards)
+    }
+
+    /// Two stages a rank: both unsharded before the first action, in the order they compute,
+    /// and each resharded only once it has no action left.
+    #[test]
+    fn two_stages_are_unsharded_up_front_and_resharded_when_done() {
+        let order = rank_order(PipelineSchedule::Interleaved1F1B, 2, 2, 4, 1);
+        let plan = unshard_plan(&order);
+        assert_eq!(plan[0], (vec![], vec![1, 3]));
+        let (reshards, unshards) = stages_of(&plan[1..]);
+        assert!(unshards.is_empty());
+        for (i, (evict, _)) in plan.iter().enumerate() {
+            for s in evict {
+                let stage = |a: &Action| match *a {
+                    Action::Forward { stage, .. } | Action::Backward { stage, .. } => stage,
+                };
+                assert!(
+                    !order[i..].iter().any(|a| stage(a) == *s),
+                    "{s} resharded early"
+                );
+            }
+        }
+        assert_eq!(reshards, [3], "the stage whose backwards end first");
+    }
+
+    /// Four stages a rank: at most three active, the one computed furthest ahead resharded
+    /// for the next, every stage unsharded before each of its actions.
+    #[test]
+    fn more_stages_than_three_evict_the_furthest() {
+        let order = rank_order(PipelineSchedule::Interleaved1F1B, 2, 4, 4, 0);
+        let plan = unshard_plan(&order);
+        let mut active = std::collections::BTreeSet::new();
+        for (action, (evict, fetch)) in order.iter().zip(&plan) {
+            for s in evict {
+                assert!(active.remove(s), "{s} resharded while not active");
+            }
+            for &s in fetch {
+                assert!(active.insert(s), "{s} unsharded twice");
+            }
+            assert!(active.len() <= 3);
+            let (Action::Forward { stage, .. } | Action::Backward { stage, .. }) = *action;
+            assert!(active.contains(&stage), "{action:?} on a sharded stage");
+        }
+        assert_eq!(plan[0].1, [0, 2, 4], "the first three stages it computes");
+        let (reshards, _) = stages_of(&plan);
+        assert!(!reshards.is_empty(), "a fourth stage makes room");
+    }
 }

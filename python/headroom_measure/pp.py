@@ -21,12 +21,14 @@ How a rank's stages are built (torchtitan's `pipeline_module_split` on an HF mod
      the spec's precision; `scale_grads` (the default) divides the gradients by the micro-batch count.
 
 With strategy fsdp (torchtitan's PP x FSDP2) the world is a `(pp, dp)` device mesh, pp outermost (rank `r` is
-pipeline rank `r // dp`), and each stage is `fully_shard`ed over `mesh["dp"]` before `to_empty` (`_fully_shard_stage`:
+pipeline rank `r // (world_size / pp)`), and each stage is `fully_shard`ed over `mesh["dp"]` before `to_empty` (`_fully_shard_stage`:
 the units torchtitan's `apply_fsdp` makes, then the stage itself as the root); the stage's `PipelineStage` talks over
 `mesh["pp"]`. torch's schedules then drive FSDP2 themselves: no gradient reduction and no resharding after any
 micro-batch's backward, one reduce-scatter per unit when the stage's last backward is done (`perform_reduce_grad`),
 and `ScheduleInterleaved1F1B` unshards its stages before their first forward. Under a `MixedPrecisionPolicy` the
-stage boundary carries `param_dtype` tensors.
+stage boundary carries `param_dtype` tensors. With `tp > 1` the mesh is `(pp, dp, tp)` and each stage gets
+torchtitan's tensor-parallel plan over `mesh["tp"]` first (dist.py's `_parallelize_tp`, without sequence parallelism:
+the stages exchange whole hidden states); the step then runs under `loss_parallel()`.
 
 Under the fake process group every `isend`/`irecv` completes at once and moves nothing: a stage reads
 whatever its receive buffer holds (torch.empty), so the losses mean nothing; memory is as a real rank's,
@@ -111,7 +113,7 @@ def build(spec, cfg, cls, dtype, device, rank: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from .dist import _fully_shard_kwargs, _initialize
+    from .dist import _fully_shard_kwargs, _initialize, _parallelize_tp
 
     par = spec.parallel
     stages = par.pp * par.vpp
@@ -127,11 +129,12 @@ def build(spec, cfg, cls, dtype, device, rank: int):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import OffloadPolicy
 
-        mesh = init_device_mesh(device.type, (par.pp, dp), mesh_dim_names=("pp", "dp"))
+        dp //= par.tp
+        mesh = init_device_mesh(device.type, (par.pp, dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
         fsdp_kwargs = _fully_shard_kwargs(torch, par, mesh["dp"], OffloadPolicy())
         if par.mixed_precision is not None and par.mixed_precision["param_dtype"] == "bf16":
             act_dtype = out_dtype = torch.bfloat16
-    mine = list(range(rank // dp, stages, par.pp))
+    mine = list(range(rank // (par.world_size // par.pp), stages, par.pp))
     chunks, pipe_stages = [], []
     for s in mine:
         first, last = s == 0, s == stages - 1
@@ -145,6 +148,8 @@ def build(spec, cfg, cls, dtype, device, rank: int):
                 y = torch.empty(mb, spec.seq_len, cfg.vocab_size, dtype=out_dtype)
             else:
                 y = torch.empty(mb, spec.seq_len, cfg.hidden_size, dtype=act_dtype)
+        if par.tp > 1:
+            _parallelize_tp(chunk.inner, mesh["tp"], par.sequence_parallel)
         if mesh is not None:
             _fully_shard_stage(chunk, par.units, fsdp_kwargs, first, last)
         chunks.append(chunk)

@@ -527,7 +527,7 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
         raise SpecError("`parallel.offload_params`: CPU offload is not measured with tp > 1; leave it out")
     out.tp, out.sequence_parallel, out.framework = tp, sp, framework
     if tp > 1 or framework == "megatron":
-        out.shard_size = out.world_size // tp
+        out.shard_size = out.world_size // (tp * out.pp)
 
 
 def _pipeline_parallel(raw: dict, out: Parallel) -> None:
@@ -553,8 +553,10 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
             f"`parallel.pp`: {pp} is measured with strategy none (world_size = pp) or fsdp (FSDP2 over "
             f"world_size / pp), not {out.strategy}"
         )
-    if raw.get("tp", 1) != 1 or raw.get("cp", 1) != 1:
-        raise SpecError("`parallel.tp`/`parallel.cp`: not measured inside a pipeline; leave them out with pp >= 2")
+    if raw.get("cp", 1) != 1 or raw.get("sequence_parallel", False):
+        raise SpecError(
+            "`parallel.cp`/`parallel.sequence_parallel`: not measured inside a pipeline; leave them out with pp >= 2"
+        )
     if out.strategy == "none" and out.world_size != pp:
         raise SpecError(f"`parallel.world_size`: {out.world_size} must equal pp ({pp}) with strategy none")
     schedule = raw.get("schedule", "1f1b")

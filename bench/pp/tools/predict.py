@@ -21,8 +21,8 @@ for line in open(specs):
         print(f"{line['id']}: error {out.stderr.strip()}")
         continue
     est = json.loads(out.stdout)
-    # Stages name the first rank of their data-parallel group (the ranks of a stage hold alike).
+    # Stages name the first of their ranks (dp x tp of them, which hold alike).
     par = line["spec"]["parallel"]
-    dp = par["world_size"] // par["pp"]
-    stage = next(s for s in est["stages"] if s["worst_rank"] == line["rank"] // dp * dp)
+    per_stage = par["world_size"] // par["pp"]
+    stage = next(s for s in est["stages"] if s["worst_rank"] == line["rank"] // per_stage * per_stage)
     print(f"{line['id']}: allocated {stage['peak_allocated_bytes']:,} reserved {stage['peak_reserved_bytes']:,}")

@@ -1640,8 +1640,9 @@ fn check_pipeline_parallel(
 }
 
 /// What pipeline parallelism is modelled with: alone, or with FSDP2 over the data-parallel
-/// ranks within each stage (torchtitan's PP × FSDP2). Tensor and context parallelism within the
-/// stages are not modelled (a stage boundary under sequence parallelism sends local shards).
+/// ranks within each stage (torchtitan's PP × FSDP2), and tensor parallelism under it (without
+/// sequence parallelism: `check_sharded_stages`). Context parallelism within the stages is not
+/// modelled.
 fn check_pipeline_layout(
     pipeline: &PipelineParallel,
     strategy: Strategy,
@@ -1652,23 +1653,28 @@ fn check_pipeline_layout(
         return Ok(());
     }
     const SUPPORTED: &str = "pipeline parallelism alone (strategy none, world_size = pp) or with \
-                             FSDP2 over world_size / pp ranks (strategy fsdp)";
+                             FSDP2 over the data-parallel ranks of each stage (strategy fsdp, \
+                             world_size = pp × dp × tp)";
     if !matches!(strategy, Strategy::NoDataParallel | Strategy::Fsdp) {
         return Err(Error::Unsupported {
             what: format!("parallel.pp with parallel.strategy {}", strategy.name()),
             supported: SUPPORTED.into(),
         });
     }
-    for (key, degree) in [("tp", tp), ("cp", cp)] {
-        if degree > 1 {
-            return Err(Error::Unsupported {
-                what: format!("parallel.pp with parallel.{key} {degree}"),
-                supported: format!("{SUPPORTED}, {key} 1"),
-            });
-        }
+    if cp > 1 {
+        return Err(Error::Unsupported {
+            what: format!("parallel.pp with parallel.cp {cp}"),
+            supported: format!("{SUPPORTED}, cp 1"),
+        });
     }
     if strategy == Strategy::Fsdp {
         return Ok(());
+    }
+    if tp > 1 {
+        return Err(Error::Unsupported {
+            what: format!("parallel.pp with parallel.tp {tp} and strategy none"),
+            supported: format!("{SUPPORTED}; tensor parallelism inside a pipeline under fsdp"),
+        });
     }
     if world_size != pipeline.pp {
         return Err(Error::field(
@@ -1842,16 +1848,32 @@ impl Parallel {
     /// The layout checked: ranks within bounds, a shard group that divides them, and FSDP1's
     /// groups of one refused (both where a spec is parsed and where a launch config makes one).
     /// FSDP2 inside a pipeline as it is modelled: each stage sharded over all `world_size /
-    /// pp` data-parallel ranks, on the GPU, with torchtitan's units.
+    /// (pp × tp)` data-parallel ranks, on the GPU, with torchtitan's units; tensor parallelism
+    /// under it with torchtitan's plan, without sequence parallelism (the stage boundary would
+    /// send sequence shards).
     fn check_sharded_stages(&self) -> Result<()> {
-        let dp = self.world_size / self.pipeline.pp;
+        let dp = self.world_size / self.pipeline.pp / self.tensor.tp;
+        if self.tensor.sequence_parallel {
+            return Err(Error::field(
+                "parallel.sequence_parallel",
+                true,
+                "inside a pipeline tensor parallelism is modelled without it (the stages send \
+                 whole hidden states); leave it out with pp >= 2",
+            ));
+        }
+        if self.tensor.framework != Framework::Torchtitan {
+            return Err(Error::Unsupported {
+                what: "parallel.pp with parallel.strategy fsdp and framework megatron".into(),
+                supported: "torchtitan's PP × FSDP2 (framework torchtitan)".into(),
+            });
+        }
         if self.shard_size != dp {
             return Err(Error::field(
                 "parallel.shard_size",
                 self.shard_size,
                 format!(
-                    "inside a pipeline FSDP2 shards each stage over world_size / pp ({dp}) \
-                     ranks; HSDP is not modelled there: leave it out"
+                    "inside a pipeline FSDP2 shards each stage over world_size / (pp × tp) \
+                     ({dp}) ranks; HSDP is not modelled there: leave it out"
                 ),
             ));
         }

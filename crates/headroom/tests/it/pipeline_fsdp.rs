@@ -1,7 +1,7 @@
-//! torchtitan's PP × FSDP2 (each pipeline stage `fully_shard`ed over the data-parallel ranks
-//! and driven by torch 2.11's schedules) against bench/pp's rows of it, how the composition
-//! behaves as the sharding, the policy and the resharding change, and the layouts still
-//! refused.
+//! torchtitan's PP × FSDP2 (each pipeline stage `fully_shard`ed over the data-parallel ranks,
+//! with or without tensor parallelism under it, and driven by torch 2.11's schedules) against
+//! bench/pp's rows of it, how the composition behaves as the sharding, the policy and the
+//! resharding change, and the layouts still refused.
 
 use headroom::estimate::Estimate;
 use headroom::gpu;
@@ -15,9 +15,10 @@ use crate::common::{self, rel};
 /// reserved peak within 1%.
 #[test]
 fn every_phase_of_every_sharded_pipeline_rank() {
-    let rows = common::jsonl(&[include_str!(
-        "../../../../bench/pp/rows-fsdp-h100-torch2.11.jsonl"
-    )]);
+    let rows = common::jsonl(&[
+        include_str!("../../../../bench/pp/rows-fsdp-h100-torch2.11.jsonl"),
+        include_str!("../../../../bench/pp/rows-fsdp-call2-h100-torch2.11.jsonl"),
+    ]);
     let mut checked = 0;
     for row in rows {
         let id = row["id"].as_str().expect("id");
@@ -47,7 +48,7 @@ fn every_phase_of_every_sharded_pipeline_rank() {
         );
         assert!(reserved.abs() < 0.01, "{id}: reserved {reserved:+.4}");
     }
-    assert_eq!(checked, 54, "9 rows of 3 steps of 2 phases");
+    assert_eq!(checked, 78, "13 rows of 3 steps of 2 phases");
 }
 
 /// Llama-3.1-8B's widths cut to 4 layers: stage 0 of 2 holds the embedding and 2 layers.
@@ -98,6 +99,25 @@ fn each_stage_loads_its_shard_of_its_own_parameters() {
             est.weights_loaded_bytes
         );
     }
+}
+
+/// Tensor parallelism under FSDP2 within a stage: the rank shards its tensor-parallel share
+/// (heads, MLP width, vocabulary) over dp, as many bytes as FSDP2 alone over dp × tp would
+/// keep (the norms, replicated over tp, aside).
+#[test]
+fn tensor_parallel_stages_shard_their_share_over_dp() {
+    let loaded = |dp: u64, tp: u64| {
+        let parallel = json!({"strategy": "fsdp", "world_size": 2 * dp * tp, "pp": 2, "tp": tp,
+                              "microbatches": 4, "reshard_after_forward": false});
+        estimate_rank(&spec(parallel, "bf16"), 0).weights_loaded_bytes
+    };
+    let (tensor, data) = (loaded(2, 2), loaded(4, 1));
+    let norms = 2 * 2 * 4096;
+    assert!(
+        tensor >= data && tensor <= data + norms + (2 << 20),
+        "{tensor} {data}"
+    );
+    assert!(tensor < loaded(2, 1) * 6 / 10, "half the dp 2 shards");
 }
 
 /// Gradient sync is off until the stage's last backward: at the peak the rank holds the
@@ -154,9 +174,10 @@ fn layouts_not_modelled_inside_a_pipeline_are_refused() {
         assert!(err.contains(allowed), "{parallel}: {err}");
     };
     refused(
-        json!({"strategy": "fsdp", "world_size": 8, "pp": 2, "tp": 2}),
-        "parallel.tp 2",
-        "strategy fsdp",
+        json!({"strategy": "fsdp", "world_size": 8, "pp": 2, "tp": 2,
+               "sequence_parallel": true}),
+        "parallel.sequence_parallel",
+        "leave it out",
     );
     refused(
         json!({"strategy": "fsdp", "world_size": 8, "pp": 2, "cp": 2}),
@@ -171,7 +192,7 @@ fn layouts_not_modelled_inside_a_pipeline_are_refused() {
     refused(
         json!({"strategy": "fsdp", "world_size": 8, "pp": 2, "shard_size": 2}),
         "parallel.shard_size",
-        "world_size / pp (4)",
+        "world_size / (pp × tp) (4)",
     );
     refused(
         json!({"strategy": "fsdp", "world_size": 8, "pp": 2, "offload_params": true}),

@@ -29,7 +29,10 @@
 //! backward, the root's final callback after it, `perform_reduce_grad` after the stage's last
 //! backward (at the end of `step()` for the single-stage schedules, right after it for the
 //! interleaved one), and for the interleaved schedule the UNSHARD and RESHARD actions of
-//! `_add_unshard_reshard` ([`unshard_plan`]). The optimizer steps the shards.
+//! `_add_unshard_reshard` ([`unshard_plan`]). The optimizer steps the shards. With tensor
+//! parallelism under it (a `(pp, dp, tp)` mesh, without sequence parallelism: stages exchange
+//! whole hidden states) each stage is built over its tensor-parallel share and
+//! `strategy::tp::TensorParallel` wraps its FSDP2, as for a run without a pipeline.
 
 use super::instance::{ModelHooks, attention_impl, autocast_dtype, param_dtype};
 use super::simulation::{Options, STEPS, Simulation, StagePeak};
@@ -45,6 +48,7 @@ use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::Strategy;
 use crate::sim::strategy::fsdp::Fsdp;
 use crate::sim::strategy::pp::{Action, rank_order};
+use crate::sim::strategy::tp::TensorParallel;
 use crate::spec::{self, PipelineParallel, PipelineSchedule, RunSpec};
 use headroom_alloc::CachingAllocator;
 use std::cell::{RefCell, RefMut};
@@ -65,11 +69,7 @@ struct Stage {
 impl Stage {
     /// The stage's FSDP2 state, when it is sharded.
     fn fsdp(&self) -> Option<RefMut<'_, Fsdp>> {
-        RefMut::filter_map(self.model.strategy.borrow_mut(), |s| match s {
-            Strategy::Fsdp(fsdp) => Some(fsdp),
-            _ => None,
-        })
-        .ok()
+        RefMut::filter_map(self.model.strategy.borrow_mut(), Strategy::fsdp_mut).ok()
     }
 }
 
@@ -145,6 +145,7 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     let dtype = param_dtype(spec);
     let autocast = autocast_dtype(spec);
     let sharded = Some(parallel).filter(|p| p.strategy == spec::Strategy::Fsdp);
+    let tp = parallel.tensor.tp;
     // Under FSDP2's mixed-precision policy the stages compute, and send, in `param_dtype`.
     let compute_dtype = sharded
         .and_then(|p| p.mixed_precision)
@@ -159,10 +160,14 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     let mut trainable = Vec::new();
     for index in (pp_rank..stage_count).step_by(pp as usize) {
         let (first, last) = (index == 0, index == stage_count - 1);
-        let stage_arch = Architecture {
+        let mut stage_arch = Architecture {
             layers: split[index as usize],
             ..arch.clone()
         };
+        // A tensor-parallel rank builds its share of every layer (and of the vocabulary).
+        if tp > 1 {
+            stage_arch = stage_arch.tensor_parallel_shard(tp);
+        }
         let from = t.params.len();
         let mut model = Model::build_on_meta(
             &mut t,
@@ -180,7 +185,16 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
         if let Some(parallel) = sharded {
             let fsdp = Fsdp::shard(&mut t, &stage_arch, head, from, dtype, parallel, &kept);
             trainable.extend(fsdp.device_shards());
-            model.strategy = RefCell::new(Strategy::Fsdp(fsdp));
+            let mut strategy = Strategy::Fsdp(fsdp);
+            if tp > 1 {
+                strategy = Strategy::Tensor(Box::new(TensorParallel {
+                    tp,
+                    sequence: false,
+                    sequences: batch.b,
+                    data: strategy,
+                }));
+            }
+            model.strategy = RefCell::new(strategy);
         } else {
             // `to_empty`: only the modules the stage kept.
             for (offset, param) in stage_arch.parameters(head).iter().enumerate() {
@@ -425,6 +439,11 @@ fn run_schedule(
                     fsdp.set_gradient_sync(false);
                 }
                 s.model.strategy.borrow_mut().backward_begins();
+                if !s.last
+                    && let Some(mut fsdp) = s.fsdp()
+                {
+                    fsdp.stage_output_pre_backward(t);
+                }
                 match done.loss {
                     Some(loss) => {
                         t.backward_graph(loss, None, &mut hooks);

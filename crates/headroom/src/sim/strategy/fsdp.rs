@@ -91,14 +91,18 @@ pub(crate) struct Fsdp {
     /// Decoder layers in order, the embedding's and the head's units where the layout has
     /// them, then the root.
     units: Vec<ShardedUnit>,
+    /// How many of the units are decoder layers.
+    layers: usize,
     embedding: Option<usize>,
     head: Option<usize>,
     /// The head's unit holds the tied input embedding too.
     head_holds_embedding: bool,
     /// The last forward all-gather output, kept until the next copy-out.
     all_gather_state: Option<T>,
-    /// A backward prefetch: the unit and its all-gather output, waiting for its copy-out.
-    prefetched: Option<(usize, T)>,
+    /// Backward prefetches (`_all_gather_result`, one a unit): each unit and its all-gather
+    /// output, waiting for its copy-out; a mistargeted one waits until the unit's next
+    /// unshard, or the end of the last backward.
+    prefetched: Vec<(usize, T)>,
     /// The last `reduce_scatter_input`, freed by the next reduce-scatter.
     reduce_scatter_state: Option<T>,
     /// Units in the order their forward finished (`comm_ctx.post_forward_order`), kept over
@@ -209,6 +213,7 @@ impl Fsdp {
         let mp = parallel.mixed_precision;
         Fsdp {
             ranks,
+            layers,
             offload: parallel.offload_params,
             dtype,
             param_dtype: mp.map(|m| m.param_dtype).filter(|&d| d != dtype),
@@ -218,7 +223,7 @@ impl Fsdp {
             head: head_unit,
             head_holds_embedding: tied && head_unit.is_some(),
             all_gather_state: None,
-            prefetched: None,
+            prefetched: Vec::new(),
             reduce_scatter_state: None,
             post_forward_order: Vec::new(),
             gradient_sync: true,
@@ -345,12 +350,9 @@ impl Fsdp {
             self.units[unit].unsharded = true;
             return;
         }
-        let output = match self.prefetched.take() {
-            Some((u, output)) if u == unit => output,
-            other => {
-                self.prefetched = other;
-                self.all_gather(t, unit, ALL_GATHER_COPY_IN_STREAM)
-            }
+        let output = match self.prefetched.iter().position(|p| p.0 == unit) {
+            Some(at) => self.prefetched.remove(at).1,
+            None => self.all_gather(t, unit, ALL_GATHER_COPY_IN_STREAM),
         };
         let outer = std::mem::replace(&mut t.component, Component::Weights);
         for &p in &self.units[unit].params {
@@ -420,11 +422,20 @@ impl Fsdp {
         };
         if let Some(&target) = index.checked_sub(1).map(|i| &self.post_forward_order[i])
             && !self.units[target].unsharded
-            && self.prefetched.is_none()
+            && !self.prefetched.iter().any(|p| p.0 == target)
         {
             let output = self.all_gather(t, target, ALL_GATHER_COPY_IN_STREAM);
-            self.prefetched = Some((target, output));
+            self.prefetched.push((target, output));
         }
+    }
+
+    /// The pre-backward hooks on a pipeline stage's output when it is the last decoder layer's
+    /// (every stage but the last): they run as its gradient arrives, before any of the stage's
+    /// backward, the layer's (registered first) then the root's, which gathers the root's
+    /// parameters for the whole backward where its forward resharded them.
+    pub(crate) fn stage_output_pre_backward(&mut self, t: &mut Tracer) {
+        self.pre_backward(t, (self.layers - 1) as u32);
+        self.pre_backward(t, self.root());
     }
 
     /// Every node of a unit has run: its post-backward hook, unless it waits for the root's
@@ -630,7 +641,7 @@ impl Fsdp {
         if let Some(input) = self.reduce_scatter_state.take() {
             t.drop(input);
         }
-        if let Some((_, output)) = self.prefetched.take() {
+        for (_, output) in std::mem::take(&mut self.prefetched) {
             t.drop(output);
         }
         self.post_forward_order.clear();

@@ -674,7 +674,7 @@ def measure_dist(
         reset()
         if pipeline_step is not None:
             # `schedule.step`: every micro-batch's forward and backward, in the schedule's order.
-            with autocast():
+            with autocast(), loss_context():
                 stage_losses = pipeline_step(ids)
             phase_end(rec, "step_peak")
             value = float(sum(float(v.detach()) for v in stage_losses) / len(stage_losses)) if stage_losses else None

@@ -20,6 +20,16 @@ How a rank's stages are built (torchtitan's `pipeline_module_split` on an HF mod
      `step(ids, target=ids, losses=[], return_outputs=False)` (torchtitan's call) under the autocast of
      the spec's precision; `scale_grads` (the default) divides the gradients by the micro-batch count.
 
+With strategy fsdp (torchtitan's PP x FSDP2) the world is a `(pp, dp)` device mesh, pp outermost (rank `r` is
+pipeline rank `r // (world_size / pp)`), and each stage is `fully_shard`ed over `mesh["dp"]` before `to_empty` (`_fully_shard_stage`:
+the units torchtitan's `apply_fsdp` makes, then the stage itself as the root); the stage's `PipelineStage` talks over
+`mesh["pp"]`. torch's schedules then drive FSDP2 themselves: no gradient reduction and no resharding after any
+micro-batch's backward, one reduce-scatter per unit when the stage's last backward is done (`perform_reduce_grad`),
+and `ScheduleInterleaved1F1B` unshards its stages before their first forward. Under a `MixedPrecisionPolicy` the
+stage boundary carries `param_dtype` tensors. With `tp > 1` the mesh is `(pp, dp, tp)` and each stage gets
+torchtitan's tensor-parallel plan over `mesh["tp"]` first (dist.py's `_parallelize_tp`, without sequence parallelism:
+the stages exchange whole hidden states); the step then runs under `loss_parallel()`.
+
 Under the fake process group every `isend`/`irecv` completes at once and moves nothing: a stage reads
 whatever its receive buffer holds (torch.empty), so the losses mean nothing; memory is as a real rank's,
 the NCCL work objects' hold on sent tensors aside.
@@ -75,12 +85,35 @@ def _stage_module(cls, cfg, attention, dtype, first: bool, last: bool, layers: i
     return Chunk()
 
 
+def _fully_shard_stage(chunk, units: str, kwargs: dict, first: bool, last: bool) -> None:
+    """`fully_shard` a stage as torchtitan's `apply_fsdp` does a model part: each decoder layer, under
+    `units: accelerate` also the input embedding (first stage) and `[final norm, head]` kept gathered (last
+    stage), then the stage itself as the root (the rest of its parameters)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = chunk.inner
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    root_kwargs = dict(kwargs)
+    if units == "accelerate":
+        if first:
+            fully_shard(model.model.embed_tokens, **kwargs)
+        if last:
+            fully_shard([model.model.norm, model.lm_head], **{**kwargs, "reshard_after_forward": False})
+        del root_kwargs["reshard_after_forward"]
+    elif units != "layers":
+        raise SpecError(f"`parallel.units`: {units!r} is not measured inside a pipeline; use layers or accelerate")
+    fully_shard(chunk, **root_kwargs)
+
+
 def build(spec, cfg, cls, dtype, device, rank: int):
     """The rank's stages and a callable running one schedule step; see the module docstring.
     Returns (chunks, step, counts)."""
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from .dist import _fully_shard_kwargs, _initialize, _parallelize_tp
 
     par = spec.parallel
     stages = par.pp * par.vpp
@@ -90,7 +123,18 @@ def build(spec, cfg, cls, dtype, device, rank: int):
     mb = spec.batch_size // par.microbatches
     act_dtype = dtype
     out_dtype = torch.bfloat16 if spec.precision in ("bf16", "amp-bf16") and device.type == "cuda" else dtype
-    mine = list(range(rank % par.pp, stages, par.pp))
+    dp = par.world_size // par.pp
+    mesh = fsdp_kwargs = None
+    if par.strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import OffloadPolicy
+
+        dp //= par.tp
+        mesh = init_device_mesh(device.type, (par.pp, dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
+        fsdp_kwargs = _fully_shard_kwargs(torch, par, mesh["dp"], OffloadPolicy())
+        if par.mixed_precision is not None and par.mixed_precision["param_dtype"] == "bf16":
+            act_dtype = out_dtype = torch.bfloat16
+    mine = list(range(rank // (par.world_size // par.pp), stages, par.pp))
     chunks, pipe_stages = [], []
     for s in mine:
         first, last = s == 0, s == stages - 1
@@ -104,18 +148,18 @@ def build(spec, cfg, cls, dtype, device, rank: int):
                 y = torch.empty(mb, spec.seq_len, cfg.vocab_size, dtype=out_dtype)
             else:
                 y = torch.empty(mb, spec.seq_len, cfg.hidden_size, dtype=act_dtype)
+        if par.tp > 1:
+            _parallelize_tp(chunk.inner, mesh["tp"], par.sequence_parallel)
+        if mesh is not None:
+            _fully_shard_stage(chunk, par.units, fsdp_kwargs, first, last)
         chunks.append(chunk)
         pipe_stages.append((chunk, s, x, y))
     built = []
+    group = mesh["pp"].get_group() if mesh is not None else None
     for chunk, s, x, y in pipe_stages:
         chunk.to_empty(device=device)
-        with torch.no_grad():
-            for p in chunk.parameters():
-                torch.nn.init.normal_(p, std=0.02)
-        old = chunk.inner.model.rotary_emb
-        with torch.device(device):
-            chunk.inner.model.rotary_emb = type(old)(config=chunk.inner.config)
-        built.append(PipelineStage(chunk, s, stages, device, input_args=(x,), output_args=(y,)))
+        _initialize(chunk.inner, device)
+        built.append(PipelineStage(chunk, s, stages, device, input_args=(x,), output_args=(y,), group=group))
     vocab = cfg.vocab_size
 
     def loss_fn(logits, labels):

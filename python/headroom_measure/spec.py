@@ -534,7 +534,7 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
 
 def _pipeline_parallel(raw: dict, out: Parallel) -> None:
     """`pp`, `vpp`, `microbatches`, `schedule`, `layers_per_stage`: the pipeline mesh dimension (pp.py),
-    measured with strategy none (no data-parallel wrapper)."""
+    measured with strategy none (no data-parallel wrapper) or fsdp (FSDP2 over world_size / pp)."""
 
     def positive(key: str, default: int) -> int:
         value = raw.get(key, default)
@@ -551,15 +551,24 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
     if out.world_size % pp:
         raise SpecError(f"`parallel.pp`: {pp} must divide world_size ({out.world_size})")
     megatron = raw.get("framework") == "megatron"
-    if out.strategy != "none" and not megatron:
-        raise SpecError(f"`parallel.pp`: {pp} is measured with strategy none only, not {out.strategy}")
     if megatron and raw.get("schedule", "1f1b") != "1f1b":
         raise SpecError("`parallel.schedule`: framework megatron is measured with its 1f1b schedule only")
+    if not megatron and out.strategy not in ("none", "fsdp"):
+        raise SpecError(
+            f"`parallel.pp`: {pp} is measured with strategy none (world_size = pp) or fsdp (FSDP2 over "
+            f"world_size / pp), not {out.strategy}"
+        )
+    if raw.get("cp", 1) != 1 or raw.get("sequence_parallel", False):
+        raise SpecError(
+            "`parallel.cp`/`parallel.sequence_parallel`: not measured inside a pipeline; leave them out with pp >= 2"
+        )
+    if not megatron and out.strategy == "none" and out.world_size != pp:
+        raise SpecError(f"`parallel.world_size`: {out.world_size} must equal pp ({pp}) with strategy none")
     schedule = raw.get("schedule", "1f1b")
     if schedule not in PP_SCHEDULES:
         raise SpecError(f"`parallel.schedule`: {schedule!r} is not allowed; use one of {', '.join(PP_SCHEDULES)}")
     out.pp, out.schedule = pp, schedule
-    out.shard_size = out.world_size // pp  # no data-parallel dimension to shard over
+    out.shard_size = out.world_size // pp  # FSDP2 shards over the data-parallel dimension (1: none)
     out.vpp = positive("vpp", 2 if schedule == "interleaved-1f1b" else 1)
     out.microbatches = positive("microbatches", pp)
     if schedule == "1f1b" and out.microbatches < pp and not megatron:

@@ -75,12 +75,36 @@ class PipelineHarness(unittest.TestCase):
                 # The row's spec reads back as it was written.
                 self.assertEqual(specmod.parse(row["spec"]).parallel.to_json(), row["spec"]["parallel"])
 
+    def test_fsdp_stages_run_as_the_first_and_the_last_pipeline_rank(self):
+        """PP x FSDP2 (x TP): a (pp, dp[, tp]) mesh, each stage fully_shard-ed over dp; the first and the last
+        rank of the world are the first stage's and the last's (pp outermost)."""
+        for parallel in [
+            {"strategy": "fsdp", "world_size": 4, "pp": 2, "microbatches": 4, "reshard_after_forward": False},
+            {"strategy": "fsdp", "world_size": 4, "pp": 2, "schedule": "interleaved-1f1b", "microbatches": 2,
+             "units": "accelerate", "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}},
+            {"strategy": "fsdp", "world_size": 8, "pp": 2, "tp": 2, "microbatches": 4},
+        ]:  # fmt: skip
+            raw = spec(parallel)
+            if "mixed_precision" in parallel:
+                raw["precision"] = "fp32"
+            last = parallel["world_size"] - 1
+            for rank in (0, last):
+                row = self.run_rank(raw, rank)
+                measured = row["measured"]["ranks"][0]
+                self.assertEqual(len(measured["steps"]), 3)
+                self.assertEqual(all(v is not None for v in measured["losses"][:1]), rank == last, parallel)
+                self.assertEqual(row["measured"]["params"], 4 * 36992 + 2 * 256 * 64 + 64)
+                self.assertEqual(specmod.parse(row["spec"]).parallel.to_json(), row["spec"]["parallel"])
+
 
 class PipelineSpec(unittest.TestCase):
     def test_bad_layouts_name_the_field(self):
         for parallel, field in [
             ({"strategy": "none", "world_size": 3, "pp": 2}, "parallel.pp"),
-            ({"strategy": "fsdp", "world_size": 2, "pp": 2}, "parallel.pp"),
+            ({"strategy": "ddp", "world_size": 2, "pp": 2}, "parallel.pp"),
+            ({"strategy": "none", "world_size": 4, "pp": 2}, "parallel.world_size"),
+            ({"strategy": "fsdp", "world_size": 8, "pp": 2, "tp": 2, "sequence_parallel": True},
+             "parallel.sequence_parallel"),
             ({"strategy": "none", "world_size": 2, "pp": 2, "schedule": "zb"}, "parallel.schedule"),
             ({"strategy": "none", "world_size": 2, "pp": 2, "microbatches": 1}, "parallel.microbatches"),
             ({"strategy": "none", "world_size": 2, "pp": 2, "vpp": 2}, "parallel.vpp"),

@@ -1,4 +1,4 @@
-"""Prints `headroom estimate --json`'s peak of the measured rank for every line of a specs file (the stage the
+"""Prints `headroom estimate --json`'s peak of the measured rank (of its pipeline stage) for every line of a specs file (the stage the
 rank holds first), before the runs are measured.
 
     python bench/pp/tools/predict.py bench/pp/specs.jsonl [HEADROOM]
@@ -21,5 +21,8 @@ for line in open(specs):
         print(f"{line['id']}: error {out.stderr.strip()}")
         continue
     est = json.loads(out.stdout)
-    stage = next(s for s in est["stages"] if s["worst_rank"] == line["rank"])
+    # Stages name the first of their ranks (dp x tp of them, which hold alike).
+    par = line["spec"]["parallel"]
+    per_stage = par["world_size"] // par["pp"]
+    stage = next(s for s in est["stages"] if s["worst_rank"] == line["rank"] // per_stage * per_stage)
     print(f"{line['id']}: allocated {stage['peak_allocated_bytes']:,} reserved {stage['peak_reserved_bytes']:,}")

@@ -1440,7 +1440,10 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         check_pipeline_layout(
             &pipeline,
             strategy,
-            positive(obj, "tp", 1).map_err(field)?,
+            [
+                positive(obj, "tp", 1).map_err(field)?,
+                positive(obj, "cp", 1).map_err(field)?,
+            ],
             world_size,
         )?;
     }
@@ -1642,29 +1645,41 @@ fn check_pipeline_parallel(
     pipeline.check(arch.layers, batch_size)
 }
 
-/// Pipeline parallelism is modelled alone: no data-parallel wrapper and no tensor parallelism
-/// within its stages (torch's pipelining keeps FSDP2's parameters and gradients unsharded
-/// across micro-batches, and a stage boundary under sequence parallelism sends local shards:
-/// neither is modelled yet).
+/// What pipeline parallelism is modelled with: alone, or with FSDP2 over the data-parallel
+/// ranks within each stage (torchtitan's PP × FSDP2), and tensor parallelism under it (without
+/// sequence parallelism: `check_sharded_stages`). Context parallelism within the stages is not
+/// modelled.
 fn check_pipeline_layout(
     pipeline: &PipelineParallel,
     strategy: Strategy,
-    tp: u64,
+    [tp, cp]: [u64; 2],
     world_size: u64,
 ) -> Result<()> {
     if pipeline.pp == 1 {
         return Ok(());
     }
-    if strategy != Strategy::NoDataParallel {
+    const SUPPORTED: &str = "pipeline parallelism alone (strategy none, world_size = pp) or with \
+                             FSDP2 over the data-parallel ranks of each stage (strategy fsdp, \
+                             world_size = pp × dp × tp)";
+    if !matches!(strategy, Strategy::NoDataParallel | Strategy::Fsdp) {
         return Err(Error::Unsupported {
             what: format!("parallel.pp with parallel.strategy {}", strategy.name()),
-            supported: "pipeline parallelism alone (strategy none, world_size = pp)".into(),
+            supported: SUPPORTED.into(),
         });
+    }
+    if cp > 1 {
+        return Err(Error::Unsupported {
+            what: format!("parallel.pp with parallel.cp {cp}"),
+            supported: format!("{SUPPORTED}, cp 1"),
+        });
+    }
+    if strategy == Strategy::Fsdp {
+        return Ok(());
     }
     if tp > 1 {
         return Err(Error::Unsupported {
-            what: "parallel.pp with parallel.tp > 1".into(),
-            supported: "pipeline parallelism alone (strategy none, tp 1, world_size = pp)".into(),
+            what: format!("parallel.pp with parallel.tp {tp} and strategy none"),
+            supported: format!("{SUPPORTED}; tensor parallelism inside a pipeline under fsdp"),
         });
     }
     if world_size != pipeline.pp {
@@ -1838,6 +1853,54 @@ fn parse_tensor_parallel(
 impl Parallel {
     /// The layout checked: ranks within bounds, a shard group that divides them, and FSDP1's
     /// groups of one refused (both where a spec is parsed and where a launch config makes one).
+    /// FSDP2 inside a pipeline as it is modelled: each stage sharded over all `world_size /
+    /// (pp × tp)` data-parallel ranks, on the GPU, with torchtitan's units; tensor parallelism
+    /// under it with torchtitan's plan, without sequence parallelism (the stage boundary would
+    /// send sequence shards).
+    fn check_sharded_stages(&self) -> Result<()> {
+        let dp = self.world_size / self.pipeline.pp / self.tensor.tp;
+        if self.tensor.sequence_parallel {
+            return Err(Error::field(
+                "parallel.sequence_parallel",
+                true,
+                "inside a pipeline tensor parallelism is modelled without it (the stages send \
+                 whole hidden states); leave it out with pp >= 2",
+            ));
+        }
+        if self.tensor.framework != Framework::Torchtitan {
+            return Err(Error::Unsupported {
+                what: "parallel.pp with parallel.strategy fsdp and framework megatron".into(),
+                supported: "torchtitan's PP × FSDP2 (framework torchtitan)".into(),
+            });
+        }
+        if self.shard_size != dp {
+            return Err(Error::field(
+                "parallel.shard_size",
+                self.shard_size,
+                format!(
+                    "inside a pipeline FSDP2 shards each stage over world_size / (pp × tp) \
+                     ({dp}) ranks; HSDP is not modelled there: leave it out"
+                ),
+            ));
+        }
+        if self.offload_params {
+            return Err(Error::field(
+                "parallel.offload_params",
+                true,
+                "CPU offload inside a pipeline is not modelled; leave it out with pp >= 2",
+            ));
+        }
+        if !matches!(self.units, FsdpUnits::Layers | FsdpUnits::Accelerate) {
+            return Err(Error::field(
+                "parallel.units",
+                self.units.name(),
+                "inside a pipeline use layers (each decoder layer, then the stage) or \
+                 accelerate (torchtitan's apply_fsdp: also the embedding and [norm, output])",
+            ));
+        }
+        Ok(())
+    }
+
     fn checked(self) -> Result<Self> {
         let (world_size, shard_size) = (self.world_size, self.shard_size);
         if !(1..=65536).contains(&world_size) {
@@ -1861,6 +1924,9 @@ impl Parallel {
                 "FSDP1 over one rank is NO_SHARD, which is not modelled; use 2 or more, or \
                  strategy fsdp (FSDP2) for one GPU",
             ));
+        }
+        if self.pipeline.pp > 1 && self.strategy == Strategy::Fsdp {
+            self.check_sharded_stages()?;
         }
         if self.strategy == Strategy::Fsdp1 && shard_size == 1 {
             return Err(Error::field(

@@ -19,6 +19,7 @@ mod oom_messages;
 mod oom_pastes;
 mod params;
 mod pipeline;
+mod pipeline_fsdp;
 mod pipeline_parallel;
 mod tensor_parallel;
 mod timeline;

@@ -234,7 +234,7 @@ fn bad_pipeline_layouts_name_the_field() {
     refused(
         4,
         4,
-        json!({"strategy": "fsdp", "world_size": 4, "pp": 2}),
+        json!({"strategy": "zero3", "world_size": 4, "pp": 2}),
         "parallel.pp",
     );
     refused(

@@ -139,7 +139,9 @@ impl Instance {
         if offloaded_unsharded {
             wrapper = Strategy::FsdpOffload(FsdpOffload::units(arch, head, first));
         } else if let Some(parallel) = parallel.filter(|p| p.strategy == spec::Strategy::Fsdp) {
-            wrapper = Strategy::Fsdp(Fsdp::shard(t, arch, head, first, dtype, parallel));
+            wrapper = Strategy::Fsdp(Fsdp::shard(t, arch, head, first, dtype, parallel, &|_| {
+                true
+            }));
         } else if let Some(parallel) = parallel.filter(|p| p.strategy == spec::Strategy::Fsdp1) {
             wrapper = Strategy::Fsdp1(Fsdp1::wrap(t, arch, head, first, dtype, parallel));
         }

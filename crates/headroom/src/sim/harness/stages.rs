@@ -21,10 +21,22 @@
 //!   `ScheduleGPipe` until the next backward starts, `ScheduleInterleaved1F1B` sends it at once;
 //! - parameter gradients accumulate over the micro-batches (`scale_grads` divides them in
 //!   place at the end).
+//!
+//! With strategy fsdp (torchtitan's PP × FSDP2: a `(pp, dp)` mesh, pp outermost) each stage is
+//! `fully_shard`ed over the data-parallel ranks (`strategy::fsdp::Fsdp` over the stage's own
+//! parameters, `parallel.units` as torchtitan's `apply_fsdp` lays them out), and the schedule
+//! drives it as `stage.py` and `schedules.py` do: gradient sync off before every micro-batch's
+//! backward, the root's final callback after it, `perform_reduce_grad` after the stage's last
+//! backward (at the end of `step()` for the single-stage schedules, right after it for the
+//! interleaved one), and for the interleaved schedule the UNSHARD and RESHARD actions of
+//! `_add_unshard_reshard` ([`unshard_plan`]). The optimizer steps the shards. With tensor
+//! parallelism under it (a `(pp, dp, tp)` mesh, without sequence parallelism: stages exchange
+//! whole hidden states) each stage is built over its tensor-parallel share and
+//! `strategy::tp::TensorParallel` wraps its FSDP2, as for a run without a pipeline.
 
 use super::instance::{ModelHooks, attention_impl, autocast_dtype, param_dtype};
 use super::simulation::{Options, STEPS, Simulation, StagePeak};
-use crate::arch::{Architecture, Module};
+use crate::arch::{Architecture, Module, Param};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{Keep, Memory, OnOom};
@@ -33,9 +45,13 @@ use crate::sim::model::Batch;
 use crate::sim::model::heads::{for_causal_lm_loss, lm_head};
 use crate::sim::model::transformer::{DecoderInput, Model};
 use crate::sim::optim::OptimizerState;
+use crate::sim::strategy::Strategy;
+use crate::sim::strategy::fsdp::Fsdp;
 use crate::sim::strategy::pp::{Action, rank_order};
-use crate::spec::{PipelineSchedule, RunSpec};
+use crate::sim::strategy::tp::TensorParallel;
+use crate::spec::{self, PipelineParallel, PipelineSchedule, RunSpec};
 use headroom_alloc::CachingAllocator;
+use std::cell::{RefCell, RefMut};
 
 /// One stage of the rank.
 struct Stage {
@@ -48,6 +64,13 @@ struct Stage {
     /// Per micro-batch: the buffer the next stage's input gradient lands in (every stage but
     /// the last).
     output_grads: Vec<T>,
+}
+
+impl Stage {
+    /// The stage's FSDP2 state, when it is sharded.
+    fn fsdp(&self) -> Option<RefMut<'_, Fsdp>> {
+        RefMut::filter_map(self.model.strategy.borrow_mut(), Strategy::fsdp_mut).ok()
+    }
 }
 
 /// A micro-batch between its forward and its backward on one stage (`fwd_cache`).
@@ -134,6 +157,12 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     };
     let dtype = param_dtype(spec);
     let autocast = autocast_dtype(spec);
+    let sharded = Some(parallel).filter(|p| p.strategy == spec::Strategy::Fsdp);
+    let tp = parallel.tensor.tp;
+    // Under FSDP2's mixed-precision policy the stages compute, and send, in `param_dtype`.
+    let compute_dtype = sharded
+        .and_then(|p| p.mixed_precision)
+        .map_or(dtype, |m| m.param_dtype);
     // torch.zeros(1, device="cuda"): the context and a first small segment; the tensor dies.
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);
@@ -144,24 +173,51 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     let mut trainable = Vec::new();
     for index in (pp_rank..stage_count).step_by(pp as usize) {
         let (first, last) = (index == 0, index == stage_count - 1);
-        let stage_arch = Architecture {
+        let mut stage_arch = Architecture {
             layers: split[index as usize],
             ..arch.clone()
         };
-        let from = t.params.len();
-        let mut model =
-            Model::build_on_meta(&mut t, &stage_arch, head, dtype, &|_| true, attention);
-        // `to_empty`: only the modules the stage kept.
-        for (offset, param) in stage_arch.parameters(head).iter().enumerate() {
-            let kept = param.layer.is_some()
-                || (first && param.module == Module::Embed)
-                || (last && matches!(param.module, Module::FinalNorm | Module::LmHead));
-            if kept {
-                t.materialize(from + offset);
-                trainable.push(from + offset);
-            }
+        // A tensor-parallel rank builds its share of every layer (and of the vocabulary).
+        if tp > 1 {
+            stage_arch = stage_arch.tensor_parallel_shard(tp);
         }
-        t.persistent_buffers(&stage_arch.buffers(), "rotary inv_freq");
+        let from = t.params.len();
+        let mut model = Model::build_on_meta(
+            &mut t,
+            &stage_arch,
+            head,
+            compute_dtype,
+            &|_| true,
+            attention,
+        );
+        let kept = |param: &Param| {
+            param.layer.is_some()
+                || (first && param.module == Module::Embed)
+                || (last && matches!(param.module, Module::FinalNorm | Module::LmHead))
+        };
+        if let Some(parallel) = sharded {
+            let fsdp = Fsdp::shard(&mut t, &stage_arch, head, from, dtype, parallel, &kept);
+            trainable.extend(fsdp.device_shards());
+            let mut strategy = Strategy::Fsdp(fsdp);
+            if tp > 1 {
+                strategy = Strategy::Tensor(Box::new(TensorParallel {
+                    tp,
+                    sequence: false,
+                    sequences: batch.b,
+                    data: strategy,
+                }));
+            }
+            model.strategy = RefCell::new(strategy);
+        } else {
+            // `to_empty`: only the modules the stage kept.
+            for (offset, param) in stage_arch.parameters(head).iter().enumerate() {
+                if kept(param) {
+                    t.materialize(from + offset);
+                    trainable.push(from + offset);
+                }
+            }
+            t.persistent_buffers(&stage_arch.buffers(), "rotary inv_freq");
+        }
         model.checkpointing = spec.gradient_checkpointing;
         model.inputs_require_grads = model.checkpointing;
         stages.push(Stage {
@@ -189,17 +245,16 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
         }
         t.mem.begin_measured_phase("schedule", step);
         if step == 1 {
-            initialize(&mut t, &mut stages, microbatches, batch, arch.hidden, dtype);
+            initialize(
+                &mut t,
+                &mut stages,
+                microbatches,
+                batch,
+                arch.hidden,
+                compute_dtype,
+            );
         }
-        let losses = run_schedule(
-            &mut t,
-            &stages,
-            &order,
-            pipeline.schedule,
-            ids,
-            batch,
-            autocast,
-        );
+        let losses = run_schedule(&mut t, &stages, &order, pipeline, ids, batch, autocast);
         phases.push(t.mem.phase_peak());
         t.drop_all(&losses);
         if t.mem.stopped() {
@@ -287,11 +342,12 @@ fn run_schedule(
     t: &mut Tracer,
     stages: &[Stage],
     order: &[Action],
-    schedule: PipelineSchedule,
+    pipeline: &PipelineParallel,
     ids: T,
     batch: Batch,
     autocast: Option<DType>,
 ) -> Vec<T> {
+    let (schedule, microbatches) = (pipeline.schedule, pipeline.microbatches);
     let stage_of = |index: u64| {
         stages
             .iter()
@@ -307,7 +363,28 @@ fn run_schedule(
     let mut sending: Option<T> = None;
     // The last forward's output, as `_step_microbatches`'s local `output` holds it.
     let mut last_output: Option<T> = None;
-    for &action in order {
+    let interleaved = schedule == PipelineSchedule::Interleaved1F1B;
+    let plan = if interleaved {
+        unshard_plan(order)
+    } else {
+        vec![Default::default(); order.len()]
+    };
+    let mut backwards_done = vec![0u64; stages.len()];
+    for (&action, (reshard, unshard)) in order.iter().zip(&plan) {
+        for &stage in reshard {
+            if let Some(mut fsdp) = stage_of(stage).fsdp() {
+                fsdp.reshard_all(t);
+            }
+        }
+        for &stage in unshard {
+            if let Some(mut fsdp) = stage_of(stage).fsdp() {
+                fsdp.unshard_async(t);
+            }
+        }
+        let (Action::Forward { stage, .. } | Action::Backward { stage, .. }) = action;
+        if let Some(mut fsdp) = stage_of(stage).fsdp() {
+            fsdp.wait_unshard(t);
+        }
         match action {
             Action::Forward { stage, microbatch } => {
                 let s = stage_of(stage);
@@ -370,6 +447,16 @@ fn run_schedule(
                     autocast,
                     first_region: done.first_region,
                 };
+                // `backward_maybe_with_nosync`: no reduction, no resharding.
+                if let Some(mut fsdp) = s.fsdp() {
+                    fsdp.set_gradient_sync(false);
+                }
+                s.model.strategy.borrow_mut().backward_begins();
+                if !s.last
+                    && let Some(mut fsdp) = s.fsdp()
+                {
+                    fsdp.stage_output_pre_backward(t);
+                }
                 match done.loss {
                     Some(loss) => {
                         t.backward_graph(loss, None, &mut hooks);
@@ -380,7 +467,17 @@ fn run_schedule(
                         t.backward_graph(done.output, Some(grad), &mut hooks);
                     }
                 }
+                s.model.strategy.borrow_mut().finish_backward(t);
                 t.drop(done.output);
+                let position = stages.iter().position(|x| x.index == stage).expect("held");
+                backwards_done[position] += 1;
+                // The runtime's REDUCE_GRAD right after the stage's last backward.
+                if interleaved
+                    && backwards_done[position] == microbatches
+                    && let Some(mut fsdp) = s.fsdp()
+                {
+                    fsdp.reduce_grad(t);
+                }
                 if !s.first {
                     let grad = t.take_grad(s.inputs[microbatch as usize].1);
                     let held = match schedule {
@@ -397,10 +494,118 @@ fn run_schedule(
             }
         }
     }
+    for s in stages {
+        if let Some(mut fsdp) = s.fsdp() {
+            if interleaved {
+                // The RESHARDs that close the interleaved schedule.
+                fsdp.reshard_all(t);
+            } else {
+                // The single-stage schedules' `perform_reduce_grad`, before `step()` returns.
+                fsdp.reduce_grad(t);
+            }
+        }
+    }
     for held in sending.into_iter().chain(last_output) {
         t.drop(held);
     }
     t.free_graph();
     t.exit_autocast(outer);
     losses
+}
+
+/// `_add_unshard_reshard(max_active_stages=3)`: before each action, the stages to reshard
+/// (active, and not among the next three distinct stages to compute) and then to unshard
+/// (among them, not yet active), in that order.
+fn unshard_plan(order: &[Action]) -> Vec<(Vec<u64>, Vec<u64>)> {
+    const MAX_ACTIVE_STAGES: usize = 3;
+    let stage = |a: &Action| match *a {
+        Action::Forward { stage, .. } | Action::Backward { stage, .. } => stage,
+    };
+    // A set of small integers iterates in ascending order.
+    let mut active = std::collections::BTreeSet::new();
+    (0..order.len())
+        .map(|i| {
+            let mut next = Vec::new();
+            for a in &order[i..] {
+                if !next.contains(&stage(a)) {
+                    next.push(stage(a));
+                    if next.len() == MAX_ACTIVE_STAGES {
+                        break;
+                    }
+                }
+            }
+            let evict: Vec<u64> = active
+                .iter()
+                .copied()
+                .filter(|s| !next.contains(s))
+                .collect();
+            let fetch: Vec<u64> = next
+                .iter()
+                .copied()
+                .filter(|s| !active.contains(s))
+                .collect();
+            for s in &evict {
+                active.remove(s);
+            }
+            active.extend(fetch.iter().copied());
+            (evict, fetch)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stages_of(plan: &[(Vec<u64>, Vec<u64>)]) -> (Vec<u64>, Vec<u64>) {
+        let reshards = plan.iter().flat_map(|p| p.0.clone()).collect();
+        let unshards = plan.iter().flat_map(|p| p.1.clone()).collect();
+        (reshards, unshards)
+    }
+
+    /// Two stages a rank: both unsharded before the first action, in the order they compute,
+    /// and each resharded only once it has no action left.
+    #[test]
+    fn two_stages_are_unsharded_up_front_and_resharded_when_done() {
+        let order = rank_order(PipelineSchedule::Interleaved1F1B, 2, 2, 4, 1);
+        let plan = unshard_plan(&order);
+        assert_eq!(plan[0], (vec![], vec![1, 3]));
+        let (reshards, unshards) = stages_of(&plan[1..]);
+        assert!(unshards.is_empty());
+        for (i, (evict, _)) in plan.iter().enumerate() {
+            for s in evict {
+                let stage = |a: &Action| match *a {
+                    Action::Forward { stage, .. } | Action::Backward { stage, .. } => stage,
+                };
+                assert!(
+                    !order[i..].iter().any(|a| stage(a) == *s),
+                    "{s} resharded early"
+                );
+            }
+        }
+        assert_eq!(reshards, [3], "the stage whose backwards end first");
+    }
+
+    /// Four stages a rank: at most three active, the one computed furthest ahead resharded
+    /// for the next, every stage unsharded before each of its actions.
+    #[test]
+    fn more_stages_than_three_evict_the_furthest() {
+        let order = rank_order(PipelineSchedule::Interleaved1F1B, 2, 4, 4, 0);
+        let plan = unshard_plan(&order);
+        let mut active = std::collections::BTreeSet::new();
+        for (action, (evict, fetch)) in order.iter().zip(&plan) {
+            for s in evict {
+                assert!(active.remove(s), "{s} resharded while not active");
+            }
+            for &s in fetch {
+                assert!(active.insert(s), "{s} unsharded twice");
+            }
+            assert!(active.len() <= 3);
+            let (Action::Forward { stage, .. } | Action::Backward { stage, .. }) = *action;
+            assert!(active.contains(&stage), "{action:?} on a sharded stage");
+        }
+        assert_eq!(plan[0].1, [0, 2, 4], "the first three stages it computes");
+        let (reshards, _) = stages_of(&plan);
+        assert!(!reshards.is_empty(), "a fourth stage makes room");
+    }
 }

@@ -32,11 +32,23 @@
 //! - `CPUOffloadPolicy`: shards, sharded gradients and the optimizer step stay on the host;
 //!   an unshard first copies each shard to the device (copy-in stream).
 //!
+//! - inside a pipeline (`torch.distributed.pipelining`, `stage.py`): each stage is a root of its
+//!   own; before every micro-batch's backward the stage turns gradient sync off
+//!   (`set_requires_gradient_sync(False)` with `set_reshard_after_backward(False)`), so a
+//!   post-backward hook neither reshards nor reduces: the unsharded gradients accumulate over the
+//!   micro-batches (upcast once to `reduce_dtype` into `unsharded_accumulated_grad` where the
+//!   policy reduces in another dtype) and the parameters stay unsharded from their first
+//!   backward on. `perform_reduce_grad`, after the stage's last backward, turns sync back on and
+//!   runs every unit's post-backward hook (reshard, then reduce-scatter) and the root's final
+//!   callback ([`Fsdp::reduce_grad`]). The multi-stage schedules unshard a stage explicitly
+//!   before it computes (`unshard(async_op=True)`: the all-gather on the default stream, the
+//!   copy-out when the schedule waits for it; [`Fsdp::unshard_async`]).
+//!
 //! Shards are padded to a multiple of the shard group in dim 0; unsharded storages are
 //! simulated at the parameter's own size (equal for the even shapes of the catalog models).
 
 use super::{ALL_GATHER_COPY_IN_STREAM, REDUCE_SCATTER_STREAM, Unit};
-use crate::arch::{Architecture, Head, Module};
+use crate::arch::{Architecture, Head, Module, Param};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{ParamId, T, Tracer};
@@ -52,6 +64,11 @@ struct ShardedUnit {
     reshard_after_forward: bool,
     /// Where this backward is with it.
     backward: UnitBackward,
+    /// Per parameter: the gradient accumulated in `reduce_dtype` while gradient sync is off.
+    accumulated: Vec<Option<T>>,
+    /// Its places in `post_forward_order` (`_post_forward_indices`), the last popped by each
+    /// backward prefetch.
+    post_forward_indices: Vec<usize>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -74,18 +91,28 @@ pub(crate) struct Fsdp {
     /// Decoder layers in order, the embedding's and the head's units where the layout has
     /// them, then the root.
     units: Vec<ShardedUnit>,
+    /// How many of the units are decoder layers.
+    layers: usize,
     embedding: Option<usize>,
     head: Option<usize>,
     /// The head's unit holds the tied input embedding too.
     head_holds_embedding: bool,
     /// The last forward all-gather output, kept until the next copy-out.
     all_gather_state: Option<T>,
-    /// A backward prefetch: the unit and its all-gather output, waiting for its copy-out.
-    prefetched: Option<(usize, T)>,
+    /// Backward prefetches (`_all_gather_result`, one a unit): each unit and its all-gather
+    /// output, waiting for its copy-out; a mistargeted one waits until the unit's next
+    /// unshard, or the end of the last backward.
+    prefetched: Vec<(usize, T)>,
     /// The last `reduce_scatter_input`, freed by the next reduce-scatter.
     reduce_scatter_state: Option<T>,
-    /// Units in the order their forward finished (`comm_ctx.post_forward_order`).
+    /// Units in the order their forward finished (`comm_ctx.post_forward_order`), kept over
+    /// the backwards of a pipeline's micro-batches until the last.
     post_forward_order: Vec<usize>,
+    /// `requires_gradient_sync` (with `reshard_after_backward`, which pipelining sets alike):
+    /// false, a post-backward hook keeps the unit unsharded and its gradients unreduced.
+    gradient_sync: bool,
+    /// Explicit `unshard(async_op=True)` all-gathers waiting for their copy-out, in call order.
+    pending: Vec<(usize, T)>,
 }
 
 impl Fsdp {
@@ -100,6 +127,7 @@ impl Fsdp {
         first: ParamId,
         dtype: DType,
         parallel: &Parallel,
+        owned: &dyn Fn(&Param) -> bool,
     ) -> Fsdp {
         let ranks = parallel.shard_size;
         let layers = arch.layers as usize;
@@ -129,9 +157,14 @@ impl Fsdp {
                     parallel.reshard_after_forward
                 },
                 backward: UnitBackward::NotReached,
+                accumulated: Vec::new(),
+                post_forward_indices: Vec::new(),
             })
             .collect();
         for (i, p) in arch.parameters(head).iter().enumerate() {
+            if !owned(p) {
+                continue;
+            }
             let unit = match (p.layer, p.module) {
                 (Some(l), _) => l as usize,
                 (None, Module::Embed) => embedding_unit
@@ -153,6 +186,7 @@ impl Fsdp {
             }
             units[unit].params.push(first + i);
             units[unit].shards.push(shard);
+            units[unit].accumulated.push(None);
         }
         // `to_empty` reaches the meta buffers after the parameters, and the tied `lm_head`
         // last: its shard is made again and dropped (the tie holds the embedding's).
@@ -179,6 +213,7 @@ impl Fsdp {
         let mp = parallel.mixed_precision;
         Fsdp {
             ranks,
+            layers,
             offload: parallel.offload_params,
             dtype,
             param_dtype: mp.map(|m| m.param_dtype).filter(|&d| d != dtype),
@@ -188,9 +223,11 @@ impl Fsdp {
             head: head_unit,
             head_holds_embedding: tied && head_unit.is_some(),
             all_gather_state: None,
-            prefetched: None,
+            prefetched: Vec::new(),
             reduce_scatter_state: None,
             post_forward_order: Vec::new(),
+            gradient_sync: true,
+            pending: Vec::new(),
         }
     }
 
@@ -266,13 +303,14 @@ impl Fsdp {
             .sum()
     }
 
-    /// `foreach_all_gather`, on the copy-in stream: the all-gather inputs, then the output
+    /// `foreach_all_gather`, on `stream` (the copy-in stream; an explicit asynchronous unshard's
+    /// is the current one): the all-gather inputs, then the output
     /// buffer in the unsharded dtype; the inputs go when it returns. Under CPU offload each
     /// shard is copied to the GPU (and cast to `param_dtype`, the copy freed); under a
     /// mixed-precision policy alone the shards are cast together into one flat buffer.
-    fn all_gather(&self, t: &mut Tracer, unit: usize) -> T {
+    fn all_gather(&self, t: &mut Tracer, unit: usize, stream: u32) -> T {
         let outer = std::mem::replace(&mut t.component, Component::Communication);
-        t.mem.stream = ALL_GATHER_COPY_IN_STREAM;
+        t.mem.stream = stream;
         let mut inputs: Vec<T> = Vec::new();
         if self.offload {
             for &s in &self.units[unit].shards {
@@ -312,12 +350,9 @@ impl Fsdp {
             self.units[unit].unsharded = true;
             return;
         }
-        let output = match self.prefetched.take() {
-            Some((u, output)) if u == unit => output,
-            other => {
-                self.prefetched = other;
-                self.all_gather(t, unit)
-            }
+        let output = match self.prefetched.iter().position(|p| p.0 == unit) {
+            Some(at) => self.prefetched.remove(at).1,
+            None => self.all_gather(t, unit, ALL_GATHER_COPY_IN_STREAM),
         };
         let outer = std::mem::replace(&mut t.component, Component::Weights);
         for &p in &self.units[unit].params {
@@ -363,7 +398,13 @@ impl Fsdp {
         {
             t.drop(output);
         }
-        self.post_forward_order.push(u);
+        // A unit without parameters has no parameter group to record its place.
+        if !self.units[u].params.is_empty() {
+            self.units[u]
+                .post_forward_indices
+                .push(self.post_forward_order.len());
+            self.post_forward_order.push(u);
+        }
         t.unit = (unit != self.root()).then(|| self.root());
     }
 
@@ -375,17 +416,26 @@ impl Fsdp {
         }
         self.units[u].backward = UnitBackward::Running;
         self.unshard(t, u, false);
-        let Some(index) = self.post_forward_order.iter().rposition(|&x| x == u) else {
+        // `_backward_prefetch`: the unit whose forward finished just before this one's last.
+        let Some(index) = self.units[u].post_forward_indices.pop() else {
             return;
         };
-        self.post_forward_order.truncate(index);
-        if let Some(&target) = self.post_forward_order.last()
+        if let Some(&target) = index.checked_sub(1).map(|i| &self.post_forward_order[i])
             && !self.units[target].unsharded
-            && self.prefetched.is_none()
+            && !self.prefetched.iter().any(|p| p.0 == target)
         {
-            let output = self.all_gather(t, target);
-            self.prefetched = Some((target, output));
+            let output = self.all_gather(t, target, ALL_GATHER_COPY_IN_STREAM);
+            self.prefetched.push((target, output));
         }
+    }
+
+    /// The pre-backward hooks on a pipeline stage's output when it is the last decoder layer's
+    /// (every stage but the last): they run as its gradient arrives, before any of the stage's
+    /// backward, the layer's (registered first) then the root's, which gathers the root's
+    /// parameters for the whole backward where its forward resharded them.
+    pub(crate) fn stage_output_pre_backward(&mut self, t: &mut Tracer) {
+        self.pre_backward(t, (self.layers - 1) as u32);
+        self.pre_backward(t, self.root());
     }
 
     /// Every node of a unit has run: its post-backward hook, unless it waits for the root's
@@ -407,11 +457,24 @@ impl Fsdp {
     fn post_backward(&mut self, t: &mut Tracer, unit: u32) {
         let u = unit as usize;
         self.units[u].backward = UnitBackward::Done;
-        let grads: Vec<(usize, T)> = self.units[u]
-            .params
-            .iter()
-            .enumerate()
-            .filter_map(|(i, &p)| t.params[p].grad.take().map(|g| (i, g)))
+        // `accumulate_unsharded_grad_if_needed`: `accumulated += grad`, in place.
+        for (i, &p) in self.units[u].params.iter().enumerate() {
+            if self.units[u].accumulated[i].is_some()
+                && let Some(g) = t.params[p].grad.take()
+            {
+                t.drop(g);
+            }
+        }
+        if !self.gradient_sync {
+            self.upcast_unsharded_grads(t, u);
+            return;
+        }
+        let grads: Vec<(usize, T)> = (0..self.units[u].params.len())
+            .filter_map(|i| {
+                let p = self.units[u].params[i];
+                let g = self.units[u].accumulated[i].take();
+                g.or_else(|| t.params[p].grad.take()).map(|g| (i, g))
+            })
             .collect();
         self.reshard(t, u);
         if grads.is_empty() {
@@ -474,29 +537,116 @@ impl Fsdp {
         self.reduce_scatter_state = Some(input);
     }
 
-    /// The root's final callback: units whose post-backward hook did not run get it now, the
-    /// last `reduce_scatter_input` is freed, and the next backward starts afresh.
-    pub(crate) fn finish_backward(&mut self, t: &mut Tracer) {
-        // In `all_states` order: the root, then the others as `model.modules()` meets them
-        // (the embedding, or the group the tied embedding starts, before the layers).
+    /// `to_accumulated_grad_if_needed`, gradient sync off: a gradient computed in another
+    /// dtype than `reduce_dtype` moves into an upcast copy that later ones accumulate into.
+    fn upcast_unsharded_grads(&mut self, t: &mut Tracer, u: usize) {
+        let Some(reduce_dtype) = self.reduce_dtype else {
+            return;
+        };
+        for i in 0..self.units[u].params.len() {
+            let p = self.units[u].params[i];
+            let Some(g) = t.params[p].grad.filter(|&g| t.dtype(g) != reduce_dtype) else {
+                continue;
+            };
+            t.params[p].grad = None;
+            let outer = std::mem::replace(&mut t.component, Component::Gradients);
+            let upcast = t.empty(
+                t.numel(g),
+                reduce_dtype,
+                "FSDP2 unsharded_accumulated_grad (grad.to(reduce_dtype))",
+            );
+            t.component = outer;
+            t.drop(g);
+            self.units[u].accumulated[i] = Some(upcast);
+        }
+    }
+
+    /// Units in `_state_ctx.all_states` order: the root, then the others as `model.modules()`
+    /// meets them (the embedding, or the group the tied embedding starts, before the layers).
+    fn all_states(&self) -> Vec<usize> {
         let root = self.units.len() - 1;
         let firsts = [Some(root), self.embedding, self.tied_in_head()];
-        let order = firsts
+        firsts
             .into_iter()
             .flatten()
-            .chain((0..root).filter(|&u| !firsts.contains(&Some(u))));
-        for u in order.collect::<Vec<_>>() {
+            .chain((0..root).filter(|&u| !firsts.contains(&Some(u))))
+            .collect()
+    }
+
+    /// `set_requires_gradient_sync` with `set_reshard_after_backward` and
+    /// `set_is_last_backward`, as pipelining sets them together around a micro-batch's backward.
+    pub(crate) fn set_gradient_sync(&mut self, sync: bool) {
+        self.gradient_sync = sync;
+    }
+
+    /// `_PipelineStageBase.perform_reduce_grad` after a stage's last backward: gradient sync on,
+    /// every unit's post-backward hook (reshard, reduce-scatter), then the root's final
+    /// callback of a last backward.
+    pub(crate) fn reduce_grad(&mut self, t: &mut Tracer) {
+        self.gradient_sync = true;
+        for u in self.all_states() {
+            self.post_backward(t, u as u32);
+        }
+        self.finish_backward(t);
+    }
+
+    /// The schedule's UNSHARD of a stage: `unshard(async_op=True)` on each unit in
+    /// `modules()` order, the all-gathers on the default stream, waiting for
+    /// [`Fsdp::wait_unshard`].
+    pub(crate) fn unshard_async(&mut self, t: &mut Tracer) {
+        for u in self.all_states() {
+            let unit = &self.units[u];
+            if unit.params.is_empty() || unit.unsharded || self.pending.iter().any(|p| p.0 == u) {
+                continue;
+            }
+            let output = self.all_gather(t, u, 0);
+            self.pending.push((u, output));
+        }
+    }
+
+    /// `_assert_unsharded`: each pending unshard's `wait()`, outside forward and backward: the
+    /// copy-out, then the all-gather output freed.
+    pub(crate) fn wait_unshard(&mut self, t: &mut Tracer) {
+        for (u, output) in std::mem::take(&mut self.pending) {
+            let outer = std::mem::replace(&mut t.component, Component::Weights);
+            for &p in &self.units[u].params {
+                t.materialize(p);
+            }
+            t.component = outer;
+            t.drop(output);
+            self.units[u].unsharded = true;
+        }
+    }
+
+    /// The schedule's RESHARD of a stage: `reshard()` on each unit.
+    pub(crate) fn reshard_all(&mut self, t: &mut Tracer) {
+        for u in 0..self.units.len() {
+            self.reshard(t, u);
+        }
+    }
+
+    /// The root's final callback: units whose post-backward hook did not run get it now; after
+    /// a last backward (gradient sync on) the last `reduce_scatter_input` is freed and the next
+    /// backward starts afresh.
+    pub(crate) fn finish_backward(&mut self, t: &mut Tracer) {
+        for u in self.all_states() {
             if self.units[u].backward == UnitBackward::Running {
                 self.post_backward(t, u as u32);
             }
             self.units[u].backward = UnitBackward::NotReached;
         }
+        if !self.gradient_sync {
+            return;
+        }
         if let Some(input) = self.reduce_scatter_state.take() {
             t.drop(input);
         }
-        if let Some((_, output)) = self.prefetched.take() {
+        for (_, output) in std::mem::take(&mut self.prefetched) {
             t.drop(output);
         }
         self.post_forward_order.clear();
+        for unit in &mut self.units {
+            unit.post_forward_indices.clear();
+        }
     }
 }

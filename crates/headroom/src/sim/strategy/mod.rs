@@ -116,6 +116,14 @@ impl Strategy {
         }
     }
 
+    /// FSDP2's state, under the mesh-dimension layouts wrapping it.
+    pub(crate) fn fsdp_mut(&mut self) -> Option<&mut Fsdp> {
+        match self {
+            Strategy::Fsdp(fsdp) => Some(fsdp),
+            other => other.wrapped_mut()?.fsdp_mut(),
+        }
+    }
+
     /// The strategy a mesh-dimension layout (tensor, context parallelism) wraps, whose hooks
     /// it passes on.
     fn wrapped(&self) -> Option<&Strategy> {

@@ -1,14 +1,17 @@
 //! `megatron:`, the settings of a run under `parallel.framework: megatron` that change memory:
 //! Megatron-core's `DistributedOptimizer` (`use_distributed_optimizer`) and activation
 //! recomputation (`recompute_granularity`, `recompute_method`, `recompute_num_layers` of
-//! `TransformerConfig`), read here; `RunSpec::check_megatron` says what of Megatron is
-//! modelled and refuses the rest by name.
+//! `TransformerConfig`) and expert parallelism (`expert_model_parallel_size`), read here;
+//! `RunSpec::check_megatron` and [`check_moe`] say what of Megatron is modelled and refuse the
+//! rest by name.
 
 use std::ops::Range;
 
 use serde_json::Value;
 
 use super::parse::{RUN_SPEC_KEY, boolean, choice, positive, unknown_key};
+use super::{ExpertsImpl, RunSpec};
+use crate::arch::{Architecture, Family, Router};
 use crate::error::{Error, Result};
 
 pub(crate) const MEGATRON_KEYS: &[&str] = &[
@@ -19,6 +22,7 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
     "pipeline_model_parallel_size",
     "context_parallel_size",
     "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
 ];
 
 /// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
@@ -26,16 +30,29 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
 const UNMODELLED_SIZES: &[(&str, &str)] = &[
     ("pipeline_model_parallel_size", "pipeline parallelism"),
     ("context_parallel_size", "context parallelism"),
-    ("expert_model_parallel_size", "expert parallelism"),
+    ("expert_tensor_parallel_size", "expert tensor parallelism"),
 ];
 
 /// Megatron-core's memory settings.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Megatron {
     /// `DistributedOptimizer`: fp32 main parameters and Adam states sharded over the
     /// data-parallel ranks, the bf16 parameters viewing one contiguous buffer.
     pub distributed_optimizer: bool,
     pub recompute: Recompute,
+    /// `expert_model_parallel_size`: each rank holds `num_experts / ep` experts of every MoE
+    /// layer, whose gradients are reduced over the `world / ep` expert-data-parallel ranks.
+    pub expert_parallel: u64,
+}
+
+impl Default for Megatron {
+    fn default() -> Self {
+        Megatron {
+            distributed_optimizer: false,
+            recompute: Recompute::None,
+            expert_parallel: 1,
+        }
+    }
 }
 
 /// `recompute_granularity`.
@@ -104,6 +121,7 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         }
     }
     let distributed_optimizer = boolean(obj, "distributed_optimizer").map_err(field)?;
+    let expert_parallel = positive(obj, "expert_model_parallel_size", 1).map_err(field)?;
     #[derive(Clone, Copy, PartialEq)]
     enum Granularity {
         None,
@@ -158,7 +176,82 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
     Ok(Megatron {
         distributed_optimizer,
         recompute,
+        expert_parallel,
     })
+}
+
+/// What Megatron's `MoELayer` with the local layer spec is modelled for, given the model and the
+/// run's `world` ranks and tensor-parallel size `tp` (`parallel_state.initialize_model_parallel`,
+/// `BaseMoELayer`, `MoELayer.forward`): Qwen3-MoE's softmax router renormalised over the top k
+/// (`moe_router_pre_softmax` false), every layer routed, no shared expert; `ep` dividing the
+/// experts and the world; no tensor parallelism (`MoELayer` refuses it in training without
+/// sequence parallelism, which the local layer spec's torch norm refuses).
+pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture) -> Result<()> {
+    let (world, tp) = spec
+        .parallel
+        .as_ref()
+        .map_or((1, 1), |p| (p.world_size, p.tensor.tp));
+    let ep = megatron.expert_parallel;
+    let Some(moe) = &arch.moe else {
+        if ep > 1 {
+            return Err(Error::field(
+                "megatron.expert_model_parallel_size",
+                ep,
+                "use 1 with a dense model (Megatron needs num_moe_experts for expert parallelism)",
+            ));
+        }
+        return Ok(());
+    };
+    let routes_every_layer = (0..arch.layers).all(|l| moe.routes(l));
+    if arch.family != Family::Qwen3Moe
+        || moe.router != Router::Softmax
+        || !moe.norm_topk_prob
+        || moe.shared_intermediate > 0
+        || !routes_every_layer
+    {
+        return Err(Error::Unsupported {
+            what: format!("framework megatron with this {} model", arch.model_type),
+            supported: "Megatron's MoELayer for Qwen3-MoE models: every layer routed (no \
+                        mlp_only_layers, decoder_sparse_step 1), norm_topk_prob true, no shared \
+                        expert"
+                .into(),
+        });
+    }
+    if tp > 1 {
+        return Err(Error::Unsupported {
+            what: format!("parallel.tp {tp} with an MoE model and framework megatron"),
+            supported: "tp 1 with MoE models: Megatron's MoELayer refuses tensor parallelism \
+                        without sequence parallelism in training, and the local layer spec's \
+                        torch norm refuses sequence parallelism (Transformer Engine is not \
+                        modelled); use megatron.expert_model_parallel_size"
+                .into(),
+        });
+    }
+    if spec.routing_factor != 1.0 || spec.experts != ExpertsImpl::default() {
+        return Err(Error::Unsupported {
+            what: "routing or experts_implementation with framework megatron".into(),
+            supported: "Megatron's SequentialMLP under balanced routing (leave both out)".into(),
+        });
+    }
+    if !moe.experts.is_multiple_of(ep) {
+        return Err(Error::field(
+            "megatron.expert_model_parallel_size",
+            ep,
+            format!("a divisor of num_experts ({})", moe.experts),
+        ));
+    }
+    if !world.is_multiple_of(ep * tp) {
+        return Err(Error::field(
+            "megatron.expert_model_parallel_size",
+            ep,
+            format!(
+                "a divisor of parallel.world_size / tp ({}): the expert-data-parallel ranks are \
+                 world_size / (ep * expert_tensor_parallel_size)",
+                world / tp
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -169,8 +262,8 @@ mod tests {
     #[test]
     fn uniform_chunks_cover_every_layer_and_block_the_first_ones() {
         let full = |method, layers| Megatron {
-            distributed_optimizer: false,
             recompute: Recompute::Full { method, layers },
+            ..Megatron::default()
         };
         assert_eq!(
             full(RecomputeMethod::Uniform, 2).checkpointed_chunks(4),
@@ -187,6 +280,7 @@ mod tests {
         let selective = Megatron {
             distributed_optimizer: true,
             recompute: Recompute::Selective,
+            ..Megatron::default()
         };
         assert!(selective.checkpointed_chunks(4).is_empty());
     }
@@ -203,17 +297,25 @@ mod tests {
         assert!(err(json!({"distributed_optimizer": "yes"})).contains("true or false"));
         let pp = err(json!({"pipeline_model_parallel_size": 2}));
         assert!(pp.contains("pipeline parallelism"), "{pp}");
-        assert!(err(json!({"expert_model_parallel_size": 8})).contains("expert parallelism"));
+        assert!(
+            err(json!({"expert_tensor_parallel_size": 2})).contains("expert tensor parallelism")
+        );
+        assert_eq!(
+            parse_megatron(&json!({"expert_model_parallel_size": 8}))
+                .unwrap()
+                .expert_parallel,
+            8
+        );
         assert!(err(json!({"context_parallel_size": 0})).contains("integer >= 1"));
         assert!(parse_megatron(&json!({"pipeline_model_parallel_size": 1})).is_ok());
         assert_eq!(
             parse_megatron(&json!({"recompute_granularity": "full"})).unwrap(),
             Megatron {
-                distributed_optimizer: false,
                 recompute: Recompute::Full {
                     method: RecomputeMethod::Uniform,
                     layers: 1
                 },
+                ..Megatron::default()
             }
         );
     }

@@ -1012,16 +1012,19 @@ impl RunSpec {
         }) else {
             return Ok(());
         };
-        if !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
-            || arch.moe.is_some()
-            || arch.mla.is_some()
+        if !matches!(
+            arch.family,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe
+        ) || arch.mla.is_some()
         {
             return Err(Error::Unsupported {
                 what: format!("framework megatron with a {} model", arch.model_type),
-                supported: "Megatron's GPTModel as dense Llama, Mistral, Qwen2 and Qwen3 models"
+                supported: "Megatron's GPTModel as dense Llama, Mistral, Qwen2 and Qwen3 models \
+                            and Qwen3-MoE"
                     .into(),
             });
         }
+        super::megatron::check_moe(self, &megatron, arch)?;
         if arch.tie_word_embeddings {
             return Err(Error::Unsupported {
                 what: format!(

@@ -230,6 +230,24 @@ impl Assumptions {
             .parallel
             .as_ref()
             .is_some_and(|p| p.tensor.framework == crate::spec::Framework::Megatron);
+        let settings = spec.megatron.unwrap_or_default();
+        if megatron && settings.transformer_engine {
+            self.warnings.push(
+                "megatron.transformer_impl transformer_engine is not modelled: the estimate is \
+                 the local layer spec's (unfused attention with its score matrix, torch norms, \
+                 unfused cross-entropy, SequentialMLP), not Transformer Engine's fused \
+                 norm-linears, flash attention, fused cross-entropy and grouped GEMM"
+                    .to_string(),
+            );
+        }
+        if megatron && settings.optimizer_cpu_offload {
+            self.warnings.push(
+                "megatron.optimizer_cpu_offload is not modelled: the estimate keeps the fp32 main \
+                 parameters and Adam's states on the GPU (HybridDeviceOptimizer moves them to \
+                 the host)"
+                    .to_string(),
+            );
+        }
         // grouped_mm and batched_mm allocate by tokens x top_k alone; only the per-expert loop
         // depends on how the router spreads tokens.
         if let Some(moe) = arch.moe.as_ref().filter(|_| megatron) {

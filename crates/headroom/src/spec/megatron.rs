@@ -23,6 +23,8 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
     "context_parallel_size",
     "expert_model_parallel_size",
     "expert_tensor_parallel_size",
+    "transformer_impl",
+    "optimizer_cpu_offload",
 ];
 
 /// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
@@ -43,6 +45,12 @@ pub struct Megatron {
     /// `expert_model_parallel_size`: each rank holds `num_experts / ep` experts of every MoE
     /// layer, whose gradients are reduced over the `world / ep` expert-data-parallel ranks.
     pub expert_parallel: u64,
+    /// `transformer_impl: transformer_engine`: the run uses Transformer Engine's layer spec,
+    /// which is not modelled; the estimate is the local spec's and says so.
+    pub transformer_engine: bool,
+    /// `--optimizer-cpu-offload` (`HybridDeviceOptimizer`), not modelled: the estimate keeps
+    /// the main parameters and Adam's states on the GPU and says so.
+    pub optimizer_cpu_offload: bool,
 }
 
 impl Default for Megatron {
@@ -51,6 +59,8 @@ impl Default for Megatron {
             distributed_optimizer: false,
             recompute: Recompute::None,
             expert_parallel: 1,
+            transformer_engine: false,
+            optimizer_cpu_offload: false,
         }
     }
 }
@@ -122,6 +132,14 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
     }
     let distributed_optimizer = boolean(obj, "distributed_optimizer").map_err(field)?;
     let expert_parallel = positive(obj, "expert_model_parallel_size", 1).map_err(field)?;
+    let transformer_engine = choice(
+        obj,
+        "transformer_impl",
+        &[("local", false), ("transformer_engine", true)],
+        false,
+    )
+    .map_err(field)?;
+    let optimizer_cpu_offload = boolean(obj, "optimizer_cpu_offload").map_err(field)?;
     #[derive(Clone, Copy, PartialEq)]
     enum Granularity {
         None,
@@ -177,6 +195,8 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         distributed_optimizer,
         recompute,
         expert_parallel,
+        transformer_engine,
+        optimizer_cpu_offload,
     })
 }
 
@@ -300,6 +320,11 @@ mod tests {
         assert!(
             err(json!({"expert_tensor_parallel_size": 2})).contains("expert tensor parallelism")
         );
+        assert!(err(json!({"transformer_impl": "te"})).contains("local, transformer_engine"));
+        let te = parse_megatron(&json!({"transformer_impl": "transformer_engine",
+            "optimizer_cpu_offload": true}))
+        .unwrap();
+        assert!(te.transformer_engine && te.optimizer_cpu_offload);
         assert_eq!(
             parse_megatron(&json!({"expert_model_parallel_size": 8}))
                 .unwrap()

@@ -31,7 +31,7 @@
 
 use std::cell::RefCell;
 
-use super::megatron::mlp;
+use super::megatron_mlp::mlp;
 use crate::dtype::DType;
 use crate::sim::engine::tracer::{Bwd, ParamId, T, Tracer};
 

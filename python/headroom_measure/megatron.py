@@ -30,6 +30,21 @@ Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `
    Adam is `torch.optim.AdamW`; fp32 main parameters in `Float16OptimizerWithFloat16Params` or, sharded over
    the data-parallel ranks, in `DistributedOptimizer`.
 
+An MoE model (`qwen3_moe`) gets `get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)`: every layer's MLP
+is an `MoELayer` (`TopKRouter`, `MoEAlltoAllTokenDispatcher`, `SequentialMLP` over the E / ep local experts),
+`TransformerConfig(num_moe_experts, moe_router_topk, moe_ffn_hidden_size, moe_token_dispatcher_type="alltoall",
+moe_router_pre_softmax=not norm_topk_prob, expert_model_parallel_size=ep)` and Megatron's other MoE defaults (no
+auxiliary or z-loss, no capacity factor, router in the activations' dtype), and
+`initialize_model_parallel(expert_model_parallel_size=ep)`. Routing is data-dependent, so the harness makes it the
+balanced routing headroom assumes, in place and without changing what Megatron allocates ([`balanced_routing`]):
+- `topk_routing_with_score_function` runs as it is; its boolean `routing_map` is then overwritten in place
+  (`copy_` under `no_grad`) with a fixed map sending token i to experts (i*k + j) mod E, j < k, made once per shape
+  before the first step (an input-sized persistent tensor). Every expert receives exactly tokens * k / E tokens.
+- Under the fake process group the all-gather of the token counts (`gather_from_sequence_parallel_region` in the
+  dispatcher's `preprocess`) returns uninitialised memory; its output is filled in place with this rank's counts
+  repeated, as a world of identical ranks would gather them. The all-to-alls of tokens then move tokens * k rows
+  each way (their contents are left as the fake group leaves them: losses are meaningless).
+
 A step is what `forward_backward_no_pipelining` does with one micro-batch: `ddp_model.zero_grad_buffer()` and
 `optimizer.zero_grad()`; forward `ddp_model(input_ids, position_ids, None, labels=input_ids)` (per-token losses)
 and `loss = sum(losses.view(-1).float() * loss_mask) / tokens` (pretrain_gpt's `loss_func`), the fwd phase;
@@ -54,8 +69,8 @@ MEGATRON_KEYS = (
     "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
 )
 # initialize_model_parallel's other sizes: measured at 1 only
-UNMEASURED_SIZES = ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+UNMEASURED_SIZES = ("pipeline_model_parallel_size", "context_parallel_size")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 def megatron_options(spec: Spec) -> dict:
@@ -70,7 +85,11 @@ def megatron_options(spec: Spec) -> dict:
     for key in UNMEASURED_SIZES:
         if raw.get(key, 1) != 1:
             raise SpecError(f"`megatron.{key}`: {raw[key]!r} is not measured; use 1 (tensor and data parallelism only)")
+    ep = raw.get("expert_model_parallel_size", 1)
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise SpecError(f"`megatron.expert_model_parallel_size`: {ep!r} is not allowed; use an integer >= 1")
     out = {
+        "expert_model_parallel_size": ep,
         "distributed_optimizer": raw.get("distributed_optimizer", False),
         "recompute_granularity": raw.get("recompute_granularity"),
         "recompute_method": raw.get("recompute_method"),
@@ -121,7 +140,21 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
     par = spec.parallel
     heads = fields["num_attention_heads"]
     head_dim = fields.get("head_dim") or fields["hidden_size"] // heads
+    moe = {}
+    if model_type == "qwen3_moe":
+        if fields.get("decoder_sparse_step", 1) != 1 or fields.get("mlp_only_layers"):
+            raise SpecError("`model_config.decoder_sparse_step`/`mlp_only_layers`: measured with every layer MoE")
+        moe = dict(
+            num_moe_experts=fields["num_experts"],
+            moe_router_topk=fields["num_experts_per_tok"],
+            moe_ffn_hidden_size=fields["moe_intermediate_size"],
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_router_pre_softmax=not fields.get("norm_topk_prob", True),
+            expert_model_parallel_size=options["expert_model_parallel_size"],
+        )
     return TransformerConfig(
+        **moe,
         num_layers=fields["num_hidden_layers"],
         hidden_size=fields["hidden_size"],
         ffn_hidden_size=fields["intermediate_size"],
@@ -134,7 +167,7 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model_type == "qwen2",
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bf16=True,
@@ -169,7 +202,10 @@ def build(spec: Spec, fields: dict, options: dict, pre_process: bool = True, pos
     from megatron.core.transformer.module import Float16Module
 
     config = transformer_config(spec, fields, options)
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+        qk_layernorm=config.qk_layernorm,
+    )
     model = GPTModel(
         config,
         layer_spec,
@@ -206,6 +242,40 @@ def build(spec: Spec, fields: dict, options: dict, pre_process: bool = True, pos
     return ddp_model, optimizer
 
 
+def balanced_routing(tokens: int, experts: int, topk: int):
+    """Make routing the balanced routing headroom assumes (see the module docstring): the router's `routing_map`
+    overwritten in place with token i sent to experts (i*k + j) mod E, and the token counts' all-gather filled as a
+    world of identical ranks would. Returns the fixed map (persistent, made here, before the first step)."""
+    import torch
+    from megatron.core.transformer.moe import router, token_dispatcher
+
+    rows = torch.arange(tokens, device="cuda").unsqueeze(1) * topk + torch.arange(topk, device="cuda")
+    fixed = torch.zeros(tokens, experts, dtype=torch.bool, device="cuda")
+    fixed.scatter_(1, rows % experts, True)
+    del rows
+    assert int(fixed.sum(dim=0).min()) == int(fixed.sum(dim=0).max()) == tokens * topk // experts
+    real_topk = router.topk_routing_with_score_function
+
+    def topk_balanced(logits, *args, **kwargs):
+        probs, routing_map = real_topk(logits, *args, **kwargs)
+        with torch.no_grad():
+            routing_map.copy_(fixed)
+        return probs, routing_map
+
+    real_gather = token_dispatcher.gather_from_sequence_parallel_region
+
+    def gather_identical(input_, *args, **kwargs):
+        out = real_gather(input_, *args, **kwargs)
+        if out is not input_ and not input_.is_floating_point():
+            with torch.no_grad():
+                out.view(-1, input_.numel()).copy_(input_.view(1, -1))
+        return out
+
+    router.topk_routing_with_score_function = topk_balanced
+    token_dispatcher.gather_from_sequence_parallel_region = gather_identical
+    return fixed
+
+
 def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None,
                      stacks: str = "python") -> dict:
     """Rank 0 of a fake world of `parallel.world_size`: build, then three steps; the record (dist.py's shape)."""
@@ -233,7 +303,11 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     # No gloo groups: they serve checkpointing only, and the fake backend cannot make them.
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=par.tp, create_gloo_process_groups=False)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        expert_model_parallel_size=options["expert_model_parallel_size"],
+        create_gloo_process_groups=False,
+    )
     model_parallel_cuda_manual_seed(1234)
 
     def phase_end(rec: dict, key: str):
@@ -253,13 +327,24 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
         "end_allocated": torch.cuda.memory_allocated(),
         "end_reserved": torch.cuda.memory_reserved(),
     }
-    # The global count: a tensor-parallel weight is 1/tp of its layer on every rank; norms are replicated.
-    params = sum(p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1) for p in ddp_model.parameters())
+    # The global count: a tensor-parallel weight is 1/tp of its layer on every rank, an expert's 1/ep of the
+    # experts (its `allreduce` is False with ep > 1); norms are replicated.
+    ep = options["expert_model_parallel_size"]
+
+    def global_numel(p):
+        n = p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1)
+        return n * (ep if not getattr(p, "allreduce", True) else 1)
+
+    params = sum(global_numel(p) for p in ddp_model.parameters())
 
     torch.manual_seed(1234)
     ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
     position_ids = torch.arange(spec.seq_len, device=device).unsqueeze(0).expand_as(ids)
     loss_mask = torch.ones(spec.batch_size * spec.seq_len, device=device)
+    if fields.get("model_type") == "qwen3_moe":
+        fixed_routing = balanced_routing(  # noqa: F841 (kept alive: the router copies it every layer)
+            spec.batch_size * spec.seq_len, fields["num_experts"], fields["num_experts_per_tok"]
+        )
     steps, losses = [], []
     peak_reserved = load["peak_reserved"]
     for step in range(STEPS):
@@ -311,6 +396,8 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
         **_versions(),
         "megatron_core": megatron.core.__version__,
         "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)",
+        "routing": "balanced (harness-fixed routing_map; token counts gathered as identical ranks)"
+        if fields.get("model_type") == "qwen3_moe" else None,
         "world_size": world,
         "launcher": "fake process group (one process, rank 0)",
         "process_group": "fake",

@@ -30,10 +30,12 @@ class MegatronSpecTest(unittest.TestCase):
         self.assertEqual((spec.parallel.framework, spec.parallel.tp, spec.parallel.shard_size), ("megatron", 2, 4))
         self.assertEqual(
             megatron_options(spec),
-            {"distributed_optimizer": True, "recompute_granularity": "full", "recompute_method": "uniform",
-             "recompute_num_layers": 1},
+            {"expert_model_parallel_size": 1, "distributed_optimizer": True, "recompute_granularity": "full",
+             "recompute_method": "uniform", "recompute_num_layers": 1},
         )  # fmt: skip
         self.assertEqual(megatron_options(specmod.parse(raw()))["recompute_granularity"], None)
+        ep = megatron_options(specmod.parse(raw(megatron={"expert_model_parallel_size": 8})))
+        self.assertEqual(ep["expert_model_parallel_size"], 8)
 
     def test_the_row_spec_round_trips(self):
         spec = specmod.parse(raw(parallel={"strategy": "ddp", "world_size": 4, "tp": 1, "framework": "megatron"}))
@@ -48,6 +50,8 @@ class MegatronSpecTest(unittest.TestCase):
             (raw(megatron={"recompute_granularity": "full", "recompute_method": "every"}), "megatron.recompute_method"),
             (raw(megatron={"pipeline_model_parallel_size": 2}), "megatron.pipeline_model_parallel_size"),
             (raw(megatron={"foo": 1}), "megatron.foo"),
+            (raw(megatron={"expert_model_parallel_size": 0}), "megatron.expert_model_parallel_size"),
+            (raw(megatron={"context_parallel_size": 2}), "megatron.context_parallel_size"),
             (raw(megatron={"distributed_optimizer": "yes"}), "megatron.distributed_optimizer"),
             (raw(gradient_checkpointing=True), "gradient_checkpointing"),
             (raw(optimizer="sgd"), "framework megatron"),

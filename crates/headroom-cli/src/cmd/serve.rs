@@ -65,6 +65,7 @@ pub const EXAMPLES: &[(&str, &str)] = &[
     example!("grpo-vllm-colocated.yaml"),
     example!("verl-actor-fsdp2.yaml"),
     example!("slime-grpo-fsdp2.yaml"),
+    example!("qwen3-235b-a22b-megatron-grpo-slime.yaml"),
     example!("llama-3.1-70b-tp8-fsdp2-64xh100.yaml"),
     example!("llama-3.1-405b-tp8-fsdp2-512xh100.yaml"),
     example!("llama-3.1-70b-pp8-interleaved-8xh200.yaml"),

@@ -85,6 +85,7 @@ fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
         "bench/tp/rows-h100-torch2.11.jsonl",
         "bench/tp/rows-call2-h100-torch2.11.jsonl",
         "bench/megatron/rows-call2-h100-torch2.11.jsonl",
+        "bench/megatron-moe/rows-h100-torch2.11.jsonl",
     ] {
         within_gates(
             rows,

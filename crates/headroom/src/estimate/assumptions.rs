@@ -239,9 +239,41 @@ impl Assumptions {
     /// What the estimate assumes about the model itself: how an MoE model's tokens are
     /// routed, and the attention transformers runs where the spec's is not available.
     pub fn with_model(mut self, spec: &RunSpec, arch: &Architecture) -> Self {
+        let megatron = spec
+            .parallel
+            .as_ref()
+            .is_some_and(|p| p.tensor.framework == crate::spec::Framework::Megatron);
+        let settings = spec.megatron.unwrap_or_default();
+        if megatron && settings.transformer_engine {
+            self.warnings.push(
+                "megatron.transformer_impl transformer_engine is not modelled: the estimate is \
+                 the local layer spec's (unfused attention with its score matrix, torch norms, \
+                 unfused cross-entropy, SequentialMLP), not Transformer Engine's fused \
+                 norm-linears, flash attention, fused cross-entropy and grouped GEMM"
+                    .to_string(),
+            );
+        }
+        if megatron && settings.optimizer_cpu_offload {
+            self.warnings.push(
+                "megatron.optimizer_cpu_offload is not modelled: the estimate keeps the fp32 main \
+                 parameters and Adam's states on the GPU (HybridDeviceOptimizer moves them to \
+                 the host)"
+                    .to_string(),
+            );
+        }
         // grouped_mm and batched_mm allocate by tokens x top_k alone; only the per-expert loop
         // depends on how the router spreads tokens.
-        if let Some(moe) = arch
+        if let Some(moe) = arch.moe.as_ref().filter(|_| megatron) {
+            self.warnings.push(format!(
+                "Megatron's MoELayer assumes balanced routing: each of the {} experts receives \
+                 tokens x {} / {} of every rank's tokens, and every expert-parallel rank \
+                 receives as many rows as it sends (the measured rows fix the router's choice \
+                 so, bench/megatron-moe); the alltoall token dispatcher and SequentialMLP (the \
+                 grouped GEMM needs Transformer Engine), no auxiliary or z-loss, no capacity \
+                 factor",
+                moe.experts, moe.top_k, moe.experts
+            ));
+        } else if let Some(moe) = arch
             .moe
             .as_ref()
             .filter(|_| spec.experts == ExpertsImpl::Eager)

@@ -1,14 +1,17 @@
 //! `megatron:`, the settings of a run under `parallel.framework: megatron` that change memory:
 //! Megatron-core's `DistributedOptimizer` (`use_distributed_optimizer`) and activation
 //! recomputation (`recompute_granularity`, `recompute_method`, `recompute_num_layers` of
-//! `TransformerConfig`), read here; `RunSpec::check_megatron` says what of Megatron is
-//! modelled and refuses the rest by name.
+//! `TransformerConfig`) and expert parallelism (`expert_model_parallel_size`), read here;
+//! `RunSpec::check_megatron` and [`check_moe`] say what of Megatron is modelled and refuse the
+//! rest by name.
 
 use std::ops::Range;
 
 use serde_json::Value;
 
 use super::parse::{RUN_SPEC_KEY, boolean, choice, positive, unknown_key};
+use super::{ExpertsImpl, RunSpec};
+use crate::arch::{Architecture, Family, Router};
 use crate::error::{Error, Result};
 
 pub(crate) const MEGATRON_KEYS: &[&str] = &[
@@ -19,6 +22,9 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
     "pipeline_model_parallel_size",
     "context_parallel_size",
     "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "transformer_impl",
+    "optimizer_cpu_offload",
 ];
 
 /// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
@@ -29,16 +35,37 @@ const UNMODELLED_SIZES: &[(&str, &str)] = &[
         "pipeline parallelism: set parallel.pp",
     ),
     ("context_parallel_size", "context parallelism"),
-    ("expert_model_parallel_size", "expert parallelism"),
+    ("expert_tensor_parallel_size", "expert tensor parallelism"),
 ];
 
 /// Megatron-core's memory settings.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Megatron {
     /// `DistributedOptimizer`: fp32 main parameters and Adam states sharded over the
     /// data-parallel ranks, the bf16 parameters viewing one contiguous buffer.
     pub distributed_optimizer: bool,
     pub recompute: Recompute,
+    /// `expert_model_parallel_size`: each rank holds `num_experts / ep` experts of every MoE
+    /// layer, whose gradients are reduced over the `world / ep` expert-data-parallel ranks.
+    pub expert_parallel: u64,
+    /// `transformer_impl: transformer_engine`: the run uses Transformer Engine's layer spec,
+    /// which is not modelled; the estimate is the local spec's and says so.
+    pub transformer_engine: bool,
+    /// `--optimizer-cpu-offload` (`HybridDeviceOptimizer`), not modelled: the estimate keeps
+    /// the main parameters and Adam's states on the GPU and says so.
+    pub optimizer_cpu_offload: bool,
+}
+
+impl Default for Megatron {
+    fn default() -> Self {
+        Megatron {
+            distributed_optimizer: false,
+            recompute: Recompute::None,
+            expert_parallel: 1,
+            transformer_engine: false,
+            optimizer_cpu_offload: false,
+        }
+    }
 }
 
 /// `recompute_granularity`.
@@ -107,6 +134,15 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         }
     }
     let distributed_optimizer = boolean(obj, "distributed_optimizer").map_err(field)?;
+    let expert_parallel = positive(obj, "expert_model_parallel_size", 1).map_err(field)?;
+    let transformer_engine = choice(
+        obj,
+        "transformer_impl",
+        &[("local", false), ("transformer_engine", true)],
+        false,
+    )
+    .map_err(field)?;
+    let optimizer_cpu_offload = boolean(obj, "optimizer_cpu_offload").map_err(field)?;
     #[derive(Clone, Copy, PartialEq)]
     enum Granularity {
         None,
@@ -161,7 +197,85 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
     Ok(Megatron {
         distributed_optimizer,
         recompute,
+        expert_parallel,
+        transformer_engine,
+        optimizer_cpu_offload,
     })
+}
+
+/// What Megatron's `MoELayer` with the local layer spec is modelled for, given the model and the
+/// run's `world` ranks and tensor-parallel size `tp` (`parallel_state.initialize_model_parallel`,
+/// `BaseMoELayer`, `MoELayer.forward`): Qwen3-MoE's softmax router renormalised over the top k
+/// (`moe_router_pre_softmax` false), every layer routed, no shared expert; `ep` dividing the
+/// experts and the world; no tensor parallelism (`MoELayer` refuses it in training without
+/// sequence parallelism, which the local layer spec's torch norm refuses).
+pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture) -> Result<()> {
+    // A pipeline stage's ranks: expert parallelism divides them (`RankGenerator`'s expert layout).
+    let (world, tp) = spec
+        .parallel
+        .as_ref()
+        .map_or((1, 1), |p| (p.world_size / p.pipeline.pp, p.tensor.tp));
+    let ep = megatron.expert_parallel;
+    let Some(moe) = &arch.moe else {
+        if ep > 1 {
+            return Err(Error::field(
+                "megatron.expert_model_parallel_size",
+                ep,
+                "use 1 with a dense model (Megatron needs num_moe_experts for expert parallelism)",
+            ));
+        }
+        return Ok(());
+    };
+    let routes_every_layer = (0..arch.layers).all(|l| moe.routes(l));
+    if arch.family != Family::Qwen3Moe
+        || moe.router != Router::Softmax
+        || !moe.norm_topk_prob
+        || moe.shared_intermediate > 0
+        || !routes_every_layer
+    {
+        return Err(Error::Unsupported {
+            what: format!("framework megatron with this {} model", arch.model_type),
+            supported: "Megatron's MoELayer for Qwen3-MoE models: every layer routed (no \
+                        mlp_only_layers, decoder_sparse_step 1), norm_topk_prob true, no shared \
+                        expert"
+                .into(),
+        });
+    }
+    if tp > 1 {
+        return Err(Error::Unsupported {
+            what: format!("parallel.tp {tp} with an MoE model and framework megatron"),
+            supported: "tp 1 with MoE models: Megatron's MoELayer refuses tensor parallelism \
+                        without sequence parallelism in training, and the local layer spec's \
+                        torch norm refuses sequence parallelism (Transformer Engine is not \
+                        modelled); use megatron.expert_model_parallel_size"
+                .into(),
+        });
+    }
+    if spec.routing_factor != 1.0 || spec.experts != ExpertsImpl::default() {
+        return Err(Error::Unsupported {
+            what: "routing or experts_implementation with framework megatron".into(),
+            supported: "Megatron's SequentialMLP under balanced routing (leave both out)".into(),
+        });
+    }
+    if !moe.experts.is_multiple_of(ep) {
+        return Err(Error::field(
+            "megatron.expert_model_parallel_size",
+            ep,
+            format!("a divisor of num_experts ({})", moe.experts),
+        ));
+    }
+    if !world.is_multiple_of(ep * tp) {
+        return Err(Error::field(
+            "megatron.expert_model_parallel_size",
+            ep,
+            format!(
+                "a divisor of parallel.world_size / (pp * tp) ({}): the expert-data-parallel \
+                 ranks are world_size / (pp * ep * expert_tensor_parallel_size)",
+                world / tp
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -172,8 +286,8 @@ mod tests {
     #[test]
     fn uniform_chunks_cover_every_layer_and_block_the_first_ones() {
         let full = |method, layers| Megatron {
-            distributed_optimizer: false,
             recompute: Recompute::Full { method, layers },
+            ..Megatron::default()
         };
         assert_eq!(
             full(RecomputeMethod::Uniform, 2).checkpointed_chunks(4),
@@ -190,6 +304,7 @@ mod tests {
         let selective = Megatron {
             distributed_optimizer: true,
             recompute: Recompute::Selective,
+            ..Megatron::default()
         };
         assert!(selective.checkpointed_chunks(4).is_empty());
     }
@@ -206,17 +321,30 @@ mod tests {
         assert!(err(json!({"distributed_optimizer": "yes"})).contains("true or false"));
         let pp = err(json!({"pipeline_model_parallel_size": 2}));
         assert!(pp.contains("pipeline parallelism"), "{pp}");
-        assert!(err(json!({"expert_model_parallel_size": 8})).contains("expert parallelism"));
+        assert!(
+            err(json!({"expert_tensor_parallel_size": 2})).contains("expert tensor parallelism")
+        );
+        assert!(err(json!({"transformer_impl": "te"})).contains("local, transformer_engine"));
+        let te = parse_megatron(&json!({"transformer_impl": "transformer_engine",
+            "optimizer_cpu_offload": true}))
+        .unwrap();
+        assert!(te.transformer_engine && te.optimizer_cpu_offload);
+        assert_eq!(
+            parse_megatron(&json!({"expert_model_parallel_size": 8}))
+                .unwrap()
+                .expert_parallel,
+            8
+        );
         assert!(err(json!({"context_parallel_size": 0})).contains("integer >= 1"));
         assert!(parse_megatron(&json!({"pipeline_model_parallel_size": 1})).is_ok());
         assert_eq!(
             parse_megatron(&json!({"recompute_granularity": "full"})).unwrap(),
             Megatron {
-                distributed_optimizer: false,
                 recompute: Recompute::Full {
                     method: RecomputeMethod::Uniform,
                     layers: 1
                 },
+                ..Megatron::default()
             }
         );
     }

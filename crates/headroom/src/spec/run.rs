@@ -1012,16 +1012,19 @@ impl RunSpec {
         }) else {
             return Ok(());
         };
-        if !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
-            || arch.moe.is_some()
-            || arch.mla.is_some()
+        if !matches!(
+            arch.family,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe
+        ) || arch.mla.is_some()
         {
             return Err(Error::Unsupported {
                 what: format!("framework megatron with a {} model", arch.model_type),
-                supported: "Megatron's GPTModel as dense Llama, Mistral, Qwen2 and Qwen3 models"
+                supported: "Megatron's GPTModel as dense Llama, Mistral, Qwen2 and Qwen3 models \
+                            and Qwen3-MoE"
                     .into(),
             });
         }
+        super::megatron::check_moe(self, &megatron, arch)?;
         if arch.tie_word_embeddings {
             return Err(Error::Unsupported {
                 what: format!(
@@ -1270,7 +1273,11 @@ impl RunSpec {
             .map(|p| &p.pipeline)
             .filter(|p| p.pp > 1)
         {
-            check_pipeline_parallel(pipeline, arch, self.batch_size)?;
+            let megatron = self
+                .parallel
+                .as_ref()
+                .is_some_and(|p| p.tensor.framework == Framework::Megatron);
+            check_pipeline_parallel(pipeline, arch, self.batch_size, megatron)?;
         }
         if self.parallel.as_ref().is_some_and(|p| p.tensor.cp > 1) {
             check_context_parallel(self, arch)?;
@@ -1627,18 +1634,22 @@ fn check_tp_divides(arch: &Architecture, tp: u64) -> Result<()> {
     Ok(())
 }
 
-/// What a pipeline split needs of the model: a dense decoder whose input embedding and output
-/// head are modules of their own (a tied pair would sit on the first and the last stage), and
-/// layers for every stage.
+/// What a pipeline split needs of the model: a dense decoder (or, under Megatron, the MoE
+/// models its `MoELayer` is modelled for: `megatron::check_moe`) whose input embedding and
+/// output head are modules of their own (a tied pair would sit on the first and the last
+/// stage), and layers for every stage.
 fn check_pipeline_parallel(
     pipeline: &PipelineParallel,
     arch: &Architecture,
     batch_size: u64,
+    megatron: bool,
 ) -> Result<()> {
-    if arch.moe.is_some() || arch.mla.is_some() {
+    if (arch.moe.is_some() && !megatron) || arch.mla.is_some() {
         return Err(Error::Unsupported {
             what: format!("parallel.pp with a {} model", arch.model_type),
-            supported: "pipeline parallelism of dense decoders".into(),
+            supported: "pipeline parallelism of dense decoders, and of Qwen3-MoE under \
+                        framework megatron"
+                .into(),
         });
     }
     refuse_tied_embeddings(arch, "parallel.pp")?;

@@ -14,6 +14,7 @@ mod layering;
 mod layouts;
 mod lint;
 mod megatron;
+mod megatron_moe;
 mod megatron_pp;
 mod oom_messages;
 mod oom_pastes;

@@ -443,6 +443,21 @@ impl Tracer {
                     }));
                 }
             }
+            Bwd::RouterGating => {
+                for i in 0..2 {
+                    out.push(needs(i).map(|(numel, _)| {
+                        self.ensure_cublas_workspace();
+                        self.empty(numel, self.dtype(g), "grad of router gating (mm)")
+                    }));
+                }
+            }
+            Bwd::GatherBack => out.push(needs(0).map(|(numel, _)| {
+                self.empty(
+                    numel,
+                    self.dtype(g),
+                    "grad gathered back (gather / all-to-all)",
+                )
+            })),
             Bwd::VocabParallelCrossEntropy { tokens } => {
                 let mask = self.empty(tokens, DType::F32, "target_mask.float()");
                 let update = self.empty(tokens, DType::F32, "1.0 - target_mask");

@@ -4,7 +4,8 @@
 //! does with one micro-batch: the forward and pretrain_gpt's loss
 //! (`sum(losses.view(-1).float() * loss_mask) / loss_mask.sum()`), `backward()` with the
 //! gradient buffers' (in-place) reductions, `optimizer.step()`. Zeroing the gradient buffer
-//! and the main gradients frees nothing.
+//! and the main gradients frees nothing. An MoE model's routing is made balanced by the
+//! harness, which keeps a fixed routing map for it.
 
 use super::simulation::{AfterOom, Options, STEPS, Simulation};
 use crate::arch::{Architecture, Param};
@@ -14,6 +15,7 @@ use crate::sim::engine::memory::OnOom;
 use crate::sim::engine::tracer::{BackwardHooks, Bwd, ParamId, T, Tracer};
 use crate::sim::model::Batch;
 use crate::sim::model::megatron::{GptModel, StagePart};
+use crate::sim::model::megatron_moe::{Experts, harness_routing_map};
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::Strategy;
 use crate::sim::strategy::megatron::MegatronDdp;
@@ -62,7 +64,7 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
         b: spec.batch_size,
         s: spec.seq_len,
     };
-    let [ids, positions, loss_mask] = inputs(&mut t, batch);
+    let [ids, positions, loss_mask] = inputs(&mut t, batch, model.experts);
     // Megatron's optimizer wraps its own; this one is never stepped.
     let mut unused = OptimizerState::new(Optimizer::None);
     for step in 1..=STEPS {
@@ -121,7 +123,8 @@ pub(super) fn load(
         t,
         &model.params,
         &model.vectors,
-        dp,
+        &model.expert_params,
+        (dp, megatron.expert_parallel),
         megatron.distributed_optimizer,
     );
     *model.strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));
@@ -129,12 +132,15 @@ pub(super) fn load(
 }
 
 /// The harness's inputs of one (micro-)batch, made once: `input_ids`, `position_ids`,
-/// `loss_mask`.
-pub(super) fn inputs(t: &mut Tracer, batch: Batch) -> [T; 3] {
+/// `loss_mask`, and for an MoE model the fixed balanced routing map.
+pub(super) fn inputs(t: &mut Tracer, batch: Batch, experts: Option<Experts>) -> [T; 3] {
     let outer = std::mem::replace(&mut t.component, Component::Inputs);
     let ids = t.empty(batch.n(), DType::I64, "input_ids");
     let positions = t.empty(batch.s, DType::I64, "position_ids (arange)");
     let loss_mask = t.empty(batch.n(), DType::F32, "loss_mask");
+    if let Some(experts) = experts {
+        harness_routing_map(t, batch.n(), experts);
+    }
     t.component = outer;
     [ids, positions, loss_mask]
 }

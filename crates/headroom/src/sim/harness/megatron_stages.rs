@@ -87,7 +87,7 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     let weights_loaded = t.mem.allocated();
     let received = t.params.len();
     let mut phases = vec![t.mem.phase_peak()];
-    let [ids, positions, loss_mask] = inputs(&mut t, batch);
+    let [ids, positions, loss_mask] = inputs(&mut t, batch, model.experts);
     let steps = one_f_one_b(pp, microbatches, pp_rank);
     // `TransformerBlock.input_tensor`, across steps.
     let mut block_input: Option<Received> = None;

@@ -29,7 +29,7 @@
 //!   `bmm` with the values, then `permute(...).contiguous()`.
 //! - `bias_dropout_add` without fusion: dropout 0 is the identity, `residual + out`.
 //! - the MLP: `linear_fc1` to `2f`, `chunk`, `silu(x0) * (x1 + glu_linear_offset)` (the sum
-//!   a new tensor), `linear_fc2`.
+//!   a new tensor), `linear_fc2`; an MoE model's is `MoELayer` (`model::megatron_moe`).
 //! - the output layer's logits (bf16, freed once the loss is computed) and
 //!   `_VocabParallelCrossEntropy`: `.float()` (the fp32 copy is worked in place into the
 //!   softmax, which it saves), the row max with its indices, the targets masked and shifted.
@@ -43,6 +43,8 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use super::Batch;
+use super::megatron_mlp::mlp;
+use super::megatron_moe::{EXPERT_PREFIX, Experts, MoeLayer, ROUTER_WEIGHT};
 use crate::arch::{Architecture, Family};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
@@ -64,7 +66,7 @@ pub(crate) struct Widths {
     pub tp: u64,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 struct Layer {
     input_norm: ParamId,
     proj: ParamId,
@@ -73,8 +75,14 @@ struct Layer {
     q_norm: Option<ParamId>,
     k_norm: Option<ParamId>,
     mlp_norm: ParamId,
-    fc1: ParamId,
-    fc2: ParamId,
+    mlp: Mlp,
+}
+
+/// A layer's MLP: dense (`linear_fc1`, `linear_fc2`) or Megatron's `MoELayer`.
+#[derive(Debug)]
+enum Mlp {
+    Dense { fc1: ParamId, fc2: ParamId },
+    Moe(MoeLayer),
 }
 
 /// A checkpointed region: whole layers, or one layer's core attention.
@@ -117,9 +125,13 @@ pub(crate) struct GptModel {
     layers: Vec<Layer>,
     /// The final norm and the output layer (the last stage's).
     head: Option<(ParamId, ParamId)>,
-    /// Every parameter in `named_parameters()` order, and which are vectors (1-D).
+    /// Every parameter in `named_parameters()` order, which are vectors (1-D) and which are
+    /// local experts'.
     pub(crate) params: Vec<ParamId>,
     pub(crate) vectors: Vec<bool>,
+    pub(crate) expert_params: Vec<bool>,
+    /// The MoE layers' experts (`None`: a dense model).
+    pub(crate) experts: Option<Experts>,
     megatron: Megatron,
     pub(crate) strategy: RefCell<Strategy>,
     cache: RefCell<Cache>,
@@ -138,6 +150,12 @@ impl GptModel {
         megatron: Megatron,
         part: StagePart,
     ) -> Self {
+        let experts = arch.moe.as_ref().map(|moe| Experts {
+            count: moe.experts,
+            top_k: moe.top_k,
+            width: moe.intermediate,
+            ep: megatron.expert_parallel,
+        });
         let widths = Widths {
             hidden: arch.hidden,
             heads: arch.heads / tp,
@@ -158,10 +176,12 @@ impl GptModel {
         } = widths;
         let mut params = Vec::new();
         let mut vectors = Vec::new();
+        let mut expert_params = Vec::new();
         let mut norms = Vec::new();
         let mut param = |t: &mut Tracer, numel: u64, dtype: DType, label: &'static str| {
-            // `torch.nn.RMSNorm` makes its weight on the host; the layers make theirs on the GPU.
-            let p = if dtype == DType::F32 {
+            // `torch.nn.RMSNorm` and the MoE router make their weights on the host; the layers
+            // make theirs on the GPU.
+            let p = if dtype == DType::F32 || label == ROUTER_WEIGHT {
                 let p = t.parameter_deferred(numel, dtype, true, label);
                 norms.push(p);
                 p
@@ -170,12 +190,15 @@ impl GptModel {
             };
             params.push(p);
             vectors.push(dtype == DType::F32 || label.ends_with("bias"));
+            expert_params.push(label.starts_with(EXPERT_PREFIX));
             p
         };
         let embedding = part
             .pre_process
             .then(|| param(t, v * h, DType::BF16, "word_embeddings.weight"));
         let qkv_width = (heads + 2 * groups) * d;
+        // Qwen3's and Qwen3-MoE's `qk_layernorm`.
+        let qk_norm = matches!(arch.family, Family::Qwen3 | Family::Qwen3Moe);
         let layers = (0..part.layers)
             .map(|_| Layer {
                 input_norm: param(t, h, DType::F32, "input_layernorm.weight"),
@@ -183,13 +206,16 @@ impl GptModel {
                 qkv: param(t, qkv_width * h, DType::BF16, "linear_qkv.weight"),
                 qkv_bias: (arch.family == Family::Qwen2)
                     .then(|| param(t, qkv_width, DType::BF16, "linear_qkv.bias")),
-                q_norm: (arch.family == Family::Qwen3)
-                    .then(|| param(t, d, DType::F32, "q_layernorm.weight")),
-                k_norm: (arch.family == Family::Qwen3)
-                    .then(|| param(t, d, DType::F32, "k_layernorm.weight")),
+                q_norm: qk_norm.then(|| param(t, d, DType::F32, "q_layernorm.weight")),
+                k_norm: qk_norm.then(|| param(t, d, DType::F32, "k_layernorm.weight")),
                 mlp_norm: param(t, h, DType::F32, "pre_mlp_layernorm.weight"),
-                fc1: param(t, 2 * f * h, DType::BF16, "linear_fc1.weight"),
-                fc2: param(t, h * f, DType::BF16, "linear_fc2.weight"),
+                mlp: match experts {
+                    Some(experts) => Mlp::Moe(MoeLayer::build(t, &mut param, h, experts)),
+                    None => Mlp::Dense {
+                        fc1: param(t, 2 * f * h, DType::BF16, "linear_fc1.weight"),
+                        fc2: param(t, h * f, DType::BF16, "linear_fc2.weight"),
+                    },
+                },
             })
             .collect();
         let head = part.post_process.then(|| {
@@ -213,6 +239,8 @@ impl GptModel {
             head,
             params,
             vectors,
+            expert_params,
+            experts,
             megatron,
             strategy: RefCell::new(Strategy::Local),
             cache: RefCell::new(Cache::default()),
@@ -320,15 +348,29 @@ impl GptModel {
 
     /// `TransformerLayer.forward`.
     fn layer_forward(&self, t: &mut Tracer, l: usize, x: T, freqs: T, batch: Batch) -> T {
-        let layer = self.layers[l];
+        let layer = &self.layers[l];
         let n = batch.n();
         let normed = self.rms_norm(t, x, layer.input_norm, n);
-        let attention = self.attention(t, &layer, normed, freqs, batch);
+        let attention = self.attention(t, layer, normed, freqs, batch);
         t.drop(normed);
         let hidden = t.add(x, attention);
         t.drop(attention);
         let normed = self.rms_norm(t, hidden, layer.mlp_norm, n);
-        let mlp = self.mlp(t, &layer, normed);
+        let mlp = match (&layer.mlp, self.experts) {
+            (Mlp::Dense { fc1, fc2 }, _) => mlp(
+                t,
+                *fc1,
+                *fc2,
+                self.widths.ffn,
+                self.widths.hidden,
+                normed,
+                None,
+            ),
+            (Mlp::Moe(moe), Some(experts)) => {
+                moe.forward(t, normed, n, self.widths.hidden, experts)
+            }
+            (Mlp::Moe(_), None) => unreachable!("MoE layers are built with their experts"),
+        };
         t.drop(normed);
         let out = t.add(hidden, mlp);
         t.drop_all(&[mlp, hidden]);
@@ -524,29 +566,6 @@ impl GptModel {
         t.drop(upper);
         t.component = outer;
         mask
-    }
-
-    /// `MLP.forward`: `linear_fc1`, `glu` (`chunk`, `silu(x0) * (x1 + offset)`), `linear_fc2`.
-    fn mlp(&self, t: &mut Tracer, layer: &Layer, x: T) -> T {
-        let Widths {
-            hidden: h, ffn: f, ..
-        } = self.widths;
-        let up = t.linear(x, layer.fc1, None, 2 * f, false);
-        let half = t.numel(up) / 2;
-        let halves = [
-            t.view(up, half, "x[0] (chunk)"),
-            t.view(up, half, "x[1] (chunk)"),
-        ];
-        t.record(Bwd::Split, &[Some(up)], &halves, &[]);
-        t.drop(up);
-        let act = t.silu(halves[0]);
-        // `x_linear + config.glu_linear_offset`: a new tensor even for an offset of 0.
-        let linear = t.add_scalar(halves[1]);
-        let gated = t.mul(act, linear);
-        t.drop_all(&[linear, act, halves[0], halves[1]]);
-        let out = t.linear(gated, layer.fc2, None, h, false);
-        t.drop(gated);
-        out
     }
 
     /// `compute_language_model_loss`: the labels copied to `[s, b]`,

@@ -10,6 +10,8 @@ pub(crate) mod heads;
 pub(crate) mod liger;
 pub(crate) mod load;
 pub(crate) mod megatron;
+pub(crate) mod megatron_mlp;
+pub(crate) mod megatron_moe;
 pub(crate) mod mla;
 pub(crate) mod moe;
 pub(crate) mod quant;

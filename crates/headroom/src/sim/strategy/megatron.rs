@@ -21,6 +21,12 @@
 //!   until the norm is summed), the clip (`dst.copy_(src * clip_coeff)`: a temporary the size
 //!   of each gradient in turn), AdamW, then `model_param.copy_(main_param)` in place.
 //!
+//! - Expert parallelism (`ep > 1`): the local experts' parameters (`allreduce` false) get a
+//!   buffer of their own, made after the dense one and sharded over the `dp / ep`
+//!   expert-data-parallel ranks, and an optimizer of their own after the dense one's
+//!   (`get_megatron_optimizer` chains them: the norm and clip of every gradient, then each
+//!   optimizer's step).
+//!
 //! The reductions (`finish_grad_sync`, the parameter all-gather) work in place in the buffers.
 
 use super::super::engine::component::Component;
@@ -98,24 +104,73 @@ struct MainParam {
     vector: bool,
 }
 
-/// The wrapper and its optimizer; the buffers live as long as the process.
-pub(crate) struct MegatronDdp {
+/// One buffer's optimizer: its main parameters and AdamW's two parameter groups (the matrices,
+/// then the vectors).
+struct Part {
     main: Vec<MainParam>,
-    /// AdamW's two parameter groups: the matrices, then the vectors.
     optimizers: [OptimizerState; 2],
+}
+
+/// The wrapper and its optimizers (the dense parameters', then the experts'); the buffers live
+/// as long as the process.
+pub(crate) struct MegatronDdp {
+    parts: Vec<Part>,
 }
 
 impl MegatronDdp {
     /// `DistributedDataParallel(config, ddp_config, module)` over the model's parameters
-    /// (`params`, in `named_parameters()` order, `vectors` saying which are 1-D), then the
-    /// optimizer's main parameters, as rank 0 of `dp` data-parallel ranks builds them.
+    /// (`params`, in `named_parameters()` order, `vectors` saying which are 1-D, `experts`
+    /// which are local experts'), then the optimizers' main parameters, as rank 0 of `dp`
+    /// data-parallel ranks and `ep` expert-parallel ones builds them.
     pub(crate) fn wrap(
         t: &mut Tracer,
         params: &[ParamId],
         vectors: &[bool],
-        dp: u64,
+        experts: &[bool],
+        (dp, ep): (u64, u64),
         distributed_optimizer: bool,
     ) -> Self {
+        // `group_params_for_buffers`: experts apart only when expert-parallel.
+        let buffers: Vec<(Vec<usize>, u64)> = if ep > 1 {
+            let of = |expert: bool| {
+                (0..params.len())
+                    .filter(|&i| experts[i] == expert)
+                    .collect()
+            };
+            vec![(of(false), dp), (of(true), dp / ep)]
+        } else {
+            vec![((0..params.len()).collect(), dp)]
+        };
+        let laid_out: Vec<(Vec<usize>, u64, BufferLayout)> = buffers
+            .into_iter()
+            .map(|(members, dp)| {
+                let picked: Vec<ParamId> = members.iter().map(|&i| params[i]).collect();
+                let layout = Self::buffer(t, &picked, dp, distributed_optimizer);
+                (members, dp, layout)
+            })
+            .collect();
+        let parts = laid_out
+            .into_iter()
+            .map(|(members, dp, layout)| {
+                let vectors: Vec<bool> = members.iter().map(|&i| vectors[i]).collect();
+                let numels: Vec<u64> = members
+                    .iter()
+                    .map(|&i| t.numel(t.param(params[i])))
+                    .collect();
+                Part::new(t, &numels, &vectors, &layout, dp, distributed_optimizer)
+            })
+            .collect();
+        MegatronDdp { parts }
+    }
+
+    /// One `_ParamAndGradBuffer` over `params`: its bf16 `param_data` (distributed optimizer),
+    /// its fp32 `grad_data`, and the parameters moved into the first.
+    fn buffer(
+        t: &mut Tracer,
+        params: &[ParamId],
+        dp: u64,
+        distributed_optimizer: bool,
+    ) -> BufferLayout {
         let numels: Vec<u64> = params.iter().map(|&p| t.numel(t.param(p))).collect();
         let layout = BufferLayout::new(&numels, dp, distributed_optimizer);
         let param_data = distributed_optimizer.then(|| {
@@ -140,6 +195,21 @@ impl MegatronDdp {
                 t.param_into_view(p, data, "parameter in param_data");
             }
         }
+        layout
+    }
+}
+
+impl Part {
+    /// A mixed-precision optimizer's fp32 main parameters over one buffer (`numels` and
+    /// `vectors` of its parameters, in order): all of them, or this rank's shard of `dp`.
+    fn new(
+        t: &mut Tracer,
+        numels: &[u64],
+        vectors: &[bool],
+        layout: &BufferLayout,
+        dp: u64,
+        distributed_optimizer: bool,
+    ) -> Self {
         // `_get_param_groups`: the default group (matrices) sorts before the wd_mult 0 one.
         let outer = std::mem::replace(&mut t.component, Component::OptimizerStates);
         let mut main = Vec::new();
@@ -166,7 +236,7 @@ impl MegatronDdp {
             }
         }
         t.component = outer;
-        MegatronDdp {
+        Part {
             main,
             optimizers: [
                 OptimizerState::new(Optimizer::AdamW),
@@ -174,7 +244,9 @@ impl MegatronDdp {
             ],
         }
     }
+}
 
+impl MegatronDdp {
     /// The hook on `param`'s `AccumulateGrad`: `param.main_grad.add_(param.grad.data);
     /// param.grad = None`.
     pub(crate) fn grad_accumulated(&mut self, t: &mut Tracer, param: ParamId) {
@@ -188,8 +260,8 @@ impl MegatronDdp {
     pub(crate) fn step(&mut self, t: &mut Tracer) {
         let outer = std::mem::replace(&mut t.component, Component::OptimizerTemporaries);
         // `local_multi_tensor_l2_norm`: `[torch.norm(g) for g in grads]`, then their norm.
-        let norms: Vec<T> = self
-            .main
+        let main: Vec<&MainParam> = self.parts.iter().flat_map(|p| &p.main).collect();
+        let norms: Vec<T> = main
             .iter()
             .map(|_| t.empty(1, DType::F32, "torch.norm(main_grad)"))
             .collect();
@@ -202,22 +274,24 @@ impl MegatronDdp {
         t.drop(squared);
         // `clip_grad_by_total_norm_fp32` with a float coefficient below 1.
         let overflow = t.empty(1, DType::I32, "dummy_overflow_buf");
-        for m in &self.main {
+        for m in &main {
             let numel = t.numel(t.param(m.main));
             let scaled = t.empty(numel, DType::F32, "main_grad * clip_coeff");
             t.drop(scaled);
         }
         t.drop(overflow);
         t.component = outer;
-        for (group, vector) in [false, true].into_iter().enumerate() {
-            let params: Vec<ParamId> = self
-                .main
-                .iter()
-                .filter(|m| m.vector == vector)
-                .map(|m| m.main)
-                .collect();
-            if !params.is_empty() {
-                self.optimizers[group].step(t, &params);
+        for part in &mut self.parts {
+            for (group, vector) in [false, true].into_iter().enumerate() {
+                let params: Vec<ParamId> = part
+                    .main
+                    .iter()
+                    .filter(|m| m.vector == vector)
+                    .map(|m| m.main)
+                    .collect();
+                if !params.is_empty() {
+                    part.optimizers[group].step(t, &params);
+                }
             }
         }
     }

@@ -222,6 +222,13 @@ pub(crate) enum Bwd {
     /// `baddbmm(W, B, A)` with a frozen `W`: each factor's gradient is a `bmm` scaled by
     /// alpha.
     Baddbmm,
+    /// Megatron's `RouterGatingLinearFunction` (`mm(x, w.t())` saving both): the input's
+    /// gradient `mm(grad, w)` first, then the weight's `mm(grad.t(), x)`, both fresh tensors.
+    RouterGating,
+    /// An op whose one differentiable input's gradient is gathered or sent back into a new
+    /// tensor of that input's size: `scatter`'s and `scatter_add_`'s source (`grad.gather`),
+    /// Megatron's `_AllToAll` (the reverse all-to-all).
+    GatherBack,
     /// Megatron's `_VocabParallelCrossEntropy` over `tokens` rows: the gradient is the saved
     /// fp32 softmax, updated in place at the targets (`grad_2d[arange, target] -=
     /// 1 - target_mask.float()`) and scaled by the incoming gradient.

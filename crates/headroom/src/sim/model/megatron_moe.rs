@@ -1,0 +1,395 @@
+//! Megatron-core 0.19's `MoELayer` as `get_gpt_layer_local_spec(num_experts=E,
+//! moe_grouped_gemm=False)` builds it, translated into tracer ops as rank 0 of `ep` expert-parallel
+//! ranks runs it (`transformer/moe/moe_layer.py`, `router.py`, `token_dispatcher.py`
+//! (`MoEAlltoAllTokenDispatcher`), `experts.py` (`SequentialMLP`), `moe_utils.py`). Megatron's
+//! defaults otherwise: no auxiliary or z-loss, no capacity factor, the router in the activations'
+//! dtype, no shared expert, tensor and expert-tensor parallelism 1.
+//!
+//! Routing is data-dependent; the model assumes it balanced: token `i` of a rank's `n` goes to
+//! experts `(i·k + j) mod E`, `j < k`, so every expert receives `n·k / E` tokens of every rank
+//! (the first `n·k mod E` one more), and every rank's dispatch is the same ([`Experts`]).
+//!
+//! What a forward allocates, in order:
+//! - `TopKRouter`: `RouterGatingLinearFunction` (`mm(x, w.t())`, `[n, E]` logits, saving `x` and
+//!   `w`), `topk` (values and int64 indices, the indices saved), `softmax(scores,
+//!   dtype=float32)` (half-to-float, its result saved), `.type_as(logits)`, then `zeros_like(logits)
+//!   .scatter(1, idx, probs)` (the routed probabilities, `[n, E]`) and `zeros_like(logits).int()
+//!   .scatter(1, idx, 1).bool()` (the routing map).
+//! - `dispatch_preprocess`: the token counts (`routing_map.sum(0)`, moved to the host), then
+//!   `permute`: `routing_map.T.contiguous()`, its stable `argsort` (`sort`: values, int64
+//!   indices, cub's scratch), `[:n·k]` (a view keeping the whole argsort), `% n`,
+//!   `probs.T.contiguous()[flat_sorted]` and `tokens.index_select(0, sorted_indices)` (`[n·k, h]`).
+//!   The dispatcher keeps `probs`, `routing_map` and the sorted indices as attributes until the
+//!   layer's next forward.
+//! - with `ep > 1`, `_AllToAll` of the tokens and of the probabilities into new tensors of the
+//!   rows this rank receives; the permuted tokens stay referenced until the layer returns.
+//! - with more than one local expert, `sort_chunks_by_idxs` (`split` then `cat`: a copy) of
+//!   the tokens and probabilities by local expert, and back after the experts.
+//! - `SequentialMLP`: each local expert's `MLP` on its `split` rows, the probabilities applied
+//!   after the activation (`per_token_scale`), then `torch.cat` of the outputs.
+//! - `_AllToAll` back (`ep > 1`), then `unpermute`: `zeros([n, h]).scatter_add_(0, idx, tokens)`.
+
+use std::cell::RefCell;
+
+use super::megatron_mlp::mlp;
+use crate::dtype::DType;
+use crate::sim::engine::tracer::{Bwd, ParamId, T, Tracer};
+
+/// The router's parameter name: `Router.__init__` makes it on the host (fp32, cast to the
+/// parameters' dtype there); `model.cuda()` moves it with the norms.
+pub(crate) const ROUTER_WEIGHT: &str = "router.weight";
+/// The prefix of the local experts' parameters (`allreduce` false with `ep > 1`: they go to the
+/// expert-data-parallel buffer).
+pub(crate) const EXPERT_PREFIX: &str = "experts.";
+
+/// The experts of every MoE layer and how rank 0 of `ep` holds and receives them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Experts {
+    /// `num_moe_experts` (E).
+    pub count: u64,
+    /// `moe_router_topk` (k).
+    pub top_k: u64,
+    /// `moe_ffn_hidden_size`.
+    pub width: u64,
+    /// `expert_model_parallel_size`.
+    pub ep: u64,
+}
+
+impl Experts {
+    /// Experts on each rank (`num_local_experts`); rank 0 holds experts `0..local`.
+    pub fn local(&self) -> u64 {
+        self.count / self.ep
+    }
+
+    /// Tokens each expert receives from one rank of `tokens` under the balanced routing.
+    pub fn per_expert(&self, tokens: u64) -> Vec<u64> {
+        let routed = tokens * self.top_k;
+        let (base, extra) = (routed / self.count, routed % self.count);
+        (0..self.count)
+            .map(|e| base + u64::from(e < extra))
+            .collect()
+    }
+
+    /// Rows rank 0's local experts receive from the `ep` identical ranks (`tokens_per_expert`).
+    pub fn received(&self, tokens: u64) -> Vec<u64> {
+        self.per_expert(tokens)
+            .into_iter()
+            .take(self.local() as usize)
+            .map(|rows| rows * self.ep)
+            .collect()
+    }
+}
+
+/// What `MoEAlltoAllTokenDispatcher` keeps from a forward until the layer's next one.
+#[derive(Debug, Default)]
+struct Held {
+    probs: Option<T>,
+    routing_map: Option<T>,
+    sorted_indices: Option<T>,
+}
+
+/// One MoE layer on this rank.
+#[derive(Debug)]
+pub(crate) struct MoeLayer {
+    router: ParamId,
+    /// Each local expert's `linear_fc1` and `linear_fc2`.
+    experts: Vec<(ParamId, ParamId)>,
+    held: RefCell<Held>,
+}
+
+impl MoeLayer {
+    /// `MoELayer.__init__`: the router, then `SequentialMLP`'s local experts, in
+    /// `named_parameters()` order, through `param` (which makes each as the model does).
+    pub(crate) fn build(
+        t: &mut Tracer,
+        param: &mut impl FnMut(&mut Tracer, u64, DType, &'static str) -> ParamId,
+        hidden: u64,
+        experts: Experts,
+    ) -> Self {
+        let router = param(t, experts.count * hidden, DType::BF16, ROUTER_WEIGHT);
+        let experts = (0..experts.local())
+            .map(|_| {
+                (
+                    param(
+                        t,
+                        2 * experts.width * hidden,
+                        DType::BF16,
+                        "experts.linear_fc1.weight",
+                    ),
+                    param(
+                        t,
+                        hidden * experts.width,
+                        DType::BF16,
+                        "experts.linear_fc2.weight",
+                    ),
+                )
+            })
+            .collect();
+        MoeLayer {
+            router,
+            experts,
+            held: RefCell::new(Held::default()),
+        }
+    }
+
+    /// `MoELayer.forward` on the `n` rows of `x` (`[s, b, h]`): its output, `[n, h]`.
+    pub(crate) fn forward(&self, t: &mut Tracer, x: T, n: u64, hidden: u64, spec: Experts) -> T {
+        let (probs, routing_map) = self.route(t, x, n, spec);
+        // `dispatch_preprocess`: the dispatcher keeps both until the next forward.
+        self.hold(t, |held| &mut held.probs, probs);
+        self.hold(t, |held| &mut held.routing_map, routing_map);
+        let counts = t.empty(spec.count, DType::I64, "routing_map.sum(dim=0)");
+        t.drop(counts);
+        let (permuted, permuted_probs, sorted_indices) = permute(t, x, probs, n, hidden, spec);
+        t.drop_all(&[probs, routing_map]);
+        self.hold(t, |held| &mut held.sorted_indices, sorted_indices);
+        // `token_dispatch`: the all-to-alls (`_AllToAll` returns its input with one rank).
+        let received: u64 = spec.received(n).iter().sum();
+        let (global, global_probs) = if spec.ep > 1 {
+            let tokens = all_to_all(t, permuted, received * hidden);
+            let probs = all_to_all(t, permuted_probs, received);
+            t.drop(permuted_probs);
+            (tokens, probs)
+        } else {
+            (t.share(permuted), permuted_probs)
+        };
+        let output = self.experts_compute(t, global, global_probs, hidden, spec, n);
+        let combined = if spec.ep > 1 {
+            let back = all_to_all(t, output, n * spec.top_k * hidden);
+            t.drop(output);
+            back
+        } else {
+            output
+        };
+        // `unpermute`: `zeros(restore_shape).scatter_add_(0, idx.expand(-1, h), tokens)`.
+        let zeros = t.empty(n * hidden, DType::BF16, "unpermute: zeros");
+        let out = t.view(zeros, n * hidden, "scatter_add_ (in place)");
+        t.record(
+            Bwd::GatherBack,
+            &[Some(combined)],
+            &[out],
+            &[sorted_indices],
+        );
+        // `custom_forward` returns: its locals go.
+        t.drop_all(&[
+            zeros,
+            combined,
+            sorted_indices,
+            global_probs,
+            global,
+            permuted,
+        ]);
+        out
+    }
+
+    /// Replace the dispatcher's attribute with `value` (a reference of its own); the old one goes.
+    fn hold(&self, t: &mut Tracer, slot: impl Fn(&mut Held) -> &mut Option<T>, value: T) {
+        let kept = t.share(value);
+        let old = slot(&mut self.held.borrow_mut()).replace(kept);
+        if let Some(old) = old {
+            t.drop(old);
+        }
+    }
+
+    /// `TopKRouter.forward`: the routed probabilities `[n, E]` (bf16) and the routing map.
+    fn route(&self, t: &mut Tracer, x: T, n: u64, spec: Experts) -> (T, T) {
+        let e = spec.count;
+        let w = t.param(self.router);
+        let logits = t.empty(n * e, DType::BF16, "router logits (mm)");
+        t.ensure_cublas_workspace();
+        t.record(Bwd::RouterGating, &[Some(x), Some(w)], &[logits], &[x, w]);
+        let (scores, indices) = t.topk(logits, n * spec.top_k);
+        // `softmax(scores, dtype=float32)` of a bf16 input: half-to-float, no copy first.
+        let probs32 = t.empty(n * spec.top_k, DType::F32, "softmax(top-k scores)");
+        t.record(Bwd::Softmax, &[Some(scores)], &[probs32], &[probs32]);
+        let probs = t.to(probs32, DType::BF16);
+        t.drop_all(&[probs32, scores]);
+        let zeros = t.empty(n * e, DType::BF16, "zeros_like(logits)");
+        let routed = t.empty(n * e, DType::BF16, "routing probs (scatter)");
+        t.record(Bwd::GatherBack, &[Some(probs)], &[routed], &[indices]);
+        t.drop_all(&[zeros, probs]);
+        let zeros = t.empty(n * e, DType::BF16, "zeros_like(logits)");
+        let ints = t.empty(n * e, DType::I32, "zeros_like(logits).int()");
+        t.drop(zeros);
+        let scattered = t.empty(n * e, DType::I32, "scatter(1, idx, 1)");
+        t.drop(ints);
+        let map = t.empty(n * e, DType::Bool, "routing_map (.bool())");
+        t.drop_all(&[scattered, indices, logits]);
+        (routed, map)
+    }
+
+    /// `routed_experts_compute`: sort by local expert, `SequentialMLP`, sort back.
+    fn experts_compute(
+        &self,
+        t: &mut Tracer,
+        tokens: T,
+        probs: T,
+        hidden: u64,
+        spec: Experts,
+        n: u64,
+    ) -> T {
+        let sorted = self.experts.len() > 1;
+        let (tokens, probs) = if sorted {
+            (sort_chunks(t, tokens), sort_chunks(t, probs))
+        } else {
+            (t.share(tokens), t.share(probs))
+        };
+        let rows = spec.received(n);
+        let output = if self.experts.len() == 1 {
+            let (fc1, fc2) = self.experts[0];
+            mlp(t, fc1, fc2, spec.width, hidden, tokens, Some(probs))
+        } else {
+            let token_parts = split(t, tokens, &rows, hidden);
+            let prob_parts = split(t, probs, &rows, 1);
+            let outputs: Vec<T> = self
+                .experts
+                .iter()
+                .zip(token_parts.iter().zip(&prob_parts))
+                .map(|(&(fc1, fc2), (&x, &p))| mlp(t, fc1, fc2, spec.width, hidden, x, Some(p)))
+                .collect();
+            let total = rows.iter().sum::<u64>() * hidden;
+            let out = t.empty(total, DType::BF16, "cat(expert outputs)");
+            let inputs: Vec<Option<T>> = outputs.iter().copied().map(Some).collect();
+            t.record(Bwd::Cat, &inputs, &[out], &[]);
+            t.drop_all(&outputs);
+            t.drop_all(&token_parts);
+            t.drop_all(&prob_parts);
+            out
+        };
+        let out = if sorted {
+            let back = sort_chunks(t, output);
+            t.drop(output);
+            back
+        } else {
+            output
+        };
+        t.drop_all(&[tokens, probs]);
+        out
+    }
+}
+
+/// `permute(tokens, routing_map, probs, num_out_tokens=n·k)` without fusion: the permuted tokens
+/// `[n·k, h]`, their probabilities and the sorted token indices.
+fn permute(t: &mut Tracer, x: T, probs: T, n: u64, hidden: u64, spec: Experts) -> (T, T, T) {
+    let (e, out_rows) = (spec.count, n * spec.top_k);
+    let transposed = t.empty(n * e, DType::Bool, "routing_map.T.contiguous()");
+    let (values, argsort) = t.sort(transposed);
+    t.drop(values);
+    let flat_sorted = t.view(argsort, out_rows, "argsort[:num_out_tokens]");
+    t.drop(argsort);
+    let sorted_indices = t.empty(out_rows, DType::I64, "flat_sorted % num_tokens");
+    let probs_t = t.contiguous_copy(probs);
+    let permuted_probs = t.index_rows(probs_t, flat_sorted, out_rows, "permuted probs");
+    t.drop_all(&[probs_t, flat_sorted]);
+    // `index_select`: its backward is `zeros(x).index_add_(0, idx, grad)`.
+    let permuted = t.empty(
+        out_rows * hidden,
+        t.dtype(x),
+        "tokens.index_select (permuted)",
+    );
+    t.record(Bwd::Slice, &[Some(x)], &[permuted], &[sorted_indices]);
+    t.drop(transposed);
+    (permuted, permuted_probs, sorted_indices)
+}
+
+/// `_AllToAll.forward`: a new tensor of the `numel` elements this rank receives.
+fn all_to_all(t: &mut Tracer, x: T, numel: u64) -> T {
+    let out = t.empty(numel, t.dtype(x), "all_to_all output");
+    t.record(Bwd::GatherBack, &[Some(x)], &[out], &[]);
+    out
+}
+
+/// `sort_chunks_by_idxs` without fusion: `torch.split` into chunks (views), `torch.cat` of them
+/// in another order (a copy). Backward slices the gradient (views) and concatenates it back.
+fn sort_chunks(t: &mut Tracer, x: T) -> T {
+    let numel = t.numel(x);
+    let chunks = t.view(x, numel, "split (chunks)");
+    t.record(Bwd::Split, &[Some(x)], &[chunks], &[]);
+    let out = t.empty(numel, t.dtype(x), "cat (sorted chunks)");
+    t.record(Bwd::Cat, &[Some(chunks)], &[out], &[]);
+    t.drop(chunks);
+    out
+}
+
+/// `torch.split(x, rows)` of rows of `width`: one view per part.
+fn split(t: &mut Tracer, x: T, rows: &[u64], width: u64) -> Vec<T> {
+    let parts: Vec<T> = rows
+        .iter()
+        .map(|&r| t.view(x, r * width, "split (per expert)"))
+        .collect();
+    t.record(Bwd::Split, &[Some(x)], &parts, &[]);
+    parts
+}
+
+/// What the measuring harness adds for balanced routing (`balanced_routing` in
+/// `python/headroom_measure/megatron.py`), before the first step: the fixed routing map
+/// `[n, E]` (kept), made from `arange(n)[:, None] * k + arange(k)` and its `% E`.
+pub(crate) fn harness_routing_map(t: &mut Tracer, n: u64, spec: Experts) -> T {
+    let k = spec.top_k;
+    let arange = t.empty(n, DType::I64, "arange(tokens)");
+    let scaled = t.empty(n, DType::I64, "arange * k");
+    t.drop(arange);
+    let offsets = t.empty(k, DType::I64, "arange(k)");
+    let rows = t.empty(n * k, DType::I64, "expert of each pick");
+    t.drop_all(&[offsets, scaled]);
+    let map = t.empty(
+        n * spec.count,
+        DType::Bool,
+        "balanced routing map (harness)",
+    );
+    let modulo = t.empty(n * k, DType::I64, "rows % E");
+    t.drop(modulo);
+    for _ in 0..2 {
+        let sums = t.empty(spec.count, DType::I64, "map.sum(dim=0)");
+        t.drop(sums);
+    }
+    t.drop(rows);
+    t.mark_persistent(map);
+    map
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QWEN3_30B: Experts = Experts {
+        count: 128,
+        top_k: 8,
+        width: 768,
+        ep: 1,
+    };
+
+    /// Every expert receives `n·k / E` tokens; the remainder goes one each to the first experts,
+    /// as the map `(i·k + j) mod E` sends them.
+    #[test]
+    fn balanced_routing_spreads_every_pick() {
+        assert!(
+            QWEN3_30B
+                .per_expert(4096)
+                .iter()
+                .all(|&rows| rows == 4096 * 8 / 128)
+        );
+        let odd = QWEN3_30B.per_expert(100);
+        assert_eq!(odd.iter().sum::<u64>(), 800);
+        let direct = (0..100u64)
+            .flat_map(|i| (0..8).map(move |j| (i * 8 + j) % 128))
+            .fold(vec![0u64; 128], |mut counts, e| {
+                counts[e as usize] += 1;
+                counts
+            });
+        assert_eq!(odd, direct);
+    }
+
+    /// Rank 0 of `ep` holds `E / ep` experts and receives, from `ep` identical ranks, as many
+    /// rows as it sends: `n·k` when they divide evenly.
+    #[test]
+    fn each_rank_receives_what_it_sends() {
+        for ep in [1, 2, 4, 8, 16, 128] {
+            let spec = Experts { ep, ..QWEN3_30B };
+            let received = spec.received(2048);
+            assert_eq!(received.len() as u64, 128 / ep);
+            assert_eq!(received.iter().sum::<u64>(), 2048 * 8, "ep {ep}");
+            assert!(received.iter().all(|&r| r == 2048 * 8 * ep / 128));
+        }
+    }
+}

@@ -1005,13 +1005,15 @@ impl RunSpec {
     /// least `tp`: fewer are all-gathered, which is not modelled).
     fn check_megatron_against(&self, arch: &Architecture) -> Result<()> {
         use crate::arch::Family;
-        let Some(megatron) = self.megatron.filter(|_| {
-            self.parallel
-                .as_ref()
-                .is_some_and(|p| p.tensor.framework == Framework::Megatron)
-        }) else {
+        // A run without a `megatron:` block takes Megatron's defaults.
+        let Some(parallel) = self
+            .parallel
+            .as_ref()
+            .filter(|p| p.tensor.framework == Framework::Megatron)
+        else {
             return Ok(());
         };
+        let megatron = self.megatron.unwrap_or_default();
         if !matches!(
             arch.family,
             Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe
@@ -1035,10 +1037,8 @@ impl RunSpec {
                     .into(),
             });
         }
-        check_tp_divides(arch, self.parallel.as_ref().map_or(1, |p| p.tensor.tp))?;
-        if let Some(parallel) = &self.parallel {
-            super::megatron_pipeline::check(&parallel.pipeline, arch.layers)?;
-        }
+        check_tp_divides(arch, parallel.tensor.tp)?;
+        super::megatron_pipeline::check(&parallel.pipeline, arch.layers)?;
         if let Recompute::Full {
             method: RecomputeMethod::Block,
             layers,

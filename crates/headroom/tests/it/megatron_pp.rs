@@ -127,9 +127,11 @@ fn the_70b_example_lists_its_four_stages() {
 /// the value and what is allowed; what it runs and torch's schedule refuses is accepted.
 #[test]
 fn megatron_pipelines_are_checked_by_name() {
+    // Without a `megatron:` block: Megatron's defaults, checked alike.
     let check = |layers: u64, parallel: Value| {
-        RunSpec::from_value(&spec(layers, 4, parallel, json!({})))
-            .and_then(|s| s.architecture(None, "").map(|_| s))
+        let mut spec = spec(layers, 4, parallel, json!({}));
+        spec.as_object_mut().expect("a mapping").remove("megatron");
+        RunSpec::from_value(&spec).and_then(|s| s.architecture(None, "").map(|_| s))
     };
     let refused = |layers: u64, parallel: Value, words: &[&str]| {
         let err = check(layers, parallel.clone())

@@ -36,6 +36,8 @@ struct Uses {
     fsdp1: bool,
     tensor_parallel: bool,
     pipeline_parallel: bool,
+    /// FSDP2 within a pipeline's stages.
+    pipeline_sharded: bool,
     context_parallel: bool,
     /// Megatron-core's GPTModel, DDP and optimizer (`parallel.framework: megatron`).
     megatron: bool,
@@ -79,6 +81,9 @@ impl Uses {
         let megatron = framework == Some(crate::spec::Framework::Megatron);
         self.pipeline_parallel |= pipelined && !megatron;
         self.megatron_pipeline |= pipelined && megatron;
+        self.pipeline_sharded |= spec.parallel.as_ref().is_some_and(|p| {
+            p.pipeline.pp > 1 && p.strategy == crate::spec::Strategy::Fsdp && p.shard_size > 1
+        });
         self.context_parallel |= spec.parallel.as_ref().is_some_and(|p| p.tensor.cp > 1);
     }
 
@@ -187,6 +192,14 @@ impl Assumptions {
                  (bench/pp) and on real NCCL at pp 2 over 2 H100s, both ranks within 0.01% \
                  allocated of the fake group's: NCCL's communicators are measured for a rank \
                  with one neighbour, not for a middle rank's second"
+                    .to_string(),
+            );
+        }
+        if uses.pipeline_sharded {
+            warnings.push(
+                "FSDP2 within pipeline stages is measured as single ranks of a fake process \
+                 group (bench/pp, pp 2-4 × dp 2-8 × tp 1-2): the data-parallel group's NCCL \
+                 communicator beside the pipeline's is not measured"
                     .to_string(),
             );
         }

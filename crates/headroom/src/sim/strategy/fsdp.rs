@@ -31,7 +31,6 @@
 //!   backward. HSDP all-reduces that output in place.
 //! - `CPUOffloadPolicy`: shards, sharded gradients and the optimizer step stay on the host;
 //!   an unshard first copies each shard to the device (copy-in stream).
-//!
 //! - inside a pipeline (`torch.distributed.pipelining`, `stage.py`): each stage is a root of its
 //!   own; before every micro-batch's backward the stage turns gradient sync off
 //!   (`set_requires_gradient_sync(False)` with `set_reshard_after_backward(False)`), so a
@@ -354,11 +353,7 @@ impl Fsdp {
             Some(at) => self.prefetched.remove(at).1,
             None => self.all_gather(t, unit, ALL_GATHER_COPY_IN_STREAM),
         };
-        let outer = std::mem::replace(&mut t.component, Component::Weights);
-        for &p in &self.units[unit].params {
-            t.materialize(p);
-        }
-        t.component = outer;
+        self.copy_out(t, unit);
         // The previous forward all-gather output goes once this copy-out is queued.
         if forward && let Some(previous) = self.all_gather_state.take() {
             t.drop(previous);
@@ -368,6 +363,15 @@ impl Fsdp {
         } else {
             t.drop(output);
         }
+    }
+
+    /// `foreach_all_gather_copy_out`: each parameter's unsharded storage, in parameter order.
+    fn copy_out(&mut self, t: &mut Tracer, unit: usize) {
+        let outer = std::mem::replace(&mut t.component, Component::Weights);
+        for &p in &self.units[unit].params {
+            t.materialize(p);
+        }
+        t.component = outer;
         self.units[unit].unsharded = true;
     }
 
@@ -608,13 +612,8 @@ impl Fsdp {
     /// copy-out, then the all-gather output freed.
     pub(crate) fn wait_unshard(&mut self, t: &mut Tracer) {
         for (u, output) in std::mem::take(&mut self.pending) {
-            let outer = std::mem::replace(&mut t.component, Component::Weights);
-            for &p in &self.units[u].params {
-                t.materialize(p);
-            }
-            t.component = outer;
+            self.copy_out(t, u);
             t.drop(output);
-            self.units[u].unsharded = true;
         }
     }
 

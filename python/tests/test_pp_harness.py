@@ -66,9 +66,12 @@ class PipelineHarness(unittest.TestCase):
                 self.assertEqual(measured["rank"], rank)
                 self.assertEqual(len(measured["steps"]), 3)
                 self.assertTrue(all("step_peak" in s and "opt_peak" in s for s in measured["steps"]))
-                # Only the last rank holds the loss; the fake group moves nothing, but this one is finite.
-                last = rank == 1
-                self.assertEqual(all(v is not None for v in measured["losses"]), last, parallel)
+                # Only the last rank computes a loss. The fake group moves nothing, so the last stage
+                # reads its receive buffers as torch.empty left them and its loss may be non-finite
+                # (written as None): only the first rank's are None by construction.
+                self.assertEqual(len(measured["losses"]), 3)
+                if rank == 0:
+                    self.assertTrue(all(v is None for v in measured["losses"]), parallel)
                 self.assertEqual(row["env"]["process_group"], "fake")
                 # The whole model's parameters, whatever the rank holds.
                 self.assertEqual(row["measured"]["params"], 4 * 36992 + 2 * 256 * 64 + 64)

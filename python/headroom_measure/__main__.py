@@ -149,16 +149,17 @@ def _trace_pipeline(raw, args) -> int:
     """`trace` of a pipeline spec (trace_pipeline.py)."""
     from . import pipeline
     from .trace import TraceError
-    from .trace_pipeline import refuse_untraceable_pipeline, trace_pipeline
+    from .trace_pipeline import Engines, refuse_untraceable_pipeline, trace_pipeline
 
     try:
-        pipe = pipeline.parse_pipeline(raw)
+        engines = Engines(raw)
+        pipe = pipeline.parse_pipeline(engines.raw)
         catalog = load_catalog(args.catalog)
         fields = [specmod.resolve_model_config(inst.spec, catalog) for inst in pipe.instances]
         refuse_untraceable_pipeline(pipe)
     except (specmod.SpecError, TraceError) as err:
         return _fail(str(err))
-    return _run_tracer(lambda progress: trace_pipeline(pipe, raw, fields, args.out, progress=progress), "phase")
+    return _run_tracer(lambda progress: trace_pipeline(pipe, engines, raw, fields, args.out, progress=progress), "phase")
 
 
 def cmd_pipeline(args) -> int:

@@ -353,9 +353,9 @@ def fake_cuda(rec: Recorder):
         yield
 
 
-def write_trace(rec: Recorder, spec_json: dict, t0: float, out_path: str) -> dict:
+def write_trace(rec: Recorder, spec_json: dict, t0: float, out_path: str, engines: list | None = None) -> dict:
     """The trace file of what `rec` recorded (docs/trace-format.md), `spec_json` the spec as
-    run, its wall time counted from `t0`."""
+    run, its wall time counted from `t0`; a pipeline's rollout `engines`, if it has any."""
     from . import measure as m
 
     for s in rec.storages:
@@ -370,6 +370,8 @@ def write_trace(rec: Recorder, spec_json: dict, t0: float, out_path: str) -> dic
         "storages": rec.storages,
         "events": rec.events,
     }
+    if engines:
+        doc["engines"] = engines
     opener = gzip.open if out_path.endswith(".gz") else open
     with opener(out_path, "wt") as f:
         json.dump(doc, f, separators=(",", ":"))

@@ -13,6 +13,14 @@ What the CPU cannot show is put back:
   the buffers).
 - **Host-homed models.** Built on the host (`home: cpu`, FSDP2 offload in a group of one), every
   storage of the build is host memory until a move brings it in.
+- **Rollout engines.** A colocated vLLM-style engine (`engine: vllm`) runs no PyTorch model: it
+  holds `gpu_memory_utilization` of the device outside the caching allocator while awake, as
+  the native simulator's contract has it (`sim/harness/pipeline.rs`). The trace lists the
+  engines and records when each wakes (after `empty_cache()`) and sleeps: created awake in its
+  place among the instances and put to sleep at once if it sleeps; first thing in each phase
+  (before its peak counters are reset, as the frameworks switch engines between phases), those
+  the phase does not run go to sleep, then those it runs wake. The replay sizes the share on the
+  GPU it replays on. The GPU harness measures no engine.
 - **Generation.** `generate` stops when every sequence is finished, a value fake tensors do not
   have: with no end-of-sequence token, the harness's sequences end exactly at `max_new_tokens`,
   and the stop check says so by length.
@@ -24,13 +32,6 @@ import contextlib
 import time
 
 from .trace import TraceError
-
-# Why the strategies a pipeline may shard with but the tracer cannot run are refused.
-ENGINE = (
-    "a rollout engine (vLLM) holds its share of the device outside PyTorch's caching allocator and "
-    "runs no PyTorch model here; `headroom estimate` models its share natively"
-)
-
 
 def refuse_untraceable_pipeline(pipe) -> None:
     """Refuse, by instance, what the tracer cannot run (pipeline.py parsed `pipe`)."""
@@ -55,9 +56,71 @@ class _Instance:
         self.states_on_device = True
 
 
-def trace_pipeline(pipe, raw: dict, fields: list[dict], out_path: str, progress=None) -> dict:
-    """Run the pipeline under fake tensors and write its trace to `out_path`; `raw` is the
-    pipeline as given (with each instance's `model_config`), the trace's `spec`."""
+class Engines:
+    """A pipeline's rollout engines: the pipeline without them (what pipeline.py parses and the
+    harness runs), where each is created among the instances, the engines each phase runs, and
+    which are awake."""
+
+    def __init__(self, raw: dict):
+        self.raw = raw
+        self.listed: list[dict] = []  # the trace's `engines`
+        self.sleeps: list[bool] = []
+        self.after: list[int] = []  # model instances created before each engine
+        self.runs: list[set[int]] = []  # per phase
+        self.awake: list[bool] = []
+        if "instances" not in raw:
+            return
+        names = {}
+        models = []
+        for item in raw["instances"]:
+            if isinstance(item, dict) and "engine" in item:
+                names[item.get("name")] = len(self.listed)
+                share = item.get("gpu_memory_utilization")
+                self.listed.append({"name": item.get("name"), "gpu_memory_utilization": share})
+                self.sleeps.append(item.get("sleep_level") is not None)
+                self.after.append(sum(1 for m in models if "shares" not in m))
+            else:
+                models.append(item)
+        if not self.listed:
+            return
+        phases = []
+        for phase in raw.get("phases", []):
+            runs = [r for r in phase.get("run", []) if _run_target(r) not in names]
+            self.runs.append({names[_run_target(r)] for r in phase.get("run", []) if _run_target(r) in names})
+            phases.append({**phase, "run": runs})
+        self.raw = {**raw, "instances": models, "phases": phases}
+        self.awake = [False] * len(self.listed)
+
+    def create(self, rec, built: int):
+        """The engines created after `built` model instances: awake, then asleep if they sleep."""
+        for k, after in enumerate(self.after):
+            if after == built:
+                self._set(rec, k, True)
+                if self.sleeps[k]:
+                    self._set(rec, k, False)
+
+    def before_phase(self, rec, phase: int):
+        """Those the phase does not run go to sleep, then those it runs wake."""
+        for k in range(len(self.listed)):
+            if k not in self.runs[phase] and self.sleeps[k]:
+                self._set(rec, k, False)
+        for k in sorted(self.runs[phase]):
+            self._set(rec, k, True)
+
+    def _set(self, rec, k: int, awake: bool):
+        if self.awake[k] != awake:
+            self.awake[k] = awake
+            rec.events.append(["engine", k, awake])
+
+
+def _run_target(run):
+    return run if isinstance(run, str) else run.get("instance") if isinstance(run, dict) else None
+
+
+def trace_pipeline(pipe, engines: Engines, raw: dict, fields: list[dict], out_path: str, progress=None) -> dict:
+    """Run the pipeline under fake tensors and write its trace to `out_path`; `pipe` is
+    pipeline.py's parse of `engines.raw` (the pipeline without its engines), `raw` the pipeline
+    as given (with each instance's `model_config`), the trace's `spec`."""
     from .trace import Recorder, fake_cuda, write_trace
     from .trace_dist import Streams
 
@@ -67,8 +130,8 @@ def trace_pipeline(pipe, raw: dict, fields: list[dict], out_path: str, progress=
     with fake_cuda(rec):
         rec.stream_of = Streams().current
         with _process_group(pipe, rec):
-            _run(rec, pipe, fields, progress)
-    return write_trace(rec, raw, t0, out_path)
+            _run(rec, pipe, engines, fields, progress)
+    return write_trace(rec, raw, t0, out_path, engines.listed)
 
 
 @contextlib.contextmanager
@@ -85,12 +148,16 @@ def _process_group(pipe, rec):
         yield
 
 
-def _run(rec, pipe, fields: list[dict], progress):
+def _run(rec, pipe, engines: Engines, fields: list[dict], progress):
     import torch
 
     rec.phase("load", 0)
     torch.zeros(1)  # the harness's first CUDA tensor, before the peak counters are reset
-    models = [_build(rec, inst, f) for inst, f in zip(pipe.instances, fields)]
+    models = []
+    for inst, f in zip(pipe.instances, fields):
+        engines.create(rec, len(models))
+        models.append(_build(rec, inst, f))
+    engines.create(rec, len(models))
     torch.manual_seed(1234)
     inputs = {}
     for inst in pipe.instances:
@@ -107,6 +174,8 @@ def _run(rec, pipe, fields: list[dict], progress):
             if progress:
                 progress(it * len(pipe.phases) + n + 1, total)
             rec.phase(phase.name, it)
+            if engines.listed:
+                engines.before_phase(rec, n)
             _run_phase(rec, pipe, models, inputs, phase)
     models.clear()
     inputs.clear()
@@ -124,9 +193,7 @@ def _build(rec, inst, f) -> _Instance:
     first = len(rec.storages)
     if inst.host_fsdp:
         model = pipeline._fsdp2_offload(pipeline._build_on_cpu(spec, f))
-    elif par is not None:
-        if par.strategy != "fsdp":
-            raise TraceError(f"`{inst.name}.parallel.strategy: {par.strategy}`: the tracer runs FSDP2 in a pipeline")
+    elif par is not None:  # FSDP2: the strategies the tracer cannot run are refused before
         dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
         model = distmod._build_fsdp(spec, _hf_config(spec, f), _auto_class(spec), dtype, torch.device("cpu"))
     elif inst.home == "cpu":

@@ -16,8 +16,10 @@ PIPELINE = {
         {"name": "actor", **TINY, "precision": "amp-bf16", "gradient_checkpointing": True},
         {"name": "ref", **TINY, "mode": "forward", "optimizer": "none", "home": "cpu"},
         {"name": "scorer", "shares": "actor"},
+        {"name": "vllm", "engine": "vllm", **TINY, "mode": "forward", "gpu_memory_utilization": 0.5, "sleep_level": 1},
     ],
     "phases": [
+        {"name": "sync", "run": [{"instance": "vllm", "pass": "generate", "new_tokens": NEW_TOKENS}]},
         {"name": "rollout", "run": [{"instance": "actor", "pass": "generate", "new_tokens": NEW_TOKENS}]},
         {"name": "ref_logprob", "run": ["ref"], "offload": [{"instance": "actor", "optimizer": True}]},
         {"name": "score", "run": [{"instance": "scorer", "pass": "forward", "repeat": 2}]},
@@ -75,6 +77,7 @@ class PipelineTraceTest(unittest.TestCase):
         names = [p["name"] for p in PIPELINE["phases"]]
         self.assertEqual(got, [("load", 0)] + [(n, it) for it in range(2) for n in names])
         self.assertEqual(self.doc["spec"]["instances"][2], {"name": "scorer", "shares": "actor"})
+        self.assertEqual(self.doc["spec"]["instances"][3]["engine"], "vllm")
 
     def test_every_alloc_is_freed_at_most_once_after_it(self):
         state = {}
@@ -127,6 +130,20 @@ class PipelineTraceTest(unittest.TestCase):
                 for s in [self.doc["storages"][e[1]]] if s["op"] == "aten.argmax.default"
             ]  # fmt: skip
             self.assertEqual(len(argmax), NEW_TOKENS)
+
+    def test_a_rollout_engine_is_listed_and_switched_first_thing_in_a_phase(self):
+        self.assertEqual(self.doc["engines"], [{"name": "vllm", "gpu_memory_utilization": 0.5}])
+        switches = [e for e in self.doc["events"] if e[0] == "engine"]
+        # Created awake after the models, asleep at once; then awake for each `sync` and asleep
+        # again for the phase after it.
+        self.assertEqual(switches, [["engine", 0, True], ["engine", 0, False]] + [
+            ["engine", 0, True], ["engine", 0, False]
+        ] * 2)  # fmt: skip
+        for it in range(2):
+            self.assertEqual(self.phase_events("sync", it)[0], ["engine", 0, True])
+            self.assertEqual(self.phase_events("rollout", it)[0], ["engine", 0, False])
+            # The engine's phase runs nothing in PyTorch.
+            self.assertFalse([e for e in self.phase_events("sync", it) if e[0] == "alloc"])
 
     def test_each_instances_modules_are_named_under_it(self):
         modules = {s["module"].split(".")[0] for s in self.doc["storages"] if s["module"]}

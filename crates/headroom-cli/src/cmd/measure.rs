@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 13] = [
+const HARNESS: [(&str, &str); 14] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -63,6 +63,10 @@ const HARNESS: [(&str, &str); 13] = [
     (
         "trace_trl.py",
         include_str!("../../../../python/headroom_measure/trace_trl.py"),
+    ),
+    (
+        "trace_pipeline.py",
+        include_str!("../../../../python/headroom_measure/trace_pipeline.py"),
     ),
     (
         "pipeline.py",

@@ -94,10 +94,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_trace(args) -> int:
-    from . import trainers
+    from . import pipeline, trainers
 
     try:
         raw = json.loads(args.spec_json) if args.spec_json else specmod.load_raw(args.spec)
+        if pipeline.is_pipeline(raw):
+            return _trace_pipeline(raw, args)
         if isinstance(raw, dict) and "trainer" in raw:
             spec = trainers.parse(raw)
             fields = specmod.resolve_model_config(spec.base, load_catalog(args.catalog))
@@ -112,17 +114,25 @@ def cmd_trace(args) -> int:
         refuse_untraceable(spec)
     except TraceError as err:
         return _fail(str(err))
+    return _run_tracer(lambda progress: trace(spec, fields, args.out, progress=progress), "step")
+
+
+def _run_tracer(run, unit: str) -> int:
+    """`run(progress)` with the tracer's dependencies checked and its failures said plainly."""
+    from .trace import TraceError
+
     missing = missing_dependencies()
     if missing:
         return _fail(
             f"{', '.join(missing)} not installed; `headroom trace` runs the real model code under fake tensors: "
             "`pip install torch transformers peft` in this Python (or pass --python PATH to one that has them)"
         )
+
     def progress(step, steps):
-        print(f"tracing step {step} of {steps}", file=sys.stderr, flush=True)
+        print(f"tracing {unit} {step} of {steps}", file=sys.stderr, flush=True)
 
     try:
-        trace(spec, fields, args.out, progress=progress)
+        run(progress)
     except TraceError as err:
         return _fail(str(err))
     except Exception as err:  # noqa: BLE001 - the model's own code failed on fake tensors
@@ -133,6 +143,23 @@ def cmd_trace(args) -> int:
             "cannot be traced; `headroom estimate` models supported model types natively"
         )
     return 0
+
+
+def _trace_pipeline(raw, args) -> int:
+    """`trace` of a pipeline spec (trace_pipeline.py)."""
+    from . import pipeline
+    from .trace import TraceError
+    from .trace_pipeline import Engines, refuse_untraceable_pipeline, trace_pipeline
+
+    try:
+        engines = Engines(raw)
+        pipe = pipeline.parse_pipeline(engines.raw)
+        catalog = load_catalog(args.catalog)
+        fields = [specmod.resolve_model_config(inst.spec, catalog) for inst in pipe.instances]
+        refuse_untraceable_pipeline(pipe)
+    except (specmod.SpecError, TraceError) as err:
+        return _fail(str(err))
+    return _run_tracer(lambda progress: trace_pipeline(pipe, engines, raw, fields, args.out, progress=progress), "phase")
 
 
 def cmd_pipeline(args) -> int:

@@ -13,6 +13,7 @@ reductions, fused attention backward) leave a marker for the Rust side to expand
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import math
@@ -93,8 +94,11 @@ class Recorder:
 
     # -- what the step loop calls ------------------------------------------------------------
 
-    def phase(self, name: str):
+    def phase(self, name: str, iteration: int | None = None):
+        """A phase begins; a pipeline's phases also name their iteration."""
         self.phases.append({"name": name, "event": len(self.events)})
+        if iteration is not None:
+            self.phases[-1]["iteration"] = iteration
 
     def empty_cache(self):
         self.events.append(["empty_cache"])
@@ -311,11 +315,6 @@ def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
     """Run the spec's steps under fake tensors and write the trace to `out_path`. `spec` is a run
     spec (`spec.Spec`: the measuring loop's three steps) or a trainer spec
     (`trainers.TrainerSpec`: the real `Trainer` or TRL trainer's `max_steps`)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from . import measure as m
-    from .cuda_emulation import CudaEmulation
     from .trainers import TrainerSpec
 
     trainer_spec = spec if isinstance(spec, TrainerSpec) else None
@@ -326,8 +325,7 @@ def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
         # Libraries that make tensors when imported make real ones, outside the fake mode.
         _import_trainer_modules(trainer_spec)
     rec = Recorder()
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with CudaEmulation(), _RealCodePaths(), fake, rec.mode(), _ModuleNames(rec):
+    with fake_cuda(rec):
         if trainer_spec:
             _run_trainer(rec, trainer_spec, fields, progress)
         elif run_spec.parallel is not None:
@@ -336,11 +334,32 @@ def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
             run_dist_loop(rec, run_spec, fields, progress, STEPS)
         else:
             _run_loop(rec, run_spec, fields, progress)
-    for s in rec.storages:
-        s.pop("first_event", None)
     spec_json = spec.to_json()
     if run_spec.model_config and "model_config" not in spec_json:
         spec_json["model_config"] = dict(run_spec.model_config)
+    return write_trace(rec, spec_json, t0, out_path)
+
+
+@contextlib.contextmanager
+def fake_cuda(rec: Recorder):
+    """Fake tensors on the CPU taking CUDA's decisions, every storage recorded by `rec` and named
+    by the module running."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .cuda_emulation import CudaEmulation
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with CudaEmulation(), _RealCodePaths(), fake, rec.mode(), _ModuleNames(rec):
+        yield
+
+
+def write_trace(rec: Recorder, spec_json: dict, t0: float, out_path: str, engines: list | None = None) -> dict:
+    """The trace file of what `rec` recorded (docs/trace-format.md), `spec_json` the spec as
+    run, its wall time counted from `t0`; a pipeline's rollout `engines`, if it has any."""
+    from . import measure as m
+
+    for s in rec.storages:
+        s.pop("first_event", None)
     doc = {
         "format": "headroom-trace",
         "version": 1,
@@ -351,6 +370,8 @@ def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
         "storages": rec.storages,
         "events": rec.events,
     }
+    if engines:
+        doc["engines"] = engines
     opener = gzip.open if out_path.endswith(".gz") else open
     with opener(out_path, "wt") as f:
         json.dump(doc, f, separators=(",", ":"))
@@ -389,29 +410,52 @@ def _run_loop(rec: Recorder, spec: Spec, fields: dict, progress):
         if progress:
             progress(step, STEPS)
         if train:
-            rec.phase(f"step {step} forward")
-            start = len(rec.events)
-            loss = m._train_forward(spec, model, ids, autocast)
-            rec.classify_phase("activation", start)
-            rec.classify([loss], "temporary")
-            rec.phase(f"step {step} backward")
-            rec.watch_accumulation(loss.grad_fn)
-            loss.backward()
-            rec.accumulating = False
-            del loss
-            rec.classify([p.grad for p in trainable if p.grad is not None], "gradient")
-            if optimizer is not None:
-                rec.phase(f"step {step} optimizer")
-                optimizer.step()
-                _classify_optimizer_state(rec, optimizer)
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                model.zero_grad(set_to_none=True)
+            train_step(rec, spec, model, ids, autocast, optimizer, trainable, mark=lambda part: rec.phase(f"step {step} {part}"))
         else:
             rec.phase(f"step {step} forward")
             with torch.no_grad():
                 m._logprob_forward(model, ids, autocast)
     del model, optimizer, trainable, ids
+
+
+def train_step(
+    rec: Recorder, spec: Spec, model, ids, autocast, optimizer, trainable, mark=None, sharded=False, host_step=False,
+    loss_context=contextlib.nullcontext,
+):
+    """One step of the measuring loop (forward, backward, `optimizer.step()`, `zero_grad`), its
+    storages classified; `mark(part)` begins the phase of each part (`forward`, `backward`,
+    `optimizer`). `sharded`: FSDP2's or tensor parallelism's backward, whose gradients FSDP2
+    reduces itself. `host_step`: the shards, their gradients and the step live on the host
+    (CPU offload)."""
+    from . import measure as m
+
+    mark = mark or (lambda part: None)
+    mark("forward")
+    start = len(rec.events)
+    with loss_context():
+        loss = m._train_forward(spec, model, ids, autocast)
+    rec.classify_phase("activation", start)
+    rec.classify([loss], "temporary")
+    mark("backward")
+    if not sharded:
+        rec.watch_accumulation(loss.grad_fn)
+    with loss_context():
+        loss.backward()
+    rec.accumulating = False
+    del loss
+    rec.classify([p.grad for p in trainable if p.grad is not None], "host" if host_step else "gradient")
+    if optimizer is None:
+        model.zero_grad(set_to_none=True)
+        return
+    mark("optimizer")
+    first = len(rec.storages)
+    optimizer.step()
+    if host_step:
+        for s in rec.storages[first:]:
+            s["kind"] = "host"
+    else:
+        _classify_optimizer_state(rec, optimizer)
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _run_trainer(rec: Recorder, ts, fields: dict, progress):

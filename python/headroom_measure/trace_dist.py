@@ -83,15 +83,15 @@ class Streams:
 
 
 @contextlib.contextmanager
-def fake_world(spec):
-    """Rank 0 of the spec's world under torch's `fake` process group, as `measure_dist` starts
-    it on the GPU (`HEADROOM_FAKE_WORLD`)."""
+def fake_world(world_size: int):
+    """Rank 0 of a world of `world_size` under torch's `fake` process group, as `measure_dist`
+    and `measure_pipeline` start it on the GPU (`HEADROOM_FAKE_WORLD`)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import torch.distributed._tools.fake_collectives  # noqa: F401 - collectives on fake tensors
 
-    dist.init_process_group("fake", rank=0, world_size=spec.parallel.world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         yield
     finally:
@@ -123,7 +123,7 @@ class _FsdpCuda:
         import torch
         from torch.distributed import device_mesh
         from torch.distributed.tensor import _sharding_prop
-        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+        from torch.distributed.fsdp._fully_shard import _fsdp_init, _fsdp_param, _fsdp_param_group
 
         rec = self.rec
         real_alloc, real_free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
@@ -140,6 +140,8 @@ class _FsdpCuda:
         # Meshes are real: a rank's coordinates are computed from the mesh tensor's values, when
         # the mesh is made and when a dimension is sliced or flattened out of it.
         self._patch(device_mesh, "init_device_mesh", _outside_fake(device_mesh.init_device_mesh))
+        # `fully_shard` without a mesh makes the default one through its own import of it.
+        self._patch(_fsdp_init, "init_device_mesh", _outside_fake(_fsdp_init.init_device_mesh))
         for name in ("__init__", "__getitem__", "_flatten"):
             self._patch(device_mesh.DeviceMesh, name, _outside_fake(getattr(device_mesh.DeviceMesh, name)))
         # DTensor's sharding propagation runs each op on fake arguments of its own to learn the
@@ -203,12 +205,12 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
 
     from . import dist as d
     from . import measure as m
-    from .trace import _classify_optimizer_state, _ModuleNames
+    from .trace import _ModuleNames, train_step
 
     par = spec.parallel
     rec.stream_of = Streams().current
     device = torch.device("cpu")
-    with fake_world(spec), _FsdpCuda(rec):
+    with fake_world(par.world_size), _FsdpCuda(rec):
         rec.phase("load")
         cfg = m._hf_config(spec, fields)
         cls = (
@@ -250,25 +252,8 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
         for step in range(1, steps + 1):
             if progress:
                 progress(step, steps)
-            rec.phase(f"step {step} forward")
-            start = len(rec.events)
-            with loss_context():
-                loss = m._train_forward(spec, model, ids, autocast)
-            rec.classify_phase("activation", start)
-            rec.classify([loss], "temporary")
-            rec.phase(f"step {step} backward")
-            with loss_context():
-                loss.backward()
-            del loss
-            rec.classify([p.grad for p in params if p.grad is not None], "host" if par.offload_params else "gradient")
-            rec.phase(f"step {step} optimizer")
-            first = len(rec.storages)
-            optimizer.step()
-            if par.offload_params:
-                # The step runs on the host shards: its states and temporaries are host memory.
-                for s in rec.storages[first:]:
-                    s["kind"] = "host"
-            else:
-                _classify_optimizer_state(rec, optimizer)
-            optimizer.zero_grad(set_to_none=True)
+            train_step(
+                rec, spec, model, ids, autocast, optimizer, params, sharded=True, host_step=par.offload_params,
+                loss_context=loss_context, mark=lambda part: rec.phase(f"step {step} {part}"),
+            )  # fmt: skip
         del model, optimizer, params, ids

@@ -2,7 +2,7 @@
 
     python bench/trace/tools/trace_rows.py ROWS.jsonl... --out-dir bench/trace/traces [--jobs N] [--only SUBSTR]
 
-Each row's spec is traced with `python -m headroom_measure trace` (the catalog resolves model
+Each row's spec (a pipeline row's pipeline) is traced with `python -m headroom_measure trace` (the catalog resolves model
 names) into OUT_DIR/<row id with / as __>.json.gz; rows the tracer refuses (4-bit, the eager
 experts loop, parallel specs) are listed with the reason. Prints one line per row.
 """
@@ -25,7 +25,7 @@ def trace_one(row, out_dir: Path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "headroom_measure", "trace", "--spec-json", json.dumps(row["spec"]), "--out", str(out)],
+        [sys.executable, "-m", "headroom_measure", "trace", "--spec-json", json.dumps(row.get("spec") or row["pipeline"]), "--out", str(out)],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     message = proc.stderr.strip().splitlines()[-1] if proc.returncode else ""

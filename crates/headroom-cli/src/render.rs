@@ -573,7 +573,10 @@ pub fn trace(
     let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
     let mut t = table();
     t.set_header(vec![
-        format!("at the peak ({})", est.peak_phase),
+        format!(
+            "at the peak ({})",
+            phase_label(&est.peak_phase, est.peak_iteration)
+        ),
         "bytes".into(),
         "share".into(),
     ]);
@@ -605,7 +608,7 @@ pub fn trace(
     for ph in &est.phases {
         p.add_row(vec![
             Cell::new(headroom::error::shown(
-                &ph.name,
+                &phase_label(&ph.name, ph.iteration),
                 headroom::error::SHOWN_CHARS,
             )),
             right(gib(ph.peak_allocated)),
@@ -613,6 +616,14 @@ pub fn trace(
         ]);
     }
     out += &format!("{p}\n");
+    for engine in &trace.engines {
+        out += &format!(
+            "rollout engine {}: {} of the {} while awake, outside the caching allocator\n",
+            headroom::error::shown(&engine.name, headroom::error::SHOWN_CHARS),
+            gib(est.gpu.share_bytes(engine.gpu_memory_utilization)),
+            est.gpu.name
+        );
+    }
     if verdict {
         out += &format!(
             "\n{} ({} usable): {} — headroom {}\n",
@@ -627,7 +638,7 @@ pub fn trace(
                  and {} reserved; the tables show what the run would need. Its message would \
                  read:\n  {}\n",
                 oom.event,
-                oom.phase,
+                phase_label(&oom.phase, oom.iteration),
                 oom.tensor,
                 gib(oom.requested_bytes),
                 gib(oom.allocated_bytes),
@@ -637,4 +648,12 @@ pub fn trace(
         }
     }
     out
+}
+
+/// A trace phase as the tables name it: a pipeline's with its iteration.
+fn phase_label(name: &str, iteration: Option<u32>) -> String {
+    match iteration {
+        Some(i) => format!("{name}, iteration {i}"),
+        None => name.to_string(),
+    }
 }

@@ -436,6 +436,12 @@ impl Gpu {
         ]
     }
 
+    /// A share of the device's total, as vLLM's `gpu_memory_utilization` budgets it (from
+    /// `cudaMemGetInfo`'s total).
+    pub fn share_bytes(&self, fraction: f64) -> u64 {
+        (fraction * self.total_bytes as f64) as u64
+    }
+
     /// Bytes the caching allocator can obtain: the device's total less what the process holds
     /// outside it. The context reading includes the first 2 MiB small segment, which the
     /// allocator itself reserves (and the simulation allocates), so that segment stays in.

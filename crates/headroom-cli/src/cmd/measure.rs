@@ -65,6 +65,10 @@ const HARNESS: [(&str, &str); 14] = [
         include_str!("../../../../python/headroom_measure/trace_trl.py"),
     ),
     (
+        "trace_pipeline.py",
+        include_str!("../../../../python/headroom_measure/trace_pipeline.py"),
+    ),
+    (
         "pipeline.py",
         include_str!("../../../../python/headroom_measure/pipeline.py"),
     ),

@@ -10,7 +10,8 @@ use headroom::estimate::Limit;
 use headroom::gpu::{self, Gpu};
 use headroom::report::to_json;
 use headroom::report::trace::TraceJson;
-use headroom::spec::{is_pipeline, parse_document};
+use headroom::spec::{PipelineSpec, is_pipeline, parse_document};
+use serde_json::Value;
 use headroom::trace::{self, Trace};
 
 use crate::cmd::measure::{harness_dir, read_spec};
@@ -105,8 +106,7 @@ pub fn run(args: Args) -> CliResult {
 
 /// Runs the tracer on `spec` and reads what it wrote, keeping a copy at `--save`.
 fn traced(spec: &Path, args: &Args) -> CliResult<Trace> {
-    refuse_pipeline(spec)?;
-    let (_, harness_spec) = read_spec(spec, spec.parent())?;
+    let harness_spec = harness_spec(spec)?;
     let dir = harness_dir()?;
     // The tracer gzips what it writes to a `.gz` name, so the copy is what `--save` names.
     let compressed = args
@@ -176,20 +176,32 @@ fn traced(spec: &Path, args: &Args) -> CliResult<Trace> {
     trace::read(&out).map_err(|e| CliError::failure(format!("the tracer wrote a bad trace: {e}")))
 }
 
-/// A pipeline spec is refused by name: the tracer runs one run spec (sharded ones included),
-/// while a pipeline's phases move models between host and device and generate, which the
-/// tracer's CPU run does not follow.
-fn refuse_pipeline(spec: &Path) -> CliResult<()> {
+/// The spec as the tracer reads it, the model's config inline (the tracer has no catalog of
+/// its own): a run spec's, or each instance's of a pipeline (a rollout engine's included).
+fn harness_spec(spec: &Path) -> CliResult<Value> {
     let text = std::fs::read_to_string(spec)
         .map_err(|e| CliError::input(format!("{}: {e}", spec.display())))?;
-    if is_pipeline(&parse_document(&text, spec)?) {
-        return Err(CliError::input(format!(
-            "{}: a pipeline spec (`instances` or `policy`) is not traced: `headroom trace` runs one run \
-             spec (FSDP2 and tensor-parallel ones included), and a pipeline's phases move models \
-             between host and device and generate, which the tracer's CPU run does not follow; \
-             `headroom estimate` models pipelines natively",
-            spec.display()
-        )));
+    let mut doc = parse_document(&text, spec)?;
+    if !is_pipeline(&doc) {
+        return Ok(read_spec(spec, spec.parent())?.1);
     }
-    Ok(())
+    let pipeline = PipelineSpec::from_value(&doc).map_err(|e| CliError::in_file(spec, e))?;
+    let entries: Vec<&mut Value> = match doc.as_object_mut() {
+        Some(obj) if obj.contains_key("policy") => obj
+            .iter_mut()
+            .filter(|(key, _)| *key == "policy" || *key == "reference")
+            .map(|(_, v)| v)
+            .collect(),
+        _ => doc["instances"]
+            .as_array_mut()
+            .into_iter()
+            .flatten()
+            .filter(|entry| entry.get("shares").is_none())
+            .collect(),
+    };
+    for (entry, instance) in entries.into_iter().zip(&pipeline.instances) {
+        let model = instance.spec.resolve_model(spec.parent())?;
+        entry["model_config"] = model.config;
+    }
+    Ok(doc)
 }

@@ -91,7 +91,7 @@ fn engine_def(e: &EngineSpec, spec: &RunSpec, arch: &Architecture, gpu: &Gpu) ->
             1
         };
     EngineDef {
-        bytes: (e.gpu_memory_utilization * gpu.total_bytes as f64) as u64,
+        bytes: gpu.share_bytes(e.gpu_memory_utilization),
         weight_bytes,
         sleep_level: e.sleep_level,
         kv_bytes_per_token: 2 * arch.layers * arch.kv_heads * arch.head_dim * DType::BF16.bytes(),

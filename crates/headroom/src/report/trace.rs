@@ -30,17 +30,27 @@ pub struct TraceJson<'a> {
     pub peak_allocated_bytes: u64,
     /// The largest `memory_reserved()` over the steps.
     pub peak_reserved_bytes: u64,
+    /// The most held on the device in one phase: reserved plus awake rollout engines (equal to
+    /// `peak_reserved_bytes` without engines), the CUDA context aside.
+    pub peak_device_bytes: u64,
     pub cuda_context_bytes: u64,
     /// Reserved but unallocated at the peak.
     pub fragmentation_bytes: u64,
     /// The phase of the peak (`step 1 backward`).
     pub peak_phase: &'a str,
+    /// The peak phase's iteration, in a pipeline's trace; absent for a run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_iteration: Option<u32>,
     /// Every phase, the load first, in the order they ran.
     pub phases: Vec<TracePhaseJson<'a>>,
     /// What the allocated bytes are made of at the peak, by storage kind (`parameter`,
     /// `activation`, ...), `workspaces` (kernel buffers) and `allocator_rounding`; sums to
     /// `peak_allocated_bytes`.
     pub breakdown: Vec<ComponentBytes>,
+    /// A pipeline's rollout engines and the share of the GPU each holds while awake; absent
+    /// without engines.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub engines: Vec<TraceEngineJson<'a>>,
     /// Events of the trace file.
     pub trace_events: usize,
     /// Allocations and frees replayed, kernel buffers included.
@@ -53,8 +63,20 @@ pub struct TraceJson<'a> {
 #[derive(Debug, Serialize)]
 pub struct TracePhaseJson<'a> {
     pub name: &'a str,
+    /// A pipeline's iteration, as `estimate --json` numbers a pipeline's phases; absent for a run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iteration: Option<u32>,
     pub peak_allocated_bytes: u64,
     pub peak_reserved_bytes: u64,
+    /// Held by awake rollout engines at the phase's end; absent without engines.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_bytes: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TraceEngineJson<'a> {
+    pub name: &'a str,
+    pub bytes: u64,
 }
 
 /// Whether the run fits the GPU: `estimate`'s verdict, the out-of-memory error placed by its
@@ -75,6 +97,9 @@ pub struct TraceOomJson<'a> {
     /// Index of the trace event whose allocation failed.
     pub event: usize,
     pub phase: &'a str,
+    /// A pipeline's iteration; absent for a run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub iteration: Option<u32>,
     /// The storage (kind, op, module) or kernel buffer being allocated.
     pub tensor: &'a str,
     pub requested_bytes: u64,
@@ -102,22 +127,34 @@ impl<'a> TraceJson<'a> {
             alloc_conf,
             peak_allocated_bytes: est.peak_allocated_bytes,
             peak_reserved_bytes: est.peak_reserved_bytes,
+            peak_device_bytes: est.peak_device_bytes,
             cuda_context_bytes: est.cuda_context_bytes,
             fragmentation_bytes: est.fragmentation_bytes,
             peak_phase: &est.peak_phase,
+            peak_iteration: est.peak_iteration,
             phases: est
                 .phases
                 .iter()
                 .map(|p| TracePhaseJson {
                     name: &p.name,
+                    iteration: p.iteration,
                     peak_allocated_bytes: p.peak_allocated,
                     peak_reserved_bytes: p.peak_reserved,
+                    engine_bytes: (!trace.engines.is_empty()).then_some(p.engine_bytes),
                 })
                 .collect(),
             breakdown: est
                 .breakdown
                 .iter()
                 .map(|&(component, bytes)| ComponentBytes { component, bytes })
+                .collect(),
+            engines: trace
+                .engines
+                .iter()
+                .map(|e| TraceEngineJson {
+                    name: &e.name,
+                    bytes: est.gpu.share_bytes(e.gpu_memory_utilization),
+                })
                 .collect(),
             trace_events: trace.events.len(),
             timeline_events: est.timeline_events,
@@ -129,6 +166,7 @@ impl<'a> TraceJson<'a> {
                 oom: est.oom.as_ref().map(|o| TraceOomJson {
                     event: o.event,
                     phase: &o.phase,
+                    iteration: o.iteration,
                     tensor: &o.tensor,
                     requested_bytes: o.requested_bytes,
                     allocated_bytes: o.allocated_bytes,

@@ -36,6 +36,17 @@ pub struct Trace {
     pub phases: Vec<Phase>,
     pub storages: Vec<Storage>,
     pub events: Vec<Event>,
+    /// A pipeline's rollout engines, which hold a share of the device outside the caching
+    /// allocator while awake.
+    pub engines: Vec<Engine>,
+}
+
+/// A vLLM-style rollout engine colocated with the traced pipeline (see
+/// [`crate::spec::EngineSpec`]): awake, it holds `gpu_memory_utilization` of the device's total.
+#[derive(Clone, Debug, PartialEq, serde::Deserialize)]
+pub struct Engine {
+    pub name: String,
+    pub gpu_memory_utilization: f64,
 }
 
 /// Where a phase (`load`, `step 1 forward`, ...) begins.
@@ -44,6 +55,9 @@ pub struct Phase {
     pub name: String,
     /// Index of its first event.
     pub event: usize,
+    /// A pipeline's iteration (its phases repeat by name); absent in a run's trace.
+    #[serde(default)]
+    pub iteration: Option<u32>,
 }
 
 /// One storage the allocator is asked for.
@@ -124,6 +138,9 @@ pub enum Event {
     Reduce { outputs: u64, inputs: u64 },
     /// `["attention_backward", kernel, batch, heads, seq, head_dim, gqa, dtype_bytes]`.
     AttentionBackward(Box<AttentionBackward>),
+    /// `["engine", index, awake]`: rollout engine `index` wakes (after `empty_cache()`) or
+    /// goes to sleep.
+    Engine { engine: u32, awake: bool },
 }
 
 /// The thread a GEMM runs on: each has its own cuBLAS handle and so its own workspaces.

@@ -14,11 +14,12 @@ use serde_json::Value;
 use smallvec::SmallVec;
 
 use super::{
-    AttentionBackward, AttentionKernel, Event, FORMAT, Phase, Storage, Thread, Trace, VERSION,
+    AttentionBackward, AttentionKernel, Engine, Event, FORMAT, Phase, Storage, Thread, Trace,
+    VERSION,
 };
 use crate::error::{Error, Result, SHOWN_CHARS, shown};
 use crate::limits::{
-    MAX_HEAD_DIM, MAX_HEADS, MAX_POSITIONS, MAX_TOKENS, MAX_TRACE_BYTES, MAX_TRACE_ELEMENTS,
+    MAX_HEAD_DIM, MAX_HEADS, MAX_INSTANCES, MAX_POSITIONS, MAX_TOKENS, MAX_TRACE_BYTES, MAX_TRACE_ELEMENTS,
     MAX_TRACE_EVENTS, MAX_TRACE_PHASES, MAX_TRACE_STORAGE_BYTES, MAX_TRACE_STORAGES,
 };
 
@@ -111,6 +112,7 @@ struct RawTrace {
     phases: Option<List<Phase>>,
     storages: Option<List<Storage>>,
     events: Option<List<Event>>,
+    engines: Option<Vec<Engine>>,
 }
 
 fn parse(json: &[u8], path: &Path) -> Result<Trace> {
@@ -187,13 +189,50 @@ fn check(raw: RawTrace) -> Result<Trace> {
         }
     }
     check_lifetimes(&events, storages.len())?;
+    let engines = raw.engines.unwrap_or_default();
+    check_engines(&engines, &events)?;
     Ok(Trace {
         spec: raw.spec.unwrap_or(Value::Null),
         env,
         phases,
         storages,
         events,
+        engines,
     })
+}
+
+/// At most [`MAX_INSTANCES`] engines, each a share of the device, and every `engine` event
+/// naming one of them.
+fn check_engines(engines: &[Engine], events: &[Event]) -> Result<()> {
+    if engines.len() > MAX_INSTANCES {
+        return Err(Error::field(
+            "engines",
+            format!("{} engines", engines.len()),
+            format!("a pipeline has at most {MAX_INSTANCES} instances (headroom::limits::MAX_INSTANCES)"),
+        ));
+    }
+    for (i, engine) in engines.iter().enumerate() {
+        let share = engine.gpu_memory_utilization;
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(Error::field(
+                format!("engines[{i}].gpu_memory_utilization"),
+                share,
+                "use a share of the device above 0 and at most 1",
+            ));
+        }
+    }
+    for (i, event) in events.iter().enumerate() {
+        if let Event::Engine { engine, awake } = *event
+            && engine as usize >= engines.len()
+        {
+            return Err(Error::field(
+                format!("events[{i}]"),
+                format!("[\"engine\", {engine}, {awake}]"),
+                format!("the trace lists {} engines: name one of them by its index", engines.len()),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn check_phases(phases: &[Phase], events: usize) -> Result<()> {
@@ -442,7 +481,7 @@ impl<'de> Deserialize<'de> for Scalar {
 }
 
 /// The events the format has: name, fewest and most arguments, and how they are written.
-const EVENTS: [(&str, usize, usize, &str); 6] = [
+const EVENTS: [(&str, usize, usize, &str); 7] = [
     ("alloc", 1, 1, "[\"alloc\", storage]"),
     ("free", 1, 1, "[\"free\", storage]"),
     ("empty_cache", 0, 0, "[\"empty_cache\"]"),
@@ -459,6 +498,7 @@ const EVENTS: [(&str, usize, usize, &str); 6] = [
         7,
         "[\"attention_backward\", kernel, batch, heads, seq, head_dim, gqa, dtype_bytes]",
     ),
+    ("engine", 2, 2, "[\"engine\", index, awake]"),
 ];
 
 /// The message of a value that cannot be used: `what value is not allowed; allowed`.
@@ -541,6 +581,10 @@ fn event<E: de::Error>(name: &str, args: &[Scalar]) -> Result<Event, E> {
             outputs: elements("outputs", &args[0])?,
             inputs: elements("inputs", &args[1])?,
         },
+        "engine" => Event::Engine {
+            engine: engine_index(&args[0])?,
+            awake: flag("awake", &args[1])?,
+        },
         _ => Event::AttentionBackward(Box::new(attention(args)?)),
     })
 }
@@ -555,6 +599,17 @@ fn storage<E: de::Error>(arg: &Scalar) -> Result<u32, E> {
                 "use a storage's index, an integer from 0 (a trace has at most {MAX_TRACE_STORAGES} \
                  storages)"
             ),
+        )),
+    }
+}
+
+fn engine_index<E: de::Error>(arg: &Scalar) -> Result<u32, E> {
+    match *arg {
+        Scalar::Unsigned(k) if k < MAX_INSTANCES as u64 => Ok(k as u32),
+        _ => Err(refuse(
+            "engine ",
+            arg,
+            format!("use an index into `engines`, an integer from 0 to {}", MAX_INSTANCES - 1),
         )),
     }
 }
@@ -848,6 +903,35 @@ mod tests {
         for (events, message) in cases {
             let err = error(&with("events", events));
             assert!(err.starts_with("`t.json: events["), "{err}");
+            assert!(err.contains(message), "{err}\nwants: {message}");
+        }
+    }
+
+    #[test]
+    fn rollout_engines_are_checked() {
+        let engines = |share: Value, index: u64| {
+            let mut doc: Value = serde_json::from_slice(&with("engines", json!([
+                {"name": "rollout", "gpu_memory_utilization": share}
+            ])))
+            .unwrap();
+            doc["events"].as_array_mut().unwrap().push(json!(["engine", index, true]));
+            doc.to_string().into_bytes()
+        };
+        let t = from_bytes(&engines(json!(0.5), 0), Path::new("t.json")).expect("valid");
+        assert_eq!(t.engines[0].gpu_memory_utilization, 0.5);
+        assert_eq!(t.events[5], Event::Engine { engine: 0, awake: true });
+        for (bytes, message) in [
+            (
+                engines(json!(1.5), 0),
+                "`t.json: engines[0].gpu_memory_utilization`: 1.5 is not allowed; use a share of the device above 0 and at most 1",
+            ),
+            (
+                engines(json!(0.5), 1),
+                "`t.json: events[5]`: [\"engine\", 1, true] is not allowed; the trace lists 1 engines",
+            ),
+            (engines(json!(0.5), 99), "`events[5]`: engine 99 is not allowed"),
+        ] {
+            let err = error(&bytes);
             assert!(err.contains(message), "{err}\nwants: {message}");
         }
     }

@@ -24,8 +24,12 @@ use crate::sim::model::attention::QueryShape;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TracePhasePeak {
     pub name: String,
+    /// A pipeline's iteration.
+    pub iteration: Option<u32>,
     pub peak_allocated: u64,
     pub peak_reserved: u64,
+    /// Device bytes the awake rollout engines hold at its end, outside the caching allocator.
+    pub engine_bytes: u64,
 }
 
 /// The first allocation the GPU could not serve.
@@ -34,6 +38,8 @@ pub struct TraceOom {
     /// Index of the trace event that asked for it.
     pub event: usize,
     pub phase: String,
+    /// A pipeline's iteration.
+    pub iteration: Option<u32>,
     /// The storage (its kind, op and module) or the kernel buffer.
     pub tensor: String,
     pub requested_bytes: u64,
@@ -52,8 +58,13 @@ pub struct TraceEstimate {
     pub peak_allocated_bytes: u64,
     /// The largest reserved total over the steps.
     pub peak_reserved_bytes: u64,
+    /// The most held on the device in one phase (not the load): reserved bytes plus awake
+    /// rollout engines.
+    pub peak_device_bytes: u64,
     /// The phase of the peak allocated total.
     pub peak_phase: String,
+    /// Its iteration, in a pipeline's trace.
+    pub peak_iteration: Option<u32>,
     pub phases: Vec<TracePhasePeak>,
     /// What the allocated bytes were made of at the peak, by storage kind, then `workspaces`
     /// (kernel buffers) and `allocator_rounding`; sums to `peak_allocated_bytes`.
@@ -71,9 +82,9 @@ pub struct TraceEstimate {
 }
 
 impl TraceEstimate {
-    /// Device memory the run needs: reserved plus the CUDA context.
+    /// Device memory the run needs: reserved, awake rollout engines and the CUDA context.
     pub fn device_bytes(&self) -> u64 {
-        self.peak_reserved_bytes + self.cuda_context_bytes
+        self.peak_device_bytes + self.cuda_context_bytes
     }
 
     /// As [`crate::estimate::Estimate::fits`]: at the GPU's capacity, whether it did not run
@@ -111,19 +122,22 @@ pub fn estimate(
         .map(|h| (holder_key(h), outcome.peak.breakdown[h]))
         .filter(|&(_, bytes)| bytes > 0)
         .collect();
+    let steps = || outcome.phases.iter().filter(|p| p.name != LOAD);
     Ok(TraceEstimate {
-        peak_allocated_bytes: outcome.peak.allocated,
-        peak_reserved_bytes: outcome
-            .phases
-            .iter()
-            .filter(|p| p.name != LOAD)
-            .map(|p| p.peak_reserved)
+        peak_device_bytes: steps()
+            .map(|p| p.peak_reserved + p.engine_bytes)
             .max()
             .unwrap_or(0),
+        peak_allocated_bytes: outcome.peak.allocated,
+        peak_reserved_bytes: steps().map(|p| p.peak_reserved).max().unwrap_or(0),
         peak_phase: outcome
             .peak
             .phase
             .map_or(String::new(), |p| outcome.phases[p].name.clone()),
+        peak_iteration: outcome
+            .peak
+            .phase
+            .and_then(|p| outcome.phases[p].iteration),
         breakdown,
         fragmentation_bytes: outcome.peak.reserved - outcome.peak.allocated,
         cuda_context_bytes: gpu.cuda_context_bytes,
@@ -137,6 +151,9 @@ pub fn estimate(
 
 /// The phase whose peak does not count (the model being built).
 const LOAD: &str = "load";
+
+/// What a rollout engine that cannot wake asks for, named as the native simulator names it.
+const ENGINE_WAKE: &str = "rollout engine wake_up (weights + KV cache)";
 
 /// What bytes are charged to: a storage kind, by its index in [`StorageKind::ALL`], then
 /// kernel buffers and the allocator's rounding.
@@ -209,6 +226,11 @@ struct Replay<'t> {
     event: usize,
     oom: Option<TraceOom>,
     timeline_events: u64,
+    /// What each rollout engine holds while awake, and whether it is.
+    engine_bytes: Vec<u64>,
+    awake: Vec<bool>,
+    /// What the allocator may obtain with every engine asleep (`None`: no limit).
+    capacity: Option<u64>,
 }
 
 impl<'t> Replay<'t> {
@@ -227,6 +249,13 @@ impl<'t> Replay<'t> {
             event: 0,
             oom: None,
             timeline_events: 0,
+            engine_bytes: trace
+                .engines
+                .iter()
+                .map(|e| gpu.share_bytes(e.gpu_memory_utilization))
+                .collect(),
+            awake: vec![false; trace.engines.len()],
+            capacity,
         }
     }
 
@@ -239,16 +268,30 @@ impl<'t> Replay<'t> {
                 .get(p + 1)
                 .map_or(trace.events.len(), |next| next.event);
             self.phase = p;
-            self.allocator.reset_peak_stats();
-            for (i, event) in trace.events[phase.event..end].iter().enumerate() {
+            // The rollout engines a phase begins by waking or putting to sleep switch before its
+            // peak counters are reset.
+            let events = &trace.events[phase.event..end];
+            let switches = events
+                .iter()
+                .take_while(|e| matches!(e, Event::Engine { .. }))
+                .count();
+            for (i, event) in events.iter().enumerate() {
+                if i == switches {
+                    self.allocator.reset_peak_stats();
+                }
                 self.event = phase.event + i;
                 self.apply(event)?;
+            }
+            if switches == events.len() {
+                self.allocator.reset_peak_stats();
             }
             let stats = self.allocator.stats();
             phases.push(TracePhasePeak {
                 name: phase.name.clone(),
+                iteration: phase.iteration,
                 peak_allocated: stats.allocated_bytes.all.peak as u64,
                 peak_reserved: stats.reserved_bytes.all.peak as u64,
+                engine_bytes: self.awake_engine_bytes(),
             });
         }
         Ok(Outcome {
@@ -281,8 +324,48 @@ impl<'t> Replay<'t> {
             } => self.gemm(bias_epilogue, thread)?,
             Event::Reduce { outputs, inputs } => self.reduce(outputs, inputs)?,
             Event::AttentionBackward(ref a) => self.attention_backward(a)?,
+            Event::Engine { engine, awake } => self.engine(engine as usize, awake),
         }
         Ok(())
+    }
+
+    fn awake_engine_bytes(&self) -> u64 {
+        let awake = self.engine_bytes.iter().zip(&self.awake);
+        awake.filter(|(_, a)| **a).map(|(b, _)| b).sum()
+    }
+
+    /// A rollout engine wakes (after `torch.cuda.empty_cache()`, as the frameworks call it, its
+    /// share must fit beside what the allocator still reserves) or goes to sleep; the allocator
+    /// may obtain the capacity less what awake engines hold, as in the native simulator.
+    fn engine(&mut self, engine: usize, awake: bool) {
+        if self.awake[engine] == awake {
+            return;
+        }
+        self.awake[engine] = awake;
+        if awake {
+            self.allocator.empty_cache();
+        }
+        let (Some(capacity), None) = (self.capacity, &self.oom) else {
+            return;
+        };
+        let held = self.awake_engine_bytes();
+        self.allocator.set_capacity(Some(capacity.saturating_sub(held)));
+        let reserved = self.allocator.stats().reserved_bytes.all.current as u64;
+        let bytes = self.engine_bytes[engine];
+        if awake && reserved + held > capacity {
+            let stats = self.allocator.stats();
+            let error = OutOfMemory::Device(headroom_alloc::DeviceOutOfMemory {
+                requested: bytes,
+                alloc_size: bytes,
+                device: 0,
+                device_total: capacity,
+                device_free: capacity.saturating_sub(reserved + held - bytes),
+                allocated_bytes: stats.allocated_bytes.all.current as u64,
+                reserved_bytes: reserved,
+            });
+            self.oom = Some(self.out_of_memory(bytes, Request::Kernel(ENGINE_WAKE), error));
+            self.allocator.set_capacity(None);
+        }
     }
 
     /// Index of the thread into `cublas` and `cublaslt`: the one given, or autograd's in the
@@ -441,6 +524,7 @@ impl<'t> Replay<'t> {
         TraceOom {
             event: self.event,
             phase: self.trace.phases[self.phase].name.clone(),
+            iteration: self.trace.phases[self.phase].iteration,
             tensor: self.describe(request),
             requested_bytes: bytes,
             allocated_bytes: allocated,
@@ -767,6 +851,75 @@ mod tests {
             replay(&t, &h100(), Limit::None).peak_reserved_bytes,
             100 * MIB
         );
+    }
+
+    /// A pipeline's trace: `storages` (bytes, kind), one rollout engine with this share of the
+    /// device, and `phases` (name, first event) of iteration 0.
+    fn with_engine(storages: &[u64], share: f64, events: Value, phases: &[(&str, usize)]) -> Trace {
+        let storages: Vec<Value> = storages
+            .iter()
+            .map(|bytes| json!({"bytes": bytes, "kind": "parameter", "op": "aten.empty", "module": ""}))
+            .collect();
+        let phases: Vec<Value> = phases
+            .iter()
+            .map(|(name, event)| json!({"name": name, "event": event, "iteration": 0}))
+            .collect();
+        let doc = json!({
+            "format": "headroom-trace", "version": 1, "spec": {}, "env": {},
+            "phases": phases, "storages": storages, "events": events,
+            "engines": [{"name": "rollout", "gpu_memory_utilization": share}],
+        });
+        crate::trace::from_bytes(doc.to_string().as_bytes(), Path::new("t.json"))
+            .expect("a valid trace")
+    }
+
+    #[test]
+    fn an_awake_engine_holds_its_share_beside_the_allocator() {
+        let gpu = gpu::find("4GiB").expect("a custom capacity");
+        let share = gpu.share_bytes(0.5);
+        // load: 1 GiB of parameters; rollout: the engine wakes first thing (before the peak
+        // counters are reset, after an empty_cache); train: it sleeps, 1 GiB more fits.
+        let events = json!([
+            ["alloc", 0], ["alloc", 1], ["free", 1],
+            ["engine", 0, true],
+            ["engine", 0, false], ["alloc", 2],
+        ]);
+        let phases = [("load", 0), ("rollout", 3), ("train", 4)];
+        let t = with_engine(&[1 << 30, 1 << 30, 1 << 30], 0.5, events.clone(), &phases);
+        let est = replay(&t, &gpu, Limit::Gpu);
+        let engine: Vec<u64> = est.phases.iter().map(|p| p.engine_bytes).collect();
+        assert_eq!(engine, [0, share, 0]);
+        // The wake's empty_cache returned the freed GiB before the rollout's counters started.
+        assert_eq!(est.phases[1].peak_reserved, 1 << 30);
+        // The most the device holds is the rollout's, with the engine, not the train's 2 GiB.
+        assert_eq!(est.peak_reserved_bytes, 2 << 30);
+        assert_eq!(est.peak_device_bytes, (1 << 30) + share);
+        assert!(est.oom.is_none(), "{:?}", est.oom);
+        // Awake through the train phase, the engine leaves too little for its GiB.
+        let awake = json!([
+            ["alloc", 0], ["alloc", 1], ["free", 1],
+            ["engine", 0, true],
+            ["alloc", 2],
+        ]);
+        let t = with_engine(&[1 << 30, 1 << 30, 1 << 30], 0.5, awake, &phases);
+        let oom = replay(&t, &gpu, Limit::Gpu).oom.expect("runs out");
+        assert_eq!((oom.phase.as_str(), oom.iteration), ("train", Some(0)));
+        assert!(oom.tensor.starts_with("storage 2"), "{}", oom.tensor);
+        // Without a limit the engine changes no allocator number.
+        let t = with_engine(&[1 << 30, 1 << 30, 1 << 30], 0.5, events, &phases);
+        assert_eq!(replay(&t, &gpu, Limit::None).peak_reserved_bytes, 2 << 30);
+    }
+
+    #[test]
+    fn an_engine_that_cannot_wake_beside_the_cache_is_out_of_memory() {
+        let gpu = gpu::find("4GiB").expect("a custom capacity");
+        let events = json!([["alloc", 0], ["engine", 0, true]]);
+        let t = with_engine(&[3 << 30], 0.5, events, &[("load", 0), ("rollout", 1)]);
+        let oom = replay(&t, &gpu, Limit::Gpu).oom.expect("cannot wake");
+        assert_eq!(oom.tensor, ENGINE_WAKE);
+        assert_eq!(oom.requested_bytes, gpu.share_bytes(0.5));
+        assert_eq!((oom.phase.as_str(), oom.event), ("rollout", 1));
+        assert_eq!(oom.reserved_bytes, 3 << 30);
     }
 
     #[test]

@@ -1,0 +1,155 @@
+"""The tracer on pipelines (trace_pipeline.py): several instances of a small model in one process,
+phase by phase, with the moves between host and device recorded as CUDA makes them, generation
+run to its length, and what cannot be traced refused by instance."""
+
+import json
+import tempfile
+import unittest
+from collections import Counter
+
+from .test_trace import TINY, has_torch, run
+from .test_trace_dist import traced
+
+NEW_TOKENS = 8
+PIPELINE = {
+    "instances": [
+        {"name": "actor", **TINY, "precision": "amp-bf16", "gradient_checkpointing": True},
+        {"name": "ref", **TINY, "mode": "forward", "optimizer": "none", "home": "cpu"},
+        {"name": "scorer", "shares": "actor"},
+        {"name": "vllm", "engine": "vllm", **TINY, "mode": "forward", "gpu_memory_utilization": 0.5, "sleep_level": 1},
+    ],
+    "phases": [
+        {"name": "sync", "run": [{"instance": "vllm", "pass": "generate", "new_tokens": NEW_TOKENS}]},
+        {"name": "rollout", "run": [{"instance": "actor", "pass": "generate", "new_tokens": NEW_TOKENS}]},
+        {"name": "ref_logprob", "run": ["ref"], "offload": [{"instance": "actor", "optimizer": True}]},
+        {"name": "score", "run": [{"instance": "scorer", "pass": "forward", "repeat": 2}]},
+        {"name": "train", "run": ["actor"]},
+    ],
+    "iterations": 2,
+}  # fmt: skip
+
+
+def tiny_model_bytes(dtype_bytes: int) -> int:
+    """Parameter bytes of TINY's llama (untied embedding and head)."""
+    c = TINY["model_config"]
+    h, i, heads, kv, layers = (
+        c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"],
+        c["num_hidden_layers"],
+    )  # fmt: skip
+    head_dim = h // heads
+    layer = 2 * h * h + 2 * h * kv * head_dim + 3 * h * i + 2 * h
+    return dtype_bytes * (layers * layer + 2 * c["vocab_size"] * h + h)
+
+
+class RefusalTest(unittest.TestCase):
+    def test_an_instance_the_tracer_cannot_run_is_refused_by_name(self):
+        raw = json.loads(json.dumps(PIPELINE))
+        raw["instances"][0]["parallel"] = {"strategy": "zero2", "world_size": 1}
+        raw["instances"][0]["precision"] = "bf16"
+        with tempfile.TemporaryDirectory() as tmp:
+            out = run("trace", "--spec-json", json.dumps(raw), "--out", f"{tmp}/t.json")
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("instances[0] (actor): `parallel.strategy: zero2`", out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
+
+
+@unittest.skipUnless(has_torch(), "torch and transformers are not installed")
+class PipelineTraceTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.doc = traced(PIPELINE)
+
+    def phase_events(self, name, iteration):
+        phases = self.doc["phases"]
+        k = next(k for k, p in enumerate(phases) if (p["name"], p.get("iteration")) == (name, iteration))
+        end = phases[k + 1]["event"] if k + 1 < len(phases) else len(self.doc["events"])
+        return self.doc["events"][phases[k]["event"] : end]
+
+    def device_allocs(self, events, op):
+        storages = self.doc["storages"]
+        return [
+            storages[e[1]] for e in events if e[0] == "alloc" and storages[e[1]]["op"] == op
+            and storages[e[1]]["kind"] != "host"
+        ]  # fmt: skip
+
+    def test_phases_are_the_load_then_every_phase_of_every_iteration(self):
+        got = [(p["name"], p["iteration"]) for p in self.doc["phases"]]
+        names = [p["name"] for p in PIPELINE["phases"]]
+        self.assertEqual(got, [("load", 0)] + [(n, it) for it in range(2) for n in names])
+        self.assertEqual(self.doc["spec"]["instances"][2], {"name": "scorer", "shares": "actor"})
+        self.assertEqual(self.doc["spec"]["instances"][3]["engine"], "vllm")
+
+    def test_every_alloc_is_freed_at_most_once_after_it(self):
+        state = {}
+        for e in self.doc["events"]:
+            if e[0] == "alloc":
+                self.assertNotIn(e[1], state)
+                state[e[1]] = "live"
+            elif e[0] == "free":
+                self.assertEqual(state.get(e[1]), "live")
+                state[e[1]] = "freed"
+
+    def test_the_host_homed_reference_comes_in_for_its_phase_and_goes_back_out(self):
+        # Built on the host: nothing of its build reaches the device.
+        load = self.phase_events("load", 0)
+        ref = [self.doc["storages"][e[1]] for e in load if e[0] == "alloc"]
+        ref = [s for s in ref if s["module"].startswith("ref") or s["kind"] == "host"]
+        self.assertTrue(all(s["kind"] == "host" for s in ref if s["op"] != "model.cuda()"))
+        for it in range(2):
+            events = self.phase_events("ref_logprob", it)
+            came_in = self.device_allocs(events, "model.cuda()")
+            params = sum(s["bytes"] for s in came_in if s["kind"] == "parameter")
+            # The bf16 reference comes in; the fp32 actor, offloaded (parameters by default, its
+            # states too), comes back at the phase's end.
+            self.assertEqual(params, tiny_model_bytes(2) + tiny_model_bytes(4))
+            # `model.cpu()` frees each of them on the device within the phase.
+            freed = {e[1] for e in events if e[0] == "free"}
+            ref_in = []  # the reference's: the allocations before its pass
+            for e in events:
+                if e[0] == "alloc" and self.doc["storages"][e[1]]["kind"] != "host":
+                    if self.doc["storages"][e[1]]["op"] != "model.cuda()":
+                        break
+                    ref_in.append(e[1])
+            self.assertEqual(len(ref_in), 21 + 2)  # its parameters and rotary buffers
+            self.assertTrue(set(ref_in) <= freed)
+
+    def test_optimizer_states_go_out_once_they_exist(self):
+        # Iteration 0: the actor has not stepped, it has no states to move.
+        self.assertEqual(self.device_allocs(self.phase_events("ref_logprob", 0), "optimizer state .to()"), [])
+        back = self.device_allocs(self.phase_events("ref_logprob", 1), "optimizer state .to()")
+        self.assertEqual(Counter(s["kind"] for s in back), {"optimizer_state": 2 * len(self.actor_params())})
+        self.assertEqual(sum(s["bytes"] for s in back), 2 * tiny_model_bytes(4))
+
+    def actor_params(self):
+        return [s for s in self.doc["storages"] if s["kind"] == "parameter" and s["op"] != "model.cuda()"]
+
+    def test_generation_runs_to_its_length(self):
+        for it in range(2):
+            argmax = [
+                s for e in self.phase_events("rollout", it) if e[0] == "alloc"
+                for s in [self.doc["storages"][e[1]]] if s["op"] == "aten.argmax.default"
+            ]  # fmt: skip
+            self.assertEqual(len(argmax), NEW_TOKENS)
+
+    def test_a_rollout_engine_is_listed_and_switched_first_thing_in_a_phase(self):
+        self.assertEqual(self.doc["engines"], [{"name": "vllm", "gpu_memory_utilization": 0.5}])
+        switches = [e for e in self.doc["events"] if e[0] == "engine"]
+        # Created awake after the models, asleep at once; then awake for each `sync` and asleep
+        # again for the phase after it.
+        self.assertEqual(switches, [["engine", 0, True], ["engine", 0, False]] + [
+            ["engine", 0, True], ["engine", 0, False]
+        ] * 2)  # fmt: skip
+        for it in range(2):
+            self.assertEqual(self.phase_events("sync", it)[0], ["engine", 0, True])
+            self.assertEqual(self.phase_events("rollout", it)[0], ["engine", 0, False])
+            # The engine's phase runs nothing in PyTorch.
+            self.assertFalse([e for e in self.phase_events("sync", it) if e[0] == "alloc"])
+
+    def test_each_instances_modules_are_named_under_it(self):
+        modules = {s["module"].split(".")[0] for s in self.doc["storages"] if s["module"]}
+        self.assertLessEqual({"actor", "ref"}, modules)
+        self.assertNotIn("model", modules)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -39,12 +39,6 @@ def refuse_untraceable(spec):
     from .trainers import TrainerSpec
 
     if isinstance(spec, TrainerSpec):
-        if spec.trainer == "trl-grpo":
-            raise TraceError(
-                "`trainer: trl-grpo`: generation stops when every sampled sequence has ended, and the completion "
-                "masks follow the sampled tokens, values fake tensors do not have; `headroom estimate` models "
-                "trl-grpo natively"
-            )
         if spec.trainer == "trl-dpo" and spec.precompute_ref_log_probs:
             raise TraceError(
                 "`precompute_ref_log_probs: true`: TRL writes the reference log-probabilities into the dataset's "
@@ -180,10 +174,14 @@ class Recorder:
         """A value read back to Python (`.item()`, `bool(t)`), which fake tensors do not have.
         The reads the traced code makes decide no allocation: transformers' masking asks "is
         every row unpacked / unpadded" (true of the harness's dense batch) and the optimizers
-        read their step counter for the bias correction (any positive value)."""
+        read their step counter for the bias correction (any positive value). A mask whose value
+        the answers know (a NaN check) reads as that."""
         import torch
 
         self.scalar_reads += 1
+        known = self.answers.uniform(t) if self.answers is not None else None
+        if known is not None:
+            return known
         return True if t.dtype == torch.bool else 1
 
     def _after(self, func, args, out):
@@ -496,7 +494,10 @@ class _BuildOnTheDevice:
     config (`from_config`, the dtype and attention `model_init_kwargs` give, `num_labels` for a
     reward head) where it would load the checkpoint."""
 
-    MODULES = ("trl.trainer.utils", "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.reward_trainer")
+    MODULES = (
+        "trl.trainer.utils", "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.grpo_trainer",
+        "trl.trainer.reward_trainer",
+    )
 
     def __init__(self, ts):
         self.ts = ts

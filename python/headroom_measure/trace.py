@@ -229,10 +229,8 @@ class Recorder:
             or torch._C._storage_Use_Count(key) > 2  # the fake tensor and its meta tensor
         ):
             return False
-        st = out.untyped_storage()
         del self.live[key]
-        self.live[st._cdata] = sid
-        weakref.finalize(st, self._free, st._cdata, sid)
+        self.adopt(out.untyped_storage(), sid)
         return True
 
     def _maybe_alloc(self, t, op: str):
@@ -263,9 +261,13 @@ class Recorder:
         stream = self.stream_of()
         if stream:
             self.storages[sid]["stream"] = stream
-        self.live[key] = sid
         self.events.append(["alloc", sid])
-        weakref.finalize(st, self._free, key, sid)
+        self.adopt(st, sid)
+
+    def adopt(self, storage, sid: int):
+        """`storage` holds storage `sid` from now on: its death frees it."""
+        self.live[storage._cdata] = sid
+        weakref.finalize(storage, self._free, storage._cdata, sid)
 
     def storage_resized(self, t, op: str):
         """`t`'s storage was resized in place (FSDP2 frees and re-allocates its unsharded

@@ -259,8 +259,11 @@ def on_cuda(rec, ts, trainer):
         return
     with contextlib.ExitStack() as stack:
         if ts.trainer == "trl-grpo":
+            from .trace_decode import DecodeLayerReplay
+
             rec.answers = grpo_masks(ts)
             stack.enter_context(FullLengthGeneration(ts.prompt_len + ts.completion_len))
+            stack.enter_context(DecodeLayerReplay(rec))
         else:
             rec.answers = MaskAnswers()
             learn_label_masks(trainer, rec.answers)

@@ -189,10 +189,6 @@ class MaskAnswersTest(unittest.TestCase):
         self.assertIsNot(StopCheck.__call__, None)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 @unittest.skipUnless(has_trl(), "torch, transformers and trl are not installed")
 class TrlTraceTest(unittest.TestCase):
     """The SFT and DPO trainers traced whole: the fused head gathers exactly the valid positions."""

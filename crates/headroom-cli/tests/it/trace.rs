@@ -451,6 +451,6 @@ fn saved_traces_match_their_measurements() {
     }
     assert_eq!(
         (checked, unseen, trainers, sharded),
-        (90 + SHARDED, 4, 43, SHARDED)
+        (97 + SHARDED, 4, 50, SHARDED)
     );
 }

@@ -40,12 +40,6 @@ def refuse_untraceable(spec):
     from .trainers import TrainerSpec
 
     if isinstance(spec, TrainerSpec):
-        if spec.trainer == "trl-grpo":
-            raise TraceError(
-                "`trainer: trl-grpo`: generation stops when every sampled sequence has ended, and the completion "
-                "masks follow the sampled tokens, values fake tensors do not have; `headroom estimate` models "
-                "trl-grpo natively"
-            )
         if spec.trainer == "trl-dpo" and spec.precompute_ref_log_probs:
             raise TraceError(
                 "`precompute_ref_log_probs: true`: TRL writes the reference log-probabilities into the dataset's "
@@ -184,10 +178,14 @@ class Recorder:
         """A value read back to Python (`.item()`, `bool(t)`), which fake tensors do not have.
         The reads the traced code makes decide no allocation: transformers' masking asks "is
         every row unpacked / unpadded" (true of the harness's dense batch) and the optimizers
-        read their step counter for the bias correction (any positive value)."""
+        read their step counter for the bias correction (any positive value). A mask whose value
+        the answers know (a NaN check) reads as that."""
         import torch
 
         self.scalar_reads += 1
+        known = self.answers.uniform(t) if self.answers is not None else None
+        if known is not None:
+            return known
         return True if t.dtype == torch.bool else 1
 
     def _after(self, func, args, out):
@@ -235,10 +233,8 @@ class Recorder:
             or torch._C._storage_Use_Count(key) > 2  # the fake tensor and its meta tensor
         ):
             return False
-        st = out.untyped_storage()
         del self.live[key]
-        self.live[st._cdata] = sid
-        weakref.finalize(st, self._free, st._cdata, sid)
+        self.adopt(out.untyped_storage(), sid)
         return True
 
     def _maybe_alloc(self, t, op: str):
@@ -269,9 +265,13 @@ class Recorder:
         stream = self.stream_of()
         if stream:
             self.storages[sid]["stream"] = stream
-        self.live[key] = sid
         self.events.append(["alloc", sid])
-        weakref.finalize(st, self._free, key, sid)
+        self.adopt(st, sid)
+
+    def adopt(self, storage, sid: int):
+        """`storage` holds storage `sid` from now on: its death frees it."""
+        self.live[storage._cdata] = sid
+        weakref.finalize(storage, self._free, storage._cdata, sid)
 
     def storage_resized(self, t, op: str):
         """`t`'s storage was resized in place (FSDP2 frees and re-allocates its unsharded
@@ -540,7 +540,10 @@ class _BuildOnTheDevice:
     config (`from_config`, the dtype and attention `model_init_kwargs` give, `num_labels` for a
     reward head) where it would load the checkpoint."""
 
-    MODULES = ("trl.trainer.utils", "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.reward_trainer")
+    MODULES = (
+        "trl.trainer.utils", "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.grpo_trainer",
+        "trl.trainer.reward_trainer",
+    )
 
     def __init__(self, ts):
         self.ts = ts

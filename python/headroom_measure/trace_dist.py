@@ -35,8 +35,11 @@ DEEPSPEED = (
     "it take"
 )
 REFUSED = {
-    "ddp": "DDP's constructor reads the parameters' memory in C++ (`_verify_param_shape_across_processes`), "
-    "which fake tensors do not have",
+    "ddp": "DDP's C++ reads tensor memory, which fake tensors do not have: its constructor's parameter check "
+    "(`_verify_params_across_processes`, which `init_sync=False` would skip along with the state broadcast the "
+    "measured run makes) and, at the second step, the Reducer's bucket rebuild, which sends the new bucket order as a "
+    "tensor (`sync_bucket_indices`) before it re-allocates the gradient buckets in the order gradients became "
+    "ready",
     "fsdp1": "FSDP1 materialises each unit by swapping its parameters (`to_empty` under `param_init_fn`), which "
     "fake tensors refuse",
     "zero1": DEEPSPEED,

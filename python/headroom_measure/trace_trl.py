@@ -1,4 +1,4 @@
-"""TRL's SFT and DPO trainers under the tracer, as they run on CUDA.
+"""TRL's SFT, DPO and GRPO trainers under the tracer, as they run on CUDA.
 
 TRL's fused LM head (`trl/kernels/chunked_logprob.py`) decides by the device: on CUDA
 (`_use_triton`) it scores only the positions whose label is valid (`hidden[mask]`) and folds each
@@ -17,6 +17,9 @@ size. The tracer takes CUDA's path:
   recording modes), and the count of valid next-token labels answers every boolean mask of that
   batch's `(rows, length - 1)` shape. The answered operators allocate what CUDA's do: `nonzero`'s
   index tensor (`(count, 2)` int64, freed after the gather) and the gathered output.
+- **GRPO.** Its batches come from generation, not a collator: every completion runs to
+  `max_completion_length` as in the measured runs (`generate`'s stop check answered by length),
+  so the masks are full, and NaN checks of the rewards read false.
 """
 
 from __future__ import annotations
@@ -86,19 +89,34 @@ class TritonPath:
 
 class MaskAnswers:
     """The number of true elements of the boolean masks the traced code selects by, keyed by the
-    mask's shape; `Recorder` asks it before a value-dependent operator runs."""
+    mask's shape; `Recorder` asks it before a value-dependent operator runs. `rule`, where set,
+    answers the shapes the table does not have (None: not known)."""
 
-    def __init__(self):
+    def __init__(self, rule=None):
         self.counts: dict[tuple, int] = {}
+        self.rule = rule
+        # Masks whose every element is known: `isnan` of a fake tensor is all false (the traced
+        # values are finite), its negation all true, and their reductions the same.
+        self._uniform_masks: dict[int, tuple] = {}  # id -> (weak reference, value)
 
     def learn(self, shape, count: int):
         self.counts[tuple(int(d) for d in shape)] = int(count)
 
+    def uniform(self, t):
+        """The value of every element of `t`, where known; None otherwise."""
+        entry = self._uniform_masks.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
     def count(self, mask) -> int:
         from .trace import TraceError
 
+        value = self.uniform(mask)
+        if value is not None:
+            return mask.numel() if value else 0
         key = tuple(int(d) for d in mask.shape)
         answer = self.counts.get(key)
+        if answer is None and self.rule is not None:
+            answer = self.rule(key)
         if answer is None:
             known = ", ".join(str(list(k)) for k in self.counts) or "none"
             raise TraceError(
@@ -112,6 +130,13 @@ class MaskAnswers:
         import torch
 
         aten = torch.ops.aten
+        if func is aten.isnan.default:
+            return self._known(func(*args, **(kwargs or {})), False)
+        value = self.uniform(args[0]) if args else None
+        if value is not None and func in (aten.logical_not.default, aten.bitwise_not.default):
+            return self._known(func(*args, **(kwargs or {})), not value)
+        if value is not None and func in (aten.all.default, aten.all.dim, aten.any.default, aten.any.dim, aten.any.dims):
+            return self._known(func(*args, **(kwargs or {})), value)
         if func is aten.nonzero.default:
             return self._nonzero(rec, args[0])
         if func is aten.masked_select.default:
@@ -122,6 +147,12 @@ class MaskAnswers:
             if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
                 return self._index(rec, func, args, kwargs)
         return NotImplemented
+
+    def _known(self, out, value: bool):
+        import weakref
+
+        self._uniform_masks[id(out)] = (weakref.ref(out), value)
+        return out
 
     def _nonzero(self, rec, mask):
         import torch
@@ -174,7 +205,49 @@ def learn_label_masks(trainer, answers: MaskAnswers):
     trainer.data_collator = learning
 
 
-FUSED_HEAD_TRAINERS = ("trl-sft", "trl-dpo")
+FUSED_HEAD_TRAINERS = ("trl-sft", "trl-dpo", "trl-grpo")
+
+
+def grpo_masks(ts):
+    """GRPO's value-dependent masks when every completion runs to `max_completion_length`, as in
+    the measured runs (a random model samples its end-of-sequence token about once in a
+    vocabulary's worth of tokens): a scored batch of `rows` prompt-plus-completion sequences
+    has `rows * completion_len` valid labels, one completion's mask keeps every token, and
+    the per-completion "ended" masks (`is_eos.any(dim=1)`, `~is_truncated`) select none."""
+    completion, length = ts.completion_len, ts.prompt_len + ts.completion_len
+
+    def rule(shape):
+        if len(shape) == 2 and shape[1] == length - 1:
+            return shape[0] * completion
+        if shape == (completion,):
+            return completion
+        if len(shape) == 1:
+            return 0
+        return None
+
+    return MaskAnswers(rule)
+
+
+class FullLengthGeneration:
+    """`generate`'s stop check (`StopCheck`, which reads `unfinished_sequences.max() == 0` back
+    to the host) answered by length: no sequence ends before `max_length` tokens."""
+
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+
+    def __enter__(self):
+        from transformers.generation import utils
+
+        self._real = utils.StopCheck.__call__
+        max_length = self.max_length
+        utils.StopCheck.__call__ = lambda check, unfinished, tokens, length: length >= max_length
+        return self
+
+    def __exit__(self, *exc):
+        from transformers.generation import utils
+
+        utils.StopCheck.__call__ = self._real
+        return False
 
 
 @contextlib.contextmanager
@@ -184,10 +257,16 @@ def on_cuda(rec, ts, trainer):
     if ts.trainer not in FUSED_HEAD_TRAINERS:
         yield
         return
-    rec.answers = MaskAnswers()
-    learn_label_masks(trainer, rec.answers)
-    try:
-        with TritonPath(rec):
-            yield
-    finally:
-        rec.answers = None
+    with contextlib.ExitStack() as stack:
+        if ts.trainer == "trl-grpo":
+            from .trace_decode import DecodeLayerReplay
+
+            rec.answers = grpo_masks(ts)
+            stack.enter_context(FullLengthGeneration(ts.prompt_len + ts.completion_len))
+            stack.enter_context(DecodeLayerReplay(rec))
+        else:
+            rec.answers = MaskAnswers()
+            learn_label_masks(trainer, rec.answers)
+        stack.callback(setattr, rec, "answers", None)
+        stack.enter_context(TritonPath(rec))
+        yield

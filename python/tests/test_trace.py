@@ -62,16 +62,6 @@ class TraceCliTest(unittest.TestCase):
             self.assertIn("`precompute_ref_log_probs: true`", out.stderr)
             self.assertNotIn("Traceback", out.stderr)
 
-    def test_grpo_whose_generation_ends_by_value_is_refused_by_name(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            spec = {k: v for k, v in TINY.items() if k != "seq_len"}
-            spec.update(trainer="trl-grpo", prompt_len=32, completion_len=16, num_generations=2)
-            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
-            self.assertEqual(out.returncode, 2, out.stderr)
-            self.assertIn("`trainer: trl-grpo`", out.stderr)
-            self.assertIn("generation stops", out.stderr)
-            self.assertNotIn("Traceback", out.stderr)
-
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")
 class TrainerTraceTest(unittest.TestCase):

@@ -166,6 +166,29 @@ class MaskAnswersTest(unittest.TestCase):
         dpo.data_collator(None)
         self.assertEqual(answers.counts, {(4, 3): 8, (2, 3): 4})
 
+    def test_grpo_completions_run_to_their_full_length(self):
+        from headroom_measure.trace_trl import grpo_masks
+        from headroom_measure.trainers import parse
+
+        ts = parse({"trainer": "trl-grpo", "model": "qwen2.5-0.5b", "batch_size": 8, "num_generations": 4,
+                    "prompt_len": 32, "completion_len": 16})  # fmt: skip
+        rule = grpo_masks(ts).rule
+        self.assertEqual(rule((8, 47)), 8 * 16)  # the scored labels: every completion token
+        self.assertEqual(rule((16,)), 16)  # one completion's mask keeps every token
+        self.assertEqual(rule((8,)), 0)  # no completion ended early
+        self.assertIsNone(rule((8, 48)))
+
+    def test_generation_stops_at_its_maximum_length(self):
+        from transformers.generation.utils import StopCheck
+
+        from headroom_measure.trace_trl import FullLengthGeneration
+
+        with FullLengthGeneration(48):
+            self.assertFalse(StopCheck()(None, None, 47))
+            self.assertTrue(StopCheck()(None, None, 48))
+        self.assertIsNot(StopCheck.__call__, None)
+
+
 @unittest.skipUnless(has_trl(), "torch, transformers and trl are not installed")
 class TrlTraceTest(unittest.TestCase):
     """The SFT and DPO trainers traced whole: the fused head gathers exactly the valid positions."""
@@ -205,3 +228,21 @@ class TrlTraceTest(unittest.TestCase):
         hidden, batch, seq = TINY["model_config"]["hidden_size"], TINY["batch_size"], TINY["seq_len"]
         self.assertIn(2 * batch * (seq - 32) * hidden * 2, self.gathered_hidden_bytes(doc))
 
+
+@unittest.skipUnless(has_trl(), "torch, transformers and trl are not installed")
+class UniformMaskTest(unittest.TestCase):
+    def test_nan_checks_are_false_and_their_negation_selects_everything(self):
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from headroom_measure.trace import Recorder
+        from headroom_measure.trace_trl import MaskAnswers
+
+        rec = Recorder()
+        rec.answers = MaskAnswers()
+        with FakeTensorMode(), rec.mode():
+            rewards = torch.empty(8, 2)
+            self.assertFalse(bool(torch.isnan(rewards).all(dim=1).any()))
+            self.assertEqual(tuple(rewards[~torch.isnan(rewards)].shape), (16,))
+            # a mask of unknown values still reads as the default answer
+            self.assertTrue(bool((rewards > 0).any()))

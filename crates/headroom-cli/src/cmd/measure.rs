@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 14] = [
+const HARNESS: [(&str, &str); 16] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -63,6 +63,10 @@ const HARNESS: [(&str, &str); 14] = [
     (
         "trace_trl.py",
         include_str!("../../../../python/headroom_measure/trace_trl.py"),
+    ),
+    (
+        "trace_decode.py",
+        include_str!("../../../../python/headroom_measure/trace_decode.py"),
     ),
     (
         "trace_pipeline.py",

@@ -11,8 +11,8 @@ use headroom::gpu::{self, Gpu};
 use headroom::report::to_json;
 use headroom::report::trace::TraceJson;
 use headroom::spec::{PipelineSpec, is_pipeline, parse_document};
-use serde_json::Value;
 use headroom::trace::{self, Trace};
+use serde_json::Value;
 
 use crate::cmd::measure::{harness_dir, read_spec};
 use crate::cmd::replay::parse_alloc_conf;

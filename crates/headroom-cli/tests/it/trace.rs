@@ -145,7 +145,8 @@ fn trace_without_python_says_what_to_install() {
 }
 
 const PIPELINE: &str = "crates/headroom-cli/tests/fixtures/trace/pipeline-engine.json";
-const PIPELINE_TRACE: &str = "crates/headroom-cli/tests/fixtures/trace/pipeline-engine.trace.json.gz";
+const PIPELINE_TRACE: &str =
+    "crates/headroom-cli/tests/fixtures/trace/pipeline-engine.trace.json.gz";
 
 /// A pipeline's trace (the fixture: a tiny actor that generates, a host-homed reference, an
 /// alias, and a vLLM-style engine asleep between its phases) reads as `estimate` reads the
@@ -153,10 +154,30 @@ const PIPELINE_TRACE: &str = "crates/headroom-cli/tests/fixtures/trace/pipeline-
 /// is awake, outside the caching allocator.
 #[test]
 fn a_pipeline_trace_has_estimates_phases_and_engine_shares() {
-    let traced = json(&["trace", "--from", PIPELINE_TRACE, "--json", "--gpu", "h100-80gb"]);
+    let traced = json(&[
+        "trace",
+        "--from",
+        PIPELINE_TRACE,
+        "--json",
+        "--gpu",
+        "h100-80gb",
+    ]);
     let native = json(&["estimate", PIPELINE, "--json", "--gpu", "h100-80gb"]);
-    let key = |p: &Value| (p["name"].clone(), p["iteration"].clone(), p["engine_bytes"].clone());
-    let phases = |v: &Value| v["phases"].as_array().unwrap().iter().map(key).collect::<Vec<_>>();
+    let key = |p: &Value| {
+        (
+            p["name"].clone(),
+            p["iteration"].clone(),
+            p["engine_bytes"].clone(),
+        )
+    };
+    let phases = |v: &Value| {
+        v["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(key)
+            .collect::<Vec<_>>()
+    };
     assert_eq!(phases(&traced), phases(&native));
     let share = native["engines"][0]["bytes"].as_u64().unwrap();
     assert_eq!(traced["engines"][0]["bytes"], share);
@@ -191,7 +212,12 @@ fn a_pipeline_goes_to_the_tracer_with_every_instances_model_config() {
         let models: Vec<&Value> = if instances.is_empty() {
             vec![&doc["policy"], &doc["reference"]]
         } else {
-            doc.pointer(instances).unwrap().as_array().unwrap().iter().collect()
+            doc.pointer(instances)
+                .unwrap()
+                .as_array()
+                .unwrap()
+                .iter()
+                .collect()
         };
         for model in models {
             let inline = model.get("model_config").is_some();
@@ -236,7 +262,10 @@ fn saved_pipeline_traces_match_their_measured_phases() {
             };
             let v = json(&["trace", "--from", &file, "--json", "--gpu", gpu]);
             let traced = v["phases"].as_array().expect("phases");
-            for measured in row["measured"]["phases"].as_array().expect("measured phases") {
+            for measured in row["measured"]["phases"]
+                .as_array()
+                .expect("measured phases")
+            {
                 let (name, iteration) = (&measured["phase"], &measured["iteration"]);
                 let at = format!("{id}: {name} {iteration}");
                 let err = |got: &Value, real: &Value| {
@@ -245,7 +274,11 @@ fn saved_pipeline_traces_match_their_measured_phases() {
                 };
                 if measured.get("oom").is_some() {
                     let oom = &v["gpu"]["oom"];
-                    assert_eq!((&oom["phase"], &oom["iteration"]), (name, iteration), "{at}");
+                    assert_eq!(
+                        (&oom["phase"], &oom["iteration"]),
+                        (name, iteration),
+                        "{at}"
+                    );
                     let e = err(&oom["allocated_bytes"], &measured["peak_allocated"]);
                     assert!(e < 0.01, "{at}: allocated at the failure {e}");
                     ooms += 1;
@@ -264,7 +297,10 @@ fn saved_pipeline_traces_match_their_measured_phases() {
             rows_checked += 1;
         }
     }
-    assert_eq!((rows_checked, phases_checked, ooms), (PIPELINE_ROWS, PIPELINE_PHASES, 1));
+    assert_eq!(
+        (rows_checked, phases_checked, ooms),
+        (PIPELINE_ROWS, PIPELINE_PHASES, 1)
+    );
 }
 
 #[test]

@@ -19,8 +19,9 @@ use super::{
 };
 use crate::error::{Error, Result, SHOWN_CHARS, shown};
 use crate::limits::{
-    MAX_HEAD_DIM, MAX_HEADS, MAX_INSTANCES, MAX_POSITIONS, MAX_TOKENS, MAX_TRACE_BYTES, MAX_TRACE_ELEMENTS,
-    MAX_TRACE_EVENTS, MAX_TRACE_PHASES, MAX_TRACE_STORAGE_BYTES, MAX_TRACE_STORAGES,
+    MAX_HEAD_DIM, MAX_HEADS, MAX_INSTANCES, MAX_POSITIONS, MAX_TOKENS, MAX_TRACE_BYTES,
+    MAX_TRACE_ELEMENTS, MAX_TRACE_EVENTS, MAX_TRACE_PHASES, MAX_TRACE_STORAGE_BYTES,
+    MAX_TRACE_STORAGES,
 };
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
@@ -208,7 +209,9 @@ fn check_engines(engines: &[Engine], events: &[Event]) -> Result<()> {
         return Err(Error::field(
             "engines",
             format!("{} engines", engines.len()),
-            format!("a pipeline has at most {MAX_INSTANCES} instances (headroom::limits::MAX_INSTANCES)"),
+            format!(
+                "a pipeline has at most {MAX_INSTANCES} instances (headroom::limits::MAX_INSTANCES)"
+            ),
         ));
     }
     for (i, engine) in engines.iter().enumerate() {
@@ -228,7 +231,10 @@ fn check_engines(engines: &[Engine], events: &[Event]) -> Result<()> {
             return Err(Error::field(
                 format!("events[{i}]"),
                 format!("[\"engine\", {engine}, {awake}]"),
-                format!("the trace lists {} engines: name one of them by its index", engines.len()),
+                format!(
+                    "the trace lists {} engines: name one of them by its index",
+                    engines.len()
+                ),
             ));
         }
     }
@@ -609,7 +615,10 @@ fn engine_index<E: de::Error>(arg: &Scalar) -> Result<u32, E> {
         _ => Err(refuse(
             "engine ",
             arg,
-            format!("use an index into `engines`, an integer from 0 to {}", MAX_INSTANCES - 1),
+            format!(
+                "use an index into `engines`, an integer from 0 to {}",
+                MAX_INSTANCES - 1
+            ),
         )),
     }
 }
@@ -910,16 +919,28 @@ mod tests {
     #[test]
     fn rollout_engines_are_checked() {
         let engines = |share: Value, index: u64| {
-            let mut doc: Value = serde_json::from_slice(&with("engines", json!([
-                {"name": "rollout", "gpu_memory_utilization": share}
-            ])))
+            let mut doc: Value = serde_json::from_slice(&with(
+                "engines",
+                json!([
+                    {"name": "rollout", "gpu_memory_utilization": share}
+                ]),
+            ))
             .unwrap();
-            doc["events"].as_array_mut().unwrap().push(json!(["engine", index, true]));
+            doc["events"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!(["engine", index, true]));
             doc.to_string().into_bytes()
         };
         let t = from_bytes(&engines(json!(0.5), 0), Path::new("t.json")).expect("valid");
         assert_eq!(t.engines[0].gpu_memory_utilization, 0.5);
-        assert_eq!(t.events[5], Event::Engine { engine: 0, awake: true });
+        assert_eq!(
+            t.events[5],
+            Event::Engine {
+                engine: 0,
+                awake: true
+            }
+        );
         for (bytes, message) in [
             (
                 engines(json!(1.5), 0),
@@ -929,7 +950,10 @@ mod tests {
                 engines(json!(0.5), 1),
                 "`t.json: events[5]`: [\"engine\", 1, true] is not allowed; the trace lists 1 engines",
             ),
-            (engines(json!(0.5), 99), "`events[5]`: engine 99 is not allowed"),
+            (
+                engines(json!(0.5), 99),
+                "`events[5]`: engine 99 is not allowed",
+            ),
         ] {
             let err = error(&bytes);
             assert!(err.contains(message), "{err}\nwants: {message}");

@@ -134,10 +134,7 @@ pub fn estimate(
             .peak
             .phase
             .map_or(String::new(), |p| outcome.phases[p].name.clone()),
-        peak_iteration: outcome
-            .peak
-            .phase
-            .and_then(|p| outcome.phases[p].iteration),
+        peak_iteration: outcome.peak.phase.and_then(|p| outcome.phases[p].iteration),
         breakdown,
         fragmentation_bytes: outcome.peak.reserved - outcome.peak.allocated,
         cuda_context_bytes: gpu.cuda_context_bytes,
@@ -349,7 +346,8 @@ impl<'t> Replay<'t> {
             return;
         };
         let held = self.awake_engine_bytes();
-        self.allocator.set_capacity(Some(capacity.saturating_sub(held)));
+        self.allocator
+            .set_capacity(Some(capacity.saturating_sub(held)));
         let reserved = self.allocator.stats().reserved_bytes.all.current as u64;
         let bytes = self.engine_bytes[engine];
         if awake && reserved + held > capacity {
@@ -880,9 +878,12 @@ mod tests {
         // load: 1 GiB of parameters; rollout: the engine wakes first thing (before the peak
         // counters are reset, after an empty_cache); train: it sleeps, 1 GiB more fits.
         let events = json!([
-            ["alloc", 0], ["alloc", 1], ["free", 1],
+            ["alloc", 0],
+            ["alloc", 1],
+            ["free", 1],
             ["engine", 0, true],
-            ["engine", 0, false], ["alloc", 2],
+            ["engine", 0, false],
+            ["alloc", 2],
         ]);
         let phases = [("load", 0), ("rollout", 3), ("train", 4)];
         let t = with_engine(&[1 << 30, 1 << 30, 1 << 30], 0.5, events.clone(), &phases);
@@ -897,7 +898,9 @@ mod tests {
         assert!(est.oom.is_none(), "{:?}", est.oom);
         // Awake through the train phase, the engine leaves too little for its GiB.
         let awake = json!([
-            ["alloc", 0], ["alloc", 1], ["free", 1],
+            ["alloc", 0],
+            ["alloc", 1],
+            ["free", 1],
             ["engine", 0, true],
             ["alloc", 2],
         ]);

@@ -71,6 +71,44 @@ pub fn check_every_phase(
     (est, checked)
 }
 
+/// Checks a pipeline rank's estimate `est` against its measured record `rank`: every
+/// schedule and optimizer peak of every step within `phase_limit`, the reserved peak within
+/// `reserved_limit` (relative errors). Returns the phases checked.
+pub fn check_pipeline_rank(
+    id: &str,
+    est: &headroom::estimate::Estimate,
+    rank: &Value,
+    phase_limit: f64,
+    reserved_limit: f64,
+) -> usize {
+    let mut checked = 0;
+    for step in 1..=3u32 {
+        for (key, name) in [("step_peak", "schedule"), ("opt_peak", "optimizer")] {
+            let measured = rank["steps"][step as usize - 1][key].as_u64().expect(key);
+            let e = est
+                .phases
+                .iter()
+                .find(|p| p.step == step && p.phase == name)
+                .expect("phase");
+            let err = rel(e.peak_allocated, measured);
+            assert!(
+                err.abs() < phase_limit,
+                "{id} step {step} {name}: {err:+.5}"
+            );
+            checked += 1;
+        }
+    }
+    let reserved = rel(
+        est.peak_reserved_bytes,
+        rank["peak_reserved_bytes"].as_u64().expect("reserved"),
+    );
+    assert!(
+        reserved.abs() < reserved_limit,
+        "{id}: reserved {reserved:+.4}"
+    );
+    checked
+}
+
 /// Llama-3.1-8B's `config.json` at its real widths, cut to `layers` decoder layers.
 pub fn llama_3_1_8b_widths(layers: u64) -> Value {
     serde_json::json!({

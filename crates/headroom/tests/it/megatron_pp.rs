@@ -31,26 +31,7 @@ fn every_phase_of_every_megatron_pipeline_rank() {
             rel(load.peak_allocated, measured_load).abs() < 0.001,
             "{id} load"
         );
-        for step in 1..=3u32 {
-            for (key, name) in [("step_peak", "schedule"), ("opt_peak", "optimizer")] {
-                let measured = measured["steps"][step as usize - 1][key]
-                    .as_u64()
-                    .expect(key);
-                let e = est
-                    .phases
-                    .iter()
-                    .find(|p| p.step == step && p.phase == name)
-                    .expect("phase");
-                let err = rel(e.peak_allocated, measured);
-                assert!(err.abs() < 0.01, "{id} step {step} {name}: {err:+.5}");
-                checked += 1;
-            }
-        }
-        let reserved = rel(
-            est.peak_reserved_bytes,
-            measured["peak_reserved_bytes"].as_u64().expect("reserved"),
-        );
-        assert!(reserved.abs() < 0.08, "{id}: reserved {reserved:+.4}");
+        checked += common::check_pipeline_rank(id, &est, measured, 0.01, 0.08);
     }
     assert_eq!(checked, 9 * 6, "every phase of the nine rows");
 }

@@ -9,7 +9,7 @@ use headroom::sim::Component;
 use headroom::spec::{Document, RunSpec};
 use serde_json::{Value, json};
 
-use crate::common::{self, rel};
+use crate::common;
 
 /// The schedule and optimizer peaks of every step of every row's rank within 0.2%, its
 /// reserved peak within 1%.
@@ -27,26 +27,7 @@ fn every_phase_of_every_sharded_pipeline_rank() {
         let measured = &row["measured"]["ranks"][0];
         let rank = measured["rank"].as_u64().expect("rank");
         let est = headroom::estimate::estimate_rank(&spec, None, &gpu, rank).expect(id);
-        for step in 1..=3u32 {
-            for (key, name) in [("step_peak", "schedule"), ("opt_peak", "optimizer")] {
-                let measured = measured["steps"][step as usize - 1][key]
-                    .as_u64()
-                    .expect(key);
-                let e = est
-                    .phases
-                    .iter()
-                    .find(|p| p.step == step && p.phase == name)
-                    .expect("phase");
-                let err = rel(e.peak_allocated, measured);
-                assert!(err.abs() < 0.002, "{id} step {step} {name}: {err:+.5}");
-                checked += 1;
-            }
-        }
-        let reserved = rel(
-            est.peak_reserved_bytes,
-            measured["peak_reserved_bytes"].as_u64().expect("reserved"),
-        );
-        assert!(reserved.abs() < 0.01, "{id}: reserved {reserved:+.4}");
+        checked += common::check_pipeline_rank(id, &est, measured, 0.002, 0.01);
     }
     assert_eq!(checked, 78, "13 rows of 3 steps of 2 phases");
 }

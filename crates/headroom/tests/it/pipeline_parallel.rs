@@ -7,7 +7,7 @@ use headroom::gpu;
 use headroom::spec::RunSpec;
 use serde_json::{Value, json};
 
-use crate::common::{self, rel};
+use crate::common;
 
 fn rows() -> Vec<Value> {
     common::jsonl(&[include_str!(
@@ -28,26 +28,7 @@ fn every_phase_of_every_pipeline_rank() {
         let rank = measured["rank"].as_u64().expect("rank");
         let est = headroom::estimate::estimate_rank(&spec, None, &gpu, rank).expect(id);
         assert_eq!(est.worst_rank, rank, "{id}: the rank asked for");
-        for step in 1..=3u32 {
-            for (key, name) in [("step_peak", "schedule"), ("opt_peak", "optimizer")] {
-                let measured = measured["steps"][step as usize - 1][key]
-                    .as_u64()
-                    .expect(key);
-                let e = est
-                    .phases
-                    .iter()
-                    .find(|p| p.step == step && p.phase == name)
-                    .expect("phase");
-                let err = rel(e.peak_allocated, measured);
-                assert!(err.abs() < 0.001, "{id} step {step} {name}: {err:+.5}");
-                checked += 1;
-            }
-        }
-        let reserved = rel(
-            est.peak_reserved_bytes,
-            measured["peak_reserved_bytes"].as_u64().expect("reserved"),
-        );
-        assert!(reserved.abs() < 0.01, "{id}: reserved {reserved:+.4}");
+        checked += common::check_pipeline_rank(id, &est, measured, 0.001, 0.01);
         assert_eq!(
             est.params,
             row["measured"]["params"].as_u64().expect("params"),

@@ -276,28 +276,38 @@ def balanced_routing(tokens: int, experts: int, topk: int):
     return fixed
 
 
-def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None,
-                     stacks: str = "python") -> dict:
-    """Rank 0 of a fake world of `parallel.world_size`: build, then three steps; the record (dist.py's shape)."""
+
+def start_rank(world: int, rank: int, snapshot: bool, stacks: str):
+    """Rank `rank` of a fake world of `world` on GPU 0: `init_process_group`, `torch.zeros(1)` (the CUDA
+    context, measured as what `mem_get_info` no longer reports free), then the allocator's history if asked.
+    Returns the device and the context's bytes."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    t0 = time.time()
-    options = megatron_options(spec)
-    par = spec.parallel
-    world = par.world_size
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     torch.zeros(1, device=device)
     free, total = torch.cuda.mem_get_info()
-    context = total - free
     if snapshot:
         if stacks == "none":
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
         else:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks=stacks)
+    return device, total - free
+
+def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None,
+                     stacks: str = "python") -> dict:
+    """Rank 0 of a fake world of `parallel.world_size`: build, then three steps; the record (dist.py's shape)."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.time()
+    options = megatron_options(spec)
+    par = spec.parallel
+    world = par.world_size
+    device, context = start_rank(world, 0, snapshot, stacks)
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -36,9 +36,8 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     """Rank HEADROOM_FAKE_RANK of a fake world: build its stage, then three steps; the record (dist.py's shape)."""
     import torch
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .megatron import build, megatron_options
+    from .megatron import build, megatron_options, start_rank
 
     t0 = time.time()
     options = megatron_options(spec)
@@ -46,17 +45,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     world, pp, n = par.world_size, par.pp, par.microbatches
     rank = int(os.environ.get("HEADROOM_FAKE_RANK", "0"))
     micro = spec.batch_size // n
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    torch.zeros(1, device=device)
-    free, total = torch.cuda.mem_get_info()
-    context = total - free
-    if snapshot:
-        if stacks == "none":
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
-        else:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks=stacks)
+    device, context = start_rank(world, rank, snapshot, stacks)
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import schedules

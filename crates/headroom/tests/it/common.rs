@@ -32,27 +32,17 @@ pub fn check_every_phase(
         headroom::gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
     let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
     let rank = &row["measured"]["ranks"][0];
-    let mut checked = 0;
-    for step in 1..=3u32 {
-        for (key, name) in [
+    let checked = check_phases(
+        id,
+        &est,
+        rank,
+        &[
             ("fwd_peak", "forward"),
             ("bwd_peak", "backward"),
             ("opt_peak", "optimizer"),
-        ] {
-            let measured = rank["steps"][step as usize - 1][key].as_u64().expect(key);
-            let e = est
-                .phases
-                .iter()
-                .find(|p| p.step == step && p.phase == name)
-                .expect("phase");
-            let err = rel(e.peak_allocated, measured);
-            assert!(
-                err.abs() < phase_limit,
-                "{id} step {step} {name}: {err:+.5}"
-            );
-            checked += 1;
-        }
-    }
+        ],
+        phase_limit,
+    );
     let reserved = rel(
         est.peak_reserved_bytes,
         row["measured"]["peak_reserved_bytes"]
@@ -81,23 +71,13 @@ pub fn check_pipeline_rank(
     phase_limit: f64,
     reserved_limit: f64,
 ) -> usize {
-    let mut checked = 0;
-    for step in 1..=3u32 {
-        for (key, name) in [("step_peak", "schedule"), ("opt_peak", "optimizer")] {
-            let measured = rank["steps"][step as usize - 1][key].as_u64().expect(key);
-            let e = est
-                .phases
-                .iter()
-                .find(|p| p.step == step && p.phase == name)
-                .expect("phase");
-            let err = rel(e.peak_allocated, measured);
-            assert!(
-                err.abs() < phase_limit,
-                "{id} step {step} {name}: {err:+.5}"
-            );
-            checked += 1;
-        }
-    }
+    let checked = check_phases(
+        id,
+        est,
+        rank,
+        &[("step_peak", "schedule"), ("opt_peak", "optimizer")],
+        phase_limit,
+    );
     let reserved = rel(
         est.peak_reserved_bytes,
         rank["peak_reserved_bytes"].as_u64().expect("reserved"),
@@ -106,6 +86,32 @@ pub fn check_pipeline_rank(
         reserved.abs() < reserved_limit,
         "{id}: reserved {reserved:+.4}"
     );
+    checked
+}
+
+/// Checks every step's phases of `est` named in `phases` (the measured key, the estimate's
+/// phase) against the measured record `rank`, each within `limit`. Returns how many.
+fn check_phases(
+    id: &str,
+    est: &headroom::estimate::Estimate,
+    rank: &Value,
+    phases: &[(&str, &str)],
+    limit: f64,
+) -> usize {
+    let mut checked = 0;
+    for step in 1..=3u32 {
+        for &(key, name) in phases {
+            let measured = rank["steps"][step as usize - 1][key].as_u64().expect(key);
+            let e = est
+                .phases
+                .iter()
+                .find(|p| p.step == step && p.phase == name)
+                .expect("phase");
+            let err = rel(e.peak_allocated, measured);
+            assert!(err.abs() < limit, "{id} step {step} {name}: {err:+.5}");
+            checked += 1;
+        }
+    }
     checked
 }
 

@@ -37,7 +37,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     import torch
     import torch.distributed as dist
 
-    from .megatron import build, megatron_options, start_rank
+    from .megatron import balanced_routing, build, megatron_options, start_rank
 
     t0 = time.time()
     options = megatron_options(spec)
@@ -54,6 +54,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=options["expert_model_parallel_size"],
         create_gloo_process_groups=False,
     )
     model_parallel_cuda_manual_seed(1234)
@@ -77,6 +78,10 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     ids = torch.randint(0, fields["vocab_size"], (micro, spec.seq_len), device=device)
     position_ids = torch.arange(spec.seq_len, device=device).unsqueeze(0).expand_as(ids)
     loss_mask = torch.ones(micro * spec.seq_len, device=device)
+    if fields.get("model_type") == "qwen3_moe":
+        fixed_routing = balanced_routing(  # noqa: F841 (kept alive: the router copies it every layer)
+            micro * spec.seq_len, fields["num_experts"], fields["num_experts_per_tok"]
+        )
 
     def loss_func(output_tensor):
         loss = torch.sum(output_tensor.view(-1).float() * loss_mask) / loss_mask.sum()

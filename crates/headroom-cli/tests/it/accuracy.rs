@@ -100,8 +100,8 @@ fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
 /// NCCL over 2 H100s (one row per rank); torchtitan's PP × FSDP2 (each stage sharded over
 /// dp 2 to 8, with and without a mixed-precision policy, and tensor parallelism 2 under it)
 /// under the fake process group; and Megatron-core's 1F1B with its tensor parallelism, DDP,
-/// distributed optimizer and recomputation, first, middle and last ranks under the fake
-/// process group: each within 3% on peak allocated and 8% on reserved, as the
+/// distributed optimizer and recomputation, first, middle and last ranks, and with a Qwen3-MoE's
+/// experts split by expert parallelism within each stage, under the fake process group: each within 3% on peak allocated and 8% on reserved, as the
 /// pipeline-parallelism and multi-GPU issues ask.
 #[test]
 fn pipeline_parallel_rows_within_the_gates() {
@@ -109,6 +109,7 @@ fn pipeline_parallel_rows_within_the_gates() {
         "bench/pp/rows-h100-torch2.11.jsonl",
         "bench/pp/rows-nccl-h100x2-torch2.11.jsonl",
         "bench/megatron-pp/rows-h100-torch2.11.jsonl",
+        "bench/megatron-pp-moe/rows-h100-torch2.11.jsonl",
         "bench/pp/rows-fsdp-h100-torch2.11.jsonl",
         "bench/pp/rows-fsdp-call2-h100-torch2.11.jsonl",
     ] {

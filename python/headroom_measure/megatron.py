@@ -277,6 +277,35 @@ def balanced_routing(tokens: int, experts: int, topk: int):
 
 
 
+def spec_and_env(spec: Spec, options: dict, fields: dict, device, total: int, world: int, rank: int, t0: float,
+                 **extra) -> tuple[dict, dict]:
+    """A Megatron row's `spec` (the model's config inline, the `megatron:` options set) and `env` (GPU, versions,
+    the layer spec, how routing was fixed, the fake world and rank, `extra` keys, the wall time since `t0`)."""
+    import megatron.core
+    import torch
+
+    spec_json = spec.to_json()
+    if spec.model_config is not None:
+        spec_json["model_config"] = dict(spec.model_config)
+    spec_json["megatron"] = {k: v for k, v in options.items() if v is not None}
+    env = {
+        "gpu": torch.cuda.get_device_properties(device).name,
+        "gpu_total_bytes": total,
+        **_versions(),
+        "megatron_core": megatron.core.__version__,
+        "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)",
+        "routing": "balanced (harness-fixed routing_map; token counts gathered as identical ranks)"
+        if fields.get("model_type") == "qwen3_moe" else None,
+        **extra,
+        "world_size": world,
+        "launcher": f"fake process group (one process, rank {rank})",
+        "process_group": "fake",
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "wall_s": round(time.time() - t0, 2),
+    }
+    return spec_json, env
+
+
 def start_rank(world: int, rank: int, snapshot: bool, stacks: str):
     """Rank `rank` of a fake world of `world` on GPU 0: `init_process_group`, `torch.zeros(1)` (the CUDA
     context, measured as what `mem_get_info` no longer reports free), then the allocator's history if asked.
@@ -394,26 +423,7 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
         "device_used_end_bytes": total - free,
         "losses": losses,
     }
-    import megatron.core
-
-    spec_json = spec.to_json()
-    if spec.model_config is not None:
-        spec_json["model_config"] = dict(spec.model_config)
-    spec_json["megatron"] = {k: v for k, v in options.items() if v is not None}
-    env = {
-        "gpu": torch.cuda.get_device_properties(device).name,
-        "gpu_total_bytes": total,
-        **_versions(),
-        "megatron_core": megatron.core.__version__,
-        "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)",
-        "routing": "balanced (harness-fixed routing_map; token counts gathered as identical ranks)"
-        if fields.get("model_type") == "qwen3_moe" else None,
-        "world_size": world,
-        "launcher": "fake process group (one process, rank 0)",
-        "process_group": "fake",
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        "wall_s": round(time.time() - t0, 2),
-    }
+    spec_json, env = spec_and_env(spec, options, fields, device, total, world, 0, t0)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return {

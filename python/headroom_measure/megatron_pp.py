@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from .measure import STEPS, _versions
+from .measure import STEPS
 from .spec import Spec
 
 
@@ -37,7 +37,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     import torch
     import torch.distributed as dist
 
-    from .megatron import balanced_routing, build, megatron_options, start_rank
+    from .megatron import balanced_routing, build, megatron_options, spec_and_env, start_rank
 
     t0 = time.time()
     options = megatron_options(spec)
@@ -151,31 +151,16 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
         "cuda_context_bytes": context,
         "device_used_end_bytes": total - free,
     }
-    import megatron.core
-
     # This stage's parameters, a tensor-parallel weight at its global size.
     stage_params = sum(
         p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1) for p in ddp_model.parameters()
     )
-    spec_json = spec.to_json()
-    if spec.model_config is not None:
-        spec_json["model_config"] = dict(spec.model_config)
-    spec_json["megatron"] = {k: v for k, v in options.items() if v is not None}
-    env = {
-        "gpu": torch.cuda.get_device_properties(device).name,
-        "gpu_total_bytes": total,
-        **_versions(),
-        "megatron_core": megatron.core.__version__,
-        "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)",
-        "schedule": "forward_backward_pipelining_without_interleaving",
-        "order": orders[-1],
-        "orders_agree": len(set(orders)) == 1,
-        "world_size": world,
-        "launcher": f"fake process group (one process, rank {rank})",
-        "process_group": "fake",
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        "wall_s": round(time.time() - t0, 2),
-    }
+    spec_json, env = spec_and_env(
+        spec, options, fields, device, total, world, rank, t0,
+        schedule="forward_backward_pipelining_without_interleaving",
+        order=orders[-1],
+        orders_agree=len(set(orders)) == 1,
+    )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return {

@@ -2,7 +2,11 @@
 SequentialMLP, balanced routing) as rank 0 of a fake world, tp 1 (Megatron's MoELayer needs sequence parallelism
 with tp > 1, which the local spec refuses)."""
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron" / "tools"))
+from rows import line, recompute_keys  # noqa: E402
 
 MODELS = {
     "q30": ("qwen3-30b-a3b", {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
@@ -34,27 +38,11 @@ ROWS = [
 def row(key, layers, b, s, world, ep, dist_opt, recompute, snapshot):
     model, config = MODELS[key]
     mega = {"distributed_optimizer": dist_opt, "expert_model_parallel_size": ep}
+    rc = recompute_keys(mega, recompute)
     tag = "do" if dist_opt else "nodo"
-    rc = "norc"
-    if recompute:
-        gran, method, n = recompute
-        mega["recompute_granularity"] = gran
-        rc = gran
-        if method:
-            mega["recompute_method"], mega["recompute_num_layers"] = method, n
-            rc = f"full-{method}{n}"
     rid = f"megatron-moe/{key}-L{layers}/bs{b}/s{s}/w{world}-ep{ep}-{tag}/{rc}"
-    line = {
-        "id": rid,
-        "spec": {"model": model, "model_config": {**config, "num_hidden_layers": layers}, "precision": "bf16",
-                 "optimizer": "adamw", "batch_size": b, "seq_len": s,
-                 "parallel": {"strategy": "ddp", "world_size": world, "tp": 1, "framework": "megatron"},
-                 "megatron": mega},
-        "fake": True,
-    }
-    if snapshot:
-        line["snapshot"] = rid.replace("/", "-") + ".pickle"
-    return line
+    parallel = {"strategy": "ddp", "world_size": world, "tp": 1, "framework": "megatron"}
+    return line(rid, model, config, layers, b, s, parallel, mega, snapshot)
 
 
 out = Path(__file__).resolve().parents[1] / "specs.jsonl"

@@ -2,7 +2,11 @@
 a fake world: the line's `rank` is the global rank the fake process group is initialised with, so the process is
 pipeline rank `rank // (world / pp)` (Megatron's rank order tp-cp-ep-dp-pp)."""
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron" / "tools"))
+from rows import line, recompute_keys  # noqa: E402
 
 MODELS = {
     "l8b": ("llama-3.1-8b", {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
@@ -31,15 +35,8 @@ ROWS = [
 def row(key, layers, b, s, world, tp, pp, mb, split, dist_opt, recompute, rank, snapshot):
     model, config = MODELS[key]
     mega = {"distributed_optimizer": dist_opt}
+    rc = recompute_keys(mega, recompute)
     tag = "do" if dist_opt else "nodo"
-    rc = "norc"
-    if recompute:
-        gran, method, n = recompute
-        mega["recompute_granularity"] = gran
-        rc = gran
-        if method:
-            mega["recompute_method"], mega["recompute_num_layers"] = method, n
-            rc = f"full-{method}{n}"
     parallel = {"strategy": "ddp", "world_size": world, "tp": tp, "framework": "megatron", "pp": pp,
                 "microbatches": mb}
     shape = f"pp{pp}-mb{mb}"
@@ -47,16 +44,7 @@ def row(key, layers, b, s, world, tp, pp, mb, split, dist_opt, recompute, rank, 
         parallel["layers_per_stage"] = split
         shape += "-split" + "-".join(map(str, split))
     rid = f"megatron-pp/{key}-L{layers}/bs{b}/s{s}/w{world}-tp{tp}-{shape}-{tag}/{rc}/rank{rank}"
-    line = {
-        "id": rid,
-        "spec": {"model": model, "model_config": {**config, "num_hidden_layers": layers}, "precision": "bf16",
-                 "optimizer": "adamw", "batch_size": b, "seq_len": s, "parallel": parallel, "megatron": mega},
-        "fake": True,
-        "rank": rank,
-    }
-    if snapshot:
-        line["snapshot"] = rid.replace("/", "-") + ".pickle"
-    return line
+    return line(rid, model, config, layers, b, s, parallel, mega, snapshot, rank=rank)
 
 
 # Three run at a time on one H100: the two largest (rows 1 and 4, about 30 GB each) are apart from the

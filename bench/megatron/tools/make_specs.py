@@ -1,6 +1,10 @@
 """Writes bench/megatron/specs.jsonl: Megatron-core GPTModel rows (local layer spec) as rank 0 of a fake world."""
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron" / "tools"))
+from rows import line, recompute_keys  # noqa: E402
 
 MODELS = {
     "l8b": ("llama-3.1-8b", {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
@@ -35,27 +39,11 @@ ROWS = [
 def row(key, layers, b, s, world, tp, dist_opt, recompute, snapshot):
     model, config = MODELS[key]
     mega = {"distributed_optimizer": dist_opt}
+    rc = recompute_keys(mega, recompute)
     tag = "do" if dist_opt else "nodo"
-    rc = "norc"
-    if recompute:
-        gran, method, n = recompute
-        mega["recompute_granularity"] = gran
-        rc = gran
-        if method:
-            mega["recompute_method"], mega["recompute_num_layers"] = method, n
-            rc = f"full-{method}{n}"
     rid = f"megatron/{key}-L{layers}/bs{b}/s{s}/w{world}-tp{tp}-{tag}/{rc}"
-    line = {
-        "id": rid,
-        "spec": {"model": model, "model_config": {**config, "num_hidden_layers": layers}, "precision": "bf16",
-                 "optimizer": "adamw", "batch_size": b, "seq_len": s,
-                 "parallel": {"strategy": "ddp", "world_size": world, "tp": tp, "framework": "megatron"},
-                 "megatron": mega},
-        "fake": True,
-    }
-    if snapshot:
-        line["snapshot"] = rid.replace("/", "-") + ".pickle"
-    return line
+    parallel = {"strategy": "ddp", "world_size": world, "tp": tp, "framework": "megatron"}
+    return line(rid, model, config, layers, b, s, parallel, mega, snapshot)
 
 
 # The largest rows (tp 1 and 2) are kept apart: two run on the GPU at a time.

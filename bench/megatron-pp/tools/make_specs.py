@@ -6,16 +6,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron" / "tools"))
-from rows import line, recompute_keys  # noqa: E402
+from rows import DENSE_MODELS, line, recompute_keys  # noqa: E402
 
-MODELS = {
-    "l8b": ("llama-3.1-8b", {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-            "rope_theta": 500000.0, "tie_word_embeddings": False}),
-    "q7b": ("qwen2.5-7b", {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
-            "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 152064,
-            "rope_theta": 1000000.0, "tie_word_embeddings": False}),
-}
+MODELS = {key: DENSE_MODELS[key] for key in ("l8b", "q7b")}
 # (model, layers, batch, seq, world, tp, pp, microbatches, layers_per_stage, distributed optimizer,
 #  recompute (granularity, method, layers), rank, snapshot)
 ROWS = [

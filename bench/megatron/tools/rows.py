@@ -27,3 +27,17 @@ def line(rid: str, model: str, config: dict, layers: int, b: int, s: int, parall
     if snapshot:
         out["snapshot"] = rid.replace("/", "-") + ".pickle"
     return out
+
+
+# The dense models' real widths (`config.json`), by the short key the row ids use.
+DENSE_MODELS = {
+    "l8b": ("llama-3.1-8b", {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+            "rope_theta": 500000.0, "tie_word_embeddings": False}),
+    "q7b": ("qwen2.5-7b", {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+            "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 152064,
+            "rope_theta": 1000000.0, "tie_word_embeddings": False}),
+    "q3-8b": ("qwen3-8b", {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+              "rope_theta": 1000000.0, "tie_word_embeddings": False}),
+}

@@ -238,9 +238,13 @@ class Recorder:
         return True
 
     def _maybe_alloc(self, t, op: str):
+        from torch._subclasses.fake_tensor import FakeTensor
+
         # A DTensor's storage is its local tensor's.
         t = getattr(t, "_local_tensor", t)
         if t.device.type == "meta":  # shapes only, never allocated (a model built on `meta`)
+            return
+        if not isinstance(t, FakeTensor):  # made outside the fake mode on purpose: host memory (trace_ddp.py)
             return
         try:
             st = t.untyped_storage()

@@ -28,18 +28,13 @@ import contextlib
 from .trace import TraceError
 
 # The strategies the tracer runs, and why the others are refused.
-TRACEABLE = ("fsdp", "none")
+TRACEABLE = ("fsdp", "ddp", "none")
 DEEPSPEED = (
     "DeepSpeed on a machine without a GPU selects its CPU accelerator (`deepspeed.accelerator`: a shared-memory "
     "comm op it JIT-builds, no CUDA streams), another code path than the CUDA run's, which the tracer cannot make "
     "it take"
 )
 REFUSED = {
-    "ddp": "DDP's C++ reads tensor memory, which fake tensors do not have: its constructor's parameter check "
-    "(`_verify_params_across_processes`, which `init_sync=False` would skip along with the state broadcast the "
-    "measured run makes) and, at the second step, the Reducer's bucket rebuild, which sends the new bucket order as a "
-    "tensor (`sync_bucket_indices`) before it re-allocates the gradient buckets in the order gradients became "
-    "ready",
     "fsdp1": "FSDP1 materialises each unit by swapping its parameters (`to_empty` under `param_init_fn`), which "
     "fake tensors refuse",
     "zero1": DEEPSPEED,
@@ -50,17 +45,23 @@ REFUSED = {
 
 def refuse_untraceable_parallel(par) -> None:
     """Refuse, by name, the layouts the tracer cannot run as rank 0 of a fake world."""
+    if par.framework == "megatron":
+        raise TraceError(
+            "`parallel.framework: megatron`: the tracer runs PyTorch's own wrappers (ddp, fsdp, tensor "
+            "parallelism), not Megatron-core's GPTModel and DistributedDataParallel; `headroom estimate` models "
+            "framework megatron natively"
+        )
     if par.strategy not in TRACEABLE:
         raise TraceError(
-            f"`parallel.strategy: {par.strategy}`: {REFUSED[par.strategy]}; the tracer runs fsdp (FSDP2) and "
+            f"`parallel.strategy: {par.strategy}`: {REFUSED[par.strategy]}; the tracer runs ddp, fsdp (FSDP2) and "
             "tensor parallelism (strategy none or fsdp with tp > 1); `headroom estimate` models "
             f"{par.strategy} natively"
         )
     for key, degree, what in (("pp", par.pp, "pipeline schedules"), ("cp", par.cp, "context parallelism's ring")):
         if degree > 1:
             raise TraceError(
-                f"`parallel.{key}: {degree}`: the tracer does not run {what} yet; it runs FSDP2 and tensor "
-                f"parallelism; `headroom estimate` models {what} natively"
+                f"`parallel.{key}: {degree}`: the tracer does not run {what} yet; it runs DDP, FSDP2 and "
+                f"tensor parallelism; `headroom estimate` models {what} natively"
             )
 
 
@@ -202,18 +203,21 @@ class _FsdpCuda:
 
 
 def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
-    """`measure_dist`'s load and steps on rank 0 of a fake world (dist.py), every phase marked."""
+    """`measure_dist`'s load and steps on rank 0 of a fake world (dist.py), every phase marked;
+    DDP's C++ as `trace_ddp.py` runs it."""
     import torch
     import transformers
 
     from . import dist as d
     from . import measure as m
     from .trace import _ModuleNames, train_step
+    from .trace_ddp import DdpOnFakeTensors, build_ddp
 
     par = spec.parallel
     rec.stream_of = Streams().current
     device = torch.device("cpu")
-    with fake_world(par.world_size), _FsdpCuda(rec):
+    ddp = par.strategy == "ddp"
+    with fake_world(par.world_size), _FsdpCuda(rec), DdpOnFakeTensors(rec) if ddp else contextlib.nullcontext():
         rec.phase("load")
         cfg = m._hf_config(spec, fields)
         cls = (
@@ -224,6 +228,8 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
         dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
         if par.tp > 1:
             model, _ = d._build_torchtitan(spec, cfg, cls, dtype, device)
+        elif ddp:
+            model = build_ddp(rec, spec, cfg, cls, dtype, device)
         else:
             model = d._build_fsdp(spec, cfg, cls, dtype, device)
         _ModuleNames.current.name(model)
@@ -256,7 +262,7 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
             if progress:
                 progress(step, steps)
             train_step(
-                rec, spec, model, ids, autocast, optimizer, params, sharded=True, host_step=par.offload_params,
+                rec, spec, model, ids, autocast, optimizer, params, sharded=not ddp, host_step=par.offload_params,
                 loss_context=loss_context, mark=lambda part: rec.phase(f"step {step} {part}"),
             )  # fmt: skip
         del model, optimizer, params, ids

@@ -43,17 +43,23 @@ def tiny_parameter_numels():
 
 class RefusalTest(unittest.TestCase):
     def test_strategies_the_tracer_cannot_run_are_refused_by_name(self):
-        for strategy, reason in (
-            ("zero3", "CPU accelerator"), ("fsdp1", "to_empty"), ("ddp", "sync_bucket_indices"),
-        ):
+        for strategy, reason in (("zero3", "CPU accelerator"), ("fsdp1", "to_empty")):
             spec = {**TINY, "parallel": {"strategy": strategy, "world_size": 2}}
             with tempfile.TemporaryDirectory() as tmp:
                 out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
             self.assertEqual(out.returncode, 2, out.stderr)
             self.assertIn(f"`parallel.strategy: {strategy}`", out.stderr)
             self.assertIn(reason, out.stderr)
-            self.assertIn("the tracer runs fsdp (FSDP2)", out.stderr)
+            self.assertIn("the tracer runs ddp, fsdp (FSDP2)", out.stderr)
             self.assertNotIn("Traceback", out.stderr)
+
+    def test_megatron_is_refused_though_its_strategy_is_ddp(self):
+        spec = {**TINY, "parallel": {"strategy": "ddp", "world_size": 2, "framework": "megatron"}}
+        with tempfile.TemporaryDirectory() as tmp:
+            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("`parallel.framework: megatron`", out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
 
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")

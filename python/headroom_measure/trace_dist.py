@@ -1,6 +1,7 @@
 """Trace a sharded run as rank 0 of its world: FSDP2 (`fully_shard`) and torchtitan's tensor
 parallelism, built by the measuring harness's own code (`dist.py`), under torch's `fake` process
-group on the CPU, inside the tracer's `FakeTensorMode` (`trace.py`).
+group on the CPU, inside the tracer's `FakeTensorMode` (`trace.py`). DDP runs in the same world,
+its Reducer as `trace_ddp.py` runs it.
 
 The fake group makes every collective a no-op while FSDP2 allocates its all-gather and
 reduce-scatter buffers at their full size, as the measured fake-group rows do. What the CPU path

@@ -2,8 +2,9 @@
 
     python3 bench/trace/tools/report.py [--headroom target/release/headroom]
 
-For every measured row with a saved trace (bench/trace/corpus, bench/trace/unseen/traces):
-`headroom trace --from TRACE --gpu h100 --json`, `headroom estimate SPEC --gpu h100 --json` where
+For every measured row with a saved trace (bench/trace/corpus, bench/trace/unseen/traces, ...):
+`headroom trace --from TRACE --gpu GPU --json`, `headroom estimate SPEC --gpu GPU --json` (GPU: the
+one the row ran on) where
 the model type is modelled natively, and MemTracker's peak from
 bench/trace/memtracker/*.jsonl. Needs no Python packages and no GPU.
 """
@@ -27,6 +28,8 @@ ROWS = [
     ("bench/fsdp2-mp/rows-units-h100-torch2.11.jsonl", "bench/trace/sharded"),
     ("bench/nccl-x4/rows-fake-h100-torch2.11.jsonl", "bench/trace/sharded"),
     ("bench/tp/rows-h100-torch2.11.jsonl", "bench/trace/sharded"),
+    ("bench/distributed/h200x2/h200x2-torch2.11.jsonl", "bench/trace/ddp"),
+    ("bench/distributed/h200x4/h200x4-torch2.11.jsonl", "bench/trace/ddp"),
 ]
 # Pipeline rows (several models in one process, phase by phase) and where their traces are.
 PIPELINE_ROWS = [
@@ -72,13 +75,14 @@ def main():
             if not trace.exists():
                 continue
             measured = row["measured"]
-            traced, err = headroom(args.headroom, "trace", "--from", str(trace), "--gpu", "h100")
+            gpu = "h200" if "H200" in row["env"]["gpu"] else "h100"
+            traced, err = headroom(args.headroom, "trace", "--from", str(trace), "--gpu", gpu)
             if traced is None:
                 sys.exit(f"{trace}: {err}")
             with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
                 json.dump(row["spec"], spec)
                 spec.flush()
-                native, native_err = headroom(args.headroom, "estimate", spec.name, "--gpu", "h100")
+                native, native_err = headroom(args.headroom, "estimate", spec.name, "--gpu", gpu)
             env = json.loads(subprocess.run(["gzip", "-dc", str(trace)], capture_output=True, text=True).stdout)["env"]
             mt = memtracker.get(row["id"], {})
             out.append(
@@ -225,6 +229,12 @@ def write(rows, pipeline_rows):
         "stream FSDP2 allocates it on; they are held against the rows measured the same way on the H100 (the",
         "fake-group rows of `bench/fsdp2-mp`, `bench/nccl-x4` and `bench/tp`; the two world-of-one rows of",
         "`bench/fsdp2-mp` and `units/accelerate/q15/bs2/s1024/gc/w1` ran under NCCL, the rest under the fake group).",
+        "",
+        "The DDP rows (`bench/trace/ddp`, the `ddp/` rows of `bench/distributed`) are `DistributedDataParallel`",
+        "runs traced the same way: the real wrapper and its C++ Reducer run under the fake group, the two points",
+        "where the Reducer reads tensor memory handled as `python/headroom_measure/trace_ddp.py` documents. They",
+        "are held against rows measured under NCCL on 2 and 4 H200s (`bench/distributed/h200x2`, `h200x4`), and",
+        "replayed on the H200.",
         "",
         "The one row past 8% on reserved, pythia-1.4b eager forward (-11.44%), is not the tracer's: its",
         "H100 snapshot (`bench/trace/unseen/snapshots/pythia-eager-fwd.pickle.gz`, taken with `bench/nccl-x4/run.sh`) replayed through `headroom-alloc`",

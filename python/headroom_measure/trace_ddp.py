@@ -3,8 +3,9 @@ run under the tracer's fake tensors (`trace.py`) and torch's `fake` process grou
 (`trace_dist.py`), so every gradient bucket, bucket rebuild and broadcast buffer the Reducer asks
 for is an operator the recorder sees.
 
-Two points of DDP's C++ read or write tensor memory, which fake tensors do not have; each is
-handled so that it makes the device allocations it makes on the GPU, in the same order:
+Two points of DDP's C++ read or write tensor memory, which fake tensors do not have, and one
+needs what the fake process group does not give; each is handled so that it makes the device
+allocations it makes on the GPU, in the same order:
 
 - **The constructor's parameter check** (`_verify_params_across_processes`, `reducer.cpp`): it
   writes each parameter's sizes and strides into a host tensor, copies it to the device,
@@ -17,11 +18,14 @@ handled so that it makes the device allocations it makes on the GPU, in the same
 - **The bucket rebuild before the second forward** (`Reducer::rebuild_buckets`): it computes
   the new buckets from the order the first backward readied the gradients in, then
   `sync_bucket_indices` writes them into host int tensors, copies those to the device,
-  broadcasts from rank 0 and reads them back. During the call, `_HostIndices` answers the two
+  broadcasts from rank 0 and reads them back. During the call, `_Dispatch` answers the two
   host tensors' allocations (`at::empty` without a device) with real CPU tensors, which the
   recorder leaves out (host memory), and their copies back from the device with nothing: on rank
   0, the broadcast's source, the copy brings back what was written. The device tensors and the new
   buckets are the Reducer's own, recorded as any operator's.
+- **The all-reduce's result**: the Reducer takes each bucket's reduced tensor from the
+  collective's future, which NCCL's work fills and the fake group's leaves empty; `_Dispatch`
+  gives the fake group's all-reduce a work whose future holds its (in-place) tensors.
 
 Everything else runs as is: the state broadcast (`_broadcast_coalesced`: flat buckets of up to
 250 MiB, two in flight), the Reducer's buckets (one per dtype until the rebuild, then 1 MiB
@@ -101,7 +105,7 @@ class _Dispatch:
 
 
 class DdpOnFakeTensors:
-    """The two memory-reading points of DDP's C++ handled for the life of a `with` block."""
+    """The three points above handled for the life of a `with` block."""
 
     def __init__(self, rec):
         self.rec = rec
@@ -136,7 +140,6 @@ class DdpOnFakeTensors:
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
-
 
 
 def build_ddp(rec, spec, cfg, cls, dtype, device):

@@ -1,7 +1,7 @@
 """Trace a sharded run as rank 0 of its world: FSDP2 (`fully_shard`) and torchtitan's tensor
 parallelism, built by the measuring harness's own code (`dist.py`), under torch's `fake` process
-group on the CPU, inside the tracer's `FakeTensorMode` (`trace.py`). DDP runs in the same world,
-its Reducer as `trace_ddp.py` runs it.
+group on the CPU, inside the tracer's `FakeTensorMode` (`trace.py`). DDP and FSDP1 run in the
+same world, as `trace_ddp.py` and `trace_fsdp1.py` run them.
 
 The fake group makes every collective a no-op while FSDP2 allocates its all-gather and
 reduce-scatter buffers at their full size, as the measured fake-group rows do. What the CPU path
@@ -29,15 +29,13 @@ import contextlib
 from .trace import TraceError
 
 # The strategies the tracer runs, and why the others are refused.
-TRACEABLE = ("fsdp", "ddp", "none")
+TRACEABLE = ("fsdp", "fsdp1", "ddp", "none")
 DEEPSPEED = (
     "DeepSpeed on a machine without a GPU selects its CPU accelerator (`deepspeed.accelerator`: a shared-memory "
     "comm op it JIT-builds, no CUDA streams), another code path than the CUDA run's, which the tracer cannot make "
     "it take"
 )
 REFUSED = {
-    "fsdp1": "FSDP1 materialises each unit by swapping its parameters (`to_empty` under `param_init_fn`), which "
-    "fake tensors refuse",
     "zero1": DEEPSPEED,
     "zero2": DEEPSPEED,
     "zero3": DEEPSPEED,
@@ -52,17 +50,23 @@ def refuse_untraceable_parallel(par) -> None:
             "parallelism), not Megatron-core's GPTModel and DistributedDataParallel; `headroom estimate` models "
             "framework megatron natively"
         )
+    if par.strategy == "fsdp1" and par.offload_params:
+        raise TraceError(
+            "`parallel.offload_params: true` with strategy fsdp1: FSDP1's host copies of the shards and their "
+            "gradients are not emulated on the CPU yet; the tracer runs fsdp1 without offload and fsdp (FSDP2) with "
+            "it; `headroom estimate` models fsdp1 offload natively"
+        )
     if par.strategy not in TRACEABLE:
         raise TraceError(
-            f"`parallel.strategy: {par.strategy}`: {REFUSED[par.strategy]}; the tracer runs ddp, fsdp (FSDP2) and "
-            "tensor parallelism (strategy none or fsdp with tp > 1); `headroom estimate` models "
+            f"`parallel.strategy: {par.strategy}`: {REFUSED[par.strategy]}; the tracer runs ddp, fsdp1, fsdp (FSDP2) "
+            "and tensor parallelism (strategy none or fsdp with tp > 1); `headroom estimate` models "
             f"{par.strategy} natively"
         )
     for key, degree, what in (("pp", par.pp, "pipeline schedules"), ("cp", par.cp, "context parallelism's ring")):
         if degree > 1:
             raise TraceError(
-                f"`parallel.{key}: {degree}`: the tracer does not run {what} yet; it runs DDP, FSDP2 and "
-                f"tensor parallelism; `headroom estimate` models {what} natively"
+                f"`parallel.{key}: {degree}`: the tracer does not run {what} yet; it runs DDP, FSDP1, FSDP2 "
+                f"and tensor parallelism; `headroom estimate` models {what} natively"
             )
 
 
@@ -213,12 +217,14 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
     from . import measure as m
     from .trace import _ModuleNames, train_step
     from .trace_ddp import DdpOnFakeTensors, build_ddp
+    from .trace_fsdp1 import Fsdp1OnFakeTensors, build_fsdp1
 
     par = spec.parallel
     rec.stream_of = Streams().current
     device = torch.device("cpu")
     ddp = par.strategy == "ddp"
-    with fake_world(par.world_size), _FsdpCuda(rec), DdpOnFakeTensors(rec) if ddp else contextlib.nullcontext():
+    wrapper = {"ddp": DdpOnFakeTensors, "fsdp1": Fsdp1OnFakeTensors}.get(par.strategy)
+    with fake_world(par.world_size), _FsdpCuda(rec), wrapper(rec) if wrapper else contextlib.nullcontext():
         rec.phase("load")
         cfg = m._hf_config(spec, fields)
         cls = (
@@ -231,6 +237,8 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
             model, _ = d._build_torchtitan(spec, cfg, cls, dtype, device)
         elif ddp:
             model = build_ddp(rec, spec, cfg, cls, dtype, device)
+        elif par.strategy == "fsdp1":
+            model = build_fsdp1(rec, spec, cfg, cls, dtype, device)
         else:
             model = d._build_fsdp(spec, cfg, cls, dtype, device)
         _ModuleNames.current.name(model)

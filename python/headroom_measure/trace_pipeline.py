@@ -40,10 +40,11 @@ def refuse_untraceable_pipeline(pipe) -> None:
     for k, inst in enumerate(pipe.instances):
         try:
             refuse_untraceable(inst.spec)
-            if inst.spec.parallel is not None and inst.spec.parallel.strategy == "ddp":
+            strategy = inst.spec.parallel.strategy if inst.spec.parallel is not None else None
+            if strategy in ("ddp", "fsdp1"):
                 raise TraceError(
-                    "`parallel.strategy: ddp`: the pipeline tracer builds fsdp (FSDP2) instances; ddp is traced "
-                    "in a run spec; `headroom estimate` models ddp instances natively"
+                    f"`parallel.strategy: {strategy}`: the pipeline tracer builds fsdp (FSDP2) instances; {strategy} "
+                    f"is traced in a run spec; `headroom estimate` models {strategy} instances natively"
                 )
         except TraceError as err:
             raise TraceError(f"instances[{k}] ({inst.name}): {err}") from None

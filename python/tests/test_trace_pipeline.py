@@ -43,8 +43,8 @@ def tiny_model_bytes(dtype_bytes: int) -> int:
 
 class RefusalTest(unittest.TestCase):
     def test_an_instance_the_tracer_cannot_run_is_refused_by_name(self):
-        # DDP is traced in a run spec, not as a pipeline's instance.
-        for strategy in ("zero2", "ddp"):
+        # DDP and FSDP1 are traced in a run spec, not as a pipeline's instance.
+        for strategy in ("zero2", "ddp", "fsdp1"):
             raw = json.loads(json.dumps(PIPELINE))
             raw["instances"][0]["parallel"] = {"strategy": strategy, "world_size": 1}
             raw["instances"][0]["precision"] = "bf16"

@@ -30,6 +30,7 @@ ROWS = [
     ("bench/tp/rows-h100-torch2.11.jsonl", "bench/trace/sharded"),
     ("bench/distributed/h200x2/h200x2-torch2.11.jsonl", "bench/trace/ddp"),
     ("bench/distributed/h200x4/h200x4-torch2.11.jsonl", "bench/trace/ddp"),
+    ("bench/fsdp1/rows-h100-torch2.11.jsonl", "bench/trace/fsdp1"),
 ]
 # Pipeline rows (several models in one process, phase by phase) and where their traces are.
 PIPELINE_ROWS = [
@@ -49,6 +50,13 @@ def headroom(binary, *args):
     if proc.returncode:
         return None, proc.stderr.strip().splitlines()[0] if proc.stderr.strip() else f"exit {proc.returncode}"
     return json.loads(proc.stdout), None
+
+
+def steps_peak(measured):
+    """The largest phase peak of a `headroom_measure dist` record's steps over its ranks (the
+    load left out, as the trace's and the estimate's peaks are); None without ranks."""
+    peaks = [v for r in measured.get("ranks", []) for s in r.get("steps", []) for k, v in s.items() if k.endswith("_peak")]
+    return max(peaks) if peaks else None
 
 
 def pct(pred, real):
@@ -89,7 +97,7 @@ def main():
                 {
                     "id": row["id"],
                     "source": rows_path,
-                    "measured_alloc": measured["peak_allocated_bytes"],
+                    "measured_alloc": steps_peak(measured) or measured["peak_allocated_bytes"],
                     "measured_res": measured["peak_reserved_bytes"],
                     "trace_alloc": traced["peak_allocated_bytes"],
                     "trace_res": traced["peak_reserved_bytes"],
@@ -235,6 +243,12 @@ def write(rows, pipeline_rows):
         "where the Reducer reads tensor memory handled as `python/headroom_measure/trace_ddp.py` documents. They",
         "are held against rows measured under NCCL on 2 and 4 H200s (`bench/distributed/h200x2`, `h200x4`), and",
         "replayed on the H200.",
+        "",
+        "The FSDP1 rows (`bench/trace/fsdp1`, `bench/fsdp1`'s rows but its CPU-offload one, which the tracer",
+        "refuses) are `FullyShardedDataParallel` runs traced the same way, against rows measured under the fake group",
+        "on the H100: `python/headroom_measure/trace_fsdp1.py` builds the meta model as real meta tensors, gives fake",
+        "storages data pointers, records FSDP1's storage resizes and runs each backward node on its forward's stream.",
+        "A row with each rank's phases is held to its steps' peak (the load left out, as `headroom validate` does).",
         "",
         "The one row past 8% on reserved, pythia-1.4b eager forward (-11.44%), is not the tracer's: its",
         "H100 snapshot (`bench/trace/unseen/snapshots/pythia-eager-fwd.pickle.gz`, taken with `bench/nccl-x4/run.sh`) replayed through `headroom-alloc`",

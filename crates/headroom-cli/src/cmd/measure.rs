@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 17] = [
+const HARNESS: [(&str, &str); 18] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -63,6 +63,10 @@ const HARNESS: [(&str, &str); 17] = [
     (
         "trace_ddp.py",
         include_str!("../../../../python/headroom_measure/trace_ddp.py"),
+    ),
+    (
+        "trace_fsdp1.py",
+        include_str!("../../../../python/headroom_measure/trace_fsdp1.py"),
     ),
     (
         "trace_trl.py",

@@ -115,10 +115,11 @@ class DdpOnFakeTensors:
         import torch.distributed as dist
         from torch.nn.parallel import distributed as ddp_module
 
+        from .trace_dist import patch
+
         rec = self.rec
         answers = _Dispatch(rec.answers)
-        self._stack.callback(setattr, rec, "answers", rec.answers)
-        rec.answers = answers
+        patch(self._stack, rec, "answers", answers)
         real_rebuild = dist.Reducer._rebuild_buckets
 
         def rebuild_buckets(reducer):
@@ -131,11 +132,8 @@ class DdpOnFakeTensors:
             rec.classify_phase("gradient", start)  # the new buckets
             return rebuilt
 
-        self._stack.callback(setattr, ddp_module, "_verify_param_shape_across_processes",
-                             ddp_module._verify_param_shape_across_processes)  # fmt: skip
-        ddp_module._verify_param_shape_across_processes = _verify_params
-        self._stack.callback(setattr, dist.Reducer, "_rebuild_buckets", real_rebuild)
-        dist.Reducer._rebuild_buckets = rebuild_buckets
+        patch(self._stack, ddp_module, "_verify_param_shape_across_processes", _verify_params)
+        patch(self._stack, dist.Reducer, "_rebuild_buckets", rebuild_buckets)
         return self
 
     def __exit__(self, *exc):

@@ -121,6 +121,15 @@ def _outside_fake(fn):
     return outside
 
 
+def patch(stack: contextlib.ExitStack, owner, name: str, value) -> None:
+    """`owner.name` is `value` until `stack` closes."""
+    if name in vars(owner):
+        stack.callback(setattr, owner, name, vars(owner)[name])
+    else:  # inherited: the patch shadows it until it goes
+        stack.callback(delattr, owner, name)
+    setattr(owner, name, value)
+
+
 class _FsdpCuda:
     """FSDP2's storage resizes recorded, and CPU offload's copies made as CUDA makes them."""
 
@@ -197,11 +206,7 @@ class _FsdpCuda:
         return self
 
     def _patch(self, owner, name, value):
-        if name in vars(owner):
-            self._stack.callback(setattr, owner, name, vars(owner)[name])
-        else:  # inherited: the patch shadows it until it goes
-            self._stack.callback(delattr, owner, name)
-        setattr(owner, name, value)
+        patch(self._stack, owner, name, value)
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)

@@ -93,6 +93,8 @@ class Fsdp1OnFakeTensors:
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.distributed.fsdp import _flat_param
 
+        from .trace_dist import patch
+
         rec = self.rec
         real_alloc, real_free = _flat_param._alloc_storage, _flat_param._free_storage
 
@@ -116,7 +118,7 @@ class Fsdp1OnFakeTensors:
             return base + t.storage_offset() * t.element_size() if base else 0
 
         streams = _BackwardStreams(rec)
-        self._patch(rec, "stream_of", streams.stream_of)
+        patch(self._stack, rec, "stream_of", streams.stream_of)
         self._stack.enter_context(streams.mode())
         handle_cls = _flat_param.FlatParamHandle
         real_shard = handle_cls.shard
@@ -126,19 +128,12 @@ class Fsdp1OnFakeTensors:
             real_shard(handle)
             rec.storage_resized(unsharded, "fsdp1 shard")  # resized to 0 before `set_`: freed
 
-        self._patch(handle_cls, "shard", shard)
-        self._patch(_flat_param, "_alloc_storage", alloc_storage)
-        self._patch(_flat_param, "_free_storage", free_storage)
-        self._patch(torch.UntypedStorage, "data_ptr", storage_ptr)
-        self._patch(FakeTensor, "data_ptr", tensor_ptr)
+        patch(self._stack, handle_cls, "shard", shard)
+        patch(self._stack, _flat_param, "_alloc_storage", alloc_storage)
+        patch(self._stack, _flat_param, "_free_storage", free_storage)
+        patch(self._stack, torch.UntypedStorage, "data_ptr", storage_ptr)
+        patch(self._stack, FakeTensor, "data_ptr", tensor_ptr)
         return self
-
-    def _patch(self, owner, name, value):
-        if name in vars(owner):
-            self._stack.callback(setattr, owner, name, vars(owner)[name])
-        else:  # inherited: the patch shadows it until it goes
-            self._stack.callback(delattr, owner, name)
-        setattr(owner, name, value)
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)

@@ -210,3 +210,68 @@ fn accumulation_ranks_after_whole_steps_and_trainers_are_not_laid_out() {
     let why = layout::applies(&setup(trainer, "h100-80gb", 8)).expect_err("not laid out");
     assert!(why.contains("trainer"), "{why}");
 }
+
+/// Llama-3.1-8B with 8 sequences of 4096 tokens per GPU on 2 H100s: no layout without a
+/// pipeline runs the step whole (FSDP2, ZeRO and context parallelism must accumulate), a
+/// pipeline over both does, with one micro-batch per stage at least; `estimate` of its spec
+/// gives its numbers to the byte.
+#[test]
+fn a_pipeline_runs_the_step_whole_where_nothing_else_does() {
+    let s = setup(
+        spec(
+            "model: llama-3.1-8b\nprecision: bf16\noptimizer: adamw\nbatch_size: 8\nseq_len: 4096\n",
+        ),
+        "h100-80gb",
+        2,
+    );
+    let search = layout::search(&s).expect("searches");
+    let best = search.best().expect("a layout fits");
+    let pipeline = &best.candidate.parallel.pipeline;
+    assert!(
+        pipeline.pp == 2 && best.exact && best.simulated,
+        "{}",
+        best.candidate.name()
+    );
+    assert!(pipeline.microbatches >= pipeline.pp);
+    assert_eq!(best.candidate.global_batch(), 16);
+    assert!(
+        search
+            .ranked
+            .iter()
+            .filter(|e| e.exact && e.simulated)
+            .all(|e| e.candidate.parallel.pipeline.pp > 1)
+    );
+    assert!(best.time.bubble_s > 0.0);
+    let est = estimate::estimate(&best.candidate.spec(&s.spec), None, &s.gpu).expect("estimates");
+    let n = best.numbers().expect("fits");
+    assert_eq!(est.peak_reserved_bytes, n.peak_reserved_bytes);
+    assert_eq!(est.device_bytes(), n.device_bytes);
+}
+
+/// An MoE model gets the data-parallel strategies its simulation models (FSDP2 among them),
+/// and no tensor, context or pipeline parallelism, whose plans name dense modules.
+#[test]
+fn an_moe_model_is_laid_out_over_its_data_parallel_strategies() {
+    let s = setup(
+        spec(
+            "model: qwen3-30b-a3b\nprecision: bf16\noptimizer: adamw\nbatch_size: 1\nseq_len: 4096\n",
+        ),
+        "h100-80gb",
+        8,
+    );
+    let search = layout::search(&s).expect("searches");
+    let best = search.best().expect("a layout fits");
+    assert_eq!(
+        best.candidate.parallel.strategy,
+        headroom::spec::Strategy::Fsdp
+    );
+    for e in &search.ranked {
+        let p = &e.candidate.parallel;
+        assert_eq!(
+            (p.pipeline.pp, p.tensor.tp, p.tensor.cp),
+            (1, 1, 1),
+            "{}",
+            e.candidate.name()
+        );
+    }
+}

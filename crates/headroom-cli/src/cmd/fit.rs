@@ -198,8 +198,8 @@ fn render(setup: &Setup, r: &FitReport) -> String {
     if r.knobs_searched {
         out += &knobs(setup, r);
     } else {
-        out += "\nThe search of memory knobs keeps data parallelism: for a tensor-parallel spec \
-                the layout search below replaces it.\n";
+        out += "\nThe search of memory knobs keeps data parallelism: for a pipeline-, tensor- or \
+                context-parallel spec the layout search below replaces it.\n";
     }
     if let Layouts::Searched(search) = &r.layouts {
         out += &layouts(setup, search);

@@ -352,6 +352,13 @@ fn layouts(setup: &Setup, s: &LayoutSearch) -> String {
         out += &format!("  - {why}\n");
     }
     out += &format!("Its spec keys: {}\n", best.candidate.spec_keys());
+    if best.candidate.accumulation > 1 {
+        // A training loop's spec has no accumulation key.
+        out += &format!(
+            "  (one micro-batch a step: the loop accumulates {} of them per optimizer step)\n",
+            best.candidate.accumulation
+        );
+    }
     out += &format!("Margin: {}.\n", layout::MARGIN_RULE);
     out += &format!("Step time: {}.\n", layout::COST_MODEL);
     out

@@ -162,7 +162,7 @@ fn bad_gpus_and_gpu_exit_2_naming_them() {
 /// Llama-3.1-8B on sequences of 131,072 tokens over 8 H100s: only context parallelism fits
 /// (its ring cuts each rank's activations and logits to `seq_len / cp`), and `--json` says each
 /// layout's axes. `fit` of the spec its keys write (a context-parallel spec, refused before the
-/// search covered it) plans it as given: the same numbers.
+/// search covered it) plans it as given: the same numbers, and the same layout best.
 #[test]
 fn a_long_sequence_gets_context_parallelism_and_fit_plans_its_spec() {
     let file = tempfile::Builder::new()
@@ -215,5 +215,13 @@ fn a_long_sequence_gets_context_parallelism_and_fit_plans_its_spec() {
         again["spec"]["peak_reserved_bytes"],
         best["peak_reserved_bytes"]
     );
-    assert_eq!(again["layouts"]["best"]["name"], best["name"]);
+    // The best accumulates one micro-batch per GPU of the spec's data parallelism, which a
+    // training loop's spec cannot say: the spec its keys write trains one micro-batch a step,
+    // and `fit` plans that global batch, whose best is the same layout taken whole.
+    assert_eq!(best["gradient_accumulation"], 8);
+    let planned = &again["layouts"];
+    assert_eq!(planned["global_batch"], best["micro_batch"]);
+    assert_eq!(planned["best"]["spec"], best["spec"]);
+    assert_eq!(planned["best"]["gradient_accumulation"], 1);
+    assert_eq!(planned["best"]["simulated"], true);
 }

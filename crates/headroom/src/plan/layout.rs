@@ -14,8 +14,10 @@
 //! Each parallel axis is one entry of [`AXES`]: the degrees it may take once the axes before
 //! it have chosen theirs, how a layout names it, and its communication in the cost model. A
 //! new axis (expert parallelism) is one more entry, and a field of `Parallel`. Combinations the
-//! spec refuses (a pipeline with a data-parallel wrapper or tensor parallelism inside it) are
-//! never made: the spec's own rule decides, so the search lays out what it admits.
+//! spec refuses (inside a pipeline: a data-parallel wrapper other than FSDP2 over all of a
+//! stage's data-parallel ranks, context or sequence parallelism) are never made: the spec's
+//! own rule decides, so the search lays out what it admits, torchtitan's PP × FSDP2 (× TP)
+//! included.
 //!
 //! Candidates whose rank is provably the same simulation are simulated once ([`RankMemo`]);
 //! the others run on every core. A candidate that runs out of memory stops there: the
@@ -242,7 +244,9 @@ fn sequence_choices(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
 /// resharding after forward) or nothing when one replica spans every GPU; without, DDP,
 /// DeepSpeed ZeRO-1/2/3, FSDP2 and HSDP over each shard group that divides the ranks. A spec
 /// with FSDP2's mixed precision keeps the FSDP2 family, whose policy the others cannot say.
-/// Within a pipeline, those the spec admits (`check_pipeline_layout`).
+/// Within a pipeline, those the spec admits (`check_pipeline_layout` and the layout's own
+/// checks): nothing, or FSDP2 over each stage's data-parallel ranks (torchtitan's PP × FSDP2)
+/// not resharding after forward, as torchtitan does by default there.
 fn data_strategies(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
     let dp = data_parallel(p);
     let shard = shard_ranks(p);
@@ -268,7 +272,11 @@ fn data_strategies(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
         out.push(with(Strategy::NoDataParallel, 1, true));
     }
     if shard > 1 {
-        out.push(with(Strategy::Fsdp, shard, true));
+        // Inside a pipeline, torchtitan's default (`reshard_after_forward = not pp_enabled`):
+        // resharding would gather a stage's parameters again for every micro-batch, exposed.
+        if p.pipeline.pp == 1 {
+            out.push(with(Strategy::Fsdp, shard, true));
+        }
         out.push(with(Strategy::Fsdp, shard, false));
     }
     if plain {
@@ -287,12 +295,13 @@ fn data_strategies(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
         }
     }
     out.retain(|l| {
-        crate::spec::check_pipeline_layout(
-            &l.pipeline,
-            l.strategy,
-            [l.tensor.tp, l.tensor.cp],
-            l.world_size,
-        )
+        l.clone().checked().is_ok()
+            && crate::spec::check_pipeline_layout(
+                &l.pipeline,
+                l.strategy,
+                [l.tensor.tp, l.tensor.cp],
+                l.world_size,
+            )
             .is_ok()
     });
     out
@@ -490,8 +499,8 @@ pub const COST_MODEL: &str = "a model, not a measurement: 6 × active parameters
     parallelism's collectives per layer at NVLink bandwidth, never hidden; a pipeline's bubble \
     of (pp - 1) / vpp micro-batch times a step and its sends between stages; context \
     parallelism's ring of keys and values per layer; FSDP/ZeRO gathers and reduce-scatters per \
-    micro-batch, DDP's all-reduce per step and the ring at NVLink or network bandwidth, counted \
-    where they exceed the compute they overlap";
+    micro-batch (inside a pipeline per step), DDP's all-reduce per step and the ring at NVLink or \
+    network bandwidth, counted where they exceed the compute they overlap";
 
 /// Dense bf16 tensor-core throughput of an H100 SXM (vendor figure, FLOP/s): the cost
 /// model's compute rate on every GPU, since it only compares layouts on one GPU.
@@ -695,7 +704,10 @@ fn bandwidth(ranks: u64, stride: u64) -> f64 {
 /// gather them for forward and again for backward (once when not resharding) and
 /// reduce-scatter gradients every micro-batch; HSDP also all-reduces its shard over the
 /// replicas once a step; DDP and ZeRO-1/2 reduce gradients once a step (ZeRO-1/2 then
-/// gather the updated parameters).
+/// gather the updated parameters). Inside a pipeline FSDP2, not resharding after forward,
+/// keeps a stage's parameters gathered over the step and reduce-scatters once, after the
+/// stage's last backward (torch's schedules turn gradient sync off until then): a gather and
+/// a reduction a step.
 fn data_comm(x: &CostInputs, p: &Parallel) -> Comm {
     let tp = p.tensor.tp;
     let dp = data_parallel(p);
@@ -703,6 +715,10 @@ fn data_comm(x: &CostInputs, p: &Parallel) -> Comm {
     let over = |ranks: u64, stride: u64, bytes: f64| ring(ranks) * bytes / bandwidth(ranks, stride);
     match p.strategy {
         Strategy::NoDataParallel => Comm::default(),
+        Strategy::Fsdp if p.pipeline.pp > 1 => Comm {
+            per_step_s: over(p.shard_size, tp, shard * (x.gather_bytes + x.reduce_bytes)),
+            ..Comm::default()
+        },
         Strategy::Fsdp | Strategy::Fsdp1 | Strategy::Zero3 => {
             let s = p.shard_size;
             let gathers = if p.reshard_after_forward || p.strategy == Strategy::Zero3 {
@@ -1419,8 +1435,9 @@ mod tests {
     }
 
     /// A pipeline's candidates run a data-parallel rank's batch in one step, with at least a
-    /// micro-batch per stage; every layout they make is one the spec admits (today a pipeline
-    /// alone: no data-parallel wrapper, no tensor parallelism inside it).
+    /// micro-batch per stage; every layout they make is one the spec admits: a pipeline alone,
+    /// or torchtitan's PP × FSDP2 (× TP) with FSDP2 over each stage's data-parallel ranks, not
+    /// resharding after forward, without context or sequence parallelism.
     #[test]
     fn pipeline_candidates_keep_the_batch_and_what_the_spec_admits() {
         let spec = RunSpec {
@@ -1436,21 +1453,34 @@ mod tests {
         let global = global_batch(&spec, 8);
         let all = candidates(&ctx, global);
         let piped: Vec<&Candidate> = all.iter().filter(|c| c.parallel.pipeline.pp > 1).collect();
-        assert!(!piped.is_empty());
         for c in &all {
             assert_eq!(c.global_batch(), global, "{}", c.name());
         }
+        let layouts = |strategy, tp| {
+            piped
+                .iter()
+                .filter(|c| c.parallel.strategy == strategy && c.parallel.tensor.tp == tp)
+                .count()
+        };
+        assert!(layouts(Strategy::NoDataParallel, 1) > 0, "a pipeline alone");
+        assert!(layouts(Strategy::Fsdp, 1) > 0, "PP × FSDP2");
+        assert!(layouts(Strategy::Fsdp, 2) > 0, "PP × FSDP2 × TP");
         for c in piped {
             let p = &c.parallel;
             assert_eq!(c.accumulation, 1, "{}", c.name());
             assert!(p.pipeline.microbatches >= p.pipeline.pp, "{}", c.name());
+            assert!(!p.tensor.sequence_parallel && p.tensor.cp == 1, "{}", c.name());
+            if p.strategy == Strategy::Fsdp {
+                assert!(!p.reshard_after_forward, "{}", c.name());
+                assert_eq!(p.shard_size, data_parallel(p), "{}", c.name());
+            }
             crate::spec::check_pipeline_layout(
                 &p.pipeline,
                 p.strategy,
                 [p.tensor.tp, p.tensor.cp],
                 p.world_size,
             )
-                .expect("admitted");
+            .expect("admitted");
             c.spec(&spec).rechecked().expect("a valid spec");
         }
     }

@@ -1912,7 +1912,7 @@ impl Parallel {
         Ok(())
     }
 
-    fn checked(self) -> Result<Self> {
+    pub(crate) fn checked(self) -> Result<Self> {
         let (world_size, shard_size) = (self.world_size, self.shard_size);
         if !(1..=65536).contains(&world_size) {
             return Err(Error::field(

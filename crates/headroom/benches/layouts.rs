@@ -1,7 +1,8 @@
 //! `fit`'s layout search at scale: Llama-3.1-70B, then Qwen3-235B-A22B (MoE), each a full
 //! bf16 fine-tune with AdamW, a global batch of 1024 sequences of 4096 tokens, searched over 8
 //! to 1024 GPUs on the H100, the H200 and the A100 80GB in one process (one `RankMemo`, as a
-//! sweep shares it). Prints each search's candidates, distinct simulations and seconds, then
+//! sweep shares it). Prints each search's candidates, distinct simulations, refusals (a
+//! pipeline over the search's budget, or what the spec refuses) and seconds, then
 //! each model's totals with the CPU time the process spent on them (the machine may be
 //! shared: CPU time over the cores is what an idle one takes).
 //! `cargo bench -p headroom --bench layouts`; results in bench/PERFORMANCE.md.
@@ -18,9 +19,11 @@ const GLOBAL_BATCH: u64 = 1024;
 
 fn main() {
     let memo = RankMemo::default();
-    println!("model            gpu        gpus  candidates  simulated  fitting  seconds  best");
+    println!(
+        "model            gpu        gpus  candidates  simulated  refused  fitting  seconds  best"
+    );
     for model in ["llama-3.1-70b", "qwen3-235b-a22b"] {
-        let (mut candidates, mut simulated) = (0, 0);
+        let (mut candidates, mut simulated, mut refused) = (0, 0, 0);
         let (start, cpu_start) = (Instant::now(), cpu_seconds());
         for gpu in ["h100-80gb", "h200", "a100-80gb"] {
             for gpus in [8u32, 16, 32, 64, 128, 256, 512, 1024] {
@@ -40,22 +43,25 @@ fn main() {
                 let t = Instant::now();
                 let s = layout::search_with(&setup, &memo).expect("searches");
                 println!(
-                    "{model:<16} {gpu:<10} {gpus:>5} {:>11} {:>10} {:>8} {:>8.2}  {}",
+                    "{model:<16} {gpu:<10} {gpus:>5} {:>11} {:>10} {:>8} {:>8} {:>8.2}  {}",
                     s.candidates,
                     s.simulated,
+                    s.refused,
                     s.ranked.len(),
                     t.elapsed().as_secs_f64(),
                     s.best().map_or("none fits".into(), |b| b.candidate.name())
                 );
                 candidates += s.candidates;
                 simulated += s.simulated;
+                refused += s.refused;
             }
         }
         let secs = start.elapsed().as_secs_f64();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let cpu = cpu_seconds() - cpu_start;
         println!(
-            "total {model}: {candidates} candidates, {simulated} simulated, {secs:.2} s wall \
+            "total {model}: {candidates} candidates ({refused} refused), {simulated} simulated, \
+             {secs:.2} s wall \
              ({:.0} candidates/s), {cpu:.2} s CPU on {threads} threads ({:.2} s of CPU per \
              thread)",
             candidates as f64 / secs,

@@ -425,7 +425,7 @@ impl Candidate {
 pub enum Outcome {
     /// It ran its steps at the GPU's capacity.
     Fits(Numbers),
-    /// It ran out of memory in this phase and step.
+    /// It ran out of memory in this phase and step (of the first rank simulated that did).
     OutOfMemory { phase: &'static str, step: u32 },
     /// The estimator does not model it, or the spec refuses it: why.
     Refused(String),
@@ -754,14 +754,25 @@ fn data_comm(x: &CostInputs, p: &Parallel) -> Comm {
 /// world of two or more); FSDP2 shards over `shard_size` (HSDP's replicas change nothing a
 /// rank allocates, `sim/strategy/fsdp.rs`) and NCCL's allowance is HSDP's for any number of
 /// replicas. Kept across searches (`fit` over several cluster sizes, the benchmark).
+///
+/// A rank that fits without the GPU's capacity ever changing what the allocator did
+/// (`Estimate::unlimited`) is the same run on every GPU whose constants the simulation reads
+/// are the same (the cuBLAS workspaces and multiprocessors of its architecture; the device
+/// total only enters a rollout engine's share, and the search lays out training loops alone)
+/// and whose capacity is at least as large: its reserved bytes never passed the smaller
+/// capacity, so the larger one never acts either. Only what lives outside the allocator, the
+/// CUDA context, is the other GPU's.
 #[derive(Default)]
 pub struct RankMemo {
     outcomes: Mutex<HashMap<String, Outcome>>,
+    /// Ranks that fit unlimited, by rank and architecture: the allocator capacity they ran
+    /// at, their numbers and the CUDA context those count.
+    unlimited: Mutex<HashMap<String, Vec<(u64, Numbers, u64)>>>,
 }
 
 impl RankMemo {
-    /// What decides a rank's simulation on `gpu`.
-    fn key(spec: &RunSpec, gpu: &Gpu) -> String {
+    /// What decides a rank's simulation, on any GPU.
+    fn rank_key(spec: &RunSpec) -> String {
         let mut spec = spec.clone();
         if let Some(p) = spec.parallel.as_mut().filter(|p| model_parallel(p) == 1) {
             match p.strategy {
@@ -775,7 +786,17 @@ impl RankMemo {
                 _ => {}
             }
         }
-        format!("{spec:?} on {gpu:?}")
+        format!("{spec:?}")
+    }
+
+    /// What decides a rank's simulation on `gpu`.
+    fn key(spec: &RunSpec, gpu: &Gpu) -> String {
+        format!("{} on {gpu:?}", Self::rank_key(spec))
+    }
+
+    /// What decides a rank's simulation on any GPU of `gpu`'s architecture.
+    fn architecture_key(spec: &RunSpec, gpu: &Gpu) -> String {
+        format!("{} on {:?}", Self::rank_key(spec), gpu.workspaces())
     }
 
     fn get(&self, key: &str) -> Option<Outcome> {
@@ -786,6 +807,33 @@ impl RankMemo {
         if let Ok(mut map) = self.outcomes.lock() {
             map.insert(key, outcome);
         }
+    }
+
+    /// `spec`'s rank on `gpu`, from a run on another GPU of its architecture that fitted
+    /// unlimited at no more capacity.
+    fn served(&self, spec: &RunSpec, gpu: &Gpu) -> Option<Outcome> {
+        let map = self.unlimited.lock().ok()?;
+        let runs = map.get(&Self::architecture_key(spec, gpu))?;
+        let &(_, n, context) = runs
+            .iter()
+            .find(|(capacity, ..)| *capacity <= gpu.allocator_capacity())?;
+        Some(Outcome::Fits(Numbers {
+            device_bytes: n.device_bytes - context + gpu.cuda_context_bytes,
+            ..n
+        }))
+    }
+
+    /// Keeps what simulating `spec`'s rank on `gpu` said, and, where it fitted unlimited, for
+    /// the other GPUs of its architecture.
+    fn record(&self, key: String, spec: &RunSpec, gpu: &Gpu, outcome: Outcome, unlimited: bool) {
+        if let (Outcome::Fits(n), true) = (&outcome, unlimited)
+            && let Ok(mut map) = self.unlimited.lock()
+        {
+            map.entry(Self::architecture_key(spec, gpu))
+                .or_default()
+                .push((gpu.allocator_capacity(), *n, gpu.cuda_context_bytes));
+        }
+        self.put(key, outcome);
     }
 }
 
@@ -972,14 +1020,16 @@ fn gpu_for(setup: &Setup) -> Gpu {
     }
 }
 
-/// Simulate one candidate's rank at the GPU's capacity, stopping at an out-of-memory error.
-fn simulate(spec: &RunSpec, spec_dir: Option<&Path>, gpu: &Gpu) -> Outcome {
+/// Simulate one candidate's rank at the GPU's capacity, stopping at an out-of-memory error,
+/// and say whether the capacity never acted (`Estimate::unlimited`).
+fn simulate(spec: &RunSpec, spec_dir: Option<&Path>, gpu: &Gpu) -> (Outcome, bool) {
     let est = spec
         .clone()
         .rechecked()
         .and_then(|s| estimate::estimate_with_trace(&s, spec_dir, gpu, Limit::GpuUntilOom, false))
         .map(|(est, _)| est);
-    match est {
+    let unlimited = est.as_ref().is_ok_and(|e| e.unlimited);
+    let outcome = match est {
         Ok(est) => match &est.oom {
             Some(oom) => Outcome::OutOfMemory {
                 phase: oom.phase,
@@ -997,7 +1047,8 @@ fn simulate(spec: &RunSpec, spec_dir: Option<&Path>, gpu: &Gpu) -> Outcome {
             step: 1,
         },
         Err(e) => Outcome::Refused(e.to_string()),
-    }
+    };
+    (outcome, unlimited)
 }
 
 /// Search the layouts of `setup` over its GPUs, with a memo of its own.
@@ -1033,7 +1084,11 @@ pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
             if over_budget(&ctx, &all[i]) {
                 memo.put(key.clone(), Outcome::Refused(PIPELINE_BUDGET.into()));
             } else if memo.get(key).is_none() {
-                todo.push(i);
+                // Or the same run on another GPU of the architecture.
+                match memo.served(&specs[i], &gpu) {
+                    Some(outcome) => memo.put(key.clone(), outcome),
+                    None => todo.push(i),
+                }
             }
         }
     }
@@ -1047,7 +1102,8 @@ pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
                 loop {
                     let n = next.fetch_add(1, Ordering::Relaxed);
                     let Some(&i) = todo.get(n) else { break };
-                    memo.put(keys[i].clone(), simulate(&specs[i], setup.spec_dir, &gpu));
+                    let (outcome, unlimited) = simulate(&specs[i], setup.spec_dir, &gpu);
+                    memo.record(keys[i].clone(), &specs[i], &gpu, outcome, unlimited);
                     DONE.fetch_add(1, Ordering::Relaxed);
                 }
             });
@@ -1469,7 +1525,11 @@ mod tests {
             let p = &c.parallel;
             assert_eq!(c.accumulation, 1, "{}", c.name());
             assert!(p.pipeline.microbatches >= p.pipeline.pp, "{}", c.name());
-            assert!(!p.tensor.sequence_parallel && p.tensor.cp == 1, "{}", c.name());
+            assert!(
+                !p.tensor.sequence_parallel && p.tensor.cp == 1,
+                "{}",
+                c.name()
+            );
             if p.strategy == Strategy::Fsdp {
                 assert!(!p.reshard_after_forward, "{}", c.name());
                 assert_eq!(p.shard_size, data_parallel(p), "{}", c.name());

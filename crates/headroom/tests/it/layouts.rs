@@ -179,6 +179,42 @@ fn a_shared_memo_serves_repeated_ranks() {
     assert_eq!(names(&again), names(&fresh));
 }
 
+/// A rank that fits on an H100 without its capacity ever acting is the same run on an H200
+/// (the same architecture, more memory): a memo shared from the H100's search serves the
+/// H200's, which answers as a fresh one does to the byte (its CUDA context its own); the A100,
+/// another architecture, is served nothing.
+#[test]
+fn a_shared_memo_serves_a_larger_gpu_of_the_same_architecture() {
+    let base = spec("model: llama-3.1-8b\nprecision: bf16\nbatch_size: 2\nseq_len: 1024\n");
+    let memo = RankMemo::default();
+    let on = |gpu: &str, memo: &RankMemo| {
+        layout::search_with(&setup(base.clone(), gpu, 8), memo).expect("searches")
+    };
+    let answer = |s: &layout::LayoutSearch| {
+        let ranked: Vec<(String, Option<layout::Numbers>)> = s
+            .ranked
+            .iter()
+            .map(|e| (e.candidate.name(), e.numbers().copied()))
+            .collect();
+        (ranked, s.candidates, s.refused, s.out_of_memory)
+    };
+    on("h100-80gb", &memo);
+    let served = on("h200", &memo);
+    let fresh = on("h200", &RankMemo::default());
+    assert_eq!(answer(&served), answer(&fresh));
+    assert!(
+        served.simulated < fresh.simulated,
+        "{} of {}",
+        served.simulated,
+        fresh.simulated
+    );
+    let a100 = on("a100-80gb", &memo);
+    assert_eq!(
+        a100.simulated,
+        on("a100-80gb", &RankMemo::default()).simulated
+    );
+}
+
 /// Micro-batches that keep the global batch by accumulating are searched, said as not
 /// simulated whole (the loop runs one micro-batch a step), and ranked after whole steps; a
 /// trainer's spec is not laid out, and says why.

@@ -765,9 +765,18 @@ fn data_comm(x: &CostInputs, p: &Parallel) -> Comm {
 #[derive(Default)]
 pub struct RankMemo {
     outcomes: Mutex<HashMap<String, Outcome>>,
-    /// Ranks that fit unlimited, by rank and architecture: the allocator capacity they ran
-    /// at, their numbers and the CUDA context those count.
-    unlimited: Mutex<HashMap<String, Vec<(u64, Numbers, u64)>>>,
+    /// Ranks that fit unlimited, by rank and architecture.
+    unlimited: Mutex<HashMap<String, Vec<UnlimitedRun>>>,
+}
+
+/// A rank that fit without the capacity acting.
+#[derive(Clone, Copy)]
+struct UnlimitedRun {
+    /// The allocator capacity it ran at.
+    capacity: u64,
+    numbers: Numbers,
+    /// The CUDA context its device bytes count.
+    context: u64,
 }
 
 impl RankMemo {
@@ -814,12 +823,12 @@ impl RankMemo {
     fn served(&self, spec: &RunSpec, gpu: &Gpu) -> Option<Outcome> {
         let map = self.unlimited.lock().ok()?;
         let runs = map.get(&Self::architecture_key(spec, gpu))?;
-        let &(_, n, context) = runs
+        let run = runs
             .iter()
-            .find(|(capacity, ..)| *capacity <= gpu.allocator_capacity())?;
+            .find(|r| r.capacity <= gpu.allocator_capacity())?;
         Some(Outcome::Fits(Numbers {
-            device_bytes: n.device_bytes - context + gpu.cuda_context_bytes,
-            ..n
+            device_bytes: run.numbers.device_bytes - run.context + gpu.cuda_context_bytes,
+            ..run.numbers
         }))
     }
 
@@ -831,7 +840,11 @@ impl RankMemo {
         {
             map.entry(Self::architecture_key(spec, gpu))
                 .or_default()
-                .push((gpu.allocator_capacity(), *n, gpu.cuda_context_bytes));
+                .push(UnlimitedRun {
+                    capacity: gpu.allocator_capacity(),
+                    numbers: *n,
+                    context: gpu.cuda_context_bytes,
+                });
         }
         self.put(key, outcome);
     }

@@ -157,6 +157,7 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
         .filter(|p| p.pp > 1)
     {
         let layers = pipeline.stage_layers(est.arch.layers);
+        let ranks_per_stage = est.parallel.as_ref().map_or(1, |p| p.world_size / pipeline.pp);
         let mut s = table();
         s.set_header(vec![
             "stage",
@@ -173,7 +174,7 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
                     "{first}-{}",
                     first + layers[stage.stage as usize] - 1
                 )),
-                Cell::new(stage.pipeline_rank),
+                Cell::new(stage.pipeline_rank * ranks_per_stage),
                 Cell::new(gib(stage.peak_allocated)).set_alignment(CellAlignment::Right),
                 Cell::new(gib(stage.peak_reserved)).set_alignment(CellAlignment::Right),
             ]);

@@ -117,6 +117,41 @@ fn estimate_json_lists_every_pipeline_stage() {
 }
 
 #[test]
+fn the_stage_table_names_the_rank_the_json_and_the_heading_name() {
+    let args = [
+        "estimate",
+        "examples/llama-3.1-70b-megatron-tp8-pp4-64xh100.yaml",
+        "--gpu",
+        "h100-80gb",
+    ];
+    let text = stdout(&headroom(&args));
+    let v = json(&[args.as_slice(), &["--json"]].concat());
+    let rows: Vec<Vec<String>> = text
+        .lines()
+        .skip_while(|l| !l.contains("stage ┆ layers"))
+        .filter(|l| l.starts_with('│') && !l.contains("stage ┆"))
+        .map(|l| {
+            l.trim_matches('│')
+                .split('┆')
+                .map(|c| c.trim().to_string())
+                .collect()
+        })
+        .collect();
+    let stages = v["stages"].as_array().expect("stages");
+    assert_eq!(rows.len(), stages.len());
+    for (row, stage) in rows.iter().zip(stages) {
+        assert_eq!(row[0], stage["stage"].to_string());
+        assert_eq!(row[2], stage["worst_rank"].to_string(), "{row:?}");
+    }
+    assert_eq!(stages[1]["worst_rank"], 16, "tp 8 × dp 2 ranks per stage");
+    let worst = v["worst_rank"]["rank"].to_string();
+    assert!(
+        text.contains(&format!("rank {worst}'s")),
+        "the heading names rank {worst}"
+    );
+}
+
+#[test]
 fn estimate_without_gpu_is_the_demand_and_a_gpu_that_fits_changes_nothing() {
     let demand = json(&["estimate", "examples/qwen2.5-7b-lora.yaml", "--json"]);
     let h200 = json(&[

@@ -19,6 +19,9 @@ take CUDA's branch:
   CUDA's.
 - **Dropout.** `F.dropout` in training takes CUDA's fused `native_dropout` (a bool mask), not
   the CPU's composite (a mask in the input's dtype).
+- **Grouped GEMMs.** `torch._grouped_mm` of fp32 or fp16 matrices (the experts under `amp-bf16`,
+  whose weights stay fp32) runs on CUDA, through the per-group `mm_out` fallback into the same
+  output; torch's meta function, written for the bf16 CUTLASS kernel, refuses them.
 - **Optimizers.** `torch.optim` takes its foreach and fused paths for fake CPU tensors as for
   CUDA ones (the per-parameter loop allocates different temporaries).
 """
@@ -134,6 +137,7 @@ class CudaEmulation:
         self._install_optimizer_defaults(torch)
         self._stack.enter_context(_SdpaPatch())
         self._stack.enter_context(_DropoutPatch())
+        self._stack.enter_context(_GroupedMmPatch())
         return self
 
     def __exit__(self, *exc):
@@ -345,4 +349,41 @@ class _DropoutPatch:
         import torch.nn.functional as F
 
         F.dropout = self._real
+        return False
+
+
+class _GroupedMmPatch:
+    """`torch._grouped_mm`'s fake implementation as `_grouped_mm_cuda` decides (GroupedBlas.cpp,
+    GroupedMMUtils.h): matrices of one dtype among bf16, fp16 and fp32, bf16 on the CUTLASS kernel
+    and the others through `_grouped_mm_fallback`, whose `mm_out` per group writes into the output
+    `create_grouped_gemm_output_tensor` made, of `mat_a`'s dtype. torch's meta function refuses all
+    but bf16; it looks up `_meta_grouped_mm_common` when called, so the patch goes there."""
+
+    def __enter__(self):
+        import torch
+        import torch._meta_registrations as meta
+
+        self._real = real = meta._meta_grouped_mm_common
+        fallback_dtypes = (torch.float32, torch.float16)
+
+        def common(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
+                   use_fast_accum=False):  # fmt: skip
+            if scale_a is None and scale_b is None and mat_a.dtype == mat_b.dtype and mat_a.dtype in fallback_dtypes:
+                torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3), lambda: "mat_a and mat_b must be 2 or 3d")
+                torch._check(
+                    (mat_a.dim() == 2 and mat_b.dim() == 2) or mat_a.size(-1) == mat_b.size(-2),
+                    lambda: "contraction dimension of mat_a and mat_b must match",
+                )
+                torch._check(out_dtype in (None, mat_a.dtype), lambda: "Grouped gemm output dtype must match `mat_a` dtype")
+                torch._check(bias is None, lambda: "Bias not supported yet")
+                return meta._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+            return real(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum)
+
+        meta._meta_grouped_mm_common = common
+        return self
+
+    def __exit__(self, *exc):
+        import torch._meta_registrations as meta
+
+        meta._meta_grouped_mm_common = self._real
         return False

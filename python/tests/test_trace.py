@@ -180,5 +180,58 @@ class CudaDecisionsTest(unittest.TestCase):
         self.assertEqual({x["bytes"] for x in additive}, {b * s * s * 2})
 
 
+@unittest.skipUnless(has_torch(), "torch and transformers are not installed")
+class CudaKernelsTest(unittest.TestCase):
+    """CUDA's kernels where torch's fake implementations differ, in process under `fake_cuda`."""
+
+    def setUp(self):
+        sys.path.insert(0, str(PYTHON_DIR))
+        self.addCleanup(sys.path.remove, str(PYTHON_DIR))
+
+    def test_grouped_mm_of_fp32_matrices_runs_as_cudas_fallback_does(self):
+        import torch
+
+        from headroom_measure.trace import Recorder, fake_cuda
+
+        rec = Recorder()
+        with fake_cuda(rec):
+            x = torch.randn(64, 32, requires_grad=True)
+            w = torch.randn(4, 32, 16, requires_grad=True)
+            offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+            out = torch._grouped_mm(x, w, offs=offs)
+            self.assertEqual((out.shape, out.dtype), (torch.Size([64, 16]), torch.float32))
+            out.sum().backward()
+            self.assertEqual((x.grad.dtype, w.grad.shape), (torch.float32, w.shape))
+            with self.assertRaisesRegex(RuntimeError, "BF16"):
+                torch._grouped_mm(x.bfloat16(), w, offs=offs)  # mixed dtypes: CUDA refuses them too
+        gemms = [e for e in rec.events if e[0] == "gemm"]
+        self.assertEqual(len(gemms), 3, "the forward and the two gradients, each a GEMM")
+
+    def test_bincount_of_topk_indices_has_minlength_bins(self):
+        import torch
+        from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+        from headroom_measure.trace import Recorder, fake_cuda
+
+        rec = Recorder()
+        with fake_cuda(rec):
+            probs = torch.randn(2048, 128).softmax(-1)
+            _, chosen = torch.topk(probs, 8, dim=-1)
+            first = len(rec.storages)
+            counts = torch.bincount(chosen.reshape(-1), minlength=128)
+            self.assertEqual((counts.shape, counts.dtype), (torch.Size([128]), torch.long))
+            made = [(s["op"], s["bytes"]) for s in rec.storages[first:]]
+            self.assertEqual(
+                made, [("aten.min.default", 8), ("aten.max.default", 8), ("aten.bincount.default", 128 * 8)]
+            )
+            with self.assertRaises(DynamicOutputShapeException):
+                torch.bincount(chosen.reshape(-1), minlength=64)  # values may reach 127: not bounded by 64
+            with self.assertRaises(DynamicOutputShapeException):
+                torch.bincount(torch.randint(0, 128, (16,)), minlength=128)  # nothing known of its values
+            chosen.add_(1)  # written: the bound no longer holds
+            with self.assertRaises(DynamicOutputShapeException):
+                torch.bincount(chosen.reshape(-1), minlength=128)
+
+
 if __name__ == "__main__":
     unittest.main()

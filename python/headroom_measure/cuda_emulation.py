@@ -70,7 +70,8 @@ BANNED = {"binary_cross_entropy"}
 
 
 class EmulationError(RuntimeError):
-    """This torch's CUDA autocast lists an operator the emulation has no policy for."""
+    """This torch's CUDA autocast lists an operator the emulation has no policy for, or the traced
+    code calls another library's operator whose CUDA autocast kernel the emulation does not have."""
 
 
 def _policies() -> dict[str, str]:
@@ -146,25 +147,38 @@ class CudaEmulation:
     # -- autocast ---------------------------------------------------------------------------
 
     def _install_autocast(self, torch):
+        """Every operator with a CPU or CUDA autocast kernel gets CUDA's policy as its CPU one.
+        ATen's follow the tables above; other libraries' CUDA autocast kernels (torchvision's
+        `roi_align`, `nms`, ...: inputs cast to fp32) are not emulated, so calling one under
+        autocast is refused by name, and installing them changes nothing for code that does not."""
         policies = _policies()
-        cuda_ops = torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
-        unknown = sorted(n.removeprefix("aten::") for n in cuda_ops if n.removeprefix("aten::") not in policies)
+        cuda_ops = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA"))
+        cpu_ops = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"))
+        unknown = sorted(n.removeprefix("aten::") for n in cuda_ops if n.startswith("aten::") and n[6:] not in policies)
         if unknown:
             raise EmulationError(
                 f"torch {torch.__version__}'s CUDA autocast lists operators headroom's tracer has no policy for: "
                 f"{', '.join(unknown)}"
             )
-        cuda_names = {n.removeprefix("aten::") for n in cuda_ops}
-        cpu_names = {n.removeprefix("aten::") for n in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")}
-        lib = torch.library.Library("aten", "IMPL")
-        self._stack.callback(lib._destroy)
+        libraries = {}
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-            for name in sorted(cuda_names | cpu_names):
-                policy = policies.get(name) if name in cuda_names else "pass"
-                lib.impl(name, self._kernel(torch, name, policy), "AutocastCPU")
+            for qualified in sorted(cuda_ops | cpu_ops):
+                namespace, _, name = qualified.partition("::")
+                if qualified not in cuda_ops:
+                    policy = "pass"
+                elif namespace == "aten":
+                    policy = policies[name]
+                else:
+                    policy = "foreign"
+                if namespace not in libraries:
+                    libraries[namespace] = torch.library.Library(namespace, "IMPL")
+                    self._stack.callback(libraries[namespace]._destroy)
+                kernel = self._kernel(torch, qualified, policy)
+                # over the library's own kernel, which comes back when `libraries` are destroyed
+                libraries[namespace].impl(name, kernel, "AutocastCPU", allow_override=True)
 
         real_init = torch.amp.autocast_mode.autocast.__init__
         real_clear = torch.clear_autocast_cache
@@ -184,9 +198,10 @@ class CudaEmulation:
         self._stack.callback(setattr, torch.amp.autocast_mode.autocast, "__init__", real_init)
         self._stack.callback(setattr, torch, "clear_autocast_cache", real_clear)
 
-    def _kernel(self, torch, name: str, policy: str):
+    def _kernel(self, torch, qualified: str, policy: str):
+        namespace, _, name = qualified.partition("::")
         base, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops.aten, base), overload or "default")
+        op = getattr(getattr(getattr(torch.ops, namespace), base), overload or "default")
         exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
         cache = self.cache
         from torch.utils._pytree import tree_map
@@ -206,6 +221,15 @@ class CudaEmulation:
                 raise RuntimeError(f"{name} is unsafe to autocast (torch raises the same on CUDA)")
 
             return banned
+        if policy == "foreign":
+
+            def foreign(*args, **kwargs):
+                raise EmulationError(
+                    f"`{qualified}` runs under CUDA autocast with its library's own casts, which headroom's tracer "
+                    "does not emulate"
+                )
+
+            return foreign
 
         def kernel(*args, **kwargs):
             with torch._C._ExcludeDispatchKeyGuard(exclude):

@@ -233,5 +233,43 @@ class CudaKernelsTest(unittest.TestCase):
                 torch.bincount(chosen.reshape(-1), minlength=128)
 
 
+@unittest.skipUnless(has_torch(), "torch and transformers are not installed")
+class OtherLibrariesAutocastTest(unittest.TestCase):
+    """A library that registers CUDA autocast kernels of its own (as torchvision does) changes
+    nothing for code that does not call them; calling one under autocast is refused by name."""
+
+    def setUp(self):
+        import torch
+
+        sys.path.insert(0, str(PYTHON_DIR))
+        self.addCleanup(sys.path.remove, str(PYTHON_DIR))
+        self.lib = torch.library.Library("headroom_test_autocast", "DEF")
+        self.addCleanup(self.lib._destroy)
+        for name in ("cuda_cast", "cpu_cast"):
+            self.lib.define(f"{name}(Tensor x) -> Tensor")
+            self.lib.impl(name, lambda x: x.clone(), "CompositeExplicitAutograd")
+        to_fp32 = lambda x: x.float()  # noqa: E731 - what torchvision's autocast kernels do
+        self.lib.impl("cuda_cast", to_fp32, "AutocastCUDA")
+        self.lib.impl("cpu_cast", to_fp32, "AutocastCPU")
+
+    def test_only_a_call_under_autocast_is_refused(self):
+        import torch
+
+        from headroom_measure.cuda_emulation import CudaEmulation, EmulationError
+
+        ops = torch.ops.headroom_test_autocast
+        x = torch.randn(4, 4, dtype=torch.bfloat16)
+        with CudaEmulation():
+            self.assertEqual(ops.cuda_cast(x).dtype, torch.bfloat16)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                self.assertEqual(torch.mm(x.float(), x.float()).dtype, torch.bfloat16)
+                with self.assertRaisesRegex(EmulationError, "headroom_test_autocast::cuda_cast"):
+                    ops.cuda_cast(x)
+                # no CUDA autocast kernel: CUDA passes it through, whatever the CPU's does
+                self.assertEqual(ops.cpu_cast(x).dtype, torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            self.assertEqual(ops.cpu_cast(x).dtype, torch.float32, "the library's own kernel is back")
+
+
 if __name__ == "__main__":
     unittest.main()

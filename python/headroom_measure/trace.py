@@ -58,8 +58,9 @@ def refuse_untraceable(spec):
         raise TraceError("`optimizer: adamw-8bit`: bitsandbytes does not run on fake tensors")
     if spec.experts_implementation == "eager":
         raise TraceError(
-            "`experts_implementation: eager`: the per-expert loop's shapes depend on the router's "
-            "choices, which fake tensors do not have; trace grouped_mm or batched_mm"
+            "`experts_implementation: eager`: the per-expert loop's shapes are the numbers of tokens the router "
+            "sends each expert, values fake tensors do not have; the tracer runs grouped_mm and batched_mm, and "
+            "`headroom estimate` models the loop natively (an even spread, or `routing.max_tokens_per_expert_factor`)"
         )
     if spec.parallel is not None:
         from .trace_dist import refuse_untraceable_parallel

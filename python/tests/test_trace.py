@@ -54,6 +54,16 @@ class TraceCliTest(unittest.TestCase):
             self.assertEqual(out.returncode, 2, out.stderr)
             self.assertIn("quantization", out.stderr)
 
+    def test_the_eager_experts_loop_is_refused_by_name(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            config = {**TINY["model_config"], "model_type": "qwen3_moe", "moe_intermediate_size": 64,
+                      "num_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
+            spec = {**TINY, "model_config": config, "experts_implementation": "eager"}
+            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn("`experts_implementation: eager`", out.stderr)
+            self.assertIn("max_tokens_per_expert_factor", out.stderr)
+
     def test_dpo_with_precomputed_reference_log_probs_is_refused_by_name(self):
         with tempfile.TemporaryDirectory() as tmp:
             spec = {**TINY, "trainer": "trl-dpo", "precompute_ref_log_probs": True}

@@ -278,18 +278,20 @@ class CudaEmulation:
 
 def select_attention_kernel(query, key, value, attn_mask, enable_gqa: bool) -> str:
     """The kernel torch 2.11's `select_sdp_backend` picks on an sm90 GPU: flash for half
-    precision without a mask (head dim a multiple of 8 up to 256), cuDNN for half precision with
-    one, memory-efficient for the rest it supports, math otherwise. Flash and cuDNN need one
-    head dim for queries, keys and values (latent attention's values are narrower)."""
+    precision without a mask (one head dim for queries, keys and values, a multiple of 8 up to
+    256), cuDNN for half precision with one, and for latent attention's 192-wide query and key
+    heads with 128-wide values, which cuDNN takes on sm90 (`check_cudnn_tensor_shapes`) and flash
+    does not; memory-efficient for the rest it supports, math otherwise."""
     import torch
 
-    head_dim = query.shape[-1]
-    half = query.dtype in (torch.float16, torch.bfloat16) and value.shape[-1] == head_dim
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    one_dim = value_dim == head_dim
     masked = attn_mask is not None
     gqa = enable_gqa and key.shape[-3] != query.shape[-3]
-    if half and not masked and head_dim <= 256 and head_dim % 8 == 0:
+    if half and one_dim and not masked and head_dim <= 256 and head_dim % 8 == 0:
         return "flash"
-    if half and masked and head_dim <= 256:
+    if half and ((one_dim and masked and head_dim <= 256) or (head_dim, value_dim) == (192, 128)):
         return "cudnn"
     if not gqa and head_dim % 4 == 0:
         return "efficient"

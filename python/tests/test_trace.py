@@ -217,6 +217,23 @@ class CudaKernelsTest(unittest.TestCase):
         gemms = [e for e in rec.events if e[0] == "gemm"]
         self.assertEqual(len(gemms), 3, "the forward and the two gradients, each a GEMM")
 
+    def test_latent_attentions_narrower_values_take_cudnn(self):
+        import torch
+
+        from headroom_measure.cuda_emulation import select_attention_kernel
+
+        def kernel(dtype, qk, v, masked=False):
+            q, k = torch.empty(1, 16, 64, qk, dtype=dtype), torch.empty(1, 16, 64, qk, dtype=dtype)
+            mask = torch.empty(1, 1, 64, 64, dtype=torch.bool) if masked else None
+            return select_attention_kernel(q, k, torch.empty(1, 16, 64, v, dtype=dtype), mask, False)
+
+        self.assertEqual(kernel(torch.bfloat16, 128, 128), "flash")
+        self.assertEqual(kernel(torch.bfloat16, 128, 128, masked=True), "cudnn")
+        # DeepSeek's MLA: flash needs one head dim; cuDNN takes 192 / 128 on sm90, masked or not
+        self.assertEqual(kernel(torch.bfloat16, 192, 128), "cudnn")
+        self.assertEqual(kernel(torch.bfloat16, 192, 128, masked=True), "cudnn")
+        self.assertEqual(kernel(torch.float32, 192, 128), "efficient")
+
     def test_bincount_of_topk_indices_has_minlength_bins(self):
         import torch
         from torch._subclasses.fake_tensor import DynamicOutputShapeException

@@ -519,8 +519,8 @@ fn estimate_with_trace_runs_the_tracer() {
 #[test]
 fn saved_traces_match_their_measurements() {
     const ADDRESS_PLACEMENT: &str = "gpt_neox/pythia-1.4b/bf16/forward/bs8/s2048/eager";
-    const SHARDED: usize = 54;
-    const CORPORA: [(&str, &str); 10] = [
+    const SHARDED: usize = 56;
+    const CORPORA: [(&str, &str); 11] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -558,6 +558,10 @@ fn saved_traces_match_their_measurements() {
             "bench/trace/sharded",
         ),
         ("bench/tp/rows-h100-torch2.11.jsonl", "bench/trace/sharded"),
+        (
+            "bench/moe/dist-rows-h100-torch2.11-fake8.jsonl",
+            "bench/trace/sharded",
+        ),
     ];
     let repo = crate::common::repo();
     let (mut checked, mut unseen, mut trainers, mut sharded) = (0, 0, 0, 0);
@@ -595,6 +599,6 @@ fn saved_traces_match_their_measurements() {
     }
     assert_eq!(
         (checked, unseen, trainers, sharded),
-        (90 + SHARDED, 4, 43, SHARDED)
+        (93 + SHARDED, 4, 44, SHARDED)
     );
 }

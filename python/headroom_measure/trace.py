@@ -337,9 +337,9 @@ class IndexBounds:
             return
         if not func._schema.is_mutable:
             return
-        values = [*args, *(kwargs or {}).values()]
-        for arg, value in zip(func._schema.arguments, values):
+        for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
                 self.bound.pop(rec._id_of(value), None)
 
     def bincount(self, rec: Recorder, args, kwargs):

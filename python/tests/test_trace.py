@@ -258,6 +258,10 @@ class CudaKernelsTest(unittest.TestCase):
             chosen.add_(1)  # written: the bound no longer holds
             with self.assertRaises(DynamicOutputShapeException):
                 torch.bincount(chosen.reshape(-1), minlength=128)
+            _, again = torch.topk(probs, 8, dim=-1)
+            torch.add(again, 1, out=again)  # written through `out=`
+            with self.assertRaises(DynamicOutputShapeException):
+                torch.bincount(again.reshape(-1), minlength=128)
 
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")

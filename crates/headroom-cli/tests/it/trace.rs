@@ -523,10 +523,10 @@ fn estimate_with_trace_runs_the_tracer() {
 #[test]
 fn saved_traces_match_their_measurements() {
     const ADDRESS_PLACEMENT: &str = "gpt_neox/pythia-1.4b/bf16/forward/bs8/s2048/eager";
-    const SHARDED: usize = 54;
+    const SHARDED: usize = 56;
     const DDP: usize = 4;
     const FSDP1: usize = 12;
-    const CORPORA: [(&str, &str); 13] = [
+    const CORPORA: [(&str, &str); 14] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -575,6 +575,10 @@ fn saved_traces_match_their_measurements() {
         (
             "bench/fsdp1/rows-h100-torch2.11.jsonl",
             "bench/trace/fsdp1",
+        ),
+        (
+            "bench/moe/dist-rows-h100-torch2.11-fake8.jsonl",
+            "bench/trace/sharded",
         ),
     ];
     let repo = crate::common::repo();
@@ -626,7 +630,7 @@ fn saved_traces_match_their_measurements() {
     }
     assert_eq!(
         (checked, unseen, trainers, sharded, ddp, fsdp1),
-        (90 + SHARDED + DDP + FSDP1, 4, 43, SHARDED, DDP, FSDP1)
+        (93 + SHARDED + DDP + FSDP1, 4, 44, SHARDED, DDP, FSDP1)
     );
 }
 

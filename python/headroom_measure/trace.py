@@ -420,7 +420,7 @@ def write_trace(rec: Recorder, spec_json: dict, t0: float, out_path: str, engine
         s.pop("first_event", None)
     doc = {
         "format": "headroom-trace",
-        "version": 1,
+        "version": 1,  # as held here; the file is written compact, as version 2
         "spec": spec_json,
         "env": {**m._versions(), "device": "cpu (fake tensors, CUDA emulated)",
             "scalar_reads": rec.scalar_reads, "wall_s": round(time.time() - t0, 2)},
@@ -432,8 +432,68 @@ def write_trace(rec: Recorder, spec_json: dict, t0: float, out_path: str, engine
         doc["engines"] = engines
     opener = gzip.open if out_path.endswith(".gz") else open
     with opener(out_path, "wt") as f:
-        json.dump(doc, f, separators=(",", ":"))
+        json.dump(compact(doc), f, separators=(",", ":"))
     return doc
+
+
+def compact(doc: dict) -> dict:
+    """Version 2 of a version 1 trace `doc` (docs/trace-format.md): storages as columns whose
+    kinds, ops and modules index a table of names, and each allocation of the next storage
+    written `0`, each free of storage `i` written `next - i`, `next` the allocations before it."""
+    if doc["version"] == 2:
+        return doc
+    names = {"kind": {}, "op": {}, "module": {}}
+    columns = {"bytes": [], "kind": [], "op": [], "module": []}
+    streams = []
+    for s in doc["storages"]:
+        columns["bytes"].append(s["bytes"])
+        for key, table in names.items():
+            columns[key].append(table.setdefault(s[key], len(table)))
+        streams.append(s.get("stream", 0))
+    if any(streams):
+        columns["stream"] = streams
+    columns["names"] = {key: list(table) for key, table in names.items()}
+    events, allocated = [], 0
+    for e in doc["events"]:
+        if e[0] == "alloc" and e[1] == allocated:
+            events.append(0)
+        elif e[0] == "free" and e[1] < allocated:
+            events.append(allocated - e[1])
+        else:
+            events.append(e)
+        allocated += e[0] == "alloc"
+    return {**doc, "version": 2, "storages": columns, "events": events}
+
+
+def expand(doc: dict) -> dict:
+    """Version 1 of a trace `doc` written by `compact` (or already version 1)."""
+    if doc["version"] == 1:
+        return doc
+    columns = doc["storages"]
+    names = columns["names"]
+    streams = columns.get("stream")
+    storages = []
+    for i, size in enumerate(columns["bytes"]):
+        s = {"bytes": size, **{key: names[key][columns[key][i]] for key in ("kind", "op", "module")}}
+        if streams is not None and streams[i]:
+            s["stream"] = streams[i]
+        storages.append(s)
+    events, allocated = [], 0
+    for e in doc["events"]:
+        if e == 0:
+            e = ["alloc", allocated]
+        elif isinstance(e, int):
+            e = ["free", allocated - e]
+        events.append(e)
+        allocated += e[0] == "alloc"
+    return {**doc, "version": 1, "storages": storages, "events": events}
+
+
+def read_trace(path: str) -> dict:
+    """A trace file as version 1 holds it, whichever version it was written in."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return expand(json.load(f))
 
 
 def _run_loop(rec: Recorder, spec: Spec, fields: dict, progress):

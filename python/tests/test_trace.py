@@ -78,7 +78,7 @@ class TrainerTraceTest(unittest.TestCase):
     """transformers' `Trainer` itself, traced: its own steps, marked by its callbacks."""
 
     def test_the_trainers_steps_are_the_phases(self):
-        import gzip
+        from headroom_measure.trace import read_trace
 
         spec = {**TINY, "trainer": "hf", "max_steps": 2}
         spec.pop("optimizer")
@@ -87,8 +87,7 @@ class TrainerTraceTest(unittest.TestCase):
             self.assertEqual(out.returncode, 0, out.stderr)
             self.assertIn("tracing step 2 of 2", out.stderr)
             self.assertEqual(out.stdout, "", "the trainer's own printing stays out of stdout")
-            with gzip.open(f"{tmp}/t.json.gz", "rt") as f:
-                trace = json.load(f)
+            trace = read_trace(f"{tmp}/t.json.gz")
         names = [p["name"] for p in trace["phases"]]
         self.assertEqual(names[0], "load")
         for step in (1, 2):
@@ -110,10 +109,9 @@ class TraceTest(unittest.TestCase):
         cls.tmp = tempfile.TemporaryDirectory()
         out = run("trace", "--spec-json", json.dumps(TINY), "--out", f"{cls.tmp.name}/t.json.gz")
         assert out.returncode == 0, out.stderr
-        import gzip
+        from headroom_measure.trace import read_trace
 
-        with gzip.open(f"{cls.tmp.name}/t.json.gz", "rt") as f:
-            cls.trace = json.load(f)
+        cls.trace = read_trace(f"{cls.tmp.name}/t.json.gz")
 
     @classmethod
     def tearDownClass(cls):
@@ -163,13 +161,12 @@ class CudaDecisionsTest(unittest.TestCase):
     """Decisions CUDA makes differently from the CPU, which the tracer must take CUDA's way."""
 
     def trace_of(self, spec):
-        import gzip
+        from headroom_measure.trace import read_trace
 
         with tempfile.TemporaryDirectory() as tmp:
             out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json.gz")
             self.assertEqual(out.returncode, 0, out.stderr)
-            with gzip.open(f"{tmp}/t.json.gz", "rt") as f:
-                return json.load(f)
+            return read_trace(f"{tmp}/t.json.gz")
 
     def test_lora_dropout_keeps_a_bool_mask(self):
         spec = {**TINY, "lora": {"r": 8, "alpha": 16, "targets": ["q_proj"], "dropout": 0.1}}
@@ -304,3 +301,31 @@ class OtherLibrariesAutocastTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TraceFileTest(unittest.TestCase):
+    """Version 2 of the file (`compact`) holds exactly what version 1 does (`expand`)."""
+
+    DOC = {
+        "format": "headroom-trace", "version": 1, "spec": {}, "env": {},
+        "phases": [{"name": "load", "event": 0}],
+        "storages": [
+            {"bytes": 4096, "kind": "parameter", "op": "aten.empty", "module": "lm_head"},
+            {"bytes": 512, "kind": "temporary", "op": "aten.mm", "module": "", "stream": 2},
+            {"bytes": 512, "kind": "temporary", "op": "aten.mm", "module": ""},
+        ],
+        "events": [["alloc", 0], ["alloc", 2], ["gemm", False, 1], ["alloc", 1], ["free", 1], ["free", 0],
+                   ["empty_cache"]],
+    }  # fmt: skip
+
+    def test_compact_then_expand_gives_the_trace_back(self):
+        from headroom_measure.trace import compact, expand
+
+        small = compact(self.DOC)
+        self.assertEqual(small["version"], 2)
+        self.assertEqual(small["storages"]["names"]["op"], ["aten.empty", "aten.mm"])
+        self.assertEqual(small["storages"]["stream"], [0, 2, 0])
+        # storage 2 allocated out of order stays a list; the frees count back from the allocations
+        self.assertEqual(small["events"], [0, ["alloc", 2], ["gemm", False, 1], ["alloc", 1], 2, 3, ["empty_cache"]])
+        self.assertEqual(expand(small), self.DOC)
+        self.assertIs(compact(small), small)

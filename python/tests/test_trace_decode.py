@@ -1,7 +1,6 @@
 """Generation's decode layers replayed from the step's first layer (trace_decode.py): the trace is
 the one running every layer writes, and a layer built differently runs for real."""
 
-import json
 import tempfile
 import unittest
 from unittest import mock
@@ -28,14 +27,13 @@ class DecodeReplayTest(unittest.TestCase):
     def trace(self):
         from headroom_measure import spec as specmod
         from headroom_measure import trainers
-        from headroom_measure.trace import trace
+        from headroom_measure.trace import read_trace, trace
 
         ts = trainers.parse(SPEC)
         with tempfile.TemporaryDirectory() as tmp:
             # the file, not the returned document, whose lists later frees still append to
             trace(ts, specmod.resolve_model_config(ts.base, None), f"{tmp}/t.json")
-            with open(f"{tmp}/t.json") as f:
-                return json.load(f)
+            return read_trace(f"{tmp}/t.json")
 
     def test_replayed_layers_write_the_trace_every_layer_run_writes(self):
         from headroom_measure.trace_decode import DecodeLayerReplay

@@ -3,7 +3,6 @@ Each storage is attributed to the stream FSDP2 allocates it on, the unsharded pa
 freed and allocated again as FSDP2 resizes their storages, and what cannot be traced is refused
 by name."""
 
-import gzip
 import json
 import tempfile
 import unittest
@@ -23,12 +22,13 @@ FSDP_MP = {
 
 
 def traced(spec):
+    from headroom_measure.trace import read_trace
+
     with tempfile.TemporaryDirectory() as tmp:
         out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json.gz")
         if out.returncode:
             raise AssertionError(out.stderr)
-        with gzip.open(f"{tmp}/t.json.gz", "rt") as f:
-            return json.load(f)
+        return read_trace(f"{tmp}/t.json.gz")
 
 
 def tiny_parameter_numels():

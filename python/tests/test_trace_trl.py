@@ -194,17 +194,17 @@ class TrlTraceTest(unittest.TestCase):
     """The SFT and DPO trainers traced whole: the fused head gathers exactly the valid positions."""
 
     def trace(self, spec):
-        import gzip
         import json
         import tempfile
+
+        from headroom_measure.trace import read_trace
 
         from .test_trace import run
 
         with tempfile.TemporaryDirectory() as tmp:
             out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json.gz")
             self.assertEqual(out.returncode, 0, out.stderr)
-            with gzip.open(f"{tmp}/t.json.gz", "rt") as f:
-                return json.load(f)
+            return read_trace(f"{tmp}/t.json.gz")
 
     def gathered_hidden_bytes(self, doc):
         return {s["bytes"] for s in doc["storages"] if s["op"] == "aten.index.Tensor"}

@@ -630,7 +630,7 @@ fn saved_traces_match_their_measurements() {
     }
     assert_eq!(
         (checked, unseen, trainers, sharded, ddp, fsdp1),
-        (93 + SHARDED + DDP + FSDP1, 4, 44, SHARDED, DDP, FSDP1)
+        (100 + SHARDED + DDP + FSDP1, 4, 51, SHARDED, DDP, FSDP1)
     );
 }
 

@@ -22,8 +22,10 @@ use crate::error::{Error, Result};
 /// The `format` every trace file names.
 pub const FORMAT: &str = "headroom-trace";
 
-/// The `version` of the format this reader reads.
-pub const VERSION: u64 = 1;
+/// The newest `version` of the format, the one `headroom trace` writes: version 2 writes
+/// storages as columns and allocations and frees as bare integers; version 1 (one object per
+/// storage, every event a list) reads as well.
+pub const VERSION: u64 = 2;
 
 /// A trace file, checked: every storage an event names exists, is allocated once and freed at
 /// most once after that, and the phases cover every event in order.

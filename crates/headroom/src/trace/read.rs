@@ -14,8 +14,8 @@ use serde_json::Value;
 use smallvec::SmallVec;
 
 use super::{
-    AttentionBackward, AttentionKernel, Engine, Event, FORMAT, Phase, Storage, Thread, Trace,
-    VERSION,
+    AttentionBackward, AttentionKernel, Engine, Event, FORMAT, Phase, Storage, StorageKind, Thread,
+    Trace, VERSION,
 };
 use crate::error::{Error, Result, SHOWN_CHARS, shown};
 use crate::limits::{
@@ -111,8 +111,8 @@ struct RawTrace {
     spec: Option<Value>,
     env: Option<Value>,
     phases: Option<List<Phase>>,
-    storages: Option<List<Storage>>,
-    events: Option<List<Event>>,
+    storages: Option<Storages>,
+    events: Option<List<Written>>,
     engines: Option<Vec<Engine>>,
 }
 
@@ -148,13 +148,17 @@ fn check(raw: RawTrace) -> Result<Trace> {
         ));
     }
     let version = raw.version.unwrap_or(Value::Null);
-    if version.as_u64() != Some(VERSION) {
-        return Err(Error::field(
-            "version",
-            version,
-            format!("this headroom reads version {VERSION} of the trace format"),
-        ));
-    }
+    let compact = match version.as_u64() {
+        Some(1) => false,
+        Some(VERSION) => true,
+        _ => {
+            return Err(Error::field(
+                "version",
+                version,
+                format!("this headroom reads versions 1 to {VERSION} of the trace format"),
+            ));
+        }
+    };
     let env = match raw.env {
         None => serde_json::Map::new(),
         Some(Value::Object(env)) => env,
@@ -174,8 +178,18 @@ fn check(raw: RawTrace) -> Result<Trace> {
         )
     };
     let phases = raw.phases.ok_or_else(|| missing("phases"))?.0;
-    let storages = raw.storages.ok_or_else(|| missing("storages"))?.0;
-    let events = raw.events.ok_or_else(|| missing("events"))?.0;
+    let storages = match raw.storages.ok_or_else(|| missing("storages"))? {
+        Storages::Listed(list) => list.0,
+        Storages::Columns(_) if !compact => {
+            return Err(Error::field(
+                "storages",
+                "an object of columns",
+                "version 1 lists one object per storage; columns are version 2's",
+            ));
+        }
+        Storages::Columns(columns) => columns.storages()?,
+    };
+    let events = unwritten(raw.events.ok_or_else(|| missing("events"))?.0, compact)?;
     check_phases(&phases, events.len())?;
     for (i, storage) in storages.iter().enumerate() {
         if storage.bytes > MAX_TRACE_STORAGE_BYTES {
@@ -332,6 +346,229 @@ fn check_lifetimes(events: &[Event], storages: usize) -> Result<()> {
     Ok(())
 }
 
+/// `storages` as written: version 1's list of objects, or version 2's columns.
+enum Storages {
+    Listed(List<Storage>),
+    Columns(Columns),
+}
+
+impl<'de> Deserialize<'de> for Storages {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct StoragesVisitor;
+
+        impl<'de> Visitor<'de> for StoragesVisitor {
+            type Value = Storages;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a list of storages or an object of their columns")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Storages, A::Error> {
+                ListVisitor(PhantomData)
+                    .visit_seq(seq)
+                    .map(Storages::Listed)
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Storages, A::Error> {
+                Columns::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(Storages::Columns)
+            }
+        }
+
+        deserializer.deserialize_any(StoragesVisitor)
+    }
+}
+
+/// Version 2's storages: storage `i` is row `i` of every column, its kind, op and module
+/// indices into `names` (a trace names a few hundred ops and modules over a million storages).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Columns {
+    bytes: Column<u64>,
+    kind: Column<u32>,
+    op: Column<u32>,
+    module: Column<u32>,
+    stream: Option<Column<u32>>,
+    names: Names,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Names {
+    kind: Column<StorageKind>,
+    op: Column<String>,
+    module: Column<String>,
+}
+
+impl Columns {
+    /// The storages, row by row: every column as long as `bytes`, every index naming a name.
+    fn storages(self) -> Result<Vec<Storage>> {
+        let rows = self.bytes.0.len();
+        let streams = self.stream.map(|c| c.0);
+        for (column, len) in [
+            ("kind", self.kind.0.len()),
+            ("op", self.op.0.len()),
+            ("module", self.module.0.len()),
+            ("stream", streams.as_ref().map_or(rows, Vec::len)),
+        ] {
+            if len != rows {
+                return Err(Error::field(
+                    format!("storages.{column}"),
+                    format!("{len} entries"),
+                    format!("every column has one entry per storage, as `bytes` has ({rows})"),
+                ));
+            }
+        }
+        let name = |column: &str, names: usize, indices: &[u32], i: usize| {
+            let index = indices[i];
+            if (index as usize) < names {
+                Ok(index as usize)
+            } else {
+                Err(Error::field(
+                    format!("storages.{column}[{i}]"),
+                    index,
+                    format!("use an index into storages.names.{column} ({names} names)"),
+                ))
+            }
+        };
+        let names = &self.names;
+        (0..rows)
+            .map(|i| {
+                Ok(Storage {
+                    bytes: self.bytes.0[i],
+                    kind: names.kind.0[name("kind", names.kind.0.len(), &self.kind.0, i)?],
+                    op: names.op.0[name("op", names.op.0.len(), &self.op.0, i)?].clone(),
+                    module: names.module.0
+                        [name("module", names.module.0.len(), &self.module.0, i)?]
+                    .clone(),
+                    stream: streams.as_ref().map_or(0, |s| s[i]),
+                })
+            })
+            .collect()
+    }
+}
+
+/// A column of version 2's storages: at most [`MAX_TRACE_STORAGES`] entries.
+struct Column<T>(Vec<T>);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Column<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ColumnVisitor<T>(PhantomData<T>);
+
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for ColumnVisitor<T> {
+            type Value = Column<T>;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a list, one entry per storage")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Column<T>, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element()? {
+                    if items.len() == MAX_TRACE_STORAGES {
+                        return Err(de::Error::custom(format!(
+                            "a column of `storages` has at most {MAX_TRACE_STORAGES} entries \
+                             (headroom::limits::MAX_TRACE_STORAGES)"
+                        )));
+                    }
+                    items.push(item);
+                }
+                Ok(Column(items))
+            }
+        }
+
+        deserializer.deserialize_seq(ColumnVisitor(PhantomData))
+    }
+}
+
+/// An event as written: a list (`["gemm", false]`), or in version 2 an allocation or a free
+/// as a bare integer.
+enum Written {
+    Event(Event),
+    /// `0`: the allocation of storage `next`, `next` the number of allocations before it.
+    AllocNext,
+    /// `d` > 0: the free of storage `next - d`.
+    FreeBack(u64),
+}
+
+impl<'de> Deserialize<'de> for Written {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct WrittenVisitor;
+
+        impl<'de> Visitor<'de> for WrittenVisitor {
+            type Value = Written;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an event: [name, arguments...], or an integer (version 2)")
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Written, E> {
+                Ok(if v == 0 {
+                    Written::AllocNext
+                } else {
+                    Written::FreeBack(v)
+                })
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Written, A::Error> {
+                EventVisitor.visit_seq(seq).map(Written::Event)
+            }
+        }
+
+        deserializer.deserialize_any(WrittenVisitor)
+    }
+}
+
+impl Listed for Written {
+    const FIELD: &'static str = "events";
+    const MAX: usize = MAX_TRACE_EVENTS;
+    const LIMIT: &'static str = "MAX_TRACE_EVENTS";
+}
+
+/// The events the integers of version 2 stand for, in order.
+fn unwritten(written: Vec<Written>, compact: bool) -> Result<Vec<Event>> {
+    let mut allocated: u64 = 0;
+    let mut events = Vec::with_capacity(written.len());
+    for (i, w) in written.into_iter().enumerate() {
+        let event = match w {
+            Written::Event(event) => event,
+            Written::AllocNext | Written::FreeBack(_) if !compact => {
+                return Err(Error::field(
+                    format!("events[{i}]"),
+                    "an integer",
+                    "version 1 writes every event as [name, arguments...]; integers are version 2's",
+                ));
+            }
+            Written::AllocNext => Event::Alloc(storage_id(allocated, i)?),
+            Written::FreeBack(back) if back <= allocated => {
+                Event::Free(storage_id(allocated - back, i)?)
+            }
+            Written::FreeBack(back) => {
+                return Err(Error::field(
+                    format!("events[{i}]"),
+                    back,
+                    format!(
+                        "a free written as d frees storage {allocated} - d, {allocated} being the \
+                         allocations before it: use 1 to {allocated}"
+                    ),
+                ));
+            }
+        };
+        if matches!(event, Event::Alloc(_)) {
+            allocated += 1;
+        }
+        events.push(event);
+    }
+    Ok(events)
+}
+
+fn storage_id(id: u64, i: usize) -> Result<u32> {
+    if id < MAX_TRACE_STORAGES as u64 {
+        Ok(id as u32)
+    } else {
+        Err(Error::field(
+            format!("events[{i}]"),
+            id,
+            format!("a trace has at most {MAX_TRACE_STORAGES} storages"),
+        ))
+    }
+}
+
 /// A top-level list of the file: at most `MAX` entries, and an entry's errors name it
 /// (`events[12]`).
 struct List<T>(Vec<T>);
@@ -355,49 +592,44 @@ impl Listed for Storage {
     const LIMIT: &'static str = "MAX_TRACE_STORAGES";
 }
 
-impl Listed for Event {
-    const FIELD: &'static str = "events";
-    const MAX: usize = MAX_TRACE_EVENTS;
-    const LIMIT: &'static str = "MAX_TRACE_EVENTS";
-}
-
 impl<'de, T: Listed> Deserialize<'de> for List<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct ListVisitor<T>(PhantomData<T>);
+        deserializer.deserialize_seq(ListVisitor(PhantomData))
+    }
+}
 
-        impl<'de, T: Listed> Visitor<'de> for ListVisitor<T> {
-            type Value = List<T>;
+/// Reads a top-level list up to its `MAX` entries.
+struct ListVisitor<T>(PhantomData<T>);
 
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                write!(f, "a list of {}", T::FIELD)
-            }
+impl<'de, T: Listed> Visitor<'de> for ListVisitor<T> {
+    type Value = List<T>;
 
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<List<T>, A::Error> {
-                let mut items = Vec::new();
-                loop {
-                    if items.len() == T::MAX {
-                        if seq.next_element::<IgnoredAny>()?.is_some() {
-                            return Err(de::Error::custom(format!(
-                                "`{}`: more than {} entries is not allowed; a trace has at most \
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "a list of {}", T::FIELD)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<List<T>, A::Error> {
+        let mut items = Vec::new();
+        loop {
+            if items.len() == T::MAX {
+                if seq.next_element::<IgnoredAny>()?.is_some() {
+                    return Err(de::Error::custom(format!(
+                        "`{}`: more than {} entries is not allowed; a trace has at most \
                                  {} (headroom::limits::{})",
-                                T::FIELD,
-                                T::MAX,
-                                T::MAX,
-                                T::LIMIT
-                            )));
-                        }
-                        return Ok(List(items));
-                    }
-                    let index = items.len();
-                    match seq.next_element_seed(Entry::<T>(index, PhantomData))? {
-                        Some(item) => items.push(item),
-                        None => return Ok(List(items)),
-                    }
+                        T::FIELD,
+                        T::MAX,
+                        T::MAX,
+                        T::LIMIT
+                    )));
                 }
+                return Ok(List(items));
+            }
+            let index = items.len();
+            match seq.next_element_seed(Entry::<T>(index, PhantomData))? {
+                Some(item) => items.push(item),
+                None => return Ok(List(items)),
             }
         }
-
-        deserializer.deserialize_seq(ListVisitor(PhantomData))
     }
 }
 
@@ -513,63 +745,57 @@ fn refuse<E: de::Error>(what: &str, value: impl fmt::Display, allowed: impl fmt:
     E::custom(format!("{what}{value} is not allowed; {allowed}"))
 }
 
-impl<'de> Deserialize<'de> for Event {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct EventVisitor;
+/// Reads an event written as a list: its name, then its arguments, each checked.
+struct EventVisitor;
 
-        impl<'de> Visitor<'de> for EventVisitor {
-            type Value = Event;
+impl<'de> Visitor<'de> for EventVisitor {
+    type Value = Event;
 
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("an event: [name, arguments...]")
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an event: [name, arguments...]")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Event, A::Error> {
+        let names = || {
+            let names: Vec<&str> = EVENTS.iter().map(|(name, ..)| *name).collect();
+            format!(
+                "an event is [name, arguments...], named {}",
+                names.join(", ")
+            )
+        };
+        let name = match seq.next_element::<Scalar>()? {
+            Some(Scalar::Text(name)) => name,
+            Some(other) => return Err(refuse("the name ", other, names())),
+            None => return Err(refuse("", "[]", names())),
+        };
+        let Some(&(name, fewest, most, usage)) = EVENTS.iter().find(|(n, ..)| *n == name) else {
+            return Err(refuse("", Scalar::Text(name), names()));
+        };
+        let mut args = SmallVec::<[Scalar; 7]>::new();
+        let mut given = 0;
+        while given < most {
+            match seq.next_element::<Scalar>()? {
+                Some(arg) => args.push(arg),
+                None => break,
             }
-
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Event, A::Error> {
-                let names = || {
-                    let names: Vec<&str> = EVENTS.iter().map(|(name, ..)| *name).collect();
-                    format!(
-                        "an event is [name, arguments...], named {}",
-                        names.join(", ")
-                    )
-                };
-                let name = match seq.next_element::<Scalar>()? {
-                    Some(Scalar::Text(name)) => name,
-                    Some(other) => return Err(refuse("the name ", other, names())),
-                    None => return Err(refuse("", "[]", names())),
-                };
-                let Some(&(name, fewest, most, usage)) = EVENTS.iter().find(|(n, ..)| *n == name)
-                else {
-                    return Err(refuse("", Scalar::Text(name), names()));
-                };
-                let mut args = SmallVec::<[Scalar; 7]>::new();
-                let mut given = 0;
-                while given < most {
-                    match seq.next_element::<Scalar>()? {
-                        Some(arg) => args.push(arg),
-                        None => break,
-                    }
-                    given += 1;
-                }
-                while seq.next_element::<IgnoredAny>()?.is_some() {
-                    given += 1;
-                }
-                if !(fewest..=most).contains(&given) {
-                    let takes = if fewest == most {
-                        fewest.to_string()
-                    } else {
-                        format!("{fewest} or {most}")
-                    };
-                    return Err(refuse(
-                        &format!("`{name}` with "),
-                        format!("{given} arguments"),
-                        format!("it takes {takes}: {usage}"),
-                    ));
-                }
-                event(name, &args)
-            }
+            given += 1;
         }
-
-        deserializer.deserialize_seq(EventVisitor)
+        while seq.next_element::<IgnoredAny>()?.is_some() {
+            given += 1;
+        }
+        if !(fewest..=most).contains(&given) {
+            let takes = if fewest == most {
+                fewest.to_string()
+            } else {
+                format!("{fewest} or {most}")
+            };
+            return Err(refuse(
+                &format!("`{name}` with "),
+                format!("{given} arguments"),
+                format!("it takes {takes}: {usage}"),
+            ));
+        }
+        event(name, &args)
     }
 }
 
@@ -791,8 +1017,8 @@ mod tests {
                 "`t.json: format`: \"x\" is not allowed",
             ),
             (
-                with("version", json!(2)),
-                "`t.json: version`: 2 is not allowed",
+                with("version", json!(3)),
+                "`t.json: version`: 3 is not allowed",
             ),
             (
                 with("storages", Value::Null),
@@ -804,6 +1030,79 @@ mod tests {
             let err = error(&bytes);
             assert!(err.starts_with(message), "{err}");
         }
+    }
+
+    /// `with`'s trace as version 2 writes it, with `key` of its storage columns replaced.
+    fn compact(key: &str, value: Value) -> Vec<u8> {
+        let mut columns = json!({
+            "bytes": [4096, 512], "kind": [0, 1], "op": [0, 1], "module": [0, 1],
+            "names": {"kind": ["parameter", "activation"], "op": ["aten.empty", "aten.mm"],
+                      "module": ["lm_head", ""]},
+        });
+        if !key.is_empty() {
+            columns[key] = value;
+        }
+        let mut doc: Value = serde_json::from_slice(&with("version", json!(2))).expect("json");
+        doc["storages"] = columns;
+        doc["events"] = json!([0, ["gemm", true], 0, ["reduce", 8, 64], 1]);
+        doc.to_string().into_bytes()
+    }
+
+    #[test]
+    fn version_2_columns_and_integers_read_as_version_1_lists() {
+        let listed = from_bytes(&with("version", json!(1)), Path::new("t.json")).expect("v1");
+        let compacted = from_bytes(&compact("", Value::Null), Path::new("t.json")).expect("v2");
+        assert_eq!(listed, compacted);
+        let mut streams = compact("stream", json!([0, 2]));
+        let trace = from_bytes(&streams, Path::new("t.json")).expect("streams");
+        assert_eq!(trace.storages[1].stream, 2);
+        streams = compact("stream", json!([0]));
+        assert!(
+            error(&streams).contains("storages.stream"),
+            "{}",
+            error(&streams)
+        );
+    }
+
+    #[test]
+    fn version_2_refuses_what_its_columns_and_integers_cannot_mean() {
+        let cases = [
+            (
+                compact("op", json!([0])),
+                "`t.json: storages.op`: 1 entries",
+            ),
+            (
+                compact("module", json!([0, 2])),
+                "`t.json: storages.module[1]`: 2",
+            ),
+            (
+                compact("kind", json!([0, 7])),
+                "`t.json: storages.kind[1]`: 7",
+            ),
+            (
+                compact("names", json!({"kind": ["parameter"]})),
+                "missing field `op`",
+            ),
+            (compact("extra", json!([])), "unknown field `extra`"),
+        ];
+        for (bytes, message) in cases {
+            let err = error(&bytes);
+            assert!(err.contains(message), "{message}: {err}");
+        }
+        let mut doc: Value = serde_json::from_slice(&compact("", Value::Null)).expect("json");
+        doc["events"] = json!([0, 2]);
+        let err = error(doc.to_string().as_bytes());
+        assert!(
+            err.contains("`t.json: events[1]`: 2 is not allowed; a free written as d"),
+            "{err}"
+        );
+        let mut v1: Value = serde_json::from_slice(&with("version", json!(1))).expect("json");
+        v1["events"] = json!([0]);
+        let err = error(v1.to_string().as_bytes());
+        assert!(err.contains("integers are version 2's"), "{err}");
+        v1["storages"] = doc["storages"].clone();
+        let err = error(v1.to_string().as_bytes());
+        assert!(err.contains("columns are version 2's"), "{err}");
     }
 
     #[test]

@@ -551,8 +551,8 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
     if out.world_size % pp:
         raise SpecError(f"`parallel.pp`: {pp} must divide world_size ({out.world_size})")
     megatron = raw.get("framework") == "megatron"
-    if megatron and raw.get("schedule", "1f1b") != "1f1b":
-        raise SpecError("`parallel.schedule`: framework megatron is measured with its 1f1b schedule only")
+    if megatron and raw.get("schedule", "1f1b") not in ("1f1b", "interleaved-1f1b"):
+        raise SpecError("`parallel.schedule`: framework megatron is measured with its 1f1b and interleaved-1f1b schedules")
     if not megatron and out.strategy not in ("none", "fsdp"):
         raise SpecError(
             f"`parallel.pp`: {pp} is measured with strategy none (world_size = pp) or fsdp (FSDP2 over "

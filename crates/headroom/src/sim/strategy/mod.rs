@@ -26,6 +26,7 @@ pub(crate) mod fsdp;
 pub(crate) mod fsdp1;
 pub(crate) mod fsdp_offload;
 pub(crate) mod megatron;
+pub(crate) mod megatron_interleaved;
 pub(crate) mod megatron_pp;
 pub(crate) mod pp;
 pub(crate) mod tp;

@@ -112,6 +112,7 @@ fn pipeline_parallel_rows_within_the_gates() {
         "bench/megatron-pp/rows-h100-torch2.11.jsonl",
         "bench/megatron-pp-moe/rows-h100-torch2.11.jsonl",
         "bench/megatron-pp-vpp/rows-h100-torch2.11.jsonl",
+        "bench/megatron-pp-vpp/rows-moe-h100-torch2.11.jsonl",
         "bench/pp/rows-fsdp-h100-torch2.11.jsonl",
         "bench/pp/rows-fsdp-call2-h100-torch2.11.jsonl",
     ] {

@@ -10,7 +10,12 @@ Each stage is built as megatron.py builds the whole model (`GPTModel(pre_process
 (`core_transformer_config_from_args`, `setup_model_and_optimizer`): `deallocate_pipeline_outputs=True`,
 `pipeline_dtype=bf16`, `batch_p2p_comm=True` (no p2p overlap), `config.no_sync_func = ddp_model.no_sync`,
 `config.finalize_model_grads_func = finalize_model_grads`.
-A step is `ddp_model.zero_grad_buffer()`, `optimizer.zero_grad()`, then Megatron's
+With `vpp > 1` (schedule interleaved-1f1b) the rank builds one chunk per virtual stage as Megatron-LM's `get_model`
+does (`megatron.build_chunks`: the embedding on the first rank's chunk 0, the loss on the last rank's last chunk,
+each chunk its own DDP, one optimizer over all), with `overlap_p2p_comm=False` (`--no-overlap-p2p-communication`),
+`no_sync_func` one per chunk, and runs `forward_backward_pipelining_with_interleaving` instead; `env.order` names
+each forward's chunk (`@c`).
+A step is `zero_grad_buffer()` of every chunk, `optimizer.zero_grad()`, then Megatron's
 `forward_backward_pipelining_without_interleaving` over `microbatches` micro-batches of `batch_size /
 microbatches` sequences (the step phase: every forward, backward and receive, and `finalize_model_grads`),
 then `optimizer.step()` (the opt phase). The fake group's sends and receives move nothing, so a receive is the

@@ -5,7 +5,11 @@
 //! DDP gradient buffer and optimizer over `world_size / (tp × pp)` data-parallel ranks
 //! (`strategy::megatron`), makes one micro-batch's inputs, then takes three steps of
 //! `forward_backward_pipelining_without_interleaving` (`strategy::megatron_pp`'s steps) and
-//! `optimizer.step()`.
+//! `optimizer.step()`. With `vpp > 1` the rank builds one chunk per virtual stage (chunk `c`
+//! holds virtual stage `c · pp + r`'s layers, the embedding on the first rank's chunk 0, the loss
+//! on the last rank's last chunk), each with its own DDP buffer and one optimizer over all, and
+//! runs `forward_backward_pipelining_with_interleaving` (`strategy::megatron_interleaved`'s
+//! steps) with `input_tensors`, `output_tensors` and `output_tensor_grads` per chunk.
 //!
 //! What the schedule holds, after `schedules.py` and `p2p_communication.py` (Megatron-LM's
 //! `deallocate_pipeline_outputs=True`, `batch_p2p_comm=True`):

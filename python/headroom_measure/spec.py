@@ -576,6 +576,9 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
     if (schedule == "interleaved-1f1b") != (out.vpp > 1):
         raise SpecError(f"`parallel.vpp`: {out.vpp} is not allowed with schedule {schedule}; interleaved-1f1b takes 2 or more, the others 1")
     split = raw.get("layers_per_stage")
+    if megatron and out.vpp > 1 and split is not None:
+        raise SpecError("`parallel.layers_per_stage`: not measured with framework megatron and vpp > 1; leave it out "
+                        "(the layers split evenly over the pp x vpp model chunks)")
     if split is not None and (
         not isinstance(split, list)
         or len(split) != pp * out.vpp

@@ -122,17 +122,22 @@ fn megatron_pipelines_are_checked_by_name() {
             assert!(err.contains(w), "{parallel}: {err}");
         }
     };
+    let interleaved = |microbatches: u64| {
+        json!({"strategy": "ddp", "world_size": 4, "framework": "megatron", "pp": 2, "vpp": 2,
+            "schedule": "interleaved-1f1b", "microbatches": microbatches})
+    };
+    assert!(check(8, interleaved(4)).is_ok());
+    refused(6, interleaved(4), &["parallel.vpp", "pp × vpp = 4"]);
     refused(
         8,
-        json!({"strategy": "ddp", "world_size": 4, "framework": "megatron", "pp": 2, "vpp": 2,
-            "schedule": "interleaved-1f1b", "microbatches": 4}),
-        &["interleaved-1f1b", "1f1b"],
+        interleaved(3),
+        &["parallel.microbatches", "3", "groups of pp = 2"],
     );
     refused(
         8,
         json!({"strategy": "ddp", "world_size": 4, "framework": "megatron", "pp": 2,
             "schedule": "gpipe", "microbatches": 4}),
-        &["gpipe"],
+        &["gpipe", "interleaved-1f1b"],
     );
     refused(6, pipeline(4, 1, 4, 4), &["parallel.pp", "4", "divides"]);
     refused(

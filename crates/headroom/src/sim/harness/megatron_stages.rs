@@ -284,24 +284,13 @@ impl Run<'_> {
                 }
             }
         }
-        // The schedule returns: its locals go.
-        if let Some(r) = s.input.take() {
-            let_go(t, r);
-        }
         if let Some((output, stand_in)) = s.output.take() {
             t.drop(output);
             if let Some(stand_in) = stand_in {
                 t.drop(stand_in);
             }
         }
-        for held in [s.output_grad.take(), s.input_grad.take()]
-            .into_iter()
-            .flatten()
-        {
-            t.drop(held);
-        }
-        t.drop(total_tokens);
-        t.free_graph();
+        schedule_returns(t, (s.input, s.output_grad, s.input_grad, total_tokens));
     }
 }
 
@@ -468,19 +457,24 @@ impl Interleaved<'_> {
                 }
             }
         }
-        // The schedule returns: its locals go.
-        if let Some(r) = s.input.take() {
-            let_go(t, r);
-        }
-        for held in [s.output_grad.take(), s.input_grad.take()]
-            .into_iter()
-            .flatten()
-        {
-            t.drop(held);
-        }
-        t.drop(total_tokens);
-        t.free_graph();
+        schedule_returns(t, (s.input, s.output_grad, s.input_grad, total_tokens));
     }
+}
+
+/// The schedule returns: its locals (`input_tensor`, `output_tensor_grad`,
+/// `input_tensor_grad`, `total_num_tokens`) go, and the graphs with them.
+fn schedule_returns(
+    t: &mut Tracer,
+    (input, output_grad, input_grad, total_tokens): (Option<Received>, Option<T>, Option<T>, T),
+) {
+    if let Some(r) = input {
+        let_go(t, r);
+    }
+    for held in [output_grad, input_grad].into_iter().flatten() {
+        t.drop(held);
+    }
+    t.drop(total_tokens);
+    t.free_graph();
 }
 
 /// One holder of a received tensor lets it go; with the last, the tensor and the gradient

@@ -175,6 +175,7 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
         pipeline_dtype=torch.bfloat16,
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
         # An uneven split (`layers_per_stage`): the first and last stage's counts, the rest even.
         num_layers_in_first_pipeline_stage=par.layers_per_stage[0] if par.layers_per_stage else None,
         num_layers_in_last_pipeline_stage=par.layers_per_stage[-1] if par.layers_per_stage else None,
@@ -194,6 +195,14 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
 def build(spec: Spec, fields: dict, options: dict, pre_process: bool = True, post_process: bool = True):
     """The model (a pipeline stage: the embedding with `pre_process`, the output layer and loss with
     `post_process`), wrapped as Megatron-LM's `get_model` wraps it, and its optimizer."""
+    chunks, optimizer = build_chunks(spec, fields, options, [(None, pre_process, post_process)])
+    return chunks[0], optimizer
+
+
+def build_chunks(spec: Spec, fields: dict, options: dict, parts: list):
+    """The model chunks `parts` ((vp_stage, pre_process, post_process) each) as Megatron-LM's `get_model` builds a
+    virtual pipeline: every chunk's `GPTModel`, then each `model.cuda()`, each `Float16Module`, each its own
+    `DistributedDataParallel` (gradient buffer), then one optimizer over all chunks."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -206,26 +215,31 @@ def build(spec: Spec, fields: dict, options: dict, pre_process: bool = True, pos
         num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm",
         qk_layernorm=config.qk_layernorm,
     )
-    model = GPTModel(
-        config,
-        layer_spec,
-        vocab_size=fields["vocab_size"],
-        max_sequence_length=spec.seq_len,
-        position_embedding_type="rope",
-        rotary_base=int(fields.get("rope_theta", 10000)),
-        share_embeddings_and_output_weights=bool(fields.get("tie_word_embeddings", False)),
-        pre_process=pre_process,
-        post_process=post_process,
-    )
+    models = [
+        GPTModel(
+            config,
+            layer_spec,
+            vocab_size=fields["vocab_size"],
+            max_sequence_length=spec.seq_len,
+            position_embedding_type="rope",
+            rotary_base=int(fields.get("rope_theta", 10000)),
+            share_embeddings_and_output_weights=bool(fields.get("tie_word_embeddings", False)),
+            pre_process=pre_process,
+            post_process=post_process,
+            **({} if vp_stage is None else {"vp_stage": vp_stage}),
+        )
+        for vp_stage, pre_process, post_process in parts
+    ]
     # Megatron-LM's get_model: to the GPU (the torch norms are made on the host), then bf16.
-    model.cuda(torch.cuda.current_device())
-    model = Float16Module(config, model)
+    for model in models:
+        model.cuda(torch.cuda.current_device())
+    models = [Float16Module(config, model) for model in models]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=options["distributed_optimizer"],
     )
-    ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model) for model in models]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -236,10 +250,10 @@ def build(spec: Spec, fields: dict, options: dict, pre_process: bool = True, pos
             use_distributed_optimizer=options["distributed_optimizer"],
             clip_grad=1.0,
         ),
-        [ddp_model],
+        chunks,
         use_gloo_process_groups=False,
     )
-    return ddp_model, optimizer
+    return chunks, optimizer
 
 
 def balanced_routing(tokens: int, experts: int, topk: int):

@@ -10,7 +10,12 @@ Each stage is built as megatron.py builds the whole model (`GPTModel(pre_process
 (`core_transformer_config_from_args`, `setup_model_and_optimizer`): `deallocate_pipeline_outputs=True`,
 `pipeline_dtype=bf16`, `batch_p2p_comm=True` (no p2p overlap), `config.no_sync_func = ddp_model.no_sync`,
 `config.finalize_model_grads_func = finalize_model_grads`.
-A step is `ddp_model.zero_grad_buffer()`, `optimizer.zero_grad()`, then Megatron's
+With `vpp > 1` (schedule interleaved-1f1b) the rank builds one chunk per virtual stage as Megatron-LM's `get_model`
+does (`megatron.build_chunks`: the embedding on the first rank's chunk 0, the loss on the last rank's last chunk,
+each chunk its own DDP, one optimizer over all), with `overlap_p2p_comm=False` (`--no-overlap-p2p-communication`),
+`no_sync_func` one per chunk, and runs `forward_backward_pipelining_with_interleaving` instead; `env.order` names
+each forward's chunk (`@c`).
+A step is `zero_grad_buffer()` of every chunk, `optimizer.zero_grad()`, then Megatron's
 `forward_backward_pipelining_without_interleaving` over `microbatches` micro-batches of `batch_size /
 microbatches` sequences (the step phase: every forward, backward and receive, and `finalize_model_grads`),
 then `optimizer.step()` (the opt phase). The fake group's sends and receives move nothing, so a receive is the
@@ -37,7 +42,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     import torch
     import torch.distributed as dist
 
-    from .megatron import balanced_routing, build, megatron_options, spec_and_env, start_rank
+    from .megatron import balanced_routing, build_chunks, megatron_options, spec_and_env, start_rank
 
     t0 = time.time()
     options = megatron_options(spec)
@@ -54,17 +59,27 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
         expert_model_parallel_size=options["expert_model_parallel_size"],
         create_gloo_process_groups=False,
     )
     model_parallel_cuda_manual_seed(1234)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     first, last = pp_rank == 0, pp_rank == pp - 1
-    ddp_model, optimizer = build(spec, fields, options, pre_process=first, post_process=last)
-    ddp_model.train()
+    vpp = par.vpp
+    if vpp > 1:
+        # One chunk per virtual stage: the embedding on the first rank's first, the loss on the last rank's last.
+        parts = [(c, first and c == 0, last and c == vpp - 1) for c in range(vpp)]
+    else:
+        parts = [(None, first, last)]
+    chunks, optimizer = build_chunks(spec, fields, options, parts)
+    for chunk in chunks:
+        chunk.train()
+    ddp_model = chunks[0]
     config = ddp_model.config
     config.deallocate_pipeline_outputs = True
-    config.no_sync_func = ddp_model.no_sync
+    config.overlap_p2p_comm, config.batch_p2p_comm = False, True
+    config.no_sync_func = ddp_model.no_sync if vpp == 1 else [chunk.no_sync for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
     torch.cuda.synchronize()
     s = torch.cuda.memory_stats()
@@ -90,7 +105,8 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     order = []
 
     def forward_step(data_iterator, model):
-        order.append(f"F{pp_rank}.{sum(o[0] == 'F' for o in order)}")
+        chunk = next(i for i, c in enumerate(chunks) if c is model) if vpp > 1 else None
+        order.append(f"F{pp_rank}.{sum(o[0] == 'F' for o in order)}" + (f"@{chunk}" if vpp > 1 else ""))
         output = model(ids, position_ids, None, labels=ids)
         return output, loss_func
 
@@ -111,16 +127,19 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
 
     steps, orders = [], []
     peak_reserved = load["peak_reserved"]
+    schedule = (schedules.forward_backward_pipelining_with_interleaving if vpp > 1
+                else schedules.forward_backward_pipelining_without_interleaving)
     for step in range(STEPS):
-        ddp_model.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         rec = {"start_allocated": torch.cuda.memory_allocated()}
         torch.cuda.reset_peak_memory_stats()
         order.clear()
-        schedules.forward_backward_pipelining_without_interleaving(
+        schedule(
             forward_step_func=forward_step,
-            data_iterator=iter(range(n)),
-            model=[ddp_model],
+            data_iterator=[iter(range(n)) for _ in chunks] if vpp > 1 else iter(range(n)),
+            model=chunks,
             num_microbatches=n,
             seq_length=spec.seq_len,
             micro_batch_size=micro,
@@ -153,18 +172,19 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     }
     # This stage's parameters, a tensor-parallel weight at its global size.
     stage_params = sum(
-        p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1) for p in ddp_model.parameters()
+        p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1)
+        for chunk in chunks for p in chunk.parameters()
     )
     spec_json, env = spec_and_env(
         spec, options, fields, device, total, world, rank, t0,
-        schedule="forward_backward_pipelining_without_interleaving",
+        schedule=schedule.__name__,
         order=orders[-1],
         orders_agree=len(set(orders)) == 1,
     )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return {
-        "id": row_id or f"megatron/{spec.model}/w{world}-tp{par.tp}-pp{pp}/rank{rank}",
+        "id": row_id or f"megatron/{spec.model}/w{world}-tp{par.tp}-pp{pp}-vpp{vpp}/rank{rank}",
         "spec": spec_json,
         "measured": {
             "peak_allocated_bytes": record_rank["peak_allocated_bytes"],

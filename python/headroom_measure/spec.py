@@ -551,8 +551,8 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
     if out.world_size % pp:
         raise SpecError(f"`parallel.pp`: {pp} must divide world_size ({out.world_size})")
     megatron = raw.get("framework") == "megatron"
-    if megatron and raw.get("schedule", "1f1b") != "1f1b":
-        raise SpecError("`parallel.schedule`: framework megatron is measured with its 1f1b schedule only")
+    if megatron and raw.get("schedule", "1f1b") not in ("1f1b", "interleaved-1f1b"):
+        raise SpecError("`parallel.schedule`: framework megatron is measured with its 1f1b and interleaved-1f1b schedules")
     if not megatron and out.strategy not in ("none", "fsdp"):
         raise SpecError(
             f"`parallel.pp`: {pp} is measured with strategy none (world_size = pp) or fsdp (FSDP2 over "
@@ -576,6 +576,9 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
     if (schedule == "interleaved-1f1b") != (out.vpp > 1):
         raise SpecError(f"`parallel.vpp`: {out.vpp} is not allowed with schedule {schedule}; interleaved-1f1b takes 2 or more, the others 1")
     split = raw.get("layers_per_stage")
+    if megatron and out.vpp > 1 and split is not None:
+        raise SpecError("`parallel.layers_per_stage`: not measured with framework megatron and vpp > 1; leave it out "
+                        "(the layers split evenly over the pp x vpp model chunks)")
     if split is not None and (
         not isinstance(split, list)
         or len(split) != pp * out.vpp

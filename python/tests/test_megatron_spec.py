@@ -74,8 +74,19 @@ class MegatronSpecTest(unittest.TestCase):
         out = spec.parallel.to_json()
         self.assertEqual(specmod.parse(raw(parallel=out)).parallel.to_json(), out)
         with self.assertRaises(specmod.SpecError) as err:
-            specmod.parse(raw(parallel={**par, "schedule": "interleaved-1f1b", "vpp": 2}))
+            specmod.parse(raw(parallel={**par, "schedule": "gpipe"}))
         self.assertIn("parallel.schedule", str(err.exception))
+        with self.assertRaises(specmod.SpecError) as err:
+            specmod.parse(raw(parallel={**par, "schedule": "interleaved-1f1b", "vpp": 2}))
+        self.assertIn("parallel.layers_per_stage", str(err.exception))
+
+    def test_megatrons_interleaved_schedule_takes_vpp_chunks(self):
+        par = {"strategy": "ddp", "world_size": 8, "tp": 1, "framework": "megatron", "pp": 2, "vpp": 3,
+               "schedule": "interleaved-1f1b", "microbatches": 4}  # fmt: skip
+        spec = specmod.parse(raw(parallel=par))
+        self.assertEqual((spec.parallel.pp, spec.parallel.vpp, spec.parallel.schedule), (2, 3, "interleaved-1f1b"))
+        out = spec.parallel.to_json()
+        self.assertEqual(specmod.parse(raw(parallel=out)).parallel.to_json(), out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Prints `headroom estimate --json` of every line of specs.jsonl as the stage its rank holds (the stage's peaks
+"""Prints `headroom estimate --json` of every line of specs.jsonl (or of the file named by the second argument,
+relative to bench/megatron-pp) as the stage its rank holds (the stage's peaks
 from `stages`), one JSON line each: what bench/megatron-pp's predictions files hold."""
 import json
 import subprocess
@@ -7,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 headroom = sys.argv[1] if len(sys.argv) > 1 else "headroom"
-for line in (Path(__file__).resolve().parents[1] / "specs.jsonl").read_text().splitlines():
+for line in (Path(__file__).resolve().parents[1] / (sys.argv[2] if len(sys.argv) > 2 else "specs.jsonl")).read_text().splitlines():
     row = json.loads(line)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(row["spec"], f)

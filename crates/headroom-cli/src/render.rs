@@ -157,7 +157,10 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
         .filter(|p| p.pp > 1)
     {
         let layers = pipeline.stage_layers(est.arch.layers);
-        let ranks_per_stage = est.parallel.as_ref().map_or(1, |p| p.world_size / pipeline.pp);
+        let ranks_per_stage = est
+            .parallel
+            .as_ref()
+            .map_or(1, |p| p.world_size / pipeline.pp);
         let mut s = table();
         s.set_header(vec![
             "stage",

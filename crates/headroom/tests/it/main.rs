@@ -16,6 +16,7 @@ mod lint;
 mod megatron;
 mod megatron_moe;
 mod megatron_pp;
+mod megatron_pp_vpp;
 mod oom_messages;
 mod oom_pastes;
 mod params;

@@ -18,7 +18,7 @@ use crate::sim::model::megatron::{GptModel, StagePart};
 use crate::sim::model::megatron_moe::{Experts, harness_routing_map};
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::Strategy;
-use crate::sim::strategy::megatron::MegatronDdp;
+use crate::sim::strategy::megatron::{ChunkParams, MegatronDdp};
 use crate::spec::{Optimizer, RunSpec};
 
 /// What the backward engine calls into: the recomputation of checkpointed regions and the
@@ -57,7 +57,7 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
         pre_process: true,
         post_process: true,
     };
-    let model = load(&mut t, spec, arch, whole);
+    let model = load(&mut t, spec, arch, &[whole]).remove(0);
     let weights_loaded = t.mem.allocated();
     let mut phases = vec![t.mem.phase_peak()];
     let batch = Batch {
@@ -101,14 +101,16 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
     Simulation::of_process(t, (params, params), weights_loaded, 0, phases)
 }
 
-/// `torch.zeros(1)` after `init_process_group`, then the model (the stage `part` of it) with
-/// its DDP gradient buffer and optimizer over the `world_size / (tp × pp)` data-parallel ranks.
+/// `torch.zeros(1)` after `init_process_group`, then the model chunks (the stage `parts` of the
+/// model: one, or one per virtual pipeline stage), each its DDP gradient buffer, and the
+/// optimizer over all of them, over the `world_size / (tp × pp)` data-parallel ranks. The first
+/// chunk's strategy steps the optimizer.
 pub(super) fn load(
     t: &mut Tracer,
     spec: &RunSpec,
     arch: &Architecture,
-    part: StagePart,
-) -> GptModel {
+    parts: &[StagePart],
+) -> Vec<GptModel> {
     let parallel = spec
         .parallel
         .as_ref()
@@ -118,17 +120,34 @@ pub(super) fn load(
     let megatron = spec.megatron.unwrap_or_default();
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);
-    let model = GptModel::build_stage(t, arch, tp, megatron, part);
+    let mut chunks: Vec<GptModel> = parts
+        .iter()
+        .map(|&part| GptModel::build_stage(t, arch, tp, megatron, part))
+        .collect();
+    let shared = chunks[0].global_memory_buffer.clone();
+    for chunk in &mut chunks[1..] {
+        chunk.global_memory_buffer = shared.clone();
+    }
+    let params: Vec<ChunkParams> = chunks
+        .iter()
+        .map(|m| ChunkParams {
+            params: &m.params,
+            vectors: &m.vectors,
+            experts: &m.expert_params,
+        })
+        .collect();
     let ddp = MegatronDdp::wrap(
         t,
-        &model.params,
-        &model.vectors,
-        &model.expert_params,
+        &params,
         (dp, megatron.expert_parallel),
         megatron.distributed_optimizer,
     );
-    *model.strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));
-    model
+    *chunks[0].strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));
+    for chunk in &chunks[1..] {
+        *chunk.strategy.borrow_mut() =
+            Strategy::Megatron(Box::new(MegatronDdp::gradient_hooks_only()));
+    }
+    chunks
 }
 
 /// The harness's inputs of one (micro-)batch, made once: `input_ids`, `position_ids`,

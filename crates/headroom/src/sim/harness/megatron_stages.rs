@@ -5,7 +5,11 @@
 //! DDP gradient buffer and optimizer over `world_size / (tp × pp)` data-parallel ranks
 //! (`strategy::megatron`), makes one micro-batch's inputs, then takes three steps of
 //! `forward_backward_pipelining_without_interleaving` (`strategy::megatron_pp`'s steps) and
-//! `optimizer.step()`.
+//! `optimizer.step()`. With `vpp > 1` the rank builds one chunk per virtual stage (chunk `c`
+//! holds virtual stage `c · pp + r`'s layers, the embedding on the first rank's chunk 0, the loss
+//! on the last rank's last chunk), each with its own DDP buffer and one optimizer over all, and
+//! runs `forward_backward_pipelining_with_interleaving` (`strategy::megatron_interleaved`'s
+//! steps) with `input_tensors`, `output_tensors` and `output_tensor_grads` per chunk.
 //!
 //! What the schedule holds, after `schedules.py` and `p2p_communication.py` (Megatron-LM's
 //! `deallocate_pipeline_outputs=True`, `batch_p2p_comm=True`):
@@ -36,8 +40,10 @@ use crate::sim::engine::tracer::{ParamId, T, Tracer};
 use crate::sim::model::Batch;
 use crate::sim::model::megatron::{GptModel, StageInput, StagePart};
 use crate::sim::optim::OptimizerState;
+use crate::sim::strategy::megatron_interleaved::{self, Recv, interleaved};
 use crate::sim::strategy::megatron_pp::{Step, one_f_one_b};
 use crate::spec::{Optimizer, RunSpec};
+use std::collections::VecDeque;
 
 /// Simulate every pipeline rank of the Megatron run of `spec` (or `options.only_rank`'s) and
 /// report the one that needs most, with each stage's peak.
@@ -74,23 +80,27 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     let parallel = spec.parallel.as_ref().expect("a pipeline-parallel spec");
     let pipeline = &parallel.pipeline;
     let (pp, microbatches) = (pipeline.pp, pipeline.microbatches);
-    let part = StagePart {
-        layers: pipeline.stage_layers(arch.layers)[pp_rank as usize],
-        pre_process: pp_rank == 0,
-        post_process: pp_rank == pp - 1,
-    };
+    let vpp = pipeline.vpp;
+    // Rank r's chunk c is virtual stage c × pp + r (`get_transformer_layer_offset`).
+    let stage_layers = pipeline.stage_layers(arch.layers);
+    let parts: Vec<StagePart> = (0..vpp)
+        .map(|c| StagePart {
+            layers: stage_layers[(c * pp + pp_rank) as usize],
+            pre_process: pp_rank == 0 && c == 0,
+            post_process: pp_rank == pp - 1 && c == vpp - 1,
+        })
+        .collect();
     let batch = Batch {
         b: spec.batch_size / microbatches,
         s: spec.seq_len,
     };
-    let model = load(&mut t, spec, arch, part);
+    let chunks = load(&mut t, spec, arch, &parts);
     let weights_loaded = t.mem.allocated();
     let received = t.params.len();
     let mut phases = vec![t.mem.phase_peak()];
-    let [ids, positions, loss_mask] = inputs(&mut t, batch, model.experts);
-    let steps = one_f_one_b(pp, microbatches, pp_rank);
-    // `TransformerBlock.input_tensor`, across steps.
-    let mut block_input: Option<Received> = None;
+    let [ids, positions, loss_mask] = inputs(&mut t, batch, chunks[0].experts);
+    // Each chunk's `TransformerBlock.input_tensor`, across steps.
+    let mut block_inputs: Vec<Option<Received>> = vec![None; vpp as usize];
     // Megatron's optimizer wraps its own; this one is never stepped.
     let mut unused = OptimizerState::new(Optimizer::None);
     for step in 1..=STEPS {
@@ -98,23 +108,35 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
             break;
         }
         t.mem.begin_measured_phase("schedule", step);
-        let schedule = Run {
-            model: &model,
-            part,
-            batch,
-            received,
-        };
-        schedule.run(&mut t, &steps, (ids, loss_mask), &mut block_input);
+        if vpp == 1 {
+            let schedule = Run {
+                model: &chunks[0],
+                part: parts[0],
+                batch,
+                received,
+            };
+            let steps = one_f_one_b(pp, microbatches, pp_rank);
+            schedule.run(&mut t, &steps, (ids, loss_mask), &mut block_inputs[0]);
+        } else {
+            let schedule = Interleaved {
+                chunks: &chunks,
+                parts: &parts,
+                batch,
+                received,
+            };
+            let steps = interleaved(pp, vpp, microbatches, pp_rank);
+            schedule.run(&mut t, &steps, (ids, loss_mask), &mut block_inputs);
+        }
         phases.push(t.mem.phase_peak());
         if t.mem.stopped() {
             break;
         }
         t.mem.begin_measured_phase("optimizer", step);
-        model.strategy.borrow_mut().step(&mut t, &mut unused);
+        chunks[0].strategy.borrow_mut().step(&mut t, &mut unused);
         phases.push(t.mem.phase_peak());
     }
     t.drop_all(&[ids, positions, loss_mask]);
-    if let Some(r) = block_input {
+    for r in block_inputs.into_iter().flatten() {
         let_go(&mut t, r);
     }
     let params: u64 = arch.parameters(spec.head()).iter().map(Param::numel).sum();
@@ -262,25 +284,197 @@ impl Run<'_> {
                 }
             }
         }
-        // The schedule returns: its locals go.
-        if let Some(r) = s.input.take() {
-            let_go(t, r);
-        }
         if let Some((output, stand_in)) = s.output.take() {
             t.drop(output);
             if let Some(stand_in) = stand_in {
                 t.drop(stand_in);
             }
         }
-        for held in [s.output_grad.take(), s.input_grad.take()]
-            .into_iter()
-            .flatten()
-        {
-            t.drop(held);
-        }
-        t.drop(total_tokens);
-        t.free_graph();
+        schedule_returns(t, (s.input, s.output_grad, s.input_grad, total_tokens));
     }
+}
+
+/// What one `forward_backward_pipelining_with_interleaving` call runs on: the rank's chunks
+/// (each a stage part of the model), the micro-batch, and the first parameter id of the
+/// received tensors' leaves.
+struct Interleaved<'a> {
+    chunks: &'a [GptModel],
+    parts: &'a [StagePart],
+    batch: Batch,
+    received: ParamId,
+}
+
+/// The interleaved schedule's per-chunk lists and its locals. The local `output_tensor` is the
+/// newest output of the last forward's chunk (the lists' reference keeps it; it is
+/// deallocated before any backward pops it).
+#[derive(Default)]
+struct Chunked {
+    /// `input_tensors[c]`: the received inputs not yet backpropagated (none on chunk 0 of the
+    /// first rank, which reads the tokens).
+    inputs: Vec<VecDeque<Received>>,
+    /// `output_tensors[c]`: each output, with its one-element stand-in once deallocated.
+    outputs: Vec<VecDeque<(T, Option<T>)>>,
+    /// `output_tensor_grads[c]`.
+    grads: Vec<VecDeque<T>>,
+    /// Backwards run per chunk: the offset of `input_tensors[c]`'s first micro-batch.
+    popped: Vec<u64>,
+    last_forward: usize,
+    input: Option<Received>,
+    output_grad: Option<T>,
+    input_grad: Option<T>,
+}
+
+impl Interleaved<'_> {
+    /// One call: `steps` in order over the inputs `(ids, loss_mask)` of every micro-batch;
+    /// `block_inputs` are the chunks' `TransformerBlock.input_tensor`.
+    fn run(
+        &self,
+        t: &mut Tracer,
+        steps: &[megatron_interleaved::Step],
+        (ids, loss_mask): (T, T),
+        block_inputs: &mut [Option<Received>],
+    ) {
+        use megatron_interleaved::Step as S;
+        let n = self.chunks.len();
+        let activation = self.batch.n() * self.chunks[0].widths.hidden;
+        let total_tokens = t.empty_as(1, DType::I32, Component::Inputs, "total_num_tokens");
+        let mut s = Chunked {
+            inputs: vec![VecDeque::new(); n],
+            outputs: vec![VecDeque::new(); n],
+            grads: vec![VecDeque::new(); n],
+            popped: vec![0; n],
+            ..Chunked::default()
+        };
+        let receive = |t: &mut Tracer, recv: Recv, label: &'static str| match recv {
+            Recv::Into { .. } => {
+                let outer = std::mem::replace(&mut t.component, Component::Communication);
+                let tensor = t.empty(activation, DType::BF16, label);
+                t.component = outer;
+                Some(tensor)
+            }
+            _ => None,
+        };
+        for &step in steps {
+            if t.mem.stopped() {
+                break;
+            }
+            match step {
+                S::Communicate { input, grad } => {
+                    // Both receives are made, then the locals rebound, then the lists appended.
+                    let new_input = receive(t, input, "recv_prev (torch.empty)").map(|tensor| {
+                        let leaf = t.make_input_leaf(tensor);
+                        Received { tensor, leaf }
+                    });
+                    let new_grad = receive(t, grad, "recv_next (torch.empty)");
+                    if let Recv::Into { bind: true, .. } | Recv::Clear = input {
+                        let next = new_input.inspect(|r| {
+                            t.share(r.tensor);
+                        });
+                        if let Some(previous) = std::mem::replace(&mut s.input, next) {
+                            let_go(t, previous);
+                        }
+                    }
+                    if let Recv::Into { bind: true, .. } | Recv::Clear = grad {
+                        let next = new_grad.map(|g| t.share(g));
+                        if let Some(previous) = std::mem::replace(&mut s.output_grad, next) {
+                            t.drop(previous);
+                        }
+                    }
+                    if let (Recv::Into { chunk, .. }, Some(r)) = (input, new_input) {
+                        s.inputs[chunk as usize].push_back(r);
+                    }
+                    if let (Recv::Into { chunk, .. }, Some(g)) = (grad, new_grad) {
+                        s.grads[chunk as usize].push_back(g);
+                    }
+                }
+                S::Forward { chunk, microbatch } => {
+                    let c = chunk as usize;
+                    let part = self.parts[c];
+                    let input = (!part.pre_process)
+                        .then(|| s.inputs[c][(microbatch - s.popped[c]) as usize]);
+                    // `set_input_tensor(input_tensor)` on the chunk, then its forward.
+                    let held = input.inspect(|r| {
+                        t.share(r.tensor);
+                    });
+                    if let Some(previous) = std::mem::replace(&mut block_inputs[c], held) {
+                        let_go(t, previous);
+                    }
+                    let stage_input = match input {
+                        Some(r) => StageInput::Hidden(r.tensor),
+                        None => StageInput::Ids(ids),
+                    };
+                    let mut output = self.chunks[c].forward_stage(t, stage_input, self.batch);
+                    if part.post_process {
+                        output = loss_func(t, output, loss_mask);
+                    }
+                    s.outputs[c].push_back((output, None));
+                    s.last_forward = c;
+                }
+                S::Deallocate => {
+                    let entry = s.outputs[s.last_forward]
+                        .back_mut()
+                        .expect("the local output is in its chunk's list");
+                    // `out.data = torch.empty((1,))`: the storage goes unless something else
+                    // holds it; a second call swaps the stand-in.
+                    let stand_in =
+                        t.empty(1, t.dtype(entry.0), "deallocated output (torch.empty(1))");
+                    match entry.1.replace(stand_in) {
+                        Some(previous) => t.drop(previous),
+                        None => {
+                            if t.tensor_refs(entry.0) == 1 {
+                                t.free_storage(entry.0);
+                            }
+                        }
+                    }
+                }
+                S::Backward { chunk, .. } => {
+                    let c = chunk as usize;
+                    let input = (!self.parts[c].pre_process)
+                        .then(|| s.inputs[c].pop_front().expect("a received input"));
+                    let (output, stand_in) = s.outputs[c].pop_front().expect("a forward ran");
+                    let output_grad = s.grads[c].pop_front();
+                    s.popped[c] += 1;
+                    let mut hooks = Hooks {
+                        model: &self.chunks[c],
+                        batch: self.batch,
+                        received: self.received,
+                    };
+                    t.backward_graph(output, output_grad, &mut hooks);
+                    let grad = input
+                        .and_then(|r| t.params[r.leaf].grad)
+                        .map(|g| t.share(g));
+                    // The helper's locals go, then `input_tensor_grad` is rebound.
+                    if let Some(r) = input {
+                        let_go(t, r);
+                    }
+                    t.drop(output);
+                    for held in [stand_in, output_grad].into_iter().flatten() {
+                        t.drop(held);
+                    }
+                    if let Some(previous) = std::mem::replace(&mut s.input_grad, grad) {
+                        t.drop(previous);
+                    }
+                }
+            }
+        }
+        schedule_returns(t, (s.input, s.output_grad, s.input_grad, total_tokens));
+    }
+}
+
+/// The schedule returns: its locals (`input_tensor`, `output_tensor_grad`,
+/// `input_tensor_grad`, `total_num_tokens`) go, and the graphs with them.
+fn schedule_returns(
+    t: &mut Tracer,
+    (input, output_grad, input_grad, total_tokens): (Option<Received>, Option<T>, Option<T>, T),
+) {
+    if let Some(r) = input {
+        let_go(t, r);
+    }
+    for held in [output_grad, input_grad].into_iter().flatten() {
+        t.drop(held);
+    }
+    t.drop(total_tokens);
+    t.free_graph();
 }
 
 /// One holder of a received tensor lets it go; with the last, the tensor and the gradient

@@ -39,8 +39,10 @@
 //!   runs the whole region when its gradient arrives and keeps its output through the
 //!   region's backward.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
 use std::ops::Range;
+use std::rc::Rc;
 
 use super::Batch;
 use super::megatron_mlp::mlp;
@@ -92,14 +94,14 @@ enum Region {
     CoreAttention,
 }
 
-/// Tensors Megatron keeps for the life of the process: the "mpu" buffer `baddbmm` is given
-/// and the rotary `freqs` (`RotaryEmbedding.forward`, an `lru_cache`).
+/// Tensors this model keeps for the life of the process: the rotary `freqs`
+/// (`RotaryEmbedding.forward`, an `lru_cache` per instance).
 #[derive(Default)]
 struct Cache {
-    mpu: Option<T>,
     freqs: Option<T>,
-    /// This step's checkpointed regions, by id.
-    regions: Vec<Region>,
+    /// This step's checkpointed regions of this model, by the tracer's id (the chunks of a
+    /// virtual pipeline number theirs in one sequence).
+    regions: BTreeMap<u32, Region>,
 }
 
 /// What a pipeline stage of `GPTModel` holds: its decoder layers, the embedding on the first
@@ -135,6 +137,9 @@ pub(crate) struct GptModel {
     megatron: Megatron,
     pub(crate) strategy: RefCell<Strategy>,
     cache: RefCell<Cache>,
+    /// The "mpu" buffer `baddbmm` is given (`parallel_state`'s `_GLOBAL_MEMORY_BUFFER`): one
+    /// per process, shared by the model chunks of a virtual pipeline.
+    pub(crate) global_memory_buffer: Rc<Cell<Option<T>>>,
 }
 
 impl GptModel {
@@ -244,6 +249,7 @@ impl GptModel {
             megatron,
             strategy: RefCell::new(Strategy::Local),
             cache: RefCell::new(Cache::default()),
+            global_memory_buffer: Rc::default(),
         }
     }
 
@@ -257,8 +263,8 @@ impl GptModel {
     /// on the last stage the losses; elsewhere the last layer's output `[s, b, h]`.
     pub(crate) fn forward_stage(&self, t: &mut Tracer, input: StageInput, batch: Batch) -> T {
         // Regions are numbered across the micro-batches whose graphs are alive.
-        let alive = t.region_count() as usize;
-        self.cache.borrow_mut().regions.truncate(alive);
+        let alive = t.region_count();
+        self.cache.borrow_mut().regions.retain(|&id, _| id < alive);
         let n = batch.n();
         let outer = std::mem::replace(&mut t.component, Component::Activations);
         let mut hidden = match input {
@@ -302,9 +308,7 @@ impl GptModel {
     }
 
     fn push_region(&self, id: u32, region: Region) {
-        let regions = &mut self.cache.borrow_mut().regions;
-        debug_assert_eq!(regions.len(), id as usize, "regions are numbered in order");
-        regions.push(region);
+        self.cache.borrow_mut().regions.insert(id, region);
     }
 
     fn checkpointed_layer(&self, layer: usize) -> bool {
@@ -544,13 +548,12 @@ impl GptModel {
     /// `parallel_state.get_global_memory_buffer().get_tensor(shape, dtype, "mpu")`: allocated
     /// once, at its largest.
     fn mpu_buffer(&self, t: &mut Tracer, numel: u64) -> T {
-        let mut cache = self.cache.borrow_mut();
-        match cache.mpu {
+        match self.global_memory_buffer.get() {
             Some(buffer) if t.numel(buffer) >= numel => buffer,
             _ => {
                 let buffer = t.empty_as(numel, DType::BF16, Component::Workspaces, "mpu buffer");
                 t.mark_persistent(buffer);
-                cache.mpu = Some(buffer);
+                self.global_memory_buffer.set(Some(buffer));
                 buffer
             }
         }
@@ -621,7 +624,7 @@ impl GptModel {
     /// region runs again (a reentrant checkpoint), its output kept through the region's
     /// backward.
     pub(crate) fn recompute(&self, t: &mut Tracer, region: u32, batch: Batch) {
-        let kind = self.cache.borrow().regions[region as usize].clone();
+        let kind = self.cache.borrow().regions[&region].clone();
         let inputs = t.region_inputs(region);
         let freqs = self
             .cache

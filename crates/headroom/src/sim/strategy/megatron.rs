@@ -98,6 +98,14 @@ fn lcm(a: u64, b: u64) -> u64 {
     a / gcd(a, b) * b
 }
 
+/// One model chunk's parameters (`named_parameters()` order), which are vectors (1-D) and
+/// which are local experts'.
+pub(crate) struct ChunkParams<'a> {
+    pub(crate) params: &'a [ParamId],
+    pub(crate) vectors: &'a [bool],
+    pub(crate) experts: &'a [bool],
+}
+
 /// One fp32 main parameter and the model parameter it steps.
 struct MainParam {
     main: ParamId,
@@ -118,49 +126,60 @@ pub(crate) struct MegatronDdp {
 }
 
 impl MegatronDdp {
-    /// `DistributedDataParallel(config, ddp_config, module)` over the model's parameters
-    /// (`params`, in `named_parameters()` order, `vectors` saying which are 1-D, `experts`
-    /// which are local experts'), then the optimizers' main parameters, as rank 0 of `dp`
+    /// `DistributedDataParallel(config, ddp_config, module)` over each model chunk's parameters
+    /// in turn (one chunk, or one per virtual pipeline stage, each with its own buffers), then
+    /// `get_megatron_optimizer` over all chunks: its main parameters, as rank 0 of `dp`
     /// data-parallel ranks and `ep` expert-parallel ones builds them.
     pub(crate) fn wrap(
         t: &mut Tracer,
-        params: &[ParamId],
-        vectors: &[bool],
-        experts: &[bool],
+        chunks: &[ChunkParams],
         (dp, ep): (u64, u64),
         distributed_optimizer: bool,
     ) -> Self {
         // `group_params_for_buffers`: experts apart only when expert-parallel.
-        let buffers: Vec<(Vec<usize>, u64)> = if ep > 1 {
-            let of = |expert: bool| {
-                (0..params.len())
-                    .filter(|&i| experts[i] == expert)
-                    .collect()
-            };
-            vec![(of(false), dp), (of(true), dp / ep)]
+        let groups: Vec<(Option<bool>, u64)> = if ep > 1 {
+            vec![(Some(false), dp), (Some(true), dp / ep)]
         } else {
-            vec![((0..params.len()).collect(), dp)]
+            vec![(None, dp)]
         };
-        let laid_out: Vec<(Vec<usize>, u64, BufferLayout)> = buffers
-            .into_iter()
-            .map(|(members, dp)| {
-                let picked: Vec<ParamId> = members.iter().map(|&i| params[i]).collect();
-                let layout = Self::buffer(t, &picked, dp, distributed_optimizer);
-                (members, dp, layout)
-            })
-            .collect();
-        let parts = laid_out
-            .into_iter()
-            .map(|(members, dp, layout)| {
-                let vectors: Vec<bool> = members.iter().map(|&i| vectors[i]).collect();
-                let numels: Vec<u64> = members
-                    .iter()
-                    .map(|&i| t.numel(t.param(params[i])))
+        let mut laid_out: Vec<Vec<(Vec<usize>, BufferLayout)>> = vec![Vec::new(); groups.len()];
+        for chunk in chunks {
+            for (g, &(expert, dp)) in groups.iter().enumerate() {
+                let members: Vec<usize> = (0..chunk.params.len())
+                    .filter(|&i| expert.is_none_or(|e| chunk.experts[i] == e))
                     .collect();
-                Part::new(t, &numels, &vectors, &layout, dp, distributed_optimizer)
+                let picked: Vec<ParamId> = members.iter().map(|&i| chunk.params[i]).collect();
+                let layout = Self::buffer(t, &picked, dp, distributed_optimizer);
+                laid_out[g].push((members, layout));
+            }
+        }
+        // One optimizer per group, over every chunk's buffer of it.
+        let parts = groups
+            .iter()
+            .zip(laid_out)
+            .map(|(&(_, dp), per_chunk)| {
+                let buffers: Vec<(Vec<u64>, Vec<bool>, BufferLayout)> = per_chunk
+                    .into_iter()
+                    .zip(chunks)
+                    .map(|((members, layout), chunk)| {
+                        let vectors = members.iter().map(|&i| chunk.vectors[i]).collect();
+                        let numels = members
+                            .iter()
+                            .map(|&i| t.numel(t.param(chunk.params[i])))
+                            .collect();
+                        (numels, vectors, layout)
+                    })
+                    .collect();
+                Part::new(t, &buffers, dp, distributed_optimizer)
             })
             .collect();
         MegatronDdp { parts }
+    }
+
+    /// A later model chunk's wrapper under the virtual pipeline: its hook drops each bf16
+    /// gradient once added into its buffer; the first chunk's wrapper holds the one optimizer.
+    pub(crate) fn gradient_hooks_only() -> Self {
+        MegatronDdp { parts: Vec::new() }
     }
 
     /// One `_ParamAndGradBuffer` over `params`: its bf16 `param_data` (distributed optimizer),
@@ -200,13 +219,12 @@ impl MegatronDdp {
 }
 
 impl Part {
-    /// A mixed-precision optimizer's fp32 main parameters over one buffer (`numels` and
-    /// `vectors` of its parameters, in order): all of them, or this rank's shard of `dp`.
+    /// A mixed-precision optimizer's fp32 main parameters over its buffers (`numels` and
+    /// `vectors` of each buffer's parameters, in order, and its layout; one buffer per model
+    /// chunk): all of them, or this rank's shard of `dp` of each, group by group, chunk by chunk.
     fn new(
         t: &mut Tracer,
-        numels: &[u64],
-        vectors: &[bool],
-        layout: &BufferLayout,
+        buffers: &[(Vec<u64>, Vec<bool>, BufferLayout)],
         dp: u64,
         distributed_optimizer: bool,
     ) -> Self {
@@ -221,16 +239,18 @@ impl Part {
             main.push(MainParam { main: p, vector });
         };
         for vector in [false, true] {
-            if distributed_optimizer {
-                for (i, numel) in layout.shard_parts(dp, 0) {
-                    if vectors[i] == vector {
-                        add(t, numel, vector);
+            for (numels, vectors, layout) in buffers {
+                if distributed_optimizer {
+                    for (i, numel) in layout.shard_parts(dp, 0) {
+                        if vectors[i] == vector {
+                            add(t, numel, vector);
+                        }
                     }
-                }
-            } else {
-                for (i, &numel) in numels.iter().enumerate() {
-                    if vectors[i] == vector {
-                        add(t, numel, vector);
+                } else {
+                    for (i, &numel) in numels.iter().enumerate() {
+                        if vectors[i] == vector {
+                            add(t, numel, vector);
+                        }
                     }
                 }
             }

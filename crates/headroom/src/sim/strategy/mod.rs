@@ -15,7 +15,9 @@
 //! - [`pp`]: pipeline schedules, the order a rank runs its stages' forwards and backwards (the
 //!   harness's `stages` runs a pipeline rank in that order);
 //! - [`megatron`]: Megatron-core's `DistributedDataParallel` (one fp32 gradient buffer) and its
-//!   mixed-precision or distributed optimizer, under Megatron's own tensor-parallel layers.
+//!   mixed-precision or distributed optimizer, under Megatron's own tensor-parallel layers;
+//! - [`megatron_pp`] and [`megatron_interleaved`]: Megatron's 1F1B and interleaved 1F1B
+//!   schedules as the steps a pipeline rank takes (the harness's `megatron_stages` runs them).
 //!
 //! Expert parallelism takes its place here as a further variant with the same
 //! hooks.
@@ -26,6 +28,7 @@ pub(crate) mod fsdp;
 pub(crate) mod fsdp1;
 pub(crate) mod fsdp_offload;
 pub(crate) mod megatron;
+pub(crate) mod megatron_interleaved;
 pub(crate) mod megatron_pp;
 pub(crate) mod pp;
 pub(crate) mod tp;

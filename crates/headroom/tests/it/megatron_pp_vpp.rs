@@ -1,0 +1,50 @@
+//! Megatron-core's interleaved 1F1B (`vpp` model chunks per pipeline rank:
+//! `forward_backward_pipelining_with_interleaving` over chunks of GPTModel, each with its own
+//! DDP buffer and one optimizer over all): what the interleaving costs the first rank (its
+//! measured rows, bench/megatron-pp-vpp, are checked phase by phase with 1F1B's in
+//! `megatron_pp`).
+
+use headroom::gpu;
+use headroom::spec::RunSpec;
+use serde_json::json;
+
+use crate::common;
+
+/// The first rank runs `2 (pp - 1) + (vpp - 1) pp` warm-up forwards of chunks of
+/// `layers / (pp vpp)` layers: at pp 4 and vpp 2 it holds 10 half-stages where 1F1B holds 4
+/// whole ones, so its schedule needs more than 1F1B's; the last rank runs each micro-batch's
+/// last chunk right through, as 1F1B does, and holds less than the first.
+#[test]
+fn interleaving_costs_the_first_rank_activations() {
+    let estimate = |vpp: u64, rank: u64| {
+        let mut parallel = json!({"strategy": "ddp", "world_size": 4, "framework": "megatron",
+            "pp": 4, "microbatches": 8});
+        if vpp > 1 {
+            parallel["vpp"] = json!(vpp);
+            parallel["schedule"] = json!("interleaved-1f1b");
+        }
+        let spec = json!({"model": "llama-3.1-8b", "model_config": common::llama_3_1_8b_widths(8),
+            "precision": "bf16", "optimizer": "adamw", "batch_size": 8, "seq_len": 2048,
+            "parallel": parallel, "megatron": {}});
+        let spec = RunSpec::from_value(&spec).expect("valid");
+        headroom::estimate::estimate_rank(&spec, None, &gpu::find("h100-80gb").expect("gpu"), rank)
+            .expect("estimate")
+    };
+    let schedule_peak = |est: &headroom::estimate::Estimate| {
+        est.phases
+            .iter()
+            .filter(|p| p.phase == "schedule")
+            .map(|p| p.peak_allocated)
+            .max()
+            .expect("schedule phases")
+    };
+    let (plain, interleaved) = (estimate(1, 0), estimate(2, 0));
+    assert!(
+        schedule_peak(&interleaved) > schedule_peak(&plain),
+        "first rank: interleaved {} vs 1F1B {}",
+        schedule_peak(&interleaved),
+        schedule_peak(&plain)
+    );
+    let last = estimate(2, 3);
+    assert!(schedule_peak(&last) < schedule_peak(&interleaved));
+}

@@ -57,6 +57,9 @@ pub struct ReplayOptions {
     pub config: Option<AllocatorConfig>,
     /// The device whose trace to replay; `None`: the one with the most trace entries.
     pub device: Option<usize>,
+    /// Place new segments as the simulator does for a run it predicts, instead of at the
+    /// recorded `cudaMalloc` addresses (the state before the first entry keeps its addresses).
+    pub ignore_addresses: bool,
 }
 
 /// A segment event reduced to what is compared.
@@ -203,7 +206,9 @@ pub fn replay(snapshot: &Snapshot, options: &ReplayOptions) -> ReplayReport {
                     unmatched += 1;
                 }
             }
-            Action::SegmentAlloc | Action::SegmentMap => sim.set_address_hint(event.addr),
+            Action::SegmentAlloc | Action::SegmentMap if !options.ignore_addresses => {
+                sim.set_address_hint(event.addr)
+            }
             Action::SegmentFree | Action::SegmentUnmap if !in_flush => {
                 sim.empty_cache();
                 pending.clear();

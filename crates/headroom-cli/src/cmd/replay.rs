@@ -109,6 +109,7 @@ fn replayed(args: &Args) -> CliResult<Replayed> {
         &ReplayOptions {
             config,
             device: None,
+            ..ReplayOptions::default()
         },
     );
     if let Some(path) = &args.plot {

@@ -1,6 +1,7 @@
 //! The integration tests of the snapshot reader, one binary with a module per area; the path
 //! of the shared fixture is in `common`.
 
+mod addresses;
 mod common;
 mod corrupt;
 mod fixture;

@@ -40,6 +40,7 @@ fn what_if_expandable_segments() {
         &ReplayOptions {
             config: Some(config),
             device: None,
+            ..ReplayOptions::default()
         },
     );
     // The calls are the same, so allocated bytes cannot exceed what the default allocator

@@ -28,7 +28,7 @@ import contextlib
 from .trace import TraceError
 
 # The strategies the tracer runs, and why the others are refused.
-TRACEABLE = ("fsdp", "none")
+TRACEABLE = ("fsdp", "none", "zero1", "zero2")
 DEEPSPEED = (
     "DeepSpeed on a machine without a GPU selects its CPU accelerator (`deepspeed.accelerator`: a shared-memory "
     "comm op it JIT-builds, no CUDA streams), another code path than the CUDA run's, which the tracer cannot make "

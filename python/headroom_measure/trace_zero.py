@@ -1,0 +1,344 @@
+"""Trace a DeepSpeed ZeRO-1/2 run as rank 0 of its world: the engine `dist.py` builds
+(`deepspeed.initialize` with `ds_config`), under torch's `fake` process group on the CPU, inside
+the tracer's `FakeTensorMode` (`trace.py`), on DeepSpeed's CUDA code path.
+
+On a machine without a GPU DeepSpeed selects its CPU accelerator, another code path (a
+shared-memory comm op, no streams). The tracer installs `CUDA_Accelerator` instead
+(`deepspeed.accelerator.set_accelerator`), so every branch DeepSpeed takes on `is_synchronized_device()`,
+`Stream`, `pin_memory` and the communication backend is the CUDA run's. What its methods would ask
+the driver is answered here, none of it an allocation:
+- **Device.** `set_device`, `current_device` and `device_count` name device 0; the tensors are the
+  tracer's fake CPU tensors that stand for CUDA ones, so `device_name` and `current_device_name`
+  say `cpu` (every `torch.device(...)` DeepSpeed builds from them is where the fake tensors live).
+- **Streams and events.** `Stream()` and `Event()` are objects that order nothing (the replay is
+  sequential); `stream(s)` makes `s` current, and the recorder attributes each storage to the
+  current stream, as CUDA's caching allocator takes `getCurrentCUDAStream()`.
+- **Memory queries.** `memory_allocated`, `max_memory_allocated`, ... answer 0 and
+  `reset_peak_memory_stats` does nothing: DeepSpeed calls them only to log (`see_memory_usage`).
+  `empty_cache` is recorded where DeepSpeed calls it, for the replay to release the free segments.
+- **Seeds and RNG state.** No-ops: random values do not exist under fake tensors.
+- **Pinned host memory.** `pin_memory` returns the tensor: host memory is not replayed.
+
+Host copies. The fake tensors stand for CUDA tensors but live on the CPU, where `.cpu()` is the
+tensor itself. ZeRO-1/2's optimizer copies each bit16 parameter to the host
+(`param.cpu_data = param.data.cpu()`), frees the device copy, calls `empty_cache()`, flattens the
+host copies and moves the flat buffer to the device (`stage_1_and_2.py`, `DeepSpeedZeroOptimizer.__init__`).
+The tracer makes those copies as CUDA makes them ([`_HostCopies`]): `.cpu()` of a device tensor
+is a new host tensor (`kind: host`, out of the replay), what the flattening makes from the host
+copies (the padding, the flat buffer) is host, and `.to(device)` of a host tensor is a new device tensor.
+
+ZeRO-3 is refused: its partitioned parameters call `tensor.record_stream(stream)` on each gather
+(`partition_parameters.py`, `AllGatherCoalescedHandle.wait`), which needs a real `torch.Stream`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from .trace import TraceError
+
+TRACEABLE = ("zero1", "zero2")
+
+
+class _Stream:
+    """A stream that orders nothing; entering it makes it current (`stream(s)`)."""
+
+    def __init__(self, accelerator, *args, **kwargs):
+        self._accelerator = accelerator
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def fake_cuda_accelerator(rec, total_memory: int):
+    """DeepSpeed's `CUDA_Accelerator` with the driver's answers given as the module doc says."""
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    class FakeCudaAccelerator(CUDA_Accelerator):
+        def __init__(self):
+            super().__init__()
+            self.default = _Stream(self)
+            self.current = self.default
+            self.ids = {id(self.default): 0}
+            self.keep = [self.default]
+
+        def stream_id(self) -> int:
+            sid = self.ids.get(id(self.current))
+            if sid is None:
+                sid = self.ids[id(self.current)] = len(self.ids)
+                self.keep.append(self.current)
+            return sid
+
+        def is_available(self):
+            return True
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, device_index):
+            pass
+
+        def current_device(self):
+            return 0
+
+        def current_device_name(self):
+            return "cpu"
+
+        def device_name(self, device_index=None):
+            return "cpu"
+
+        def device(self, device_index=None):
+            return contextlib.nullcontext()
+
+        def synchronize(self, device_index=None):
+            pass
+
+        @property
+        def Stream(self):
+            return lambda *a, **k: _Stream(self)
+
+        @contextlib.contextmanager
+        def stream(self, stream):
+            before, self.current = self.current, stream or self.default
+            try:
+                yield
+            finally:
+                self.current = before
+
+        def current_stream(self, device_index=None):
+            return self.current
+
+        def default_stream(self, device_index=None):
+            return self.default
+
+        @property
+        def Event(self):
+            return _Event
+
+        def memory_allocated(self, device_index=None):
+            return 0
+
+        max_memory_allocated = memory_reserved = max_memory_reserved = memory_allocated
+        memory_cached = max_memory_cached = memory_allocated
+
+        def reset_peak_memory_stats(self, device_index=None):
+            pass
+
+        reset_max_memory_allocated = reset_max_memory_cached = reset_peak_memory_stats
+
+        def empty_cache(self):
+            rec.empty_cache()
+
+        def memory_stats(self, device_index=None):
+            return {}
+
+        def total_memory(self, device_index=None):
+            return total_memory
+
+        available_memory = total_memory
+
+        def is_bf16_supported(self):
+            return True
+
+        def is_fp16_supported(self):
+            return True
+
+        def manual_seed(self, seed):
+            pass
+
+        manual_seed_all = manual_seed
+
+        def initial_seed(self):
+            return 0
+
+        def set_rng_state(self, new_state, device_index=None):
+            pass
+
+        def pin_memory(self, tensor, align_bytes=1):
+            return tensor
+
+        def is_pinned(self, tensor):
+            return False
+
+        def range_push(self, msg):
+            pass
+
+        def range_pop(self):
+            pass
+
+    return FakeCudaAccelerator()
+
+
+class _HostCopies:
+    """`.cpu()` and `.to(device)` copy between host and device as on CUDA (the module doc)."""
+
+    def __init__(self, rec):
+        self.rec = rec
+
+    def _is_host(self, tensor) -> bool:
+        sid = self.rec._id_of(tensor)
+        return sid is not None and self.rec.storages[sid]["kind"] == "host"
+
+    def __enter__(self):
+        import torch
+
+        rec, is_host = self.rec, self._is_host
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        self._cpu, self._to = real_cpu, real_to = torch.Tensor.cpu, torch.Tensor.to
+        self._flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
+
+        def cpu(tensor, *args, **kwargs):
+            if is_host(tensor):
+                return real_cpu(tensor, *args, **kwargs)
+            copy = tensor.clone()
+            rec.classify([copy], "host")
+            return copy
+
+        def to(tensor, *args, **kwargs):
+            if not is_host(tensor):
+                return real_to(tensor, *args, **kwargs)
+            return real_to(tensor.clone(), *args, **kwargs)
+
+        optimizer = DeepSpeedZeroOptimizer
+        real_flatten = optimizer.flatten_dense_tensors_aligned
+
+        def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False):
+            first = len(rec.storages)
+            out = real_flatten(self, tensor_list, alignment, use_cpu_data)
+            if use_cpu_data:  # the padding and the flat buffer are made on the host
+                for storage in rec.storages[first:]:
+                    storage["kind"] = "host"
+            return out
+
+        torch.Tensor.cpu, torch.Tensor.to = cpu, to
+        optimizer.flatten_dense_tensors_aligned = flatten_dense_tensors_aligned
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        torch.Tensor.cpu, torch.Tensor.to = self._cpu, self._to
+        DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = self._flatten
+        return False
+
+
+def refuse_untraceable_zero(par) -> None:
+    if par.strategy not in TRACEABLE:
+        raise TraceError(
+            f"`parallel.strategy: {par.strategy}`: DeepSpeed's ZeRO-3 gathers call `record_stream` on each "
+            "partitioned parameter (`deepspeed/runtime/zero/partition_parameters.py`, "
+            "`AllGatherCoalescedHandle.wait`), which needs a CUDA stream the tracer's fake tensors do not have "
+            "(RuntimeError: unknown parameter type); the tracer runs zero1, zero2, fsdp (FSDP2) and tensor "
+            f"parallelism; `headroom estimate` models {par.strategy} natively"
+        )
+    if par.offload_optimizer or par.offload_params:
+        raise TraceError(
+            "`parallel.offload_optimizer`/`offload_params` under DeepSpeed: DeepSpeedCPUAdam is a JIT-built "
+            "op that runs on real host memory; `headroom estimate` models the offload natively"
+        )
+
+
+def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
+    """`measure_dist`'s load and steps of a DeepSpeed engine on rank 0 of a fake world, every
+    phase marked."""
+    import torch
+    import transformers
+
+    # What torchrun sets for rank 0, which the engine reads; DeepSpeed's modules that ask for
+    # the accelerator while they are imported get CUDA's.
+    for name, value in (("LOCAL_RANK", 0), ("RANK", 0), ("WORLD_SIZE", spec.parallel.world_size)):
+        os.environ[name] = str(value)
+    os.environ["DS_ACCELERATOR"] = "cuda"
+    from deepspeed import accelerator
+
+    from . import dist as d
+    from . import measure as m
+    from .trace import _ModuleNames
+    from .trace_dist import fake_world
+
+    par = spec.parallel
+    fake = fake_cuda_accelerator(rec, 80 * 2**30)
+    before = accelerator.get_accelerator()
+    accelerator.set_accelerator(fake)
+    rec.stream_of = fake.stream_id
+    device = torch.device("cpu")
+    try:
+        with fake_world(par.world_size), _HostCopies(rec):
+            rec.phase("load")
+            cfg = m._hf_config(spec, fields)
+            cls = (
+                transformers.AutoModelForSequenceClassification
+                if spec.task == "seq-cls"
+                else transformers.AutoModelForCausalLM
+            )
+            dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+            engine = d._build_zero(spec, cfg, cls, dtype, device)
+            _ModuleNames.current.name(engine.module)
+            rec.classify(engine.module.parameters(), "parameter")
+            rec.classify(engine.module.buffers(), "buffer")
+            engine.train()
+            ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
+            rec.classify([ids], "input")
+
+            # `measure_dist`'s autocast, which DeepSpeed's engine turns off inside its forward.
+            autocast_dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(
+                spec.precision
+            )
+
+            def autocast():
+                if autocast_dtype is None:
+                    return torch.autocast("cuda", enabled=False)
+                return torch.autocast("cuda", dtype=autocast_dtype)
+
+            for step in range(1, steps + 1):
+                if progress:
+                    progress(step, steps)
+                rec.phase(f"step {step} forward")
+                start = len(rec.events)
+                loss = m._train_forward(spec, engine, ids, autocast)
+                rec.classify_phase("activation", start)
+                rec.classify([loss], "temporary")
+                rec.phase(f"step {step} backward")
+                engine.backward(loss)
+                del loss
+                rec.phase(f"step {step} optimizer")
+                engine.step()
+            del engine, ids
+    finally:
+        accelerator.set_accelerator(before)

@@ -27,13 +27,8 @@ import contextlib
 
 from .trace import TraceError
 
-# The strategies the tracer runs, and why the others are refused.
+# The strategies the tracer runs, and why the others are refused (DeepSpeed's: `trace_zero`).
 TRACEABLE = ("fsdp", "none", "zero1", "zero2")
-DEEPSPEED = (
-    "DeepSpeed on a machine without a GPU selects its CPU accelerator (`deepspeed.accelerator`: a shared-memory "
-    "comm op it JIT-builds, no CUDA streams), another code path than the CUDA run's, which the tracer cannot make "
-    "it take"
-)
 REFUSED = {
     "ddp": "DDP's C++ reads tensor memory, which fake tensors do not have: its constructor's parameter check "
     "(`_verify_params_across_processes`, which `init_sync=False` would skip along with the state broadcast the "
@@ -42,9 +37,6 @@ REFUSED = {
     "ready",
     "fsdp1": "FSDP1 materialises each unit by swapping its parameters (`to_empty` under `param_init_fn`), which "
     "fake tensors refuse",
-    "zero1": DEEPSPEED,
-    "zero2": DEEPSPEED,
-    "zero3": DEEPSPEED,
 }
 
 

@@ -40,6 +40,11 @@ def refuse_untraceable_pipeline(pipe) -> None:
     for k, inst in enumerate(pipe.instances):
         try:
             refuse_untraceable(inst.spec)
+            if inst.spec.parallel is not None and inst.spec.parallel.strategy.startswith("zero"):
+                raise TraceError(
+                    f"`parallel.strategy: {inst.spec.parallel.strategy}`: the tracer runs DeepSpeed in a single run, "
+                    "not yet as a pipeline's instance; `headroom estimate` models it natively"
+                )
         except TraceError as err:
             raise TraceError(f"instances[{k}] ({inst.name}): {err}") from None
 

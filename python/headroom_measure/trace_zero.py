@@ -10,9 +10,9 @@ the driver is answered here, none of it an allocation:
 - **Device.** `set_device`, `current_device` and `device_count` name device 0; the tensors are the
   tracer's fake CPU tensors that stand for CUDA ones, so `device_name` and `current_device_name`
   say `cpu` (every `torch.device(...)` DeepSpeed builds from them is where the fake tensors live).
-- **Streams and events.** `Stream()` and `Event()` are objects that order nothing (the replay is
-  sequential); `stream(s)` makes `s` current, and the recorder attributes each storage to the
-  current stream, as CUDA's caching allocator takes `getCurrentCUDAStream()`.
+- **Streams and events.** Streams are `torch.cpu`'s, whose `stream(s)` context makes `s` current,
+  and the recorder attributes each storage to the current stream (`trace_dist.Streams`), as CUDA's
+  caching allocator takes `getCurrentCUDAStream()`; events order nothing (the replay is sequential).
 - **Memory queries.** `memory_allocated`, `max_memory_allocated`, ... answer 0 and
   `reset_peak_memory_stats` does nothing: DeepSpeed calls them only to log (`see_memory_usage`).
   `empty_cache` is recorded where DeepSpeed calls it, for the replay to release the free segments.
@@ -27,8 +27,7 @@ The tracer makes those copies as CUDA makes them ([`_HostCopies`]): `.cpu()` of 
 is a new host tensor (`kind: host`, out of the replay), what the flattening makes from the host
 copies (the padding, the flat buffer) is host, and `.to(device)` of a host tensor is a new device tensor.
 
-ZeRO-3 is refused: its partitioned parameters call `tensor.record_stream(stream)` on each gather
-(`partition_parameters.py`, `AllGatherCoalescedHandle.wait`), which needs a real `torch.Stream`.
+ZeRO-3 is refused ([`refuse_untraceable_zero`] says why), and so are the offloads.
 """
 
 from __future__ import annotations
@@ -39,28 +38,6 @@ import os
 from .trace import TraceError
 
 TRACEABLE = ("zero1", "zero2")
-
-
-class _Stream:
-    """A stream that orders nothing; entering it makes it current (`stream(s)`)."""
-
-    def __init__(self, accelerator, *args, **kwargs):
-        self._accelerator = accelerator
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def record_event(self, event=None):
-        return event or _Event()
 
 
 class _Event:
@@ -85,23 +62,12 @@ class _Event:
 
 def fake_cuda_accelerator(rec, total_memory: int):
     """DeepSpeed's `CUDA_Accelerator` with the driver's answers given as the module doc says."""
+    import torch
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
+    default = torch.cpu.current_stream()
+
     class FakeCudaAccelerator(CUDA_Accelerator):
-        def __init__(self):
-            super().__init__()
-            self.default = _Stream(self)
-            self.current = self.default
-            self.ids = {id(self.default): 0}
-            self.keep = [self.default]
-
-        def stream_id(self) -> int:
-            sid = self.ids.get(id(self.current))
-            if sid is None:
-                sid = self.ids[id(self.current)] = len(self.ids)
-                self.keep.append(self.current)
-            return sid
-
         def is_available(self):
             return True
 
@@ -128,21 +94,16 @@ def fake_cuda_accelerator(rec, total_memory: int):
 
         @property
         def Stream(self):
-            return lambda *a, **k: _Stream(self)
+            return torch.cpu.Stream
 
-        @contextlib.contextmanager
         def stream(self, stream):
-            before, self.current = self.current, stream or self.default
-            try:
-                yield
-            finally:
-                self.current = before
+            return torch.cpu.stream(stream)
 
         def current_stream(self, device_index=None):
-            return self.current
+            return torch.cpu.current_stream()
 
         def default_stream(self, device_index=None):
-            return self.default
+            return default
 
         @property
         def Event(self):
@@ -259,19 +220,23 @@ class _HostCopies:
 
 
 def refuse_untraceable_zero(par) -> None:
+    """Refuse, by name, the DeepSpeed layouts the tracer cannot run."""
     if par.strategy not in TRACEABLE:
         raise TraceError(
-            f"`parallel.strategy: {par.strategy}`: DeepSpeed's ZeRO-3 gathers call `record_stream` on each "
-            "partitioned parameter (`deepspeed/runtime/zero/partition_parameters.py`, "
-            "`AllGatherCoalescedHandle.wait`), which needs a CUDA stream the tracer's fake tensors do not have "
-            "(RuntimeError: unknown parameter type); the tracer runs zero1, zero2, fsdp (FSDP2) and tensor "
-            f"parallelism; `headroom estimate` models {par.strategy} natively"
+            f"`parallel.strategy: {par.strategy}`: ZeRO-3's parameter gathers call `record_stream` on each gathered "
+            "partition (`part_to_copy.record_stream(get_accelerator().current_stream())` in "
+            "`AllGatherCoalescedHandle.wait`, deepspeed/runtime/zero/partition_parameters.py), which fails on the "
+            "tracer's fake tensors (`aten::record_stream` has no CPU kernel: RuntimeError: unknown parameter type), "
+            "and a trace does not record a block held for another stream; the tracer runs fsdp (FSDP2), tensor "
+            f"parallelism, zero1 and zero2; `headroom estimate` models {par.strategy} natively"
         )
-    if par.offload_optimizer or par.offload_params:
-        raise TraceError(
-            "`parallel.offload_optimizer`/`offload_params` under DeepSpeed: DeepSpeedCPUAdam is a JIT-built "
-            "op that runs on real host memory; `headroom estimate` models the offload natively"
-        )
+    for key, on in (("offload_optimizer", par.offload_optimizer), ("offload_params", par.offload_params)):
+        if on:
+            raise TraceError(
+                f"`parallel.{key}: true` under {par.strategy}: DeepSpeedCPUAdam, the C++ op DeepSpeed JIT-builds for "
+                "the host step, reads the tensors' memory, which fake tensors do not have; `headroom estimate` "
+                "models the offload natively"
+            )
 
 
 def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
@@ -290,13 +255,13 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
     from . import dist as d
     from . import measure as m
     from .trace import _ModuleNames
-    from .trace_dist import fake_world
+    from .trace_dist import Streams, fake_world
 
     par = spec.parallel
     fake = fake_cuda_accelerator(rec, 80 * 2**30)
     before = accelerator.get_accelerator()
     accelerator.set_accelerator(fake)
-    rec.stream_of = fake.stream_id
+    rec.stream_of = Streams().current
     device = torch.device("cpu")
     try:
         with fake_world(par.world_size), _HostCopies(rec):

@@ -61,7 +61,8 @@ class _Event:
 
 
 def fake_cuda_accelerator(rec, total_memory: int):
-    """DeepSpeed's `CUDA_Accelerator` with the driver's answers given as the module doc says."""
+    """DeepSpeed's `CUDA_Accelerator` with the driver's answers given as the module doc says
+    (`total_memory` only for its logs: ZeRO-1/2 size nothing by it)."""
     import torch
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
@@ -192,7 +193,11 @@ class _HostCopies:
         def to(tensor, *args, **kwargs):
             if not is_host(tensor):
                 return real_to(tensor, *args, **kwargs)
-            return real_to(tensor.clone(), *args, **kwargs)
+            if "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args):
+                return real_to(tensor.clone(), *args, **kwargs)  # to the device: a device copy
+            out = real_to(tensor, *args, **kwargs)  # a cast stays on the host
+            rec.classify([out], "host")
+            return out
 
         optimizer = DeepSpeedZeroOptimizer
         real_flatten = optimizer.flatten_dense_tensors_aligned
@@ -250,7 +255,13 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
     for name, value in (("LOCAL_RANK", 0), ("RANK", 0), ("WORLD_SIZE", spec.parallel.world_size)):
         os.environ[name] = str(value)
     os.environ["DS_ACCELERATOR"] = "cuda"
-    from deepspeed import accelerator
+    try:
+        from deepspeed import accelerator
+    except ImportError as err:
+        raise TraceError(
+            f"`parallel.strategy: {spec.parallel.strategy}` runs DeepSpeed, which does not import here ({err}); "
+            "install the version the run uses (`pip install deepspeed`)"
+        ) from None
 
     from . import dist as d
     from . import measure as m

@@ -27,6 +27,8 @@ ROWS = [
     ("bench/fsdp2-mp/rows-units-h100-torch2.11.jsonl", "bench/trace/sharded"),
     ("bench/nccl-x4/rows-fake-h100-torch2.11.jsonl", "bench/trace/sharded"),
     ("bench/tp/rows-h100-torch2.11.jsonl", "bench/trace/sharded"),
+    ("bench/distributed/h200x2/h200x2-torch2.11.jsonl", "bench/trace/zero"),
+    ("bench/scale/rows-h100-torch2.11.jsonl", "bench/trace/zero"),
 ]
 # Pipeline rows (several models in one process, phase by phase) and where their traces are.
 PIPELINE_ROWS = [
@@ -225,6 +227,11 @@ def write(rows, pipeline_rows):
         "stream FSDP2 allocates it on; they are held against the rows measured the same way on the H100 (the",
         "fake-group rows of `bench/fsdp2-mp`, `bench/nccl-x4` and `bench/tp`; the two world-of-one rows of",
         "`bench/fsdp2-mp` and `units/accelerate/q15/bs2/s1024/gc/w1` ran under NCCL, the rest under the fake group).",
+        "",
+        "The ZeRO rows (`bench/trace/zero`) are DeepSpeed 0.18.2 ZeRO-1 and ZeRO-2 engines traced as rank 0 of their",
+        "world under the fake process group on DeepSpeed's CUDA code path (`python/headroom_measure/trace_zero.py`);",
+        "they are held against the rank-0-or-worst rows of `bench/distributed/h200x2` (2 x H200, real NCCL) and",
+        "`bench/scale` (H100, fake group, worlds of 8 to 512).",
         "",
         "The one row past 8% on reserved, pythia-1.4b eager forward (-11.44%), is not the tracer's: its",
         "H100 snapshot (`bench/trace/unseen/snapshots/pythia-eager-fwd.pickle.gz`, taken with `bench/nccl-x4/run.sh`) replayed through `headroom-alloc`",

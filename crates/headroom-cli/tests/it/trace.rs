@@ -512,7 +512,9 @@ fn estimate_with_trace_runs_the_tracer() {
 /// reserved, the bounds trace mode promises. `unseen` is the model type headroom does not model
 /// natively; `trainers` are transformers' `Trainer` and TRL's SFT, DPO, GRPO and reward
 /// trainers, traced whole; `sharded` are FSDP2 and tensor-parallel runs traced as rank 0 of
-/// their world under torch's fake process group, against the rows measured the same way. One row's reserved
+/// their world under torch's fake process group, against the rows measured the same way; `zero` are
+/// DeepSpeed ZeRO-1/2 engines traced the same way on DeepSpeed's CUDA code path, against the 2-rank
+/// NCCL rows and the fake-group rows of `bench/scale`. One row's reserved
 /// memory is held to 12% instead: its recorded snapshot replays to the trace's reserved bytes
 /// exactly once the driver's segment addresses are left out, so the miss is the allocator's
 /// address placement, not the trace (bench/TRACE.md).
@@ -520,7 +522,8 @@ fn estimate_with_trace_runs_the_tracer() {
 fn saved_traces_match_their_measurements() {
     const ADDRESS_PLACEMENT: &str = "gpt_neox/pythia-1.4b/bf16/forward/bs8/s2048/eager";
     const SHARDED: usize = 54;
-    const CORPORA: [(&str, &str); 10] = [
+    const ZERO: usize = 9;
+    const CORPORA: [(&str, &str); 12] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -558,9 +561,14 @@ fn saved_traces_match_their_measurements() {
             "bench/trace/sharded",
         ),
         ("bench/tp/rows-h100-torch2.11.jsonl", "bench/trace/sharded"),
+        (
+            "bench/distributed/h200x2/h200x2-torch2.11.jsonl",
+            "bench/trace/zero",
+        ),
+        ("bench/scale/rows-h100-torch2.11.jsonl", "bench/trace/zero"),
     ];
     let repo = crate::common::repo();
-    let (mut checked, mut unseen, mut trainers, mut sharded) = (0, 0, 0, 0);
+    let (mut checked, mut unseen, mut trainers, mut sharded, mut zero) = (0, 0, 0, 0, 0);
     for (rows, traces) in CORPORA {
         let rows = std::fs::read_to_string(repo.join(rows)).expect("rows");
         for line in rows.lines().filter(|l| !l.trim().is_empty()) {
@@ -591,10 +599,11 @@ fn saved_traces_match_their_measurements() {
             unseen += usize::from(traces.contains("unseen"));
             trainers += usize::from(traces.ends_with("trainers"));
             sharded += usize::from(traces.ends_with("sharded"));
+            zero += usize::from(traces.ends_with("zero"));
         }
     }
     assert_eq!(
-        (checked, unseen, trainers, sharded),
-        (90 + SHARDED, 4, 43, SHARDED)
+        (checked, unseen, trainers, sharded, zero),
+        (90 + SHARDED + ZERO, 4, 43, SHARDED, ZERO)
     );
 }

@@ -119,6 +119,7 @@ def cmd_trace(args) -> int:
 
 def _run_tracer(run, unit: str) -> int:
     """`run(progress)` with the tracer's dependencies checked and its failures said plainly."""
+    from .cuda_emulation import EmulationError
     from .trace import TraceError
 
     missing = missing_dependencies()
@@ -133,7 +134,7 @@ def _run_tracer(run, unit: str) -> int:
 
     try:
         run(progress)
-    except TraceError as err:
+    except (TraceError, EmulationError) as err:
         return _fail(str(err))
     except Exception as err:  # noqa: BLE001 - the model's own code failed on fake tensors
         first_line = (str(err).strip().splitlines() or [""])[0][:300]

@@ -19,6 +19,9 @@ take CUDA's branch:
   CUDA's.
 - **Dropout.** `F.dropout` in training takes CUDA's fused `native_dropout` (a bool mask), not
   the CPU's composite (a mask in the input's dtype).
+- **Grouped GEMMs.** `torch._grouped_mm` of fp32 or fp16 matrices (the experts under `amp-bf16`,
+  whose weights stay fp32) runs on CUDA, through the per-group `mm_out` fallback into the same
+  output; torch's meta function, written for the bf16 CUTLASS kernel, refuses them.
 - **Optimizers.** `torch.optim` takes its foreach and fused paths for fake CPU tensors as for
   CUDA ones (the per-parameter loop allocates different temporaries).
 """
@@ -67,7 +70,8 @@ BANNED = {"binary_cross_entropy"}
 
 
 class EmulationError(RuntimeError):
-    """This torch's CUDA autocast lists an operator the emulation has no policy for."""
+    """This torch's CUDA autocast lists an operator the emulation has no policy for, or the traced
+    code calls another library's operator whose CUDA autocast kernel the emulation does not have."""
 
 
 def _policies() -> dict[str, str]:
@@ -134,6 +138,7 @@ class CudaEmulation:
         self._install_optimizer_defaults(torch)
         self._stack.enter_context(_SdpaPatch())
         self._stack.enter_context(_DropoutPatch())
+        self._stack.enter_context(_GroupedMmPatch())
         return self
 
     def __exit__(self, *exc):
@@ -142,25 +147,38 @@ class CudaEmulation:
     # -- autocast ---------------------------------------------------------------------------
 
     def _install_autocast(self, torch):
+        """Every operator with a CPU or CUDA autocast kernel gets CUDA's policy as its CPU one.
+        ATen's follow the tables above; other libraries' CUDA autocast kernels (torchvision's
+        `roi_align`, `nms`, ...: inputs cast to fp32) are not emulated, so calling one under
+        autocast is refused by name, and installing them changes nothing for code that does not."""
         policies = _policies()
-        cuda_ops = torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
-        unknown = sorted(n.removeprefix("aten::") for n in cuda_ops if n.removeprefix("aten::") not in policies)
+        cuda_ops = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA"))
+        cpu_ops = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"))
+        unknown = sorted(n.removeprefix("aten::") for n in cuda_ops if n.startswith("aten::") and n[6:] not in policies)
         if unknown:
             raise EmulationError(
                 f"torch {torch.__version__}'s CUDA autocast lists operators headroom's tracer has no policy for: "
                 f"{', '.join(unknown)}"
             )
-        cuda_names = {n.removeprefix("aten::") for n in cuda_ops}
-        cpu_names = {n.removeprefix("aten::") for n in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")}
-        lib = torch.library.Library("aten", "IMPL")
-        self._stack.callback(lib._destroy)
+        libraries = {}
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-            for name in sorted(cuda_names | cpu_names):
-                policy = policies.get(name) if name in cuda_names else "pass"
-                lib.impl(name, self._kernel(torch, name, policy), "AutocastCPU")
+            for qualified in sorted(cuda_ops | cpu_ops):
+                namespace, _, name = qualified.partition("::")
+                if qualified not in cuda_ops:
+                    policy = "pass"
+                elif namespace == "aten":
+                    policy = policies[name]
+                else:
+                    policy = "foreign"
+                if namespace not in libraries:
+                    libraries[namespace] = torch.library.Library(namespace, "IMPL")
+                    self._stack.callback(libraries[namespace]._destroy)
+                kernel = self._kernel(torch, qualified, policy)
+                # over the library's own kernel, which comes back when `libraries` are destroyed
+                libraries[namespace].impl(name, kernel, "AutocastCPU", allow_override=True)
 
         real_init = torch.amp.autocast_mode.autocast.__init__
         real_clear = torch.clear_autocast_cache
@@ -180,9 +198,10 @@ class CudaEmulation:
         self._stack.callback(setattr, torch.amp.autocast_mode.autocast, "__init__", real_init)
         self._stack.callback(setattr, torch, "clear_autocast_cache", real_clear)
 
-    def _kernel(self, torch, name: str, policy: str):
+    def _kernel(self, torch, qualified: str, policy: str):
+        namespace, _, name = qualified.partition("::")
         base, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops.aten, base), overload or "default")
+        op = getattr(getattr(getattr(torch.ops, namespace), base), overload or "default")
         exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
         cache = self.cache
         from torch.utils._pytree import tree_map
@@ -202,6 +221,15 @@ class CudaEmulation:
                 raise RuntimeError(f"{name} is unsafe to autocast (torch raises the same on CUDA)")
 
             return banned
+        if policy == "foreign":
+
+            def foreign(*args, **kwargs):
+                raise EmulationError(
+                    f"`{qualified}` runs under CUDA autocast with its library's own casts, which headroom's tracer "
+                    "does not emulate"
+                )
+
+            return foreign
 
         def kernel(*args, **kwargs):
             with torch._C._ExcludeDispatchKeyGuard(exclude):
@@ -250,18 +278,20 @@ class CudaEmulation:
 
 def select_attention_kernel(query, key, value, attn_mask, enable_gqa: bool) -> str:
     """The kernel torch 2.11's `select_sdp_backend` picks on an sm90 GPU: flash for half
-    precision without a mask (head dim a multiple of 8 up to 256), cuDNN for half precision with
-    one, memory-efficient for the rest it supports, math otherwise. Flash and cuDNN need one
-    head dim for queries, keys and values (latent attention's values are narrower)."""
+    precision without a mask (one head dim for queries, keys and values, a multiple of 8 up to
+    256), cuDNN for half precision with one, and for latent attention's 192-wide query and key
+    heads with 128-wide values, which cuDNN takes on sm90 (`check_cudnn_tensor_shapes`) and flash
+    does not; memory-efficient for the rest it supports, math otherwise."""
     import torch
 
-    head_dim = query.shape[-1]
-    half = query.dtype in (torch.float16, torch.bfloat16) and value.shape[-1] == head_dim
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    one_dim = value_dim == head_dim
     masked = attn_mask is not None
     gqa = enable_gqa and key.shape[-3] != query.shape[-3]
-    if half and not masked and head_dim <= 256 and head_dim % 8 == 0:
+    if half and one_dim and not masked and head_dim <= 256 and head_dim % 8 == 0:
         return "flash"
-    if half and masked and head_dim <= 256:
+    if half and ((one_dim and masked and head_dim <= 256) or (head_dim, value_dim) == (192, 128)):
         return "cudnn"
     if not gqa and head_dim % 4 == 0:
         return "efficient"
@@ -345,4 +375,41 @@ class _DropoutPatch:
         import torch.nn.functional as F
 
         F.dropout = self._real
+        return False
+
+
+class _GroupedMmPatch:
+    """`torch._grouped_mm`'s fake implementation as `_grouped_mm_cuda` decides (GroupedBlas.cpp,
+    GroupedMMUtils.h): matrices of one dtype among bf16, fp16 and fp32, bf16 on the CUTLASS kernel
+    and the others through `_grouped_mm_fallback`, whose `mm_out` per group writes into the output
+    `create_grouped_gemm_output_tensor` made, of `mat_a`'s dtype. torch's meta function refuses all
+    but bf16; it looks up `_meta_grouped_mm_common` when called, so the patch goes there."""
+
+    def __enter__(self):
+        import torch
+        import torch._meta_registrations as meta
+
+        self._real = real = meta._meta_grouped_mm_common
+        fallback_dtypes = (torch.float32, torch.float16)
+
+        def common(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
+                   use_fast_accum=False):  # fmt: skip
+            if scale_a is None and scale_b is None and mat_a.dtype == mat_b.dtype and mat_a.dtype in fallback_dtypes:
+                torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3), lambda: "mat_a and mat_b must be 2 or 3d")
+                torch._check(
+                    (mat_a.dim() == 2 and mat_b.dim() == 2) or mat_a.size(-1) == mat_b.size(-2),
+                    lambda: "contraction dimension of mat_a and mat_b must match",
+                )
+                torch._check(out_dtype in (None, mat_a.dtype), lambda: "Grouped gemm output dtype must match `mat_a` dtype")
+                torch._check(bias is None, lambda: "Bias not supported yet")
+                return meta._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+            return real(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum)
+
+        meta._meta_grouped_mm_common = common
+        return self
+
+    def __exit__(self, *exc):
+        import torch._meta_registrations as meta
+
+        meta._meta_grouped_mm_common = self._real
         return False

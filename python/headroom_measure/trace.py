@@ -58,8 +58,9 @@ def refuse_untraceable(spec):
         raise TraceError("`optimizer: adamw-8bit`: bitsandbytes does not run on fake tensors")
     if spec.experts_implementation == "eager":
         raise TraceError(
-            "`experts_implementation: eager`: the per-expert loop's shapes depend on the router's "
-            "choices, which fake tensors do not have; trace grouped_mm or batched_mm"
+            "`experts_implementation: eager`: the per-expert loop's shapes are the numbers of tokens the router "
+            "sends each expert, values fake tensors do not have; the tracer runs grouped_mm and batched_mm, and "
+            "`headroom estimate` models the loop natively (an even spread, or `routing.max_tokens_per_expert_factor`)"
         )
     if spec.parallel is not None:
         from .trace_dist import refuse_untraceable_parallel
@@ -88,6 +89,7 @@ class Recorder:
         self.stream_of = lambda: 0
         # Answers to operators whose output shape depends on values (`trace_trl.MaskAnswers`).
         self.answers = None
+        self.bounds = IndexBounds()
 
     # -- what the step loop calls ------------------------------------------------------------
 
@@ -165,15 +167,18 @@ class Recorder:
                 out = NotImplemented
                 if recorder.answers is not None:
                     out = recorder.answers.dispatch(recorder, func, args, kwargs)
+                if out is NotImplemented and func is bincount:
+                    out = recorder.bounds.bincount(recorder, args, kwargs)
                 if out is NotImplemented:
                     out = func(*args, **(kwargs or {}))
-                recorder._after(func, args, out)
+                recorder._after(func, args, kwargs, out)
                 return out
 
         import torch
         from torch.distributed.tensor import DTensor
 
         local_scalar = torch.ops.aten._local_scalar_dense.default
+        bincount = torch.ops.aten.bincount.default
 
         return Mode()
 
@@ -191,7 +196,7 @@ class Recorder:
             return known
         return True if t.dtype == torch.bool else 1
 
-    def _after(self, func, args, out):
+    def _after(self, func, args, kwargs, out):
         import torch
         from torch.utils._pytree import tree_leaves
 
@@ -201,6 +206,7 @@ class Recorder:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._maybe_alloc(t, str(func))
+        self.bounds.after(self, func, args, kwargs, out)
         if name in KERNEL_MARKERS_GEMM:
             self.gemm(name == "addmm" and isinstance(args[0], torch.Tensor) and args[0].dim() == 1)
         elif name == "sum" and func._overloadname == "dim_IntList":
@@ -241,9 +247,13 @@ class Recorder:
         return True
 
     def _maybe_alloc(self, t, op: str):
+        from torch._subclasses.fake_tensor import FakeTensor
+
         # A DTensor's storage is its local tensor's.
         t = getattr(t, "_local_tensor", t)
         if t.device.type == "meta":  # shapes only, never allocated (a model built on `meta`)
+            return
+        if not isinstance(t, FakeTensor):  # made outside the fake mode on purpose: host memory (trace_ddp.py)
             return
         try:
             st = t.untyped_storage()
@@ -312,6 +322,54 @@ class Recorder:
         b, heads, s, head_dim = (int(x) for x in q.shape)
         gqa = int(k.shape[1]) != heads
         self.events.append(["attention_backward", kernel, b, heads, s, head_dim, gqa, q.element_size()])
+
+
+class IndexBounds:
+    """Storages whose every value is known to lie in [0, n): `topk`'s indices along a dimension of
+    n elements, until an operator writes into them. Their `bincount(minlength=m)` with n <= m has
+    exactly m bins (its length is max(max + 1, minlength)), a shape fake tensors refuse as
+    data-dependent; transformers' `load_balancing_loss_func` counts the experts' top-k choices so."""
+
+    def __init__(self):
+        self.bound: dict[int, int] = {}  # storage id -> n
+
+    def after(self, rec: Recorder, func, args, kwargs, out):
+        import torch
+
+        if func is torch.ops.aten.topk.default:
+            dim = args[2] if len(args) > 2 else (kwargs or {}).get("dim", -1)
+            sid = rec._id_of(out[1])
+            if sid is not None:
+                self.bound[sid] = int(args[0].shape[dim])
+            return
+        if not func._schema.is_mutable:
+            return
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
+                self.bound.pop(rec._id_of(value), None)
+
+    def bincount(self, rec: Recorder, args, kwargs):
+        """`_bincount_cuda_template` of a bounded, unweighted, 1-D `x`: `x.min()` and `x.max()`
+        each a one-element tensor read back to the host and freed, then the `zeros(m)` int64
+        counts (its histogram kernel counts in shared memory, allocating nothing more).
+        `NotImplemented` when the bound is not known."""
+        import torch
+
+        kwargs = kwargs or {}
+        x = args[0]
+        weights = args[1] if len(args) > 1 else kwargs.get("weights")
+        minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+        bound = self.bound.get(rec._id_of(x))
+        if weights is not None or x.dim() != 1 or x.numel() == 0 or bound is None or bound > minlength:
+            return NotImplemented
+        for reduction in ("aten.min.default", "aten.max.default"):
+            scalar = torch.empty((), dtype=x.dtype, device=x.device)
+            rec._maybe_alloc(scalar, reduction)
+            del scalar
+        out = torch.zeros(minlength, dtype=torch.long, device=x.device)
+        rec._maybe_alloc(out, "aten.bincount.default")
+        return out
 
 
 def trace(spec, fields: dict, out_path: str, progress=None) -> dict:

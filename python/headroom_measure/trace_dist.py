@@ -1,6 +1,7 @@
 """Trace a sharded run as rank 0 of its world: FSDP2 (`fully_shard`) and torchtitan's tensor
 parallelism, built by the measuring harness's own code (`dist.py`), under torch's `fake` process
-group on the CPU, inside the tracer's `FakeTensorMode` (`trace.py`).
+group on the CPU, inside the tracer's `FakeTensorMode` (`trace.py`). DDP and FSDP1 run in the
+same world, as `trace_ddp.py` and `trace_fsdp1.py` run them.
 
 The fake group makes every collective a no-op while FSDP2 allocates its all-gather and
 reduce-scatter buffers at their full size, as the measured fake-group rows do. What the CPU path
@@ -27,32 +28,35 @@ import contextlib
 
 from .trace import TraceError
 
-# The strategies the tracer runs, and why the others are refused (DeepSpeed's: `trace_zero`).
-TRACEABLE = ("fsdp", "none", "zero1", "zero2")
-REFUSED = {
-    "ddp": "DDP's C++ reads tensor memory, which fake tensors do not have: its constructor's parameter check "
-    "(`_verify_params_across_processes`, which `init_sync=False` would skip along with the state broadcast the "
-    "measured run makes) and, at the second step, the Reducer's bucket rebuild, which sends the new bucket order as a "
-    "tensor (`sync_bucket_indices`) before it re-allocates the gradient buckets in the order gradients became "
-    "ready",
-    "fsdp1": "FSDP1 materialises each unit by swapping its parameters (`to_empty` under `param_init_fn`), which "
-    "fake tensors refuse",
-}
+# The strategies the tracer runs here (DeepSpeed's: `trace_zero`, which refuses ZeRO-3 first).
+TRACEABLE = ("fsdp", "fsdp1", "ddp", "none", "zero1", "zero2")
 
 
 def refuse_untraceable_parallel(par) -> None:
     """Refuse, by name, the layouts the tracer cannot run as rank 0 of a fake world."""
+    if par.framework == "megatron":
+        raise TraceError(
+            "`parallel.framework: megatron`: the tracer runs PyTorch's own wrappers (ddp, fsdp, tensor "
+            "parallelism), not Megatron-core's GPTModel and DistributedDataParallel; `headroom estimate` models "
+            "framework megatron natively"
+        )
+    if par.strategy == "fsdp1" and par.offload_params:
+        raise TraceError(
+            "`parallel.offload_params: true` with strategy fsdp1: FSDP1's host copies of the shards and their "
+            "gradients are not emulated on the CPU yet; the tracer runs fsdp1 without offload and fsdp (FSDP2) with "
+            "it; `headroom estimate` models fsdp1 offload natively"
+        )
     if par.strategy not in TRACEABLE:
         raise TraceError(
-            f"`parallel.strategy: {par.strategy}`: {REFUSED[par.strategy]}; the tracer runs fsdp (FSDP2) and "
-            "tensor parallelism (strategy none or fsdp with tp > 1); `headroom estimate` models "
+            f"`parallel.strategy: {par.strategy}`: the tracer runs ddp, fsdp1, fsdp (FSDP2), zero1, zero2 "
+            "and tensor parallelism (strategy none or fsdp with tp > 1); `headroom estimate` models "
             f"{par.strategy} natively"
         )
     for key, degree, what in (("pp", par.pp, "pipeline schedules"), ("cp", par.cp, "context parallelism's ring")):
         if degree > 1:
             raise TraceError(
-                f"`parallel.{key}: {degree}`: the tracer does not run {what} yet; it runs FSDP2 and tensor "
-                f"parallelism; `headroom estimate` models {what} natively"
+                f"`parallel.{key}: {degree}`: the tracer does not run {what} yet; it runs DDP, FSDP1, FSDP2 "
+                f"and tensor parallelism; `headroom estimate` models {what} natively"
             )
 
 
@@ -105,6 +109,15 @@ def _outside_fake(fn):
             return fn(*args, **kwargs)
 
     return outside
+
+
+def patch(stack: contextlib.ExitStack, owner, name: str, value) -> None:
+    """`owner.name` is `value` until `stack` closes."""
+    if name in vars(owner):
+        stack.callback(setattr, owner, name, vars(owner)[name])
+    else:  # inherited: the patch shadows it until it goes
+        stack.callback(delattr, owner, name)
+    setattr(owner, name, value)
 
 
 class _FsdpCuda:
@@ -183,29 +196,30 @@ class _FsdpCuda:
         return self
 
     def _patch(self, owner, name, value):
-        if name in vars(owner):
-            self._stack.callback(setattr, owner, name, vars(owner)[name])
-        else:  # inherited: the patch shadows it until it goes
-            self._stack.callback(delattr, owner, name)
-        setattr(owner, name, value)
+        patch(self._stack, owner, name, value)
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)
 
 
 def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
-    """`measure_dist`'s load and steps on rank 0 of a fake world (dist.py), every phase marked."""
+    """`measure_dist`'s load and steps on rank 0 of a fake world (dist.py), every phase marked;
+    DDP's C++ as `trace_ddp.py` runs it."""
     import torch
     import transformers
 
     from . import dist as d
     from . import measure as m
     from .trace import _ModuleNames, train_step
+    from .trace_ddp import DdpOnFakeTensors, build_ddp
+    from .trace_fsdp1 import Fsdp1OnFakeTensors, build_fsdp1
 
     par = spec.parallel
     rec.stream_of = Streams().current
     device = torch.device("cpu")
-    with fake_world(par.world_size), _FsdpCuda(rec):
+    ddp = par.strategy == "ddp"
+    wrapper = {"ddp": DdpOnFakeTensors, "fsdp1": Fsdp1OnFakeTensors}.get(par.strategy)
+    with fake_world(par.world_size), _FsdpCuda(rec), wrapper(rec) if wrapper else contextlib.nullcontext():
         rec.phase("load")
         cfg = m._hf_config(spec, fields)
         cls = (
@@ -216,6 +230,10 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
         dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
         if par.tp > 1:
             model, _ = d._build_torchtitan(spec, cfg, cls, dtype, device)
+        elif ddp:
+            model = build_ddp(rec, spec, cfg, cls, dtype, device)
+        elif par.strategy == "fsdp1":
+            model = build_fsdp1(rec, spec, cfg, cls, dtype, device)
         else:
             model = d._build_fsdp(spec, cfg, cls, dtype, device)
         _ModuleNames.current.name(model)
@@ -248,7 +266,7 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
             if progress:
                 progress(step, steps)
             train_step(
-                rec, spec, model, ids, autocast, optimizer, params, sharded=True, host_step=par.offload_params,
+                rec, spec, model, ids, autocast, optimizer, params, sharded=not ddp, host_step=par.offload_params,
                 loss_context=loss_context, mark=lambda part: rec.phase(f"step {step} {part}"),
             )  # fmt: skip
         del model, optimizer, params, ids

@@ -40,10 +40,11 @@ def refuse_untraceable_pipeline(pipe) -> None:
     for k, inst in enumerate(pipe.instances):
         try:
             refuse_untraceable(inst.spec)
-            if inst.spec.parallel is not None and inst.spec.parallel.strategy.startswith("zero"):
+            strategy = inst.spec.parallel.strategy if inst.spec.parallel is not None else None
+            if strategy in ("ddp", "fsdp1", "zero1", "zero2"):
                 raise TraceError(
-                    f"`parallel.strategy: {inst.spec.parallel.strategy}`: the tracer runs DeepSpeed in a single run, "
-                    "not yet as a pipeline's instance; `headroom estimate` models it natively"
+                    f"`parallel.strategy: {strategy}`: the pipeline tracer builds fsdp (FSDP2) instances; {strategy} "
+                    f"is traced in a run spec; `headroom estimate` models {strategy} instances natively"
                 )
         except TraceError as err:
             raise TraceError(f"instances[{k}] ({inst.name}): {err}") from None

@@ -232,8 +232,8 @@ def refuse_untraceable_zero(par) -> None:
             "partition (`part_to_copy.record_stream(get_accelerator().current_stream())` in "
             "`AllGatherCoalescedHandle.wait`, deepspeed/runtime/zero/partition_parameters.py), which fails on the "
             "tracer's fake tensors (`aten::record_stream` has no CPU kernel: RuntimeError: unknown parameter type), "
-            "and a trace does not record a block held for another stream; the tracer runs fsdp (FSDP2), tensor "
-            f"parallelism, zero1 and zero2; `headroom estimate` models {par.strategy} natively"
+            "and a trace does not record a block held for another stream; the tracer runs ddp, fsdp1, fsdp "
+            f"(FSDP2), zero1, zero2 and tensor parallelism; `headroom estimate` models {par.strategy} natively"
         )
     for key, on in (("offload_optimizer", par.offload_optimizer), ("offload_params", par.offload_params)):
         if on:

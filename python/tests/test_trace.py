@@ -54,6 +54,16 @@ class TraceCliTest(unittest.TestCase):
             self.assertEqual(out.returncode, 2, out.stderr)
             self.assertIn("quantization", out.stderr)
 
+    def test_the_eager_experts_loop_is_refused_by_name(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            config = {**TINY["model_config"], "model_type": "qwen3_moe", "moe_intermediate_size": 64,
+                      "num_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
+            spec = {**TINY, "model_config": config, "experts_implementation": "eager"}
+            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn("`experts_implementation: eager`", out.stderr)
+            self.assertIn("max_tokens_per_expert_factor", out.stderr)
+
     def test_dpo_with_precomputed_reference_log_probs_is_refused_by_name(self):
         with tempfile.TemporaryDirectory() as tmp:
             spec = {**TINY, "trainer": "trl-dpo", "precompute_ref_log_probs": True}
@@ -178,6 +188,118 @@ class CudaDecisionsTest(unittest.TestCase):
         additive = [x for x in trace["storages"] if x["op"] == "aten.where.self" and "self_attn" in x["module"]]
         self.assertTrue(additive)
         self.assertEqual({x["bytes"] for x in additive}, {b * s * s * 2})
+
+
+@unittest.skipUnless(has_torch(), "torch and transformers are not installed")
+class CudaKernelsTest(unittest.TestCase):
+    """CUDA's kernels where torch's fake implementations differ, in process under `fake_cuda`."""
+
+    def setUp(self):
+        sys.path.insert(0, str(PYTHON_DIR))
+        self.addCleanup(sys.path.remove, str(PYTHON_DIR))
+
+    def test_grouped_mm_of_fp32_matrices_runs_as_cudas_fallback_does(self):
+        import torch
+
+        from headroom_measure.trace import Recorder, fake_cuda
+
+        rec = Recorder()
+        with fake_cuda(rec):
+            x = torch.randn(64, 32, requires_grad=True)
+            w = torch.randn(4, 32, 16, requires_grad=True)
+            offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+            out = torch._grouped_mm(x, w, offs=offs)
+            self.assertEqual((out.shape, out.dtype), (torch.Size([64, 16]), torch.float32))
+            out.sum().backward()
+            self.assertEqual((x.grad.dtype, w.grad.shape), (torch.float32, w.shape))
+            with self.assertRaisesRegex(RuntimeError, "BF16"):
+                torch._grouped_mm(x.bfloat16(), w, offs=offs)  # mixed dtypes: CUDA refuses them too
+        gemms = [e for e in rec.events if e[0] == "gemm"]
+        self.assertEqual(len(gemms), 3, "the forward and the two gradients, each a GEMM")
+
+    def test_latent_attentions_narrower_values_take_cudnn(self):
+        import torch
+
+        from headroom_measure.cuda_emulation import select_attention_kernel
+
+        def kernel(dtype, qk, v, masked=False):
+            q, k = torch.empty(1, 16, 64, qk, dtype=dtype), torch.empty(1, 16, 64, qk, dtype=dtype)
+            mask = torch.empty(1, 1, 64, 64, dtype=torch.bool) if masked else None
+            return select_attention_kernel(q, k, torch.empty(1, 16, 64, v, dtype=dtype), mask, False)
+
+        self.assertEqual(kernel(torch.bfloat16, 128, 128), "flash")
+        self.assertEqual(kernel(torch.bfloat16, 128, 128, masked=True), "cudnn")
+        # DeepSeek's MLA: flash needs one head dim; cuDNN takes 192 / 128 on sm90, masked or not
+        self.assertEqual(kernel(torch.bfloat16, 192, 128), "cudnn")
+        self.assertEqual(kernel(torch.bfloat16, 192, 128, masked=True), "cudnn")
+        self.assertEqual(kernel(torch.float32, 192, 128), "efficient")
+
+    def test_bincount_of_topk_indices_has_minlength_bins(self):
+        import torch
+        from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+        from headroom_measure.trace import Recorder, fake_cuda
+
+        rec = Recorder()
+        with fake_cuda(rec):
+            probs = torch.randn(2048, 128).softmax(-1)
+            _, chosen = torch.topk(probs, 8, dim=-1)
+            first = len(rec.storages)
+            counts = torch.bincount(chosen.reshape(-1), minlength=128)
+            self.assertEqual((counts.shape, counts.dtype), (torch.Size([128]), torch.long))
+            made = [(s["op"], s["bytes"]) for s in rec.storages[first:]]
+            self.assertEqual(
+                made, [("aten.min.default", 8), ("aten.max.default", 8), ("aten.bincount.default", 128 * 8)]
+            )
+            with self.assertRaises(DynamicOutputShapeException):
+                torch.bincount(chosen.reshape(-1), minlength=64)  # values may reach 127: not bounded by 64
+            with self.assertRaises(DynamicOutputShapeException):
+                torch.bincount(torch.randint(0, 128, (16,)), minlength=128)  # nothing known of its values
+            chosen.add_(1)  # written: the bound no longer holds
+            with self.assertRaises(DynamicOutputShapeException):
+                torch.bincount(chosen.reshape(-1), minlength=128)
+            _, again = torch.topk(probs, 8, dim=-1)
+            torch.add(again, 1, out=again)  # written through `out=`
+            with self.assertRaises(DynamicOutputShapeException):
+                torch.bincount(again.reshape(-1), minlength=128)
+
+
+@unittest.skipUnless(has_torch(), "torch and transformers are not installed")
+class OtherLibrariesAutocastTest(unittest.TestCase):
+    """A library that registers CUDA autocast kernels of its own (as torchvision does) changes
+    nothing for code that does not call them; calling one under autocast is refused by name."""
+
+    def setUp(self):
+        import torch
+
+        sys.path.insert(0, str(PYTHON_DIR))
+        self.addCleanup(sys.path.remove, str(PYTHON_DIR))
+        self.lib = torch.library.Library("headroom_test_autocast", "DEF")
+        self.addCleanup(self.lib._destroy)
+        for name in ("cuda_cast", "cpu_cast"):
+            self.lib.define(f"{name}(Tensor x) -> Tensor")
+            self.lib.impl(name, lambda x: x.clone(), "CompositeExplicitAutograd")
+        to_fp32 = lambda x: x.float()  # noqa: E731 - what torchvision's autocast kernels do
+        self.lib.impl("cuda_cast", to_fp32, "AutocastCUDA")
+        self.lib.impl("cpu_cast", to_fp32, "AutocastCPU")
+
+    def test_only_a_call_under_autocast_is_refused(self):
+        import torch
+
+        from headroom_measure.cuda_emulation import CudaEmulation, EmulationError
+
+        ops = torch.ops.headroom_test_autocast
+        x = torch.randn(4, 4, dtype=torch.bfloat16)
+        with CudaEmulation():
+            self.assertEqual(ops.cuda_cast(x).dtype, torch.bfloat16)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                self.assertEqual(torch.mm(x.float(), x.float()).dtype, torch.bfloat16)
+                with self.assertRaisesRegex(EmulationError, "headroom_test_autocast::cuda_cast"):
+                    ops.cuda_cast(x)
+                # no CUDA autocast kernel: CUDA passes it through, whatever the CPU's does
+                self.assertEqual(ops.cpu_cast(x).dtype, torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            self.assertEqual(ops.cpu_cast(x).dtype, torch.float32, "the library's own kernel is back")
 
 
 if __name__ == "__main__":

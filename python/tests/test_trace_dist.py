@@ -43,17 +43,26 @@ def tiny_parameter_numels():
 
 class RefusalTest(unittest.TestCase):
     def test_strategies_the_tracer_cannot_run_are_refused_by_name(self):
-        for strategy, reason in (
-            ("zero3", "record_stream"), ("fsdp1", "to_empty"), ("ddp", "sync_bucket_indices"),
+        for parallel, key, reason in (
+            ({"strategy": "zero3"}, "`parallel.strategy: zero3`", "record_stream"),
+            ({"strategy": "fsdp1", "offload_params": True}, "`parallel.offload_params: true`", "host copies"),
         ):
-            spec = {**TINY, "parallel": {"strategy": strategy, "world_size": 2}}
+            spec = {**TINY, "parallel": {**parallel, "world_size": 2}}
             with tempfile.TemporaryDirectory() as tmp:
                 out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
             self.assertEqual(out.returncode, 2, out.stderr)
-            self.assertIn(f"`parallel.strategy: {strategy}`", out.stderr)
+            self.assertIn(key, out.stderr)
             self.assertIn(reason, out.stderr)
-            self.assertIn("the tracer runs fsdp (FSDP2)", out.stderr)
+            self.assertIn("the tracer runs", out.stderr)
             self.assertNotIn("Traceback", out.stderr)
+
+    def test_megatron_is_refused_though_its_strategy_is_ddp(self):
+        spec = {**TINY, "parallel": {"strategy": "ddp", "world_size": 2, "framework": "megatron"}}
+        with tempfile.TemporaryDirectory() as tmp:
+            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("`parallel.framework: megatron`", out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
 
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")

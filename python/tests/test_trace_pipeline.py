@@ -43,14 +43,16 @@ def tiny_model_bytes(dtype_bytes: int) -> int:
 
 class RefusalTest(unittest.TestCase):
     def test_an_instance_the_tracer_cannot_run_is_refused_by_name(self):
-        raw = json.loads(json.dumps(PIPELINE))
-        raw["instances"][0]["parallel"] = {"strategy": "zero2", "world_size": 1}
-        raw["instances"][0]["precision"] = "bf16"
-        with tempfile.TemporaryDirectory() as tmp:
-            out = run("trace", "--spec-json", json.dumps(raw), "--out", f"{tmp}/t.json")
-        self.assertEqual(out.returncode, 2, out.stderr)
-        self.assertIn("instances[0] (actor): `parallel.strategy: zero2`", out.stderr)
-        self.assertNotIn("Traceback", out.stderr)
+        # DDP and FSDP1 are traced in a run spec, not as a pipeline's instance.
+        for strategy in ("zero2", "ddp", "fsdp1"):
+            raw = json.loads(json.dumps(PIPELINE))
+            raw["instances"][0]["parallel"] = {"strategy": strategy, "world_size": 1}
+            raw["instances"][0]["precision"] = "bf16"
+            with tempfile.TemporaryDirectory() as tmp:
+                out = run("trace", "--spec-json", json.dumps(raw), "--out", f"{tmp}/t.json")
+            self.assertEqual(out.returncode, 2, out.stderr)
+            self.assertIn(f"instances[0] (actor): `parallel.strategy: {strategy}`", out.stderr)
+            self.assertNotIn("Traceback", out.stderr)
 
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")

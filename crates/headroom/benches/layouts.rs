@@ -1,8 +1,10 @@
-//! `fit`'s layout search at scale: Llama-3.1-70B, a full bf16 fine-tune with AdamW, a global
-//! batch of 1024 sequences of 4096 tokens, searched over 8 to 1024 GPUs on the H100, the H200
-//! and the A100 80GB in one process (one `RankMemo`, as a sweep shares it). Prints each
-//! search's candidates, distinct simulations and seconds, then the totals with the process's
-//! CPU time (the machine may be shared: CPU time over the cores is what an idle one takes).
+//! `fit`'s layout search at scale: Llama-3.1-70B, then Qwen3-235B-A22B (MoE), each a full
+//! bf16 fine-tune with AdamW, a global batch of 1024 sequences of 4096 tokens, searched over 8
+//! to 1024 GPUs on the H100, the H200 and the A100 80GB in one process (one `RankMemo`, as a
+//! sweep shares it). Prints each search's candidates, distinct simulations, refusals (a
+//! pipeline over the search's budget, or what the spec refuses) and seconds, then
+//! each model's totals with the CPU time the process spent on them (the machine may be
+//! shared: CPU time over the cores is what an idle one takes).
 //! `cargo bench -p headroom --bench layouts`; results in bench/PERFORMANCE.md.
 
 use std::time::Instant;
@@ -17,47 +19,55 @@ const GLOBAL_BATCH: u64 = 1024;
 
 fn main() {
     let memo = RankMemo::default();
-    let (mut candidates, mut simulated) = (0, 0);
-    let start = Instant::now();
-    println!("gpu        gpus  candidates  simulated  fitting  seconds  best");
-    for gpu in ["h100-80gb", "h200", "a100-80gb"] {
-        for gpus in [8u32, 16, 32, 64, 128, 256, 512, 1024] {
-            let spec = RunSpec::from_value(&json!({
-                "model": "llama-3.1-70b", "precision": "bf16", "optimizer": "adamw",
-                "batch_size": GLOBAL_BATCH / u64::from(gpus), "seq_len": 4096,
-            }))
-            .expect("valid bench spec");
-            let setup = Setup {
-                spec,
-                spec_dir: None,
-                gpu: gpu::find(gpu).expect("catalog GPU"),
-                gpus,
-                residents: Vec::new(),
-                launcher: Default::default(),
-            };
-            let t = Instant::now();
-            let s = layout::search_with(&setup, &memo).expect("searches");
-            println!(
-                "{gpu:<10} {gpus:>5} {:>11} {:>10} {:>8} {:>8.2}  {}",
-                s.candidates,
-                s.simulated,
-                s.ranked.len(),
-                t.elapsed().as_secs_f64(),
-                s.best().map_or("none fits".into(), |b| b.candidate.name())
-            );
-            candidates += s.candidates;
-            simulated += s.simulated;
-        }
-    }
-    let secs = start.elapsed().as_secs_f64();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cpu = cpu_seconds();
     println!(
-        "total: {candidates} candidates, {simulated} simulated, {secs:.2} s wall ({:.0} \
-         candidates/s), {cpu:.2} s CPU on {threads} threads ({:.2} s of CPU per thread)",
-        candidates as f64 / secs,
-        cpu / threads as f64
+        "model            gpu        gpus  candidates  simulated  refused  fitting  seconds  best"
     );
+    for model in ["llama-3.1-70b", "qwen3-235b-a22b"] {
+        let (mut candidates, mut simulated, mut refused) = (0, 0, 0);
+        let (start, cpu_start) = (Instant::now(), cpu_seconds());
+        for gpu in ["h100-80gb", "h200", "a100-80gb"] {
+            for gpus in [8u32, 16, 32, 64, 128, 256, 512, 1024] {
+                let spec = RunSpec::from_value(&json!({
+                    "model": model, "precision": "bf16", "optimizer": "adamw",
+                    "batch_size": GLOBAL_BATCH / u64::from(gpus), "seq_len": 4096,
+                }))
+                .expect("valid bench spec");
+                let setup = Setup {
+                    spec,
+                    spec_dir: None,
+                    gpu: gpu::find(gpu).expect("catalog GPU"),
+                    gpus,
+                    residents: Vec::new(),
+                    launcher: Default::default(),
+                };
+                let t = Instant::now();
+                let s = layout::search_with(&setup, &memo).expect("searches");
+                println!(
+                    "{model:<16} {gpu:<10} {gpus:>5} {:>11} {:>10} {:>8} {:>8} {:>8.2}  {}",
+                    s.candidates,
+                    s.simulated,
+                    s.refused,
+                    s.ranked.len(),
+                    t.elapsed().as_secs_f64(),
+                    s.best().map_or("none fits".into(), |b| b.candidate.name())
+                );
+                candidates += s.candidates;
+                simulated += s.simulated;
+                refused += s.refused;
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cpu = cpu_seconds() - cpu_start;
+        println!(
+            "total {model}: {candidates} candidates ({refused} refused), {simulated} simulated, \
+             {secs:.2} s wall \
+             ({:.0} candidates/s), {cpu:.2} s CPU on {threads} threads ({:.2} s of CPU per \
+             thread)",
+            candidates as f64 / secs,
+            cpu / threads as f64
+        );
+    }
 }
 
 /// User and system CPU time of this process so far (`/proc/self/stat`, clock ticks of 1/100 s).

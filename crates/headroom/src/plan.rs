@@ -260,16 +260,18 @@ fn sharding_of(p: &Parallel) -> (Sharding, bool) {
 }
 
 /// The spec's own parallel settings over `gpus` ranks (an HSDP shard group kept where it
-/// still divides them; with tensor parallelism, FSDP over the data-parallel ranks left).
+/// still divides them; with pipeline, tensor or context parallelism, FSDP over the data- and
+/// context-parallel ranks left).
 fn rescaled(p: &Parallel, gpus: u32) -> Parallel {
     let world_size = u64::from(gpus.max(1));
-    let hsdp = p.tensor.tp == 1 && p.shard_size < p.world_size && world_size % p.shard_size == 0;
+    let plain = p.tensor.tp == 1 && p.tensor.cp == 1 && p.pipeline.pp == 1;
+    let hsdp = plain && p.shard_size < p.world_size && world_size % p.shard_size == 0;
     Parallel {
         world_size,
         shard_size: if hsdp {
             p.shard_size
         } else {
-            (world_size / p.tensor.tp).max(1)
+            (world_size / (p.tensor.tp * p.pipeline.pp)).max(1)
         },
         ..p.clone()
     }
@@ -581,9 +583,12 @@ fn fits(setup: &Setup, k: &Knobs) -> Result<bool> {
     Ok(candidate(simulate(setup, k))?.is_some_and(|est| evaluate_with(setup, k, &est).fits))
 }
 
-/// Whether the spec lays the model out with tensor parallelism.
-fn tensor_parallel(spec: &RunSpec) -> bool {
-    spec.parallel.as_ref().is_some_and(|p| p.tensor.tp > 1)
+/// Whether the spec lays the model out over several GPUs a replica (pipeline, tensor or
+/// context parallelism): the knob search changes data parallelism alone, and would drop it.
+fn model_parallel(spec: &RunSpec) -> bool {
+    spec.parallel
+        .as_ref()
+        .is_some_and(|p| p.tensor.tp > 1 || p.tensor.cp > 1 || p.pipeline.pp > 1)
 }
 
 /// Whether Megatron-core lays the model out (its own DDP and optimizer, not the strategies
@@ -609,17 +614,12 @@ pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
                 "`headroom estimate` of a Megatron-core layout; remedies search data parallelism \
                  as PyTorch and DeepSpeed apply it",
             )
-        } else if p.tensor.tp > 1 && p.tensor.cp == 1 && p.pipeline.pp == 1 {
-            (
-                "remedies of a tensor-parallel spec (parallel.tp > 1)",
-                "`headroom estimate` of a tensor-parallel layout, and `fit`, whose layout search \
-                 covers tensor parallelism; remedies search data parallelism",
-            )
         } else {
             (
-                "remedies of a context- or pipeline-parallel spec (parallel.cp or pp > 1)",
-                "`headroom estimate` of a context- or pipeline-parallel layout; remedies search \
-                 data parallelism",
+                "remedies of a pipeline-, tensor- or context-parallel spec (parallel.pp, tp or \
+                 cp > 1)",
+                "`headroom estimate` of such a layout, and `fit`, whose layout search covers \
+                 pipeline, tensor and context parallelism; remedies search data parallelism",
             )
         };
         return Err(Error::Unsupported {
@@ -630,39 +630,29 @@ pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
     as_given(setup)
 }
 
-/// The spec as given, with its residents and ranks, whatever its data- and tensor-parallel
-/// layout.
+/// The spec as given, with its residents and ranks, whatever its pipeline-, data-, context-
+/// and tensor-parallel layout.
 fn as_given(setup: &Setup) -> Result<(Estimate, Evaluation)> {
-    if setup
-        .spec
-        .parallel
-        .as_ref()
-        .is_some_and(|p| p.pipeline.pp > 1 || p.tensor.cp > 1 || megatron(p))
-    {
+    if setup.spec.parallel.as_ref().is_some_and(megatron) {
         return Err(Error::Unsupported {
-            what: "fit of a context- or pipeline-parallel or Megatron-core spec (parallel.cp or \
-                   pp > 1, framework megatron)"
-                .into(),
+            what: "fit of a Megatron-core spec (parallel.framework megatron)".into(),
             supported: "`headroom estimate` of such a layout; fit's layout search covers data \
-                        parallelism and torchtitan's tensor parallelism"
+                        parallelism and torchtitan's pipeline, tensor and context parallelism"
                 .into(),
         });
     }
-    if let Some(tp) = setup
-        .spec
-        .parallel
-        .as_ref()
-        .map(|p| p.tensor.tp)
-        .filter(|&tp| !u64::from(setup.gpus).is_multiple_of(tp))
-    {
-        return Err(Error::field(
-            "--gpus",
-            setup.gpus,
-            format!(
-                "the spec's parallel.tp ({tp}) must divide it: the GPUs are dp × tp; use a \
-                 multiple of {tp}"
-            ),
-        ));
+    if let Some(p) = setup.spec.parallel.as_ref() {
+        let replica = p.pipeline.pp * p.tensor.cp * p.tensor.tp;
+        if !u64::from(setup.gpus).is_multiple_of(replica) {
+            return Err(Error::field(
+                "--gpus",
+                setup.gpus,
+                format!(
+                    "the spec's parallel.pp × cp × tp ({replica}) must divide it: the GPUs are \
+                     pp × dp × cp × tp; use a multiple of {replica}"
+                ),
+            ));
+        }
     }
     let k = Knobs::of(&setup.spec);
     let est = simulate(setup, &k)?;
@@ -1113,9 +1103,15 @@ fn largest_fitting(lo: u64, cap: u64, mut fits: impl FnMut(u64) -> Result<bool>)
 /// Largest micro-batch that fits, everything else as the spec says; `None` if 1 does not.
 pub fn max_micro_batch(setup: &Setup) -> Result<Option<u64>> {
     let base = Knobs::of(&setup.spec);
-    let fits = |b: u64| {
+    // A pipeline splits the batch into its micro-batches: batches come in multiples of them.
+    let unit = setup
+        .spec
+        .parallel
+        .as_ref()
+        .map_or(1, |p| p.pipeline.microbatches);
+    let fits = |n: u64| {
         let k = Knobs {
-            micro_batch: b,
+            micro_batch: n * unit,
             ..base.clone()
         };
         fits(setup, &k)
@@ -1123,21 +1119,21 @@ pub fn max_micro_batch(setup: &Setup) -> Result<Option<u64>> {
     if !fits(1)? {
         return Ok(None);
     }
-    largest_fitting(1, 1 << 16, fits).map(Some)
+    Ok(Some(largest_fitting(1, (1 << 16) / unit, fits)? * unit))
 }
 
 /// Longest sequence (up to the model's positions) that fits at the spec's micro-batch;
 /// `None` if 1 token does not.
 pub fn max_seq_len(setup: &Setup, max_positions: u64) -> Result<Option<u64>> {
     let base = Knobs::of(&setup.spec);
-    // Sequence parallelism shards the sequence over the tensor-parallel ranks: lengths come
-    // in multiples of them.
-    let unit = setup
-        .spec
-        .parallel
-        .as_ref()
-        .filter(|p| p.tensor.sequence_parallel)
-        .map_or(1, |p| p.tensor.tp);
+    // Context parallelism cuts the sequence into 2 × cp chunks, and sequence parallelism
+    // shards each rank's over the tensor-parallel ranks: lengths come in multiples of both.
+    let unit = setup.spec.parallel.as_ref().map_or(1, |p| {
+        let t = p.tensor;
+        let chunks = if t.cp > 1 { 2 * t.cp } else { 1 };
+        let shards = if t.sequence_parallel { t.cp * t.tp } else { 1 };
+        least_common_multiple(chunks, shards)
+    });
     let fits = |n: u64| {
         let k = Knobs {
             seq_len: n * unit,
@@ -1151,6 +1147,14 @@ pub fn max_seq_len(setup: &Setup, max_positions: u64) -> Result<Option<u64>> {
     Ok(Some(
         largest_fitting(1, (max_positions / unit).max(1), fits)? * unit,
     ))
+}
+
+fn least_common_multiple(a: u64, b: u64) -> u64 {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    a / x * b
 }
 
 /// Every configuration of the search space, evaluated (the spec's own first).
@@ -1349,7 +1353,7 @@ pub enum Layouts {
 pub fn fit(setup: &Setup) -> Result<FitReport> {
     let (estimate, baseline) = as_given(setup)?;
     let max_positions = estimate.arch.max_positions;
-    let knobs_searched = !tensor_parallel(&setup.spec);
+    let knobs_searched = !model_parallel(&setup.spec);
     let all = if knobs_searched {
         search(setup)?
     } else {

@@ -198,8 +198,8 @@ fn render(setup: &Setup, r: &FitReport) -> String {
     if r.knobs_searched {
         out += &knobs(setup, r);
     } else {
-        out += "\nThe search of memory knobs keeps data parallelism: for a tensor-parallel spec \
-                the layout search below replaces it.\n";
+        out += "\nThe search of memory knobs keeps data parallelism: for a pipeline-, tensor- or \
+                context-parallel spec the layout search below replaces it.\n";
     }
     if let Layouts::Searched(search) = &r.layouts {
         out += &layouts(setup, search);
@@ -352,6 +352,13 @@ fn layouts(setup: &Setup, s: &LayoutSearch) -> String {
         out += &format!("  - {why}\n");
     }
     out += &format!("Its spec keys: {}\n", best.candidate.spec_keys());
+    if best.candidate.accumulation > 1 {
+        // A training loop's spec has no accumulation key.
+        out += &format!(
+            "  (one micro-batch a step: the loop accumulates {} of them per optimizer step)\n",
+            best.candidate.accumulation
+        );
+    }
     out += &format!("Margin: {}.\n", layout::MARGIN_RULE);
     out += &format!("Step time: {}.\n", layout::COST_MODEL);
     out

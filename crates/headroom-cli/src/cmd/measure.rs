@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 16] = [
+const HARNESS: [(&str, &str); 18] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -59,6 +59,14 @@ const HARNESS: [(&str, &str); 16] = [
     (
         "trace_dist.py",
         include_str!("../../../../python/headroom_measure/trace_dist.py"),
+    ),
+    (
+        "trace_ddp.py",
+        include_str!("../../../../python/headroom_measure/trace_ddp.py"),
+    ),
+    (
+        "trace_fsdp1.py",
+        include_str!("../../../../python/headroom_measure/trace_fsdp1.py"),
     ),
     (
         "trace_trl.py",

@@ -38,7 +38,7 @@ fn the_best_layout_is_what_estimate_says_of_its_spec() {
     let l = &fit["layouts"];
     assert_eq!(l["searched"], true);
     assert_eq!(l["gpus"], 64);
-    assert_eq!(l["axes"], serde_json::json!(["tp", "sp", "dp"]));
+    assert_eq!(l["axes"], serde_json::json!(["pp", "tp", "cp", "sp", "dp"]));
     let best = &l["best"];
     assert_eq!(best, &l["ranked"][0]);
     assert_eq!(best["exact"], true);
@@ -147,7 +147,7 @@ fn bad_gpus_and_gpu_exit_2_naming_them() {
         (vec!["--gpu", "h100-80gb", "--gpus", "many"], "--gpus"),
         (
             vec!["--gpu", "h100-80gb", "--gpus", "12"],
-            "parallel.tp (8) must divide",
+            "parallel.pp × cp × tp (8) must divide",
         ),
         (vec!["--gpu", "tpu-v5", "--gpus", "64"], "tpu-v5"),
         (vec!["--gpu", "0GiB", "--gpus", "64"], "gpu"),
@@ -157,4 +157,71 @@ fn bad_gpus_and_gpu_exit_2_naming_them() {
         let err = bad_input(&all);
         assert!(err.contains(names), "{args:?}: {err}");
     }
+}
+
+/// Llama-3.1-8B on sequences of 131,072 tokens over 8 H100s: only context parallelism fits
+/// (its ring cuts each rank's activations and logits to `seq_len / cp`), and `--json` says each
+/// layout's axes. `fit` of the spec its keys write (a context-parallel spec, refused before the
+/// search covered it) plans it as given: the same numbers, and the same layout best.
+#[test]
+fn a_long_sequence_gets_context_parallelism_and_fit_plans_its_spec() {
+    let file = tempfile::Builder::new()
+        .suffix(".yaml")
+        .tempfile()
+        .expect("temp file");
+    std::fs::write(
+        file.path(),
+        "model: llama-3.1-8b\nprecision: bf16\noptimizer: adamw\nbatch_size: 1\nseq_len: 131072\n",
+    )
+    .expect("written");
+    let spec = file.path().display().to_string();
+    let fit = json(&["fit", &spec, "--gpu", "h100-80gb", "--gpus", "8", "--json"]);
+    let l = &fit["layouts"];
+    let ranked = l["ranked"].as_array().expect("ranked");
+    assert!(!ranked.is_empty());
+    for e in ranked {
+        assert!(e["cp"].as_u64().expect("cp") > 1, "{}", e["name"]);
+        assert_eq!(e["pp"], 1);
+        assert!(e["schedule"].is_null());
+        assert_eq!(e["microbatches"], 1);
+        let ranks = ["pp", "cp", "tp", "dp"]
+            .iter()
+            .map(|k| e[*k].as_u64().expect("degree"))
+            .product::<u64>();
+        assert_eq!(ranks, 8, "{}", e["name"]);
+        assert_eq!(e["spec"]["parallel"]["cp"], e["cp"]);
+    }
+    let best = &l["best"];
+
+    let text = std::fs::read_to_string(file.path()).expect("spec");
+    let mut doc = headroom::spec::parse_document(&text, file.path()).expect("yaml");
+    for (k, v) in best["spec"].as_object().expect("keys") {
+        doc[k] = v.clone();
+    }
+    let chosen = tempfile::Builder::new()
+        .suffix(".json")
+        .tempfile()
+        .expect("temp file");
+    std::fs::write(chosen.path(), doc.to_string()).expect("written");
+    let path = chosen.path().display().to_string();
+    let again = json(&["fit", &path, "--gpu", "h100-80gb", "--json"]);
+    assert_eq!(again["knobs_searched"], false, "a context-parallel spec");
+    assert_eq!(again["gpus"], 8, "the spec's world_size");
+    let est = json(&["estimate", &path, "--gpu", "h100-80gb", "--json"]);
+    for key in ["peak_allocated_bytes", "peak_reserved_bytes", "nccl_bytes"] {
+        assert_eq!(est[key], best[key], "{key}");
+    }
+    assert_eq!(
+        again["spec"]["peak_reserved_bytes"],
+        best["peak_reserved_bytes"]
+    );
+    // The best accumulates one micro-batch per GPU of the spec's data parallelism, which a
+    // training loop's spec cannot say: the spec its keys write trains one micro-batch a step,
+    // and `fit` plans that global batch, whose best is the same layout taken whole.
+    assert_eq!(best["gradient_accumulation"], 8);
+    let planned = &again["layouts"];
+    assert_eq!(planned["global_batch"], best["micro_batch"]);
+    assert_eq!(planned["best"]["spec"], best["spec"]);
+    assert_eq!(planned["best"]["gradient_accumulation"], 1);
+    assert_eq!(planned["best"]["simulated"], true);
 }

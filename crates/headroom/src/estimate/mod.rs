@@ -67,6 +67,9 @@ pub struct Estimate {
     pub worst_rank: u64,
     /// Each pipeline stage's peak, in stage order; empty without pipeline parallelism.
     pub stages: Vec<sim::StagePeak>,
+    /// The GPU's capacity never changed what the allocator did (every simulated rank's): the
+    /// same run on any GPU of the same architecture with at least this capacity.
+    pub unlimited: bool,
 }
 
 impl Estimate {
@@ -241,6 +244,7 @@ fn estimate_ranks(
         record_trace: keep.trace,
         record_timeline: keep.timeline,
         only_rank: rank,
+        first_oom_ends_run: limit == Limit::GpuUntilOom,
         ..sim::Options::new(allocator)
     };
     let mut sim = sim::simulate(spec, &arch, &options);
@@ -292,6 +296,7 @@ fn estimate_ranks(
         assumptions,
         worst_rank: sim.rank,
         stages: sim.stages.clone(),
+        unlimited: sim.unlimited,
     };
     let timeline = sim.timeline.as_ref().map(|t| {
         let peak = (estimate.peak_step, estimate.peak_phase);

@@ -1,6 +1,6 @@
-//! The layout search of `fit --gpus N`: how to spread a full training run over N GPUs (data,
-//! tensor and sequence parallelism), at which micro-batch, with or without recomputing
-//! activations. Every candidate is simulated by the estimator at the GPU's capacity; none is
+//! The layout search of `fit --gpus N`: how to spread a full training run over N GPUs
+//! (pipeline, tensor, context, sequence and data parallelism), at which micro-batch, with or
+//! without recomputing activations. Every candidate is simulated by the estimator at the GPU's capacity; none is
 //! computed from a formula. Candidates are ranked as a user picks one:
 //!
 //! 1. fidelity: layouts that keep the spec's global batch (the same optimisation) first, and
@@ -13,7 +13,11 @@
 //!
 //! Each parallel axis is one entry of [`AXES`]: the degrees it may take once the axes before
 //! it have chosen theirs, how a layout names it, and its communication in the cost model. A
-//! new axis (pipeline or context parallelism) is one more entry, and a field of `Parallel`.
+//! new axis (expert parallelism) is one more entry, and a field of `Parallel`. Combinations the
+//! spec refuses (inside a pipeline: a data-parallel wrapper other than FSDP2 over all of a
+//! stage's data-parallel ranks, context or sequence parallelism) are never made: the spec's
+//! own rule decides, so the search lays out what it admits, torchtitan's PP × FSDP2 (× TP)
+//! included.
 //!
 //! Candidates whose rank is provably the same simulation are simulated once ([`RankMemo`]);
 //! the others run on every core. A candidate that runs out of memory stops there: the
@@ -31,8 +35,8 @@ use crate::error::{Error, Result};
 use crate::estimate::{self, Estimate, Limit};
 use crate::gpu::Gpu;
 use crate::spec::{
-    Fsdp1Options, FsdpUnits, Mode, Parallel, Precision, RunSpec, Strategy, TensorParallel,
-    TrainerKind,
+    Fsdp1Options, FsdpUnits, Mode, Parallel, PipelineParallel, PipelineSchedule, Precision,
+    RunSpec, Strategy, TensorParallel, TrainerKind,
 };
 
 /// GPUs of one node: a tensor-parallel group stays within one, on NVLink.
@@ -51,9 +55,17 @@ pub struct Axis {
     comm: fn(&CostInputs, &Parallel) -> Comm,
 }
 
-/// The axes, in the order they are chosen: the model-parallel ones first, then data
-/// parallelism over the GPUs they leave.
+/// The axes, in the order they are chosen: the model-parallel ones first (torchtitan's mesh
+/// `pp, dp, cp, tp` from the outside in), then data parallelism over the GPUs they leave.
+/// Expert parallelism, once a strategy the search lays out shards experts, is an `ep` entry
+/// before `dp`.
 pub const AXES: &[Axis] = &[
+    Axis {
+        name: "pp",
+        expand: pipeline_degrees,
+        words: pipeline_words,
+        comm: pipeline_comm,
+    },
     Axis {
         name: "tp",
         expand: tensor_degrees,
@@ -66,6 +78,12 @@ pub const AXES: &[Axis] = &[
             (p.tensor.tp > 1).then(|| format!("tp {}{sp}", p.tensor.tp))
         },
         comm: tensor_comm,
+    },
+    Axis {
+        name: "cp",
+        expand: context_degrees,
+        words: |p| (p.tensor.cp > 1).then(|| format!("cp {}", p.tensor.cp)),
+        comm: context_comm,
     },
     Axis {
         name: "sp",
@@ -92,19 +110,101 @@ pub struct Context<'a> {
 
 /// GPUs each model replica spans: the product of the model-parallel degrees.
 fn model_parallel(p: &Parallel) -> u64 {
-    p.tensor.tp
+    p.pipeline.pp * p.tensor.cp * p.tensor.tp
 }
 
-/// Data-parallel ranks of a layout.
+/// Data-parallel ranks of a layout: the replicas that each take their own sequences.
 pub fn data_parallel(p: &Parallel) -> u64 {
     p.world_size / model_parallel(p)
 }
 
-/// Tensor parallelism: degrees that divide the world, stay within a node, and divide the
-/// heads, KV heads, MLP width and vocabulary of a model whose plan the estimator knows.
+/// The ranks FSDP2 shards one pipeline stage's parameters over: the data- and
+/// context-parallel ones (torchtitan's `dp_shard_cp` mesh).
+fn shard_ranks(p: &Parallel) -> u64 {
+    p.world_size / (p.pipeline.pp * p.tensor.tp)
+}
+
+/// Pipeline parallelism: none, and each degree of 2 or more that divides the world and the
+/// spec admits for the model (a dense decoder with an output head of its own and a decoder
+/// layer for every stage; an uneven split gives the first stages one more), under 1F1B and
+/// under interleaved 1F1B with two stages per rank. GPipe holds every micro-batch's
+/// activations at once for the same bubble as 1F1B: never the better layout. The
+/// micro-batches are the candidate's ([`candidates`]).
+fn pipeline_degrees(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
+    let mut out = vec![p.clone()];
+    for pp in (2..=ctx.world).filter(|pp| ctx.world.is_multiple_of(*pp)) {
+        for (schedule, vpp) in [
+            (PipelineSchedule::OneFOneB, 1),
+            (PipelineSchedule::Interleaved1F1B, 2),
+        ] {
+            let pipeline = PipelineParallel {
+                pp,
+                vpp,
+                microbatches: pp,
+                schedule,
+                layers_per_stage: None,
+            };
+            if crate::spec::check_pipeline_parallel(&pipeline, ctx.arch, pp, false).is_ok() {
+                out.push(Parallel {
+                    pipeline,
+                    ..p.clone()
+                });
+            }
+        }
+    }
+    out
+}
+
+fn pipeline_words(p: &Parallel) -> Option<String> {
+    let pipeline = &p.pipeline;
+    (pipeline.pp > 1).then(|| match pipeline.schedule {
+        PipelineSchedule::Interleaved1F1B => {
+            format!(
+                "pp {} (interleaved 1F1B, vpp {})",
+                pipeline.pp, pipeline.vpp
+            )
+        }
+        s => format!("pp {} ({})", pipeline.pp, s.name().to_uppercase()),
+    })
+}
+
+/// Tokens of each sequence a context-parallel rank keeps at least in the search: shorter
+/// chunks make the ring's blocks too small to hide its exchange, and its simulation walks
+/// `cp - 1` ring steps a layer.
+pub const MIN_CONTEXT_TOKENS: u64 = 1024;
+/// The largest context-parallel degree searched.
+pub const MAX_SEARCHED_CP: u64 = 32;
+
+/// Context parallelism: none, and each degree from 2 to [`MAX_SEARCHED_CP`] that divides the
+/// GPUs a pipeline stage's tensor-parallel groups leave and leaves each rank
+/// [`MIN_CONTEXT_TOKENS`], where the model and run admit the ring (a dense Llama-style decoder,
+/// SDPA, no sliding window, half-precision compute) and the sequence cuts into the load
+/// balancer's `2 × cp` chunks.
+fn context_degrees(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
+    let mut out = vec![p.clone()];
+    if crate::spec::check_context_parallel(ctx.spec, ctx.arch).is_err() {
+        return out;
+    }
+    let left = p.world_size / (p.pipeline.pp * p.tensor.tp);
+    let most = MAX_SEARCHED_CP.min(ctx.spec.seq_len / MIN_CONTEXT_TOKENS);
+    for cp in (2..=left.min(most)).filter(|cp| left.is_multiple_of(*cp)) {
+        if ctx.spec.seq_len.is_multiple_of(2 * cp) {
+            out.push(Parallel {
+                tensor: TensorParallel { cp, ..p.tensor },
+                ..p.clone()
+            });
+        }
+    }
+    out
+}
+
+/// Tensor parallelism: degrees that divide a pipeline stage's GPUs, stay within a node, and
+/// divide the heads, KV heads, MLP width and vocabulary of a model whose plan the estimator
+/// knows.
 fn tensor_degrees(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
-    (1..=GPUS_PER_NODE.min(ctx.world))
-        .filter(|&tp| ctx.world.is_multiple_of(tp))
+    let stage = ctx.world / p.pipeline.pp;
+    (1..=GPUS_PER_NODE.min(stage))
+        .filter(|&tp| stage.is_multiple_of(tp))
         .filter(|&tp| {
             let tensor = TensorParallel { tp, ..p.tensor };
             tp == 1 || crate::spec::check_tensor_parallel(tensor, ctx.arch).is_ok()
@@ -116,8 +216,8 @@ fn tensor_degrees(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
         .collect()
 }
 
-/// Sequence parallelism: off, and on where tensor parallelism shards a sequence that
-/// divides over it.
+/// Sequence parallelism: off, and on where tensor parallelism shards a rank's sequence
+/// (`seq_len / cp` tokens) that divides over it.
 fn sequence_choices(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
     let tp = p.tensor.tp;
     let mut out = vec![Parallel {
@@ -127,7 +227,7 @@ fn sequence_choices(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
         },
         ..p.clone()
     }];
-    if tp > 1 && ctx.spec.seq_len.is_multiple_of(tp) {
+    if tp > 1 && (ctx.spec.seq_len / p.tensor.cp).is_multiple_of(tp) {
         out.push(Parallel {
             tensor: TensorParallel {
                 sequence_parallel: true,
@@ -139,13 +239,18 @@ fn sequence_choices(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
     out
 }
 
-/// The strategies of the data-parallel dimension: with tensor parallelism FSDP2 over it (as
-/// torchtitan composes them; full shard or not resharding after forward) or nothing when
-/// one replica spans every GPU; without, DDP, DeepSpeed ZeRO-1/2/3, FSDP2 and HSDP over each
-/// shard group that divides the ranks. A spec with FSDP2's mixed precision keeps the FSDP2
-/// family, whose policy the others cannot say.
+/// The strategies of the data-parallel dimension: with tensor or context parallelism FSDP2
+/// over the data- and context-parallel ranks (as torchtitan composes them; full shard or not
+/// resharding after forward) or nothing when one replica spans every GPU; without, DDP,
+/// DeepSpeed ZeRO-1/2/3, FSDP2 and HSDP over each shard group that divides the ranks. A spec
+/// with FSDP2's mixed precision keeps the FSDP2 family, whose policy the others cannot say.
+/// Within a pipeline, those the spec admits (`check_pipeline_layout` and the layout's own
+/// checks): nothing, or FSDP2 over each stage's data-parallel ranks (torchtitan's PP × FSDP2)
+/// not resharding after forward, as torchtitan does by default there.
 fn data_strategies(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
     let dp = data_parallel(p);
+    let shard = shard_ranks(p);
+    let plain = p.tensor.tp == 1 && p.tensor.cp == 1 && dp > 1;
     let with = |strategy, shard_size, reshard_after_forward| Parallel {
         strategy,
         world_size: ctx.world,
@@ -160,16 +265,23 @@ fn data_strategies(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
         ..p.clone()
     };
     let mut out = Vec::new();
-    if p.tensor.tp > 1 && dp == 1 && p.tensor.sequence_parallel && p.mixed_precision.is_none() {
+    // Without a data-parallel wrapper torch's AdamW steps plain tensors beside DTensors only
+    // where sequence parallelism makes the norms DTensors too (`spec::parse_tensor_parallel`).
+    let alone = p.tensor.tp == 1 || p.tensor.sequence_parallel;
+    if shard == 1 && model_parallel(p) > 1 && alone && p.mixed_precision.is_none() {
         out.push(with(Strategy::NoDataParallel, 1, true));
     }
-    if dp > 1 || p.tensor.tp == 1 {
-        out.push(with(Strategy::Fsdp, dp, true));
-        out.push(with(Strategy::Fsdp, dp, false));
-    }
-    if p.tensor.tp == 1 {
-        for shard in (2..dp).filter(|s| dp.is_multiple_of(*s)) {
+    if shard > 1 {
+        // Inside a pipeline, torchtitan's default (`reshard_after_forward = not pp_enabled`):
+        // resharding would gather a stage's parameters again for every micro-batch, exposed.
+        if p.pipeline.pp == 1 {
             out.push(with(Strategy::Fsdp, shard, true));
+        }
+        out.push(with(Strategy::Fsdp, shard, false));
+    }
+    if plain {
+        for group in (2..dp).filter(|s| dp.is_multiple_of(*s)) {
+            out.push(with(Strategy::Fsdp, group, true));
         }
         if p.mixed_precision.is_none() {
             for strategy in [
@@ -182,13 +294,23 @@ fn data_strategies(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
             }
         }
     }
+    out.retain(|l| {
+        l.clone().checked().is_ok()
+            && crate::spec::check_pipeline_layout(
+                &l.pipeline,
+                l.strategy,
+                [l.tensor.tp, l.tensor.cp],
+                l.world_size,
+            )
+            .is_ok()
+    });
     out
 }
 
 fn data_words(p: &Parallel) -> String {
     let dp = data_parallel(p);
     match p.strategy {
-        Strategy::Fsdp if p.shard_size < dp => {
+        Strategy::Fsdp if p.shard_size < shard_ranks(p) => {
             format!("dp {dp} (HSDP {} × {})", dp / p.shard_size, p.shard_size)
         }
         Strategy::Fsdp if !p.reshard_after_forward => format!("dp {dp} (FSDP2, no reshard)"),
@@ -201,18 +323,26 @@ fn data_words(p: &Parallel) -> String {
 /// A layout, a micro-batch and recomputation: one candidate of the search.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Candidate {
+    /// With a pipeline, its `microbatches` are the micro-batches one step runs through it.
     pub parallel: Parallel,
     pub micro_batch: u64,
-    /// Micro-batches per optimizer step on each data-parallel rank.
+    /// Steps of the training loop per optimizer step on each data-parallel rank (gradient
+    /// accumulation); a pipeline's own micro-batches are not counted here.
     pub accumulation: u64,
     /// Activation checkpointing of every decoder layer (full recomputation).
     pub recompute: bool,
 }
 
 impl Candidate {
+    /// Micro-batches one step of the training loop runs on each data-parallel rank: the
+    /// pipeline's, or one.
+    pub fn pipelined(&self) -> u64 {
+        self.parallel.pipeline.microbatches
+    }
+
     /// Sequences per optimizer step over every data-parallel rank.
     pub fn global_batch(&self) -> u64 {
-        self.micro_batch * self.accumulation * data_parallel(&self.parallel)
+        self.micro_batch * self.pipelined() * self.accumulation * data_parallel(&self.parallel)
     }
 
     /// The layout in words: each axis it uses, then the micro-batch and recomputation.
@@ -225,7 +355,7 @@ impl Candidate {
             "{}, micro-batch {} × {}{}",
             parts.join(" × "),
             self.micro_batch,
-            self.accumulation,
+            self.pipelined() * self.accumulation,
             if self.recompute { ", recompute" } else { "" }
         )
     }
@@ -236,7 +366,7 @@ impl Candidate {
     pub fn spec(&self, base: &RunSpec) -> RunSpec {
         let mut spec = base.clone();
         spec.parallel = Some(self.parallel.clone());
-        spec.batch_size = self.micro_batch;
+        spec.batch_size = self.micro_batch * self.pipelined();
         spec.gradient_checkpointing = self.recompute;
         spec
     }
@@ -251,13 +381,25 @@ impl Candidate {
         if p.strategy == Strategy::Fsdp && !p.reshard_after_forward {
             parallel["reshard_after_forward"] = false.into();
         }
-        if p.strategy == Strategy::Fsdp && p.shard_size < data_parallel(p) {
+        if p.strategy == Strategy::Fsdp && p.shard_size < shard_ranks(p) {
             parallel["shard_size"] = p.shard_size.into();
         }
         if p.tensor.tp > 1 {
             parallel["tp"] = p.tensor.tp.into();
             parallel["sequence_parallel"] = p.tensor.sequence_parallel.into();
             parallel["framework"] = "torchtitan".into();
+        }
+        if p.tensor.cp > 1 {
+            parallel["cp"] = p.tensor.cp.into();
+        }
+        let pipeline = &p.pipeline;
+        if pipeline.pp > 1 {
+            parallel["pp"] = pipeline.pp.into();
+            parallel["schedule"] = pipeline.schedule.name().into();
+            if pipeline.vpp > 1 {
+                parallel["vpp"] = pipeline.vpp.into();
+            }
+            parallel["microbatches"] = pipeline.microbatches.into();
         }
         if let Some(mp) = &p.mixed_precision {
             let mut policy = serde_json::json!({"param_dtype": mp.param_dtype.to_string()});
@@ -267,7 +409,7 @@ impl Candidate {
             parallel["mixed_precision"] = policy;
         }
         let mut keys = serde_json::json!({
-            "batch_size": self.micro_batch,
+            "batch_size": self.micro_batch * self.pipelined(),
             "gradient_checkpointing": self.recompute,
             "parallel": parallel,
         });
@@ -283,7 +425,7 @@ impl Candidate {
 pub enum Outcome {
     /// It ran its steps at the GPU's capacity.
     Fits(Numbers),
-    /// It ran out of memory in this phase and step.
+    /// It ran out of memory in this phase and step (of the first rank simulated that did).
     OutOfMemory { phase: &'static str, step: u32 },
     /// The estimator does not model it, or the spec refuses it: why.
     Refused(String),
@@ -352,11 +494,13 @@ pub const MARGIN_RULE: &str = "3% of the GPU (the estimate's error on reserved b
     calibration row within 3.8%, p90 2%)";
 
 /// [`StepTime`] in words, for reports.
-pub const COST_MODEL: &str = "a model, not a measurement: 6 × parameters FLOPs per token (8 × \
+pub const COST_MODEL: &str = "a model, not a measurement: 6 × active parameters FLOPs per token (8 × \
     with recomputation) at an H100's dense bf16 peak, slower for small micro-batches; tensor \
-    parallelism's collectives per layer at NVLink bandwidth, never hidden; FSDP/ZeRO gathers \
-    and reduce-scatters per micro-batch and DDP's all-reduce per step at NVLink or network \
-    bandwidth, counted where they exceed the compute they overlap";
+    parallelism's collectives per layer at NVLink bandwidth, never hidden; a pipeline's bubble \
+    of (pp - 1) / vpp micro-batch times a step and its sends between stages; context \
+    parallelism's ring of keys and values per layer; FSDP/ZeRO gathers and reduce-scatters per \
+    micro-batch (inside a pipeline per step), DDP's all-reduce per step and the ring at NVLink or \
+    network bandwidth, counted where they exceed the compute they overlap";
 
 /// Dense bf16 tensor-core throughput of an H100 SXM (vendor figure, FLOP/s): the cost
 /// model's compute rate on every GPU, since it only compares layouts on one GPU.
@@ -370,8 +514,12 @@ const NETWORK_BYTES_PER_S: f64 = 50e9;
 pub struct CostInputs {
     /// Parameters of the whole model.
     params: f64,
+    /// Decoder layers on one pipeline rank.
     layers: f64,
     hidden: f64,
+    /// Key and value width of one token (`kv_heads × head_dim`).
+    kv_width: f64,
+    /// Tokens of each sequence on one rank (`seq_len / cp`).
     seq_len: f64,
     micro_batch: f64,
     recompute: bool,
@@ -392,15 +540,17 @@ pub struct Comm {
 }
 
 /// A candidate's step time under the cost model (seconds of one optimizer step). It is a
-/// model for ranking layouts, not a measurement: compute is `6 × parameters` FLOPs per token
-/// (`8 ×` with recomputation, which runs every forward again) at the H100's peak, scaled by
-/// the micro-batch's GPU efficiency; communication is ring collectives at NVLink or network
+/// model for ranking layouts, not a measurement: compute is `6 × active parameters` FLOPs
+/// per token (`8 ×` with recomputation, which runs every forward again) at the H100's peak,
+/// scaled by the micro-batch's GPU efficiency; communication is ring collectives at NVLink or network
 /// bandwidth; what FSDP and DDP can overlap with compute only counts where it exceeds it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StepTime {
     pub compute_s: f64,
     /// Tensor parallelism's collectives, never overlapped.
     pub tensor_s: f64,
+    /// The pipeline's idle ranks while it fills and drains.
+    pub bubble_s: f64,
     /// Data parallelism's communication that compute does not hide.
     pub data_exposed_s: f64,
     /// Seconds per optimizer step.
@@ -409,7 +559,10 @@ pub struct StepTime {
     pub per_token_s: f64,
 }
 
-/// The cost of `c` for a model with `params` parameters.
+/// The cost of `c` for a model with `params` parameters. One rank computes its share of a
+/// micro-batch: its pipeline stage's layers, its tensor-parallel slice, its context-parallel
+/// chunk of each sequence. A pipeline step of `m` micro-batches over `pp` ranks takes
+/// `m + (pp - 1) / vpp` micro-batch times (the bubble is `(pp - 1) / (vpp m + pp - 1)` of it).
 pub fn step_time(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> StepTime {
     let p = &c.parallel;
     let storage = match spec.precision {
@@ -419,16 +572,21 @@ pub fn step_time(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> StepTime
     let mp = p.mixed_precision.as_ref();
     let gather = mp.map_or(storage, |m| m.param_dtype);
     let reduce = mp.map_or(storage, |m| m.reduce_dtype.unwrap_or(m.param_dtype));
-    let tokens = (c.micro_batch * spec.seq_len) as f64;
+    let (pp, cp) = (p.pipeline.pp, p.tensor.cp);
+    let local_tokens = (c.micro_batch * spec.seq_len / cp) as f64;
     let params = arch.param_count(spec.head()) as f64;
-    let flops_per_token = if c.recompute { 8.0 } else { 6.0 } * params;
-    let efficiency = 1.0 + HALF_EFFICIENCY_TOKENS / tokens;
-    let compute_s = flops_per_token * tokens / p.tensor.tp as f64 / PEAK_FLOPS * efficiency;
+    // A token runs through its routed experts alone; the data-parallel traffic moves them all.
+    let flops_per_token =
+        if c.recompute { 8.0 } else { 6.0 } * arch.active_param_count(spec.head()) as f64;
+    let efficiency = 1.0 + HALF_EFFICIENCY_TOKENS / local_tokens;
+    let compute_s =
+        flops_per_token * local_tokens / (p.tensor.tp * pp) as f64 / PEAK_FLOPS * efficiency;
     let inputs = CostInputs {
         params,
-        layers: arch.layers as f64,
+        layers: arch.layers as f64 / pp as f64,
         hidden: arch.hidden as f64,
-        seq_len: spec.seq_len as f64,
+        kv_width: (arch.kv_heads * arch.head_dim) as f64,
+        seq_len: (spec.seq_len / cp) as f64,
         micro_batch: c.micro_batch as f64,
         recompute: c.recompute,
         gather_bytes: gather.bytes() as f64,
@@ -442,17 +600,62 @@ pub fn step_time(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> StepTime
         overlapped += m.overlapped_per_micro_s;
         per_step += m.per_step_s;
     }
-    let micro = c.accumulation as f64;
+    let micro = (c.pipelined() * c.accumulation) as f64;
+    let bubble_s =
+        c.accumulation as f64 * (pp - 1) as f64 / p.pipeline.vpp as f64 * (compute_s + exposed);
     // The last backward (two thirds of a micro-batch's compute) hides a per-step reduction.
     let data_exposed_s =
         micro * (overlapped - compute_s).max(0.0) + (per_step - compute_s * 2.0 / 3.0).max(0.0);
-    let total_s = micro * (compute_s + exposed) + data_exposed_s;
+    let total_s = micro * (compute_s + exposed) + bubble_s + data_exposed_s;
     StepTime {
         compute_s: micro * compute_s,
         tensor_s: micro * tensor_s,
+        bubble_s,
         data_exposed_s,
         total_s,
         per_token_s: total_s / (c.global_batch() * spec.seq_len) as f64,
+    }
+}
+
+/// The bubble's share of a pipeline step of `microbatches` micro-batches over `pp` ranks
+/// holding `vpp` stages each: `(pp - 1) / (vpp × microbatches + pp - 1)`.
+pub fn bubble_fraction(pp: u64, vpp: u64, microbatches: u64) -> f64 {
+    let idle = (pp - 1) as f64 / vpp as f64;
+    idle / (microbatches as f64 + idle)
+}
+
+/// A pipeline's point-to-point traffic per micro-batch on one rank: each of its `vpp` stages
+/// receives its input activations and sends its output's in forward, and the gradients of
+/// both in backward (`micro_batch × seq_len × hidden` bf16 elements, on the critical path),
+/// between ranks a stage's GPUs apart.
+fn pipeline_comm(x: &CostInputs, p: &Parallel) -> Comm {
+    let pipeline = &p.pipeline;
+    if pipeline.pp == 1 {
+        return Comm::default();
+    }
+    let activation = x.micro_batch * x.seq_len * x.hidden * 2.0;
+    let bytes = 2.0 * pipeline.vpp as f64 * activation;
+    Comm {
+        exposed_per_micro_s: bytes / bandwidth(2, p.world_size / pipeline.pp),
+        ..Comm::default()
+    }
+}
+
+/// Context parallelism's ring per micro-batch: each layer's attention passes every rank's
+/// keys and values (`micro_batch × seq_len / cp × kv_width`, bf16) `cp - 1` times around the
+/// ring in forward (again when recomputed) and keys, values and their gradients in backward,
+/// overlapped with the attention blocks it feeds.
+fn context_comm(x: &CostInputs, p: &Parallel) -> Comm {
+    let cp = p.tensor.cp;
+    if cp == 1 {
+        return Comm::default();
+    }
+    let kv = 2.0 * x.micro_batch * x.seq_len * x.kv_width * 2.0;
+    let passes = if x.recompute { 2.0 } else { 1.0 } + 2.0;
+    let bytes = x.layers * passes * (cp - 1) as f64 * kv;
+    Comm {
+        overlapped_per_micro_s: bytes / bandwidth(cp, p.tensor.tp),
+        ..Comm::default()
     }
 }
 
@@ -497,18 +700,25 @@ fn bandwidth(ranks: u64, stride: u64) -> f64 {
     }
 }
 
-/// Data parallelism's traffic for this rank's `params / tp` parameters: FSDP2 and ZeRO-3
+/// Data parallelism's traffic for this rank's `params / (tp × pp)` parameters: FSDP2 and ZeRO-3
 /// gather them for forward and again for backward (once when not resharding) and
 /// reduce-scatter gradients every micro-batch; HSDP also all-reduces its shard over the
 /// replicas once a step; DDP and ZeRO-1/2 reduce gradients once a step (ZeRO-1/2 then
-/// gather the updated parameters).
+/// gather the updated parameters). Inside a pipeline FSDP2, not resharding after forward,
+/// keeps a stage's parameters gathered over the step and reduce-scatters once, after the
+/// stage's last backward (torch's schedules turn gradient sync off until then): a gather and
+/// a reduction a step.
 fn data_comm(x: &CostInputs, p: &Parallel) -> Comm {
-    let tp = model_parallel(p);
+    let tp = p.tensor.tp;
     let dp = data_parallel(p);
-    let shard = x.params / tp as f64;
+    let shard = x.params / (tp * p.pipeline.pp) as f64;
     let over = |ranks: u64, stride: u64, bytes: f64| ring(ranks) * bytes / bandwidth(ranks, stride);
     match p.strategy {
         Strategy::NoDataParallel => Comm::default(),
+        Strategy::Fsdp if p.pipeline.pp > 1 => Comm {
+            per_step_s: over(p.shard_size, tp, shard * (x.gather_bytes + x.reduce_bytes)),
+            ..Comm::default()
+        },
         Strategy::Fsdp | Strategy::Fsdp1 | Strategy::Zero3 => {
             let s = p.shard_size;
             let gathers = if p.reshard_after_forward || p.strategy == Strategy::Zero3 {
@@ -516,7 +726,7 @@ fn data_comm(x: &CostInputs, p: &Parallel) -> Comm {
             } else {
                 1.0
             };
-            let replicas = dp / s;
+            let replicas = shard_ranks(p) / s;
             Comm {
                 overlapped_per_micro_s: over(
                     s,
@@ -544,16 +754,36 @@ fn data_comm(x: &CostInputs, p: &Parallel) -> Comm {
 /// world of two or more); FSDP2 shards over `shard_size` (HSDP's replicas change nothing a
 /// rank allocates, `sim/strategy/fsdp.rs`) and NCCL's allowance is HSDP's for any number of
 /// replicas. Kept across searches (`fit` over several cluster sizes, the benchmark).
+///
+/// A rank that fits without the GPU's capacity ever changing what the allocator did
+/// (`Estimate::unlimited`) is the same run on every GPU whose constants the simulation reads
+/// are the same (the cuBLAS workspaces and multiprocessors of its architecture; the device
+/// total only enters a rollout engine's share, and the search lays out training loops alone)
+/// and whose capacity is at least as large: its reserved bytes never passed the smaller
+/// capacity, so the larger one never acts either. Only what lives outside the allocator, the
+/// CUDA context, is the other GPU's.
 #[derive(Default)]
 pub struct RankMemo {
     outcomes: Mutex<HashMap<String, Outcome>>,
+    /// Ranks that fit unlimited, by rank and architecture.
+    unlimited: Mutex<HashMap<String, Vec<UnlimitedRun>>>,
+}
+
+/// A rank that fit without the capacity acting.
+#[derive(Clone, Copy)]
+struct UnlimitedRun {
+    /// The allocator capacity it ran at.
+    capacity: u64,
+    numbers: Numbers,
+    /// The CUDA context its device bytes count.
+    context: u64,
 }
 
 impl RankMemo {
-    /// What decides a rank's simulation on `gpu`.
-    fn key(spec: &RunSpec, gpu: &Gpu) -> String {
+    /// What decides a rank's simulation, on any GPU.
+    fn rank_key(spec: &RunSpec) -> String {
         let mut spec = spec.clone();
-        if let Some(p) = spec.parallel.as_mut().filter(|p| p.tensor.tp == 1) {
+        if let Some(p) = spec.parallel.as_mut().filter(|p| model_parallel(p) == 1) {
             match p.strategy {
                 Strategy::Ddp => {
                     p.world_size = 2;
@@ -565,7 +795,17 @@ impl RankMemo {
                 _ => {}
             }
         }
-        format!("{spec:?} on {gpu:?}")
+        format!("{spec:?}")
+    }
+
+    /// What decides a rank's simulation on `gpu`.
+    fn key(spec: &RunSpec, gpu: &Gpu) -> String {
+        format!("{} on {gpu:?}", Self::rank_key(spec))
+    }
+
+    /// What decides a rank's simulation on any GPU of `gpu`'s architecture.
+    fn architecture_key(spec: &RunSpec, gpu: &Gpu) -> String {
+        format!("{} on {:?}", Self::rank_key(spec), gpu.workspaces())
     }
 
     fn get(&self, key: &str) -> Option<Outcome> {
@@ -576,6 +816,37 @@ impl RankMemo {
         if let Ok(mut map) = self.outcomes.lock() {
             map.insert(key, outcome);
         }
+    }
+
+    /// `spec`'s rank on `gpu`, from a run on another GPU of its architecture that fitted
+    /// unlimited at no more capacity.
+    fn served(&self, spec: &RunSpec, gpu: &Gpu) -> Option<Outcome> {
+        let map = self.unlimited.lock().ok()?;
+        let runs = map.get(&Self::architecture_key(spec, gpu))?;
+        let run = runs
+            .iter()
+            .find(|r| r.capacity <= gpu.allocator_capacity())?;
+        Some(Outcome::Fits(Numbers {
+            device_bytes: run.numbers.device_bytes - run.context + gpu.cuda_context_bytes,
+            ..run.numbers
+        }))
+    }
+
+    /// Keeps what simulating `spec`'s rank on `gpu` said, and, where it fitted unlimited, for
+    /// the other GPUs of its architecture.
+    fn record(&self, key: String, spec: &RunSpec, gpu: &Gpu, outcome: Outcome, unlimited: bool) {
+        if let (Outcome::Fits(n), true) = (&outcome, unlimited)
+            && let Ok(mut map) = self.unlimited.lock()
+        {
+            map.entry(Self::architecture_key(spec, gpu))
+                .or_default()
+                .push(UnlimitedRun {
+                    capacity: gpu.allocator_capacity(),
+                    numbers: *n,
+                    context: gpu.cuda_context_bytes,
+                });
+        }
+        self.put(key, outcome);
     }
 }
 
@@ -635,25 +906,8 @@ pub fn applies(setup: &Setup) -> std::result::Result<(), String> {
             spec.trainer.kind.name()
         ));
     }
-    let (_, arch) = spec
-        .architecture(setup.spec_dir, "")
+    spec.architecture(setup.spec_dir, "")
         .map_err(|e| e.to_string())?;
-    let ctx = Context {
-        spec,
-        arch: &arch,
-        world: u64::from(setup.gpus),
-    };
-    if !tensor_degrees(&ctx, &template(spec, ctx.world))
-        .iter()
-        .any(|p| p.tensor.tp > 1)
-    {
-        return Err(format!(
-            "tensor parallelism of a {} model over {} GPUs is not modelled (dense Llama, \
-             Mistral, Qwen2 and Qwen3 models with heads that divide over 2 to {GPUS_PER_NODE} \
-             GPUs are)",
-            arch.model_type, setup.gpus
-        ));
-    }
     Ok(())
 }
 
@@ -684,12 +938,12 @@ fn template(spec: &RunSpec, world: u64) -> Parallel {
     }
 }
 
-/// Sequences per optimizer step of the spec over `world` GPUs: its micro-batch on each
+/// Sequences per optimizer step of the spec over `world` GPUs: its batch on each
 /// data-parallel rank of its own layout (a training loop of its own steps after each).
 pub fn global_batch(spec: &RunSpec, world: u64) -> u64 {
-    let tp = spec.parallel.as_ref().map_or(1, |p| p.tensor.tp);
-    let dp = if world.is_multiple_of(tp) {
-        world / tp
+    let replica = spec.parallel.as_ref().map_or(1, model_parallel);
+    let dp = if world.is_multiple_of(replica) {
+        world / replica
     } else {
         world
     };
@@ -698,25 +952,38 @@ pub fn global_batch(spec: &RunSpec, world: u64) -> u64 {
 
 /// Every candidate the axes make over `world` GPUs: each layout at each micro-batch that
 /// keeps the global batch (`micro_batch × accumulation × dp`; where dp does not divide it,
-/// the micro-batch that comes closest, once a step), with and without recomputation.
+/// the micro-batch that comes closest, once a step), with and without recomputation. A
+/// pipeline runs a data-parallel rank's whole batch in one step: `per_rank / micro_batch`
+/// micro-batches, at least one per stage and as many as its schedule and the simulation take.
 pub fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
     let mut layouts = vec![template(ctx.spec, ctx.world)];
     for axis in AXES {
         layouts = layouts.iter().flat_map(|p| (axis.expand)(ctx, p)).collect();
     }
     let mut out = Vec::new();
-    for parallel in layouts {
-        let dp = data_parallel(&parallel);
-        let batches: Vec<(u64, u64)> = if global.is_multiple_of(dp) {
+    for layout in layouts {
+        let dp = data_parallel(&layout);
+        let pp = layout.pipeline.pp;
+        // (micro-batch, micro-batches in the pipeline, accumulation)
+        let batches: Vec<(u64, u64, u64)> = if global.is_multiple_of(dp) {
             let per_rank = global / dp;
             (1..=per_rank)
                 .filter(|m| per_rank.is_multiple_of(*m))
-                .map(|m| (m, per_rank / m))
+                .map(|m| match pp {
+                    1 => (m, 1, per_rank / m),
+                    _ => (m, per_rank / m, 1),
+                })
                 .collect()
         } else {
-            vec![(((global as f64 / dp as f64).round() as u64).max(1), 1)]
+            let closest = (global as f64 / (dp * pp) as f64).round() as u64;
+            vec![(closest.max(1), pp, 1)]
         };
-        for (micro_batch, accumulation) in batches {
+        for (micro_batch, microbatches, accumulation) in batches {
+            let mut parallel = layout.clone();
+            parallel.pipeline.microbatches = microbatches;
+            if pp > 1 && !pipeline_runs(ctx, &parallel.pipeline, micro_batch) {
+                continue;
+            }
             for recompute in [false, true] {
                 out.push(Candidate {
                     parallel: parallel.clone(),
@@ -730,6 +997,33 @@ pub fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
     out
 }
 
+/// Whether a pipeline runs `microbatches` micro-batches of `micro_batch` sequences: one per
+/// stage at least, as many as its schedule takes, and within what the estimate simulates.
+fn pipeline_runs(ctx: &Context, pipeline: &PipelineParallel, micro_batch: u64) -> bool {
+    pipeline.microbatches >= pipeline.pp
+        && pipeline.check_microbatches(false).is_ok()
+        && pipeline
+            .check(ctx.arch.layers, micro_batch * pipeline.microbatches)
+            .is_ok()
+}
+
+/// Layer-forwards (`limits::MAX_PIPELINE_WORK`'s unit, about 8 µs each) the search simulates
+/// of one pipeline candidate at most: every rank's 3 steps × 4 layer-forwards a micro-batch of
+/// every layer, 32 micro-batches of a 70B model's 80 layers. A pipeline's candidate costs its
+/// micro-batches' worth of ordinary ones; longer pipelines are refused by name (`estimate`
+/// simulates them), which keeps thousands of candidates within seconds.
+pub const SEARCHED_PIPELINE_WORK: u64 = 1 << 15;
+
+/// Why a candidate over [`SEARCHED_PIPELINE_WORK`] is not simulated.
+const PIPELINE_BUDGET: &str = "a pipeline of more micro-batches than the layout search \
+    simulates a candidate (3 steps × 4 × layers × micro-batches at most 32,768 layer-forwards); \
+    `headroom estimate` simulates it";
+
+/// Whether simulating `c` takes more than the search gives one candidate.
+fn over_budget(ctx: &Context, c: &Candidate) -> bool {
+    c.parallel.pipeline.pp > 1 && 3 * 4 * ctx.arch.layers * c.pipelined() > SEARCHED_PIPELINE_WORK
+}
+
 /// The GPU a candidate's allocator gets: the setup's, less what resident models hold.
 fn gpu_for(setup: &Setup) -> Gpu {
     let residents: u64 = setup.residents.iter().map(|r| r.weights_bytes).sum();
@@ -739,14 +1033,16 @@ fn gpu_for(setup: &Setup) -> Gpu {
     }
 }
 
-/// Simulate one candidate's rank at the GPU's capacity, stopping at an out-of-memory error.
-fn simulate(spec: &RunSpec, spec_dir: Option<&Path>, gpu: &Gpu) -> Outcome {
+/// Simulate one candidate's rank at the GPU's capacity, stopping at an out-of-memory error,
+/// and say whether the capacity never acted (`Estimate::unlimited`).
+fn simulate(spec: &RunSpec, spec_dir: Option<&Path>, gpu: &Gpu) -> (Outcome, bool) {
     let est = spec
         .clone()
         .rechecked()
         .and_then(|s| estimate::estimate_with_trace(&s, spec_dir, gpu, Limit::GpuUntilOom, false))
         .map(|(est, _)| est);
-    match est {
+    let unlimited = est.as_ref().is_ok_and(|e| e.unlimited);
+    let outcome = match est {
         Ok(est) => match &est.oom {
             Some(oom) => Outcome::OutOfMemory {
                 phase: oom.phase,
@@ -764,7 +1060,8 @@ fn simulate(spec: &RunSpec, spec_dir: Option<&Path>, gpu: &Gpu) -> Outcome {
             step: 1,
         },
         Err(e) => Outcome::Refused(e.to_string()),
-    }
+    };
+    (outcome, unlimited)
 }
 
 /// Search the layouts of `setup` over its GPUs, with a memo of its own.
@@ -776,9 +1073,7 @@ pub fn search(setup: &Setup) -> Result<LayoutSearch> {
 pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
     applies(setup).map_err(|why| Error::Unsupported {
         what: format!("a layout search of this spec ({why})"),
-        supported: "full fine-tuning of dense Llama, Mistral, Qwen2 and Qwen3 models over \
-                    2 or more GPUs"
-            .into(),
+        supported: "full fine-tuning in a training loop of its own over 2 or more GPUs".into(),
     })?;
     let spec = &setup.spec;
     let (_, arch) = spec.architecture(setup.spec_dir, "")?;
@@ -799,8 +1094,14 @@ pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
     for (i, key) in keys.iter().enumerate() {
         if !first_of.contains_key(key.as_str()) {
             first_of.insert(key, i);
-            if memo.get(key).is_none() {
-                todo.push(i);
+            if over_budget(&ctx, &all[i]) {
+                memo.put(key.clone(), Outcome::Refused(PIPELINE_BUDGET.into()));
+            } else if memo.get(key).is_none() {
+                // Or the same run on another GPU of the architecture.
+                match memo.served(&specs[i], &gpu) {
+                    Some(outcome) => memo.put(key.clone(), outcome),
+                    None => todo.push(i),
+                }
             }
         }
     }
@@ -814,7 +1115,8 @@ pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
                 loop {
                     let n = next.fetch_add(1, Ordering::Relaxed);
                     let Some(&i) = todo.get(n) else { break };
-                    memo.put(keys[i].clone(), simulate(&specs[i], setup.spec_dir, &gpu));
+                    let (outcome, unlimited) = simulate(&specs[i], setup.spec_dir, &gpu);
+                    memo.record(keys[i].clone(), &specs[i], &gpu, outcome, unlimited);
                     DONE.fetch_add(1, Ordering::Relaxed);
                 }
             });
@@ -892,7 +1194,7 @@ fn closest(setup: &Setup, ctx: &Context, global: u64) -> Result<Option<(Candidat
     let mut best: Option<(Candidate, Estimate)> = None;
     for c in candidates(ctx, global)
         .into_iter()
-        .filter(|c| c.recompute && c.micro_batch == 1)
+        .filter(|c| c.recompute && c.micro_batch == 1 && !over_budget(ctx, c))
     {
         let Ok(spec) = c.spec(&setup.spec).rechecked() else {
             continue;
@@ -1010,6 +1312,7 @@ fn difference(best: &StepTime, next: &StepTime) -> String {
             "tensor-parallel communication",
             next.tensor_s - best.tensor_s,
         ),
+        ("pipeline bubble", next.bubble_s - best.bubble_s),
         (
             "data-parallel communication compute does not hide",
             next.data_exposed_s - best.data_exposed_s,
@@ -1019,7 +1322,7 @@ fn difference(best: &StepTime, next: &StepTime) -> String {
         .iter()
         .copied()
         .max_by(|a, b| a.1.total_cmp(&b.1))
-        .expect("three parts");
+        .expect("four parts");
     if more <= 0.0 {
         return "no part of the step costs more; it trains a different batch".into();
     }
@@ -1063,6 +1366,195 @@ mod tests {
                 per_token_s,
                 ..StepTime::default()
             },
+        }
+    }
+
+    fn context_of(spec: &RunSpec) -> Architecture {
+        spec.architecture(None, "").expect("catalog model").1
+    }
+
+    fn model(name: &str, seq_len: u64) -> RunSpec {
+        RunSpec::from_value(&serde_json::json!({
+            "model": name, "precision": "bf16", "batch_size": 1, "seq_len": seq_len,
+        }))
+        .expect("spec")
+    }
+
+    /// Pipeline degrees divide the world and leave every stage a layer; a model whose tied
+    /// embedding would sit on two stages, or an MoE model, gets none; each degree comes under
+    /// 1F1B and under interleaved 1F1B with two stages a rank.
+    #[test]
+    fn pipeline_degrees_divide_the_world_and_the_layers() {
+        let degrees = |spec: &RunSpec, world: u64| -> Vec<(u64, u64)> {
+            let arch = context_of(spec);
+            let ctx = Context {
+                spec,
+                arch: &arch,
+                world,
+            };
+            pipeline_degrees(&ctx, &template(spec, world))
+                .iter()
+                .map(|p| (p.pipeline.pp, p.pipeline.vpp))
+                .collect()
+        };
+        let llama = model("llama-3.1-70b", 4096);
+        assert_eq!(
+            degrees(&llama, 12),
+            [
+                (1, 1),
+                (2, 1),
+                (2, 2),
+                (3, 1),
+                (3, 2),
+                (4, 1),
+                (4, 2),
+                (6, 1),
+                (6, 2),
+                (12, 1),
+                (12, 2)
+            ]
+        );
+        // 80 layers: 64 stages of 1F1B, not 128 interleaved ones.
+        assert!(degrees(&llama, 64).contains(&(64, 1)));
+        assert!(!degrees(&llama, 64).contains(&(64, 2)));
+        assert_eq!(degrees(&model("llama-3.2-1b", 4096), 8), [(1, 1)], "tied");
+        assert_eq!(degrees(&model("qwen3-30b-a3b", 4096), 8), [(1, 1)], "MoE");
+    }
+
+    /// Context-parallel degrees divide the GPUs a stage's tensor-parallel groups leave and
+    /// cut the sequence into `2 × cp` chunks; a model the ring does not run gets none.
+    #[test]
+    fn context_degrees_cut_the_sequence_into_two_chunks_a_rank() {
+        let degrees = |spec: &RunSpec, world: u64, tp: u64| -> Vec<u64> {
+            let arch = context_of(spec);
+            let ctx = Context {
+                spec,
+                arch: &arch,
+                world,
+            };
+            let p = Parallel {
+                tensor: TensorParallel {
+                    tp,
+                    ..TensorParallel::default()
+                },
+                ..template(spec, world)
+            };
+            context_degrees(&ctx, &p)
+                .iter()
+                .map(|p| p.tensor.cp)
+                .collect()
+        };
+        let llama = model("llama-3.1-8b", 4096);
+        assert_eq!(
+            degrees(&llama, 16, 1),
+            [1, 2, 4],
+            "1,024 tokens a rank at least"
+        );
+        let long = model("llama-3.1-8b", 131072);
+        assert_eq!(degrees(&long, 64, 1), [1, 2, 4, 8, 16, 32]);
+        assert_eq!(degrees(&long, 16, 4), [1, 2, 4]);
+        assert_eq!(
+            degrees(&model("llama-3.1-8b", 1536), 16, 1),
+            [1],
+            "768 tokens a rank"
+        );
+        assert_eq!(degrees(&model("qwen3-30b-a3b", 4096), 16, 1), [1], "MoE");
+    }
+
+    /// The bubble is `(pp - 1) / (vpp m + pp - 1)` of a pipeline step, and the cost model
+    /// charges exactly that share of a pipeline alone's step to it.
+    #[test]
+    fn a_pipeline_step_idles_its_bubble() {
+        assert_eq!(bubble_fraction(4, 1, 4), 3.0 / 7.0);
+        assert_eq!(bubble_fraction(4, 2, 4), 1.5 / 5.5);
+        assert_eq!(bubble_fraction(1, 1, 1), 0.0);
+        let spec = model("llama-3.1-70b", 4096);
+        let arch = context_of(&spec);
+        for (schedule, vpp, microbatches) in [
+            (PipelineSchedule::OneFOneB, 1, 8),
+            (PipelineSchedule::OneFOneB, 1, 32),
+            (PipelineSchedule::Interleaved1F1B, 2, 16),
+        ] {
+            let c = Candidate {
+                parallel: Parallel {
+                    strategy: Strategy::NoDataParallel,
+                    shard_size: 1,
+                    pipeline: PipelineParallel {
+                        pp: 8,
+                        vpp,
+                        microbatches,
+                        schedule,
+                        layers_per_stage: None,
+                    },
+                    ..template(&spec, 8)
+                },
+                micro_batch: 1,
+                accumulation: 1,
+                recompute: false,
+            };
+            let t = step_time(&spec, &arch, &c);
+            assert!(t.bubble_s > 0.0 && t.data_exposed_s == 0.0);
+            let share = t.bubble_s / t.total_s;
+            assert!(
+                (share - bubble_fraction(8, vpp, microbatches)).abs() < 1e-12,
+                "{share}"
+            );
+            assert_eq!(c.global_batch(), microbatches);
+        }
+    }
+
+    /// A pipeline's candidates run a data-parallel rank's batch in one step, with at least a
+    /// micro-batch per stage; every layout they make is one the spec admits: a pipeline alone,
+    /// or torchtitan's PP × FSDP2 (× TP) with FSDP2 over each stage's data-parallel ranks, not
+    /// resharding after forward, without context or sequence parallelism.
+    #[test]
+    fn pipeline_candidates_keep_the_batch_and_what_the_spec_admits() {
+        let spec = RunSpec {
+            batch_size: 4,
+            ..model("llama-3.1-70b", 4096)
+        };
+        let arch = context_of(&spec);
+        let ctx = Context {
+            spec: &spec,
+            arch: &arch,
+            world: 8,
+        };
+        let global = global_batch(&spec, 8);
+        let all = candidates(&ctx, global);
+        let piped: Vec<&Candidate> = all.iter().filter(|c| c.parallel.pipeline.pp > 1).collect();
+        for c in &all {
+            assert_eq!(c.global_batch(), global, "{}", c.name());
+        }
+        let layouts = |strategy, tp| {
+            piped
+                .iter()
+                .filter(|c| c.parallel.strategy == strategy && c.parallel.tensor.tp == tp)
+                .count()
+        };
+        assert!(layouts(Strategy::NoDataParallel, 1) > 0, "a pipeline alone");
+        assert!(layouts(Strategy::Fsdp, 1) > 0, "PP × FSDP2");
+        assert!(layouts(Strategy::Fsdp, 2) > 0, "PP × FSDP2 × TP");
+        for c in piped {
+            let p = &c.parallel;
+            assert_eq!(c.accumulation, 1, "{}", c.name());
+            assert!(p.pipeline.microbatches >= p.pipeline.pp, "{}", c.name());
+            assert!(
+                !p.tensor.sequence_parallel && p.tensor.cp == 1,
+                "{}",
+                c.name()
+            );
+            if p.strategy == Strategy::Fsdp {
+                assert!(!p.reshard_after_forward, "{}", c.name());
+                assert_eq!(p.shard_size, data_parallel(p), "{}", c.name());
+            }
+            crate::spec::check_pipeline_layout(
+                &p.pipeline,
+                p.strategy,
+                [p.tensor.tp, p.tensor.cp],
+                p.world_size,
+            )
+            .expect("admitted");
+            c.spec(&spec).rechecked().expect("a valid spec");
         }
     }
 

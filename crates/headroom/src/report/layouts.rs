@@ -16,7 +16,7 @@ pub struct LayoutsJson {
     /// Why it did not (one GPU, adapters, a model whose tensor parallelism is not modelled);
     /// null when it ran.
     pub not_searched: Option<String>,
-    /// The parallel axes searched, in the order they are chosen (`tp`, `sp`, `dp`).
+    /// The parallel axes searched, in the order they are chosen (`pp`, `tp`, `cp`, `sp`, `dp`).
     pub axes: Vec<&'static str>,
     pub gpus: Option<u64>,
     /// Sequences per optimizer step the spec trains with over these GPUs: a layout that keeps
@@ -53,8 +53,16 @@ pub struct LayoutJson {
     pub name: String,
     /// The spec keys that run it: `estimate` of the spec with these gives these numbers.
     pub spec: serde_json::Value,
+    /// Pipeline ranks (1: none), their schedule (`1f1b`, `interleaved-1f1b`; null without a
+    /// pipeline), stages per rank and the micro-batches a step runs through it.
+    pub pp: u64,
+    pub schedule: Option<&'static str>,
+    pub vpp: u64,
+    pub microbatches: u64,
     pub tp: u64,
     pub sequence_parallel: bool,
+    /// Context-parallel ranks each sequence is cut over (1: none).
+    pub cp: u64,
     pub dp: u64,
     /// `parallel.strategy` over the data-parallel ranks.
     pub strategy: &'static str,
@@ -81,6 +89,7 @@ pub struct LayoutJson {
     pub model_step_s: f64,
     pub model_compute_s: f64,
     pub model_tensor_comm_s: f64,
+    pub model_pipeline_bubble_s: f64,
     pub model_data_comm_exposed_s: f64,
 }
 
@@ -166,8 +175,13 @@ impl LayoutJson {
         Self {
             name: c.name(),
             spec: c.spec_keys(),
+            pp: p.pipeline.pp,
+            schedule: (p.pipeline.pp > 1).then(|| p.pipeline.schedule.name()),
+            vpp: p.pipeline.vpp,
+            microbatches: c.pipelined(),
             tp: p.tensor.tp,
             sequence_parallel: p.tensor.sequence_parallel,
+            cp: p.tensor.cp,
             dp: layout::data_parallel(p),
             strategy: p.strategy.name(),
             micro_batch: c.micro_batch,
@@ -187,6 +201,7 @@ impl LayoutJson {
             model_step_s: e.time.total_s,
             model_compute_s: e.time.compute_s,
             model_tensor_comm_s: e.time.tensor_s,
+            model_pipeline_bubble_s: e.time.bubble_s,
             model_data_comm_exposed_s: e.time.data_exposed_s,
         }
     }

@@ -26,11 +26,13 @@ pub use pipeline::{
     EngineSpec, Home, InstanceSpec, Pass, PassDef, PhaseDef, PipelineSpec, is_pipeline,
 };
 pub use pipeline_parallel::{PipelineParallel, PipelineSchedule};
-pub(crate) use run::check_tensor_parallel;
 pub use run::{
     AllocatorSpec, Attention, BackwardPrefetch, BuiltLora, ExpertsImpl, Framework, Fsdp1Options,
     FsdpUnits, Lora, LoraTargets, MixedPrecision, Mode, Optimizer, Parallel, Precision,
     Quantization, RunSpec, Strategy, Task, TensorParallel, lora_targets_module,
+};
+pub(crate) use run::{
+    check_context_parallel, check_pipeline_layout, check_pipeline_parallel, check_tensor_parallel,
 };
 pub use trainer::{
     Colocated, DpoSpec, GrpoSpec, ReferencePrecision, TrainerKind, TrainerSpec, Vllm,

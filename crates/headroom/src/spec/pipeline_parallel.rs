@@ -142,6 +142,35 @@ impl PipelineParallel {
         }
         Ok(())
     }
+
+    /// The micro-batch counts the schedule's constructor accepts (Megatron's 1F1B also runs
+    /// fewer micro-batches than stages, all in its warm-up and cool-down).
+    pub(crate) fn check_microbatches(&self, megatron: bool) -> Result<()> {
+        let (pp, microbatches) = (self.pp, self.microbatches);
+        if self.schedule == PipelineSchedule::OneFOneB && microbatches < pp && !megatron {
+            // Schedule1F1B's constructor raises this.
+            return Err(Error::field(
+                "parallel.microbatches",
+                microbatches,
+                format!("Schedule1F1B needs at least as many micro-batches as stages (pp = {pp})"),
+            ));
+        }
+        if self.schedule == PipelineSchedule::Interleaved1F1B {
+            // ScheduleInterleaved1F1B runs max(1, microbatches // pp) rounds of equal size.
+            let rounds = (microbatches / pp).max(1);
+            if !microbatches.is_multiple_of(rounds) {
+                return Err(Error::field(
+                    "parallel.microbatches",
+                    microbatches,
+                    format!(
+                        "ScheduleInterleaved1F1B needs a multiple of its {rounds} rounds \
+                         (microbatches // pp): use one"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Read the pipeline keys of `parallel` (`obj`) for a world of `world_size` ranks.
@@ -199,30 +228,15 @@ pub(crate) fn parse(obj: &Map<String, Value>, world_size: u64) -> Result<Pipelin
         ));
     }
     let microbatches = positive(obj, "microbatches", pp).map_err(field)?;
-    // Megatron's 1F1B runs fewer micro-batches than stages (all in its warm-up and cool-down).
     let megatron = obj.get("framework").and_then(Value::as_str) == Some("megatron");
-    if schedule == PipelineSchedule::OneFOneB && microbatches < pp && !megatron {
-        // Schedule1F1B's constructor raises this.
-        return Err(Error::field(
-            "parallel.microbatches",
-            microbatches,
-            format!("Schedule1F1B needs at least as many micro-batches as stages (pp = {pp})"),
-        ));
+    PipelineParallel {
+        pp,
+        vpp,
+        microbatches,
+        schedule,
+        layers_per_stage: None,
     }
-    if interleaved {
-        // ScheduleInterleaved1F1B runs max(1, microbatches // pp) rounds of equal size.
-        let rounds = (microbatches / pp).max(1);
-        if !microbatches.is_multiple_of(rounds) {
-            return Err(Error::field(
-                "parallel.microbatches",
-                microbatches,
-                format!(
-                    "ScheduleInterleaved1F1B needs a multiple of its {rounds} rounds \
-                     (microbatches // pp): use one"
-                ),
-            ));
-        }
-    }
+    .check_microbatches(megatron)?;
     let stages = pp.saturating_mul(vpp);
     let layers_per_stage = match obj.get("layers_per_stage") {
         None | Some(Value::Null) => None,

@@ -1638,7 +1638,7 @@ fn check_tp_divides(arch: &Architecture, tp: u64) -> Result<()> {
 /// models its `MoELayer` is modelled for: `megatron::check_moe`) whose input embedding and
 /// output head are modules of their own (a tied pair would sit on the first and the last
 /// stage), and layers for every stage.
-fn check_pipeline_parallel(
+pub(crate) fn check_pipeline_parallel(
     pipeline: &PipelineParallel,
     arch: &Architecture,
     batch_size: u64,
@@ -1660,7 +1660,7 @@ fn check_pipeline_parallel(
 /// ranks within each stage (torchtitan's PP × FSDP2), and tensor parallelism under it (without
 /// sequence parallelism: `check_sharded_stages`). Context parallelism within the stages is not
 /// modelled.
-fn check_pipeline_layout(
+pub(crate) fn check_pipeline_layout(
     pipeline: &PipelineParallel,
     strategy: Strategy,
     [tp, cp]: [u64; 2],
@@ -1717,7 +1717,7 @@ fn torchtitan_plan_applies(arch: &Architecture) -> bool {
 /// What a context-parallel layout needs of the model and the run: a dense Llama-style decoder
 /// whose attention is SDPA's causal flash kernel on every layer (the ring replaces it; a mask,
 /// a sliding window or the eager kernel is not what `context_parallel` dispatches).
-fn check_context_parallel(spec: &RunSpec, arch: &Architecture) -> Result<()> {
+pub(crate) fn check_context_parallel(spec: &RunSpec, arch: &Architecture) -> Result<()> {
     if !torchtitan_plan_applies(arch) {
         return Err(Error::Unsupported {
             what: format!("parallel.cp with a {} model", arch.model_type),
@@ -1912,7 +1912,7 @@ impl Parallel {
         Ok(())
     }
 
-    fn checked(self) -> Result<Self> {
+    pub(crate) fn checked(self) -> Result<Self> {
         let (world_size, shard_size) = (self.world_size, self.shard_size);
         if !(1..=65536).contains(&world_size) {
             return Err(Error::field(

@@ -179,6 +179,42 @@ fn a_shared_memo_serves_repeated_ranks() {
     assert_eq!(names(&again), names(&fresh));
 }
 
+/// A rank that fits on an H100 without its capacity ever acting is the same run on an H200
+/// (the same architecture, more memory): a memo shared from the H100's search serves the
+/// H200's, which answers as a fresh one does to the byte (its CUDA context its own); the A100,
+/// another architecture, is served nothing.
+#[test]
+fn a_shared_memo_serves_a_larger_gpu_of_the_same_architecture() {
+    let base = spec("model: llama-3.1-8b\nprecision: bf16\nbatch_size: 2\nseq_len: 1024\n");
+    let memo = RankMemo::default();
+    let on = |gpu: &str, memo: &RankMemo| {
+        layout::search_with(&setup(base.clone(), gpu, 8), memo).expect("searches")
+    };
+    let answer = |s: &layout::LayoutSearch| {
+        let ranked: Vec<(String, Option<layout::Numbers>)> = s
+            .ranked
+            .iter()
+            .map(|e| (e.candidate.name(), e.numbers().copied()))
+            .collect();
+        (ranked, s.candidates, s.refused, s.out_of_memory)
+    };
+    on("h100-80gb", &memo);
+    let served = on("h200", &memo);
+    let fresh = on("h200", &RankMemo::default());
+    assert_eq!(answer(&served), answer(&fresh));
+    assert!(
+        served.simulated < fresh.simulated,
+        "{} of {}",
+        served.simulated,
+        fresh.simulated
+    );
+    let a100 = on("a100-80gb", &memo);
+    assert_eq!(
+        a100.simulated,
+        on("a100-80gb", &RankMemo::default()).simulated
+    );
+}
+
 /// Micro-batches that keep the global batch by accumulating are searched, said as not
 /// simulated whole (the loop runs one micro-batch a step), and ranked after whole steps; a
 /// trainer's spec is not laid out, and says why.
@@ -209,4 +245,69 @@ fn accumulation_ranks_after_whole_steps_and_trainers_are_not_laid_out() {
         spec("model: llama-3.1-8b\nprecision: bf16\nbatch_size: 4\nseq_len: 512\ntrainer: hf\n");
     let why = layout::applies(&setup(trainer, "h100-80gb", 8)).expect_err("not laid out");
     assert!(why.contains("trainer"), "{why}");
+}
+
+/// Llama-3.1-8B with 8 sequences of 4096 tokens per GPU on 2 H100s: no layout without a
+/// pipeline runs the step whole (FSDP2, ZeRO and context parallelism must accumulate), a
+/// pipeline over both does, with one micro-batch per stage at least; `estimate` of its spec
+/// gives its numbers to the byte.
+#[test]
+fn a_pipeline_runs_the_step_whole_where_nothing_else_does() {
+    let s = setup(
+        spec(
+            "model: llama-3.1-8b\nprecision: bf16\noptimizer: adamw\nbatch_size: 8\nseq_len: 4096\n",
+        ),
+        "h100-80gb",
+        2,
+    );
+    let search = layout::search(&s).expect("searches");
+    let best = search.best().expect("a layout fits");
+    let pipeline = &best.candidate.parallel.pipeline;
+    assert!(
+        pipeline.pp == 2 && best.exact && best.simulated,
+        "{}",
+        best.candidate.name()
+    );
+    assert!(pipeline.microbatches >= pipeline.pp);
+    assert_eq!(best.candidate.global_batch(), 16);
+    assert!(
+        search
+            .ranked
+            .iter()
+            .filter(|e| e.exact && e.simulated)
+            .all(|e| e.candidate.parallel.pipeline.pp > 1)
+    );
+    assert!(best.time.bubble_s > 0.0);
+    let est = estimate::estimate(&best.candidate.spec(&s.spec), None, &s.gpu).expect("estimates");
+    let n = best.numbers().expect("fits");
+    assert_eq!(est.peak_reserved_bytes, n.peak_reserved_bytes);
+    assert_eq!(est.device_bytes(), n.device_bytes);
+}
+
+/// An MoE model gets the data-parallel strategies its simulation models (FSDP2 among them),
+/// and no tensor, context or pipeline parallelism, whose plans name dense modules.
+#[test]
+fn an_moe_model_is_laid_out_over_its_data_parallel_strategies() {
+    let s = setup(
+        spec(
+            "model: qwen3-30b-a3b\nprecision: bf16\noptimizer: adamw\nbatch_size: 1\nseq_len: 4096\n",
+        ),
+        "h100-80gb",
+        8,
+    );
+    let search = layout::search(&s).expect("searches");
+    let best = search.best().expect("a layout fits");
+    assert_eq!(
+        best.candidate.parallel.strategy,
+        headroom::spec::Strategy::Fsdp
+    );
+    for e in &search.ranked {
+        let p = &e.candidate.parallel;
+        assert_eq!(
+            (p.pipeline.pp, p.tensor.tp, p.tensor.cp),
+            (1, 1, 1),
+            "{}",
+            e.candidate.name()
+        );
+    }
 }

@@ -111,6 +111,37 @@ fn every_stage_is_simulated_and_the_worst_rank_reported() {
     }
 }
 
+/// The search's limit (`Limit::GpuUntilOom`) stops a pipeline at its first rank out of memory:
+/// the estimate says it runs out, as the full one does, with the ranks after it not simulated;
+/// a pipeline that fits is simulated whole either way, to the same numbers, and says that the
+/// capacity never acted.
+#[test]
+fn the_search_stops_a_pipeline_at_its_first_rank_out_of_memory() {
+    use headroom::estimate::{Limit, estimate_with_trace};
+    let gpu = gpu::find("h100-80gb").expect("gpu");
+    let run = |layers: u64, limit| {
+        let spec = RunSpec::from_value(&spec(
+            layers,
+            4,
+            json!({"strategy": "none", "world_size": 4, "pp": 4, "microbatches": 4}),
+        ))
+        .expect("valid spec");
+        estimate_with_trace(&spec, None, &gpu, limit, false)
+            .expect("estimate")
+            .0
+    };
+    let (full, search) = (run(160, Limit::Gpu), run(160, Limit::GpuUntilOom));
+    assert!(full.oom.is_some() && search.oom.is_some());
+    assert_eq!(full.stages.len(), 4);
+    assert!(search.stages.len() < 4, "{} stages", search.stages.len());
+    assert!(!search.unlimited);
+    let (full, search) = (run(8, Limit::Gpu), run(8, Limit::GpuUntilOom));
+    assert!(full.oom.is_none() && search.oom.is_none());
+    assert_eq!(full.stages, search.stages);
+    assert_eq!(full.peak_reserved_bytes, search.peak_reserved_bytes);
+    assert!(search.unlimited);
+}
+
 /// GPipe runs every forward before any backward: its ranks hold every micro-batch's
 /// activations, more than 1F1B's.
 #[test]

@@ -62,6 +62,9 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
         rank: spec.parallel.as_ref().map_or(0, |p| p.world_size - 1),
         ..last
     };
+    if options.first_oom_ends_run && (last.oom.is_some() || last.refused.is_some()) {
+        return last;
+    }
     let first = run(Some(0));
     let need = |s: &Simulation| {
         (
@@ -71,11 +74,14 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
             s.peak.allocated,
         )
     };
-    if need(&first) > need(&last) {
+    // The run is the one without a limit only where both ranks' are.
+    let unlimited = first.unlimited && last.unlimited;
+    let worst = if need(&first) > need(&last) {
         first
     } else {
         last
-    }
+    };
+    Simulation { unlimited, ..worst }
 }
 
 /// One rank's run (`None`: the last), in a fresh process `t`.

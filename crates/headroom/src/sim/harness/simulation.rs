@@ -36,6 +36,10 @@ pub struct Options {
     pub repeat_steps: bool,
     /// Where ranks differ, simulate this one instead of the worst of the first and last.
     pub only_rank: Option<u64>,
+    /// A rank that runs out of memory ends the run: the ranks after it are not simulated, and
+    /// the error reported is its own rather than the worst rank's (for a caller that only
+    /// needs to know that the run does not fit).
+    pub first_oom_ends_run: bool,
 }
 
 /// What a run does after its first out-of-memory error, which is recorded in
@@ -64,6 +68,7 @@ impl Options {
             record_trace: false,
             record_timeline: false,
             only_rank: None,
+            first_oom_ends_run: false,
             repeat_steps: true,
         }
     }

@@ -92,7 +92,8 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
 
 /// Run `rank` (a process, a pipeline rank) for every pipeline rank, or for `options.only_rank`'s,
 /// and report the one that needs most (an error first, then the reserved and the allocated
-/// peak), with every rank's stages.
+/// peak), with every rank's stages; under `options.first_oom_ends_run` the first rank that
+/// runs out ends the run.
 pub(crate) fn worst_rank(
     spec: &RunSpec,
     options: &Options,
@@ -126,7 +127,17 @@ pub(crate) fn worst_rank(
     if let Some(rank) = options.only_rank {
         return run(pipeline.pipeline_rank(rank.min(world - 1), world));
     }
-    let sims: Vec<Simulation> = (0..pipeline.pp).map(run).collect();
+    let mut sims: Vec<Simulation> = Vec::new();
+    for pp_rank in 0..pipeline.pp {
+        let sim = run(pp_rank);
+        let ran_out = sim.oom.is_some() || sim.refused.is_some();
+        sims.push(sim);
+        if ran_out && options.first_oom_ends_run {
+            break;
+        }
+    }
+    // The run is the one without a limit only where every rank's is.
+    let unlimited = sims.iter().all(|s| s.unlimited);
     let mut stages: Vec<StagePeak> = sims.iter().flat_map(|s| s.stages.clone()).collect();
     stages.sort_by_key(|s| s.stage);
     let need = |s: &Simulation| {
@@ -141,7 +152,11 @@ pub(crate) fn worst_rank(
         .into_iter()
         .reduce(|a, b| if need(&b) > need(&a) { b } else { a })
         .expect("pp >= 2 ranks");
-    Simulation { stages, ..worst }
+    Simulation {
+        stages,
+        unlimited,
+        ..worst
+    }
 }
 
 /// Pipeline rank `pp_rank`'s process `t`: load, then the measured steps.

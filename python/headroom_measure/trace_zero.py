@@ -23,7 +23,7 @@ Host copies. The fake tensors stand for CUDA tensors but live on the CPU, where 
 tensor itself. ZeRO-1/2's optimizer copies each bit16 parameter to the host
 (`param.cpu_data = param.data.cpu()`), frees the device copy, calls `empty_cache()`, flattens the
 host copies and moves the flat buffer to the device (`stage_1_and_2.py`, `DeepSpeedZeroOptimizer.__init__`).
-The tracer makes those copies as CUDA makes them ([`_HostCopies`]): `.cpu()` of a device tensor
+The tracer makes those copies as CUDA makes them ([`_host_copies`]): `.cpu()` of a device tensor
 is a new host tensor (`kind: host`, out of the replay), what the flattening makes from the host
 copies (the padding, the flat buffer) is host, and `.to(device)` of a host tensor is a new device tensor.
 
@@ -164,64 +164,50 @@ def fake_cuda_accelerator(rec, total_memory: int):
     return FakeCudaAccelerator()
 
 
-class _HostCopies:
+@contextlib.contextmanager
+def _host_copies(rec):
     """`.cpu()` and `.to(device)` copy between host and device as on CUDA (the module doc)."""
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    def __init__(self, rec):
-        self.rec = rec
+    from .trace_dist import patch
 
-    def _is_host(self, tensor) -> bool:
-        sid = self.rec._id_of(tensor)
-        return sid is not None and self.rec.storages[sid]["kind"] == "host"
+    real_cpu, real_to = torch.Tensor.cpu, torch.Tensor.to
+    real_flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
 
-    def __enter__(self):
-        import torch
+    def is_host(tensor) -> bool:
+        sid = rec._id_of(tensor)
+        return sid is not None and rec.storages[sid]["kind"] == "host"
 
-        rec, is_host = self.rec, self._is_host
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    def cpu(tensor, *args, **kwargs):
+        if is_host(tensor):
+            return real_cpu(tensor, *args, **kwargs)
+        copy = tensor.clone()
+        rec.classify([copy], "host")
+        return copy
 
-        self._cpu, self._to = real_cpu, real_to = torch.Tensor.cpu, torch.Tensor.to
-        self._flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
+    def to(tensor, *args, **kwargs):
+        if not is_host(tensor):
+            return real_to(tensor, *args, **kwargs)
+        if "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args):
+            return real_to(tensor.clone(), *args, **kwargs)  # to the device: a device copy
+        out = real_to(tensor, *args, **kwargs)  # a cast stays on the host
+        rec.classify([out], "host")
+        return out
 
-        def cpu(tensor, *args, **kwargs):
-            if is_host(tensor):
-                return real_cpu(tensor, *args, **kwargs)
-            copy = tensor.clone()
-            rec.classify([copy], "host")
-            return copy
+    def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False):
+        first = len(rec.storages)
+        out = real_flatten(self, tensor_list, alignment, use_cpu_data)
+        if use_cpu_data:  # the padding and the flat buffer are made on the host
+            for storage in rec.storages[first:]:
+                storage["kind"] = "host"
+        return out
 
-        def to(tensor, *args, **kwargs):
-            if not is_host(tensor):
-                return real_to(tensor, *args, **kwargs)
-            if "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args):
-                return real_to(tensor.clone(), *args, **kwargs)  # to the device: a device copy
-            out = real_to(tensor, *args, **kwargs)  # a cast stays on the host
-            rec.classify([out], "host")
-            return out
-
-        optimizer = DeepSpeedZeroOptimizer
-        real_flatten = optimizer.flatten_dense_tensors_aligned
-
-        def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False):
-            first = len(rec.storages)
-            out = real_flatten(self, tensor_list, alignment, use_cpu_data)
-            if use_cpu_data:  # the padding and the flat buffer are made on the host
-                for storage in rec.storages[first:]:
-                    storage["kind"] = "host"
-            return out
-
-        torch.Tensor.cpu, torch.Tensor.to = cpu, to
-        optimizer.flatten_dense_tensors_aligned = flatten_dense_tensors_aligned
-        return self
-
-    def __exit__(self, *exc):
-        import torch
-
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-        torch.Tensor.cpu, torch.Tensor.to = self._cpu, self._to
-        DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = self._flatten
-        return False
+    with contextlib.ExitStack() as stack:
+        patch(stack, torch.Tensor, "cpu", cpu)
+        patch(stack, torch.Tensor, "to", to)
+        patch(stack, DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned", flatten_dense_tensors_aligned)
+        yield
 
 
 def refuse_untraceable_zero(par) -> None:
@@ -275,7 +261,7 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
     rec.stream_of = Streams().current
     device = torch.device("cpu")
     try:
-        with fake_world(par.world_size), _HostCopies(rec):
+        with fake_world(par.world_size), _host_copies(rec):
             rec.phase("load")
             cfg = m._hf_config(spec, fields)
             cls = (

@@ -64,7 +64,10 @@ def refuse_untraceable(spec):
         )
     if spec.parallel is not None:
         from .trace_dist import refuse_untraceable_parallel
+        from .trace_zero import refuse_untraceable_zero
 
+        if spec.parallel.strategy.startswith("zero"):
+            refuse_untraceable_zero(spec.parallel)
         refuse_untraceable_parallel(spec.parallel)
 
 
@@ -386,6 +389,10 @@ def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
     with fake_cuda(rec):
         if trainer_spec:
             _run_trainer(rec, trainer_spec, fields, progress)
+        elif run_spec.parallel is not None and run_spec.parallel.strategy.startswith("zero"):
+            from .trace_zero import run_zero_loop
+
+            run_zero_loop(rec, run_spec, fields, progress, STEPS)
         elif run_spec.parallel is not None:
             from .trace_dist import run_dist_loop
 

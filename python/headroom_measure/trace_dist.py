@@ -28,18 +28,8 @@ import contextlib
 
 from .trace import TraceError
 
-# The strategies the tracer runs, and why the others are refused.
-TRACEABLE = ("fsdp", "fsdp1", "ddp", "none")
-DEEPSPEED = (
-    "DeepSpeed on a machine without a GPU selects its CPU accelerator (`deepspeed.accelerator`: a shared-memory "
-    "comm op it JIT-builds, no CUDA streams), another code path than the CUDA run's, which the tracer cannot make "
-    "it take"
-)
-REFUSED = {
-    "zero1": DEEPSPEED,
-    "zero2": DEEPSPEED,
-    "zero3": DEEPSPEED,
-}
+# The strategies the tracer runs here (DeepSpeed's: `trace_zero`, which refuses ZeRO-3 first).
+TRACEABLE = ("fsdp", "fsdp1", "ddp", "none", "zero1", "zero2")
 
 
 def refuse_untraceable_parallel(par) -> None:
@@ -58,7 +48,7 @@ def refuse_untraceable_parallel(par) -> None:
         )
     if par.strategy not in TRACEABLE:
         raise TraceError(
-            f"`parallel.strategy: {par.strategy}`: {REFUSED[par.strategy]}; the tracer runs ddp, fsdp1, fsdp (FSDP2) "
+            f"`parallel.strategy: {par.strategy}`: the tracer runs ddp, fsdp1, fsdp (FSDP2), zero1, zero2 "
             "and tensor parallelism (strategy none or fsdp with tp > 1); `headroom estimate` models "
             f"{par.strategy} natively"
         )

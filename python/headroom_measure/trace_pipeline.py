@@ -41,7 +41,7 @@ def refuse_untraceable_pipeline(pipe) -> None:
         try:
             refuse_untraceable(inst.spec)
             strategy = inst.spec.parallel.strategy if inst.spec.parallel is not None else None
-            if strategy in ("ddp", "fsdp1"):
+            if strategy in ("ddp", "fsdp1", "zero1", "zero2"):
                 raise TraceError(
                     f"`parallel.strategy: {strategy}`: the pipeline tracer builds fsdp (FSDP2) instances; {strategy} "
                     f"is traced in a run spec; `headroom estimate` models {strategy} instances natively"

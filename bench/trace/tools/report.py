@@ -32,6 +32,8 @@ ROWS = [
     ("bench/distributed/h200x4/h200x4-torch2.11.jsonl", "bench/trace/ddp"),
     ("bench/fsdp1/rows-h100-torch2.11.jsonl", "bench/trace/fsdp1"),
     ("bench/moe/dist-rows-h100-torch2.11-fake8.jsonl", "bench/trace/sharded"),
+    ("bench/distributed/h200x2/h200x2-torch2.11.jsonl", "bench/trace/zero"),
+    ("bench/scale/rows-h100-torch2.11.jsonl", "bench/trace/zero"),
 ]
 # Pipeline rows (several models in one process, phase by phase) and where their traces are.
 PIPELINE_ROWS = [
@@ -250,7 +252,7 @@ def write(rows, pipeline_rows):
         "A row with each rank's phases is held to its steps' peak (the load left out, as `headroom validate` does).",
         "",
         "Every MoE row of `bench/moe` is traced (its FSDP2 rows as rank 0 of a fake group of 8 in `bench/trace/sharded`;",
-        "its ZeRO rows are DeepSpeed's, refused) but the per-expert eager loop: its shapes are the token counts the",
+        "its ZeRO rows are not traced yet) but the per-expert eager loop: its shapes are the token counts the",
         "router gave each expert, and the measured run's router was random (weights initialized and input ids drawn",
         "on the GPU without a seed, neither recorded), so no trace can have its routing; `headroom estimate` models",
         "the loop over an even spread. The amp-bf16 row's experts run `_grouped_mm` on fp32 matrices, which CUDA",
@@ -259,6 +261,11 @@ def write(rows, pipeline_rows):
         "`num_experts` bins, since `topk` over `num_experts` scores returns ids below it (`trace.py`,",
         "`IndexBounds`). DeepSeek's latent attention (192-wide query and key heads, 128-wide values) runs on cuDNN,",
         "as on the H100. The TRL SFT MoE row's reserved bytes (-4.59%) miss as the native estimate's do (-4.75%).",
+        "",
+        "The ZeRO rows (`bench/trace/zero`) are DeepSpeed 0.18.2 ZeRO-1 and ZeRO-2 engines traced as rank 0 of their",
+        "world under the fake process group on DeepSpeed's CUDA code path (`python/headroom_measure/trace_zero.py`);",
+        "they are held against the rank-0-or-worst rows of `bench/distributed/h200x2` (2 x H200, real NCCL) and",
+        "`bench/scale` (H100, fake group, worlds of 8 to 512).",
         "",
         "The one row past 8% on reserved, pythia-1.4b eager forward (-11.44%), is not the tracer's: its",
         "H100 snapshot (`bench/trace/unseen/snapshots/pythia-eager-fwd.pickle.gz`, taken with `bench/nccl-x4/run.sh`) replayed through `headroom-alloc`",

@@ -515,7 +515,9 @@ fn estimate_with_trace_runs_the_tracer() {
 /// their world under torch's fake process group, against the rows measured the same way; `ddp`
 /// are DistributedDataParallel runs traced the same way, against rows measured under NCCL on
 /// H200s (each replayed on the GPU its row ran on), and `fsdp1` FullyShardedDataParallel runs
-/// against fake-group rows. A row with each rank's phases is held to its steps' peak, as the
+/// against fake-group rows; `zero` are DeepSpeed ZeRO-1/2 engines traced the same way on
+/// DeepSpeed's CUDA code path, against the 2-rank NCCL rows and the fake-group rows of
+/// `bench/scale`. A row with each rank's phases is held to its steps' peak, as the
 /// trace's peak leaves the load out (`headroom validate` does the same). One row's reserved
 /// memory is held to 12% instead: its recorded snapshot replays to the trace's reserved bytes
 /// exactly once the driver's segment addresses are left out, so the miss is the allocator's
@@ -526,7 +528,8 @@ fn saved_traces_match_their_measurements() {
     const SHARDED: usize = 56;
     const DDP: usize = 4;
     const FSDP1: usize = 12;
-    const CORPORA: [(&str, &str); 14] = [
+    const ZERO: usize = 9;
+    const CORPORA: [(&str, &str); 16] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -580,10 +583,15 @@ fn saved_traces_match_their_measurements() {
             "bench/moe/dist-rows-h100-torch2.11-fake8.jsonl",
             "bench/trace/sharded",
         ),
+        (
+            "bench/distributed/h200x2/h200x2-torch2.11.jsonl",
+            "bench/trace/zero",
+        ),
+        ("bench/scale/rows-h100-torch2.11.jsonl", "bench/trace/zero"),
     ];
     let repo = crate::common::repo();
-    let (mut checked, mut unseen, mut trainers, mut sharded, mut ddp, mut fsdp1) =
-        (0, 0, 0, 0, 0, 0);
+    let (mut checked, mut unseen, mut trainers, mut sharded, mut ddp, mut fsdp1, mut zero) =
+        (0, 0, 0, 0, 0, 0, 0);
     for (rows, traces) in CORPORA {
         let rows = std::fs::read_to_string(repo.join(rows)).expect("rows");
         for line in rows.lines().filter(|l| !l.trim().is_empty()) {
@@ -626,11 +634,20 @@ fn saved_traces_match_their_measurements() {
             sharded += usize::from(traces.ends_with("sharded"));
             ddp += usize::from(traces.ends_with("ddp"));
             fsdp1 += usize::from(traces.ends_with("fsdp1"));
+            zero += usize::from(traces.ends_with("zero"));
         }
     }
     assert_eq!(
-        (checked, unseen, trainers, sharded, ddp, fsdp1),
-        (100 + SHARDED + DDP + FSDP1, 4, 51, SHARDED, DDP, FSDP1)
+        (checked, unseen, trainers, sharded, ddp, fsdp1, zero),
+        (
+            100 + SHARDED + DDP + FSDP1 + ZERO,
+            4,
+            51,
+            SHARDED,
+            DDP,
+            FSDP1,
+            ZERO
+        )
     );
 }
 

@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 18] = [
+const HARNESS: [(&str, &str); 19] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -67,6 +67,10 @@ const HARNESS: [(&str, &str); 18] = [
     (
         "trace_fsdp1.py",
         include_str!("../../../../python/headroom_measure/trace_fsdp1.py"),
+    ),
+    (
+        "trace_zero.py",
+        include_str!("../../../../python/headroom_measure/trace_zero.py"),
     ),
     (
         "trace_trl.py",

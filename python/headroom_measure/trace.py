@@ -418,6 +418,23 @@ def fake_cuda(rec: Recorder):
         yield
 
 
+def autocast_of(spec: Spec):
+    """The autocast context the measuring harness runs a step's forward in, for `spec`'s precision
+    (under FSDP2's MixedPrecisionPolicy only the spec's own `autocast`)."""
+    import torch
+
+    dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(spec.precision)
+    if spec.parallel is not None and spec.parallel.mixed_precision is not None:
+        dtype = torch.bfloat16 if spec.autocast == "bf16" else None
+
+    def autocast():
+        if dtype is None:
+            return torch.autocast("cuda", enabled=False)
+        return torch.autocast("cuda", dtype=dtype)
+
+    return autocast
+
+
 def write_trace(rec: Recorder, spec_json: dict, t0: float, out_path: str, engines: list | None = None) -> dict:
     """The trace file of what `rec` recorded (docs/trace-format.md), `spec_json` the spec as
     run, its wall time counted from `t0`; a pipeline's rollout `engines`, if it has any."""
@@ -519,17 +536,10 @@ def _run_loop(rec: Recorder, spec: Spec, fields: dict, progress):
     trainable = [p for p in model.parameters() if p.requires_grad]
     train = spec.mode == "train"
     optimizer = m._optimizer(spec, trainable) if train else None
-    autocast_dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(
-        spec.precision
-    )
+    autocast = autocast_of(spec)
     model.train() if train else model.eval()
     ids = torch.randint(0, fields.get("vocab_size"), (spec.batch_size, spec.seq_len), device="cpu")
     rec.classify([ids], "input")
-
-    def autocast():
-        if autocast_dtype is None:
-            return torch.autocast("cuda", enabled=False)
-        return torch.autocast("cuda", dtype=autocast_dtype)
 
     for step in range(1, STEPS + 1):
         if progress:

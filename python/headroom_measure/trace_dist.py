@@ -210,7 +210,7 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
 
     from . import dist as d
     from . import measure as m
-    from .trace import _ModuleNames, train_step
+    from .trace import _ModuleNames, autocast_of, train_step
     from .trace_ddp import DdpOnFakeTensors, build_ddp
     from .trace_fsdp1 import Fsdp1OnFakeTensors, build_fsdp1
 
@@ -244,16 +244,7 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
         model.train()
         ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
         rec.classify([ids], "input")
-        autocast_dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(
-            spec.precision
-        )
-        if par.mixed_precision is not None:
-            autocast_dtype = torch.bfloat16 if spec.autocast == "bf16" else None
-
-        def autocast():
-            if autocast_dtype is None:
-                return torch.autocast("cuda", enabled=False)
-            return torch.autocast("cuda", dtype=autocast_dtype)
+        autocast = autocast_of(spec)
 
         def loss_context():
             if par.tp == 1:

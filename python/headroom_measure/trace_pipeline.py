@@ -222,22 +222,6 @@ def _build(rec, inst, f) -> _Instance:
     return _Instance(inst, model, model, optimizer, params_on_device=not on_host)
 
 
-def _autocast(spec):
-    """The instance's autocast, as `measure_pipeline`'s `autocast_of`."""
-    import torch
-
-    dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(spec.precision)
-    if spec.parallel is not None and spec.parallel.mixed_precision is not None:
-        dtype = torch.bfloat16 if spec.autocast == "bf16" else None
-
-    def autocast():
-        if dtype is None:
-            return torch.autocast("cuda", enabled=False)
-        return torch.autocast("cuda", dtype=dtype)
-
-    return autocast
-
-
 def _run_phase(rec, pipe, models: list[_Instance], inputs: dict, phase):
     """`measure_pipeline`'s `run_phase`: the moves out, the host-homed instances in, the passes,
     and the moves back."""
@@ -271,11 +255,11 @@ def _run_pass(rec, m: _Instance, inputs: dict, pd):
     import torch
 
     from .measure import _logprob_forward
-    from .trace import train_step
+    from .trace import autocast_of, train_step
 
     spec = m.inst.spec
     ids = inputs[(spec.batch_size, spec.seq_len)]
-    autocast = _autocast(spec)
+    autocast = autocast_of(spec)
     if pd.kind == "train":
         par = spec.parallel
         trainable = [p for p in m.model.parameters() if p.requires_grad]

@@ -251,7 +251,7 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
 
     from . import dist as d
     from . import measure as m
-    from .trace import _ModuleNames
+    from .trace import _ModuleNames, autocast_of
     from .trace_dist import Streams, fake_world
 
     par = spec.parallel
@@ -279,14 +279,7 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
             rec.classify([ids], "input")
 
             # `measure_dist`'s autocast, which DeepSpeed's engine turns off inside its forward.
-            autocast_dtype = {"amp-bf16": torch.bfloat16, "bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(
-                spec.precision
-            )
-
-            def autocast():
-                if autocast_dtype is None:
-                    return torch.autocast("cuda", enabled=False)
-                return torch.autocast("cuda", dtype=autocast_dtype)
+            autocast = autocast_of(spec)
 
             for step in range(1, steps + 1):
                 if progress:

@@ -575,10 +575,7 @@ fn saved_traces_match_their_measurements() {
             "bench/distributed/h200x4/h200x4-torch2.11.jsonl",
             "bench/trace/ddp",
         ),
-        (
-            "bench/fsdp1/rows-h100-torch2.11.jsonl",
-            "bench/trace/fsdp1",
-        ),
+        ("bench/fsdp1/rows-h100-torch2.11.jsonl", "bench/trace/fsdp1"),
         (
             "bench/moe/dist-rows-h100-torch2.11-fake8.jsonl",
             "bench/trace/sharded",

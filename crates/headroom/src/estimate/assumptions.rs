@@ -223,9 +223,12 @@ impl Assumptions {
         }
         if uses.megatron_pipeline {
             warnings.push(
-                "Megatron's pipeline parallelism is measured for its 1F1B schedule as single \
-                 ranks (first, middle and last) of a fake process group (bench/megatron-pp): \
-                 NCCL's point-to-point communicators between stages are not measured"
+                "Megatron's pipeline parallelism is measured for its 1F1B and interleaved \
+                 schedules as single ranks (first, middle and last) of a fake process group \
+                 (bench/megatron-pp, bench/megatron-pp-vpp), the interleaved one without \
+                 overlap_p2p_comm (Megatron-LM's --no-overlap-p2p-communication; its default \
+                 overlap holds one or two more activations in flight): NCCL's point-to-point \
+                 communicators between stages are not measured"
                     .to_string(),
             );
         }

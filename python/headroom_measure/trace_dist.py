@@ -206,7 +206,6 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
     """`measure_dist`'s load and steps on rank 0 of a fake world (dist.py), every phase marked;
     DDP's C++ as `trace_ddp.py` runs it."""
     import torch
-    import transformers
 
     from . import dist as d
     from . import measure as m
@@ -222,11 +221,7 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
     with fake_world(par.world_size), _FsdpCuda(rec), wrapper(rec) if wrapper else contextlib.nullcontext():
         rec.phase("load")
         cfg = m._hf_config(spec, fields)
-        cls = (
-            transformers.AutoModelForSequenceClassification
-            if spec.task == "seq-cls"
-            else transformers.AutoModelForCausalLM
-        )
+        cls = m._auto_class(spec)
         dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
         if par.tp > 1:
             model, _ = d._build_torchtitan(spec, cfg, cls, dtype, device)

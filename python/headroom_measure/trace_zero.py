@@ -234,7 +234,6 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
     """`measure_dist`'s load and steps of a DeepSpeed engine on rank 0 of a fake world, every
     phase marked."""
     import torch
-    import transformers
 
     # What torchrun sets for rank 0, which the engine reads; DeepSpeed's modules that ask for
     # the accelerator while they are imported get CUDA's.
@@ -264,11 +263,7 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
         with fake_world(par.world_size), _host_copies(rec):
             rec.phase("load")
             cfg = m._hf_config(spec, fields)
-            cls = (
-                transformers.AutoModelForSequenceClassification
-                if spec.task == "seq-cls"
-                else transformers.AutoModelForCausalLM
-            )
+            cls = m._auto_class(spec)
             dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
             engine = d._build_zero(spec, cfg, cls, dtype, device)
             _ModuleNames.current.name(engine.module)

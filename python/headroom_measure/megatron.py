@@ -320,6 +320,31 @@ def spec_and_env(spec: Spec, options: dict, fields: dict, device, total: int, wo
     return spec_json, env
 
 
+def load_record() -> dict:
+    """The allocator's counters once the model and optimizer are built: the load phase's record."""
+    import torch
+
+    torch.cuda.synchronize()
+    s = torch.cuda.memory_stats()
+    return {
+        "peak_allocated": s.get("allocated_bytes.all.peak", 0),
+        "peak_reserved": s.get("reserved_bytes.all.peak", 0),
+        "end_allocated": torch.cuda.memory_allocated(),
+        "end_reserved": torch.cuda.memory_reserved(),
+    }
+
+
+def phase_end(rec: dict, key: str):
+    """Ends a measured phase: its allocated peak under `key`, the reserved peak so far, counters reset."""
+    import torch
+
+    torch.cuda.synchronize()
+    s = torch.cuda.memory_stats()
+    rec[key] = s.get("allocated_bytes.all.peak", 0)
+    rec["peak_reserved"] = max(rec.get("peak_reserved", 0), s.get("reserved_bytes.all.peak", 0))
+    torch.cuda.reset_peak_memory_stats()
+
+
 def start_rank(world: int, rank: int, snapshot: bool, stacks: str):
     """Rank `rank` of a fake world of `world` on GPU 0: `init_process_group`, `torch.zeros(1)` (the CUDA
     context, measured as what `mem_get_info` no longer reports free), then the allocator's history if asked.
@@ -363,23 +388,9 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
     )
     model_parallel_cuda_manual_seed(1234)
 
-    def phase_end(rec: dict, key: str):
-        torch.cuda.synchronize()
-        s = torch.cuda.memory_stats()
-        rec[key] = s.get("allocated_bytes.all.peak", 0)
-        rec["peak_reserved"] = max(rec.get("peak_reserved", 0), s.get("reserved_bytes.all.peak", 0))
-        torch.cuda.reset_peak_memory_stats()
-
     ddp_model, optimizer = build(spec, fields, options)
     ddp_model.train()
-    torch.cuda.synchronize()
-    s = torch.cuda.memory_stats()
-    load = {
-        "peak_allocated": s.get("allocated_bytes.all.peak", 0),
-        "peak_reserved": s.get("reserved_bytes.all.peak", 0),
-        "end_allocated": torch.cuda.memory_allocated(),
-        "end_reserved": torch.cuda.memory_reserved(),
-    }
+    load = load_record()
     # The global count: a tensor-parallel weight is 1/tp of its layer on every rank, an expert's 1/ep of the
     # experts (its `allreduce` is False with ep > 1); norms are replicated.
     ep = options["expert_model_parallel_size"]

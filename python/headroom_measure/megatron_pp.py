@@ -42,7 +42,15 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     import torch
     import torch.distributed as dist
 
-    from .megatron import balanced_routing, build_chunks, megatron_options, spec_and_env, start_rank
+    from .megatron import (
+        balanced_routing,
+        build_chunks,
+        load_record,
+        megatron_options,
+        phase_end,
+        spec_and_env,
+        start_rank,
+    )
 
     t0 = time.time()
     options = megatron_options(spec)
@@ -81,14 +89,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     config.overlap_p2p_comm, config.batch_p2p_comm = False, True
     config.no_sync_func = ddp_model.no_sync if vpp == 1 else [chunk.no_sync for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
-    torch.cuda.synchronize()
-    s = torch.cuda.memory_stats()
-    load = {
-        "peak_allocated": s.get("allocated_bytes.all.peak", 0),
-        "peak_reserved": s.get("reserved_bytes.all.peak", 0),
-        "end_allocated": torch.cuda.memory_allocated(),
-        "end_reserved": torch.cuda.memory_reserved(),
-    }
+    load = load_record()
     torch.manual_seed(1234)
     ids = torch.randint(0, fields["vocab_size"], (micro, spec.seq_len), device=device)
     position_ids = torch.arange(spec.seq_len, device=device).unsqueeze(0).expand_as(ids)
@@ -117,13 +118,6 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
         return original_backward(*args, **kwargs)
 
     schedules.backward_step = logged_backward
-
-    def phase_end(rec: dict, key: str):
-        torch.cuda.synchronize()
-        s = torch.cuda.memory_stats()
-        rec[key] = s.get("allocated_bytes.all.peak", 0)
-        rec["peak_reserved"] = max(rec.get("peak_reserved", 0), s.get("reserved_bytes.all.peak", 0))
-        torch.cuda.reset_peak_memory_stats()
 
     steps, orders = [], []
     peak_reserved = load["peak_reserved"]

@@ -214,7 +214,7 @@ impl Gates {
 
 /// The largest phase peak of the steps of `ranks` (`headroom_measure dist`'s records: each
 /// rank's `steps`, each a mapping of `*_peak` phases), loading left out.
-fn ranks_steps_peak(ranks: &[Value]) -> Option<u64> {
+pub fn ranks_steps_peak(ranks: &[Value]) -> Option<u64> {
     ranks
         .iter()
         .filter_map(|r| r["steps"].as_array())

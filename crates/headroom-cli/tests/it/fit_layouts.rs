@@ -11,15 +11,25 @@ const LLAMA_70B_TP: &str = "examples/llama-3.1-70b-tp8-fsdp2-64xh100.yaml";
 /// The spec file with `keys` written over it, as JSON in a temporary file.
 fn spec_with(keys: &Value) -> tempfile::NamedTempFile {
     let text = std::fs::read_to_string(crate::common::repo().join(LLAMA_70B_TP)).expect("spec");
-    let mut doc = headroom::spec::parse_document(&text, LLAMA_70B_TP.as_ref()).expect("yaml");
+    with_keys(&text, LLAMA_70B_TP.as_ref(), keys)
+}
+
+/// The spec `text` (read from `path`) with `keys` set, as a layout's spec keys are applied.
+fn with_keys(text: &str, path: &std::path::Path, keys: &Value) -> tempfile::NamedTempFile {
+    let mut doc = headroom::spec::parse_document(text, path).expect("yaml");
     for (k, v) in keys.as_object().expect("keys") {
         doc[k] = v.clone();
     }
+    temp_spec(&doc.to_string(), ".json")
+}
+
+/// A temporary spec file holding `text`.
+fn temp_spec(text: &str, suffix: &str) -> tempfile::NamedTempFile {
     let file = tempfile::Builder::new()
-        .suffix(".json")
+        .suffix(suffix)
         .tempfile()
         .expect("temp file");
-    std::fs::write(file.path(), doc.to_string()).expect("written");
+    std::fs::write(file.path(), text).expect("written");
     file
 }
 
@@ -97,15 +107,10 @@ fn the_human_output_names_the_best_layout_and_why() {
 /// that needs least, with what it lacks.
 #[test]
 fn a_cluster_too_small_gets_the_layout_that_needs_least() {
-    let file = tempfile::Builder::new()
-        .suffix(".yaml")
-        .tempfile()
-        .expect("temp file");
-    std::fs::write(
-        file.path(),
+    let file = temp_spec(
         "model: llama-3.1-70b\nprecision: bf16\noptimizer: adamw\nbatch_size: 1\nseq_len: 4096\n",
-    )
-    .expect("written");
+        ".yaml",
+    );
     let spec = file.path().display().to_string();
     let args = ["fit", &spec, "--gpu", "h100-80gb", "--gpus", "2"];
     let out = stdout(&headroom(&args));
@@ -165,15 +170,10 @@ fn bad_gpus_and_gpu_exit_2_naming_them() {
 /// search covered it) plans it as given: the same numbers, and the same layout best.
 #[test]
 fn a_long_sequence_gets_context_parallelism_and_fit_plans_its_spec() {
-    let file = tempfile::Builder::new()
-        .suffix(".yaml")
-        .tempfile()
-        .expect("temp file");
-    std::fs::write(
-        file.path(),
+    let file = temp_spec(
         "model: llama-3.1-8b\nprecision: bf16\noptimizer: adamw\nbatch_size: 1\nseq_len: 131072\n",
-    )
-    .expect("written");
+        ".yaml",
+    );
     let spec = file.path().display().to_string();
     let fit = json(&["fit", &spec, "--gpu", "h100-80gb", "--gpus", "8", "--json"]);
     let l = &fit["layouts"];
@@ -194,15 +194,7 @@ fn a_long_sequence_gets_context_parallelism_and_fit_plans_its_spec() {
     let best = &l["best"];
 
     let text = std::fs::read_to_string(file.path()).expect("spec");
-    let mut doc = headroom::spec::parse_document(&text, file.path()).expect("yaml");
-    for (k, v) in best["spec"].as_object().expect("keys") {
-        doc[k] = v.clone();
-    }
-    let chosen = tempfile::Builder::new()
-        .suffix(".json")
-        .tempfile()
-        .expect("temp file");
-    std::fs::write(chosen.path(), doc.to_string()).expect("written");
+    let chosen = with_keys(&text, file.path(), &best["spec"]);
     let path = chosen.path().display().to_string();
     let again = json(&["fit", &path, "--gpu", "h100-80gb", "--json"]);
     assert_eq!(again["knobs_searched"], false, "a context-parallel spec");

@@ -607,7 +607,10 @@ fn saved_traces_match_their_measurements() {
             let err = |key: &str| {
                 let got = v[key].as_f64().expect("predicted");
                 let real = match key {
-                    "peak_allocated_bytes" => steps_peak(&row["measured"]),
+                    "peak_allocated_bytes" => row["measured"]["ranks"]
+                        .as_array()
+                        .and_then(|ranks| headroom::validate::ranks_steps_peak(ranks))
+                        .map(|bytes| bytes as f64),
                     _ => None,
                 }
                 .or_else(|| row["measured"][key].as_f64())
@@ -646,22 +649,4 @@ fn saved_traces_match_their_measurements() {
             ZERO
         )
     );
-}
-
-/// The largest phase peak of a `headroom_measure dist` record's steps, over its ranks (the
-/// load left out); None for a record without ranks.
-fn steps_peak(measured: &Value) -> Option<f64> {
-    measured["ranks"]
-        .as_array()?
-        .iter()
-        .filter_map(|r| r["steps"].as_array())
-        .flatten()
-        .filter_map(Value::as_object)
-        .flat_map(|phases| {
-            phases
-                .iter()
-                .filter(|(k, _)| k.ends_with("_peak"))
-                .filter_map(|(_, v)| v.as_f64())
-        })
-        .reduce(f64::max)
 }

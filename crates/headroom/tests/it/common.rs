@@ -61,6 +61,19 @@ pub fn check_every_phase(
     (est, checked)
 }
 
+/// A measured per-rank row's id, its estimate for the rank it recorded (on the GPU it ran on),
+/// and that rank's record.
+pub fn estimate_measured_rank(row: &Value) -> (&str, headroom::estimate::Estimate, &Value) {
+    let id = row["id"].as_str().expect("id");
+    let spec = headroom::spec::RunSpec::from_value(&row["spec"]).expect(id);
+    let gpu =
+        headroom::gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
+    let measured = &row["measured"]["ranks"][0];
+    let rank = measured["rank"].as_u64().expect("rank");
+    let est = headroom::estimate::estimate_rank(&spec, None, &gpu, rank).expect(id);
+    (id, est, measured)
+}
+
 /// Checks a pipeline rank's estimate `est` against its measured record `rank`: every
 /// schedule and optimizer peak of every step within `phase_limit`, the reserved peak within
 /// `reserved_limit` (relative errors). Returns the phases checked.

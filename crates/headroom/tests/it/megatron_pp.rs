@@ -21,12 +21,8 @@ fn every_phase_of_every_megatron_pipeline_rank() {
         include_str!("../../../../bench/megatron-pp-vpp/rows-h100-torch2.11.jsonl"),
         include_str!("../../../../bench/megatron-pp-vpp/rows-moe-h100-torch2.11.jsonl"),
     ]) {
-        let id = row["id"].as_str().expect("id");
-        let spec = RunSpec::from_value(&row["spec"]).expect(id);
-        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
-        let measured = &row["measured"]["ranks"][0];
+        let (id, est, measured) = common::estimate_measured_rank(&row);
         let rank = measured["rank"].as_u64().expect("rank");
-        let est = headroom::estimate::estimate_rank(&spec, None, &gpu, rank).expect(id);
         assert_eq!(est.worst_rank, rank, "{id}: the rank asked for");
         let load = est.phases.iter().find(|p| p.step == 0).expect("load");
         let measured_load = measured["load"]["peak_allocated"].as_u64().expect("load");

@@ -21,12 +21,7 @@ fn every_phase_of_every_sharded_pipeline_rank() {
     ]);
     let mut checked = 0;
     for row in rows {
-        let id = row["id"].as_str().expect("id");
-        let spec = RunSpec::from_value(&row["spec"]).expect(id);
-        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
-        let measured = &row["measured"]["ranks"][0];
-        let rank = measured["rank"].as_u64().expect("rank");
-        let est = headroom::estimate::estimate_rank(&spec, None, &gpu, rank).expect(id);
+        let (id, est, measured) = common::estimate_measured_rank(&row);
         checked += common::check_pipeline_rank(id, &est, measured, 0.002, 0.01);
     }
     assert_eq!(checked, 78, "13 rows of 3 steps of 2 phases");

@@ -21,12 +21,8 @@ fn rows() -> Vec<Value> {
 fn every_phase_of_every_pipeline_rank() {
     let mut checked = 0;
     for row in rows() {
-        let id = row["id"].as_str().expect("id");
-        let spec = RunSpec::from_value(&row["spec"]).expect(id);
-        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
-        let measured = &row["measured"]["ranks"][0];
+        let (id, est, measured) = common::estimate_measured_rank(&row);
         let rank = measured["rank"].as_u64().expect("rank");
-        let est = headroom::estimate::estimate_rank(&spec, None, &gpu, rank).expect(id);
         assert_eq!(est.worst_rank, rank, "{id}: the rank asked for");
         checked += common::check_pipeline_rank(id, &est, measured, 0.001, 0.01);
         assert_eq!(

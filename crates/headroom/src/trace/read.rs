@@ -430,19 +430,32 @@ impl Columns {
             }
         };
         let names = &self.names;
-        (0..rows)
-            .map(|i| {
-                Ok(Storage {
-                    bytes: self.bytes.0[i],
-                    kind: names.kind.0[name("kind", names.kind.0.len(), &self.kind.0, i)?],
-                    op: names.op.0[name("op", names.op.0.len(), &self.op.0, i)?].clone(),
-                    module: names.module.0
-                        [name("module", names.module.0.len(), &self.module.0, i)?]
-                    .clone(),
-                    stream: streams.as_ref().map_or(0, |s| s[i]),
-                })
-            })
-            .collect()
+        // Written out once per storage, the names take what version 1's file would: bounded alike.
+        let mut written_out: u64 = 0;
+        let mut storages = Vec::with_capacity(rows);
+        for i in 0..rows {
+            let op = &names.op.0[name("op", names.op.0.len(), &self.op.0, i)?];
+            let module = &names.module.0[name("module", names.module.0.len(), &self.module.0, i)?];
+            written_out += (op.len() + module.len()) as u64;
+            if written_out > MAX_TRACE_BYTES {
+                return Err(Error::field(
+                    "storages.names",
+                    format!("more than {MAX_TRACE_BYTES} bytes of op and module names"),
+                    format!(
+                        "written out once per storage, as version 1 writes them, the names come \
+                         to at most {MAX_TRACE_BYTES} bytes (headroom::limits::MAX_TRACE_BYTES)"
+                    ),
+                ));
+            }
+            storages.push(Storage {
+                bytes: self.bytes.0[i],
+                kind: names.kind.0[name("kind", names.kind.0.len(), &self.kind.0, i)?],
+                op: op.clone(),
+                module: module.clone(),
+                stream: streams.as_ref().map_or(0, |s| s[i]),
+            });
+        }
+        Ok(storages)
     }
 }
 
@@ -1089,6 +1102,17 @@ mod tests {
             let err = error(&bytes);
             assert!(err.contains(message), "{message}: {err}");
         }
+        let rows = 300;
+        let mut names = compact("module", json!(vec![0; rows]));
+        let mut doc: Value = serde_json::from_slice(&names).expect("json");
+        let storages = &mut doc["storages"];
+        storages["names"]["module"] = json!(["x".repeat(1 << 20)]);
+        for column in ["bytes", "kind", "op"] {
+            storages[column] = json!(vec![0; rows]);
+        }
+        names = doc.to_string().into_bytes();
+        let err = error(&names);
+        assert!(err.contains("`t.json: storages.names`"), "{err}");
         let mut doc: Value = serde_json::from_slice(&compact("", Value::Null)).expect("json");
         doc["events"] = json!([0, 2]);
         let err = error(doc.to_string().as_bytes());

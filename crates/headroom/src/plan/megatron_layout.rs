@@ -297,16 +297,19 @@ pub(super) fn name(c: &Candidate, m: &Megatron) -> String {
     if p.tensor.cp > 1 {
         parts.push(format!("cp {}", p.tensor.cp));
     }
-    if m.expert_parallel > 1 {
-        parts.push(format!("ep {}", m.expert_parallel));
-    }
+    // Expert parallelism spreads each MoE layer's experts over data-parallel ranks.
     parts.push(format!(
-        "dp {} (Megatron DDP{})",
+        "dp {} (Megatron DDP{}){}",
         data_parallel(p),
         if m.distributed_optimizer {
             ", distributed optimizer"
         } else {
             ""
+        },
+        if m.expert_parallel > 1 {
+            format!(" with ep {}", m.expert_parallel)
+        } else {
+            String::new()
         }
     ));
     format!(

@@ -65,7 +65,8 @@ pub struct LayoutJson {
     pub sequence_parallel: bool,
     /// Context-parallel ranks each sequence is cut over (1: none).
     pub cp: u64,
-    /// Expert-parallel ranks each MoE layer's experts are spread over (1: none).
+    /// Expert-parallel ranks each MoE layer's experts are spread over (1: none): data-parallel
+    /// ranks, `dp / ep` of them holding each expert.
     pub ep: u64,
     pub dp: u64,
     /// `parallel.strategy` over the data-parallel ranks.

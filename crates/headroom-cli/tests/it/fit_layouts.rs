@@ -15,7 +15,11 @@ fn spec_with(keys: &Value) -> tempfile::NamedTempFile {
 }
 
 /// The spec `text` (read from `path`) with `keys` set, as a layout's spec keys are applied.
-fn with_keys(text: &str, path: &std::path::Path, keys: &Value) -> tempfile::NamedTempFile {
+pub(crate) fn with_keys(
+    text: &str,
+    path: &std::path::Path,
+    keys: &Value,
+) -> tempfile::NamedTempFile {
     let mut doc = headroom::spec::parse_document(text, path).expect("yaml");
     for (k, v) in keys.as_object().expect("keys") {
         doc[k] = v.clone();
@@ -24,7 +28,7 @@ fn with_keys(text: &str, path: &std::path::Path, keys: &Value) -> tempfile::Name
 }
 
 /// A temporary spec file holding `text`.
-fn temp_spec(text: &str, suffix: &str) -> tempfile::NamedTempFile {
+pub(crate) fn temp_spec(text: &str, suffix: &str) -> tempfile::NamedTempFile {
     let file = tempfile::Builder::new()
         .suffix(suffix)
         .tempfile()

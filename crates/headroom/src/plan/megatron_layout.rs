@@ -26,8 +26,8 @@ use crate::spec::{
 pub const AXES: &[&str] = &["pp", "tp", "ep", "dp"];
 
 /// The most model chunks a rank holds in the interleaved schedules searched: each `vpp` is a
-/// pipeline of its own to simulate, and beyond 8 chunks a rank the sends between them (counted
-/// by the cost model) outgrow the bubble they save at the micro-batch counts searched.
+/// pipeline of its own to simulate, and each chunk more divides the bubble less while adding
+/// its sends between stages (both in the cost model).
 pub const MAX_SEARCHED_VPP: u64 = 8;
 
 /// What the cost model adds for a Megatron layout ([`COST_MODEL`]), in words for reports.
@@ -35,8 +35,7 @@ pub const COST_MODEL: &str = "under Megatron-core: two all-reduces a layer each 
     parallelism (its fused linear_qkv and linear_fc1), expert parallelism's token all-to-alls \
     (dispatch and combine, forward and backward, again with full recomputation) at NVLink or \
     network bandwidth, never hidden, selective recomputation's attention scores computed twice, \
-    and the data-parallel reduction of a rank's share of the experts over the expert-data-parallel \
-    ranks";
+    and the data-parallel reduction of a rank's share (1 / ep) of the experts";
 
 /// Whether `spec` is laid out by Megatron-core.
 pub fn applies(spec: &RunSpec) -> bool {
@@ -92,16 +91,19 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
                     continue;
                 }
                 if tp > 1 {
-                    for tensor in [
-                        TensorParallel {
-                            sequence_parallel: true,
-                            ..parallel.tensor
-                        },
-                        TensorParallel {
-                            cp: 2,
-                            ..parallel.tensor
-                        },
-                    ] {
+                    let sequence = TensorParallel {
+                        sequence_parallel: true,
+                        ..parallel.tensor
+                    };
+                    // Context parallelism of 2 over the data-parallel ranks, where they split.
+                    let context = TensorParallel {
+                        cp: 2,
+                        ..parallel.tensor
+                    };
+                    for tensor in [Some(sequence), dp.is_multiple_of(2).then_some(context)]
+                        .into_iter()
+                        .flatten()
+                    {
                         let variant = Parallel {
                             tensor,
                             ..parallel.clone()
@@ -466,6 +468,122 @@ impl Cost {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn example(name: &str) -> RunSpec {
+        let path = format!("{}/../../examples/{name}", env!("CARGO_MANIFEST_DIR"));
+        RunSpec::from_file(std::path::Path::new(&path)).expect("example")
+    }
+
+    /// The candidates of `spec` over its own GPUs, with its architecture.
+    fn all(spec: &RunSpec) -> (Vec<Candidate>, Architecture, u64) {
+        let (_, arch) = spec.architecture(None, "").expect("catalog model");
+        let world = spec.parallel.as_ref().expect("parallel").world_size;
+        let ctx = Context {
+            spec,
+            arch: &arch,
+            world,
+        };
+        let global = super::super::layout::global_batch(spec, world);
+        (candidates(&ctx, global), arch, global)
+    }
+
+    /// Over the 405B's 512 GPUs: the spec's own layout is a candidate; every other one the spec
+    /// admits keeps the global batch (or comes closest where dp does not divide it) and is a
+    /// spec Megatron runs; those it refuses are sequence and context parallelism, named.
+    #[test]
+    fn the_405b_candidates_hold_its_own_layout_and_only_what_megatron_runs() {
+        let spec = example("llama-3.1-405b-megatron-tp8-pp16-512xh100.yaml");
+        let (all, arch, global) = all(&spec);
+        assert_eq!(global, 64);
+        assert!(all.iter().any(|c| c.spec(&spec) == spec), "the spec's own");
+        let mut refused = std::collections::BTreeSet::new();
+        for c in &all {
+            let p = &c.parallel;
+            assert_eq!(
+                p.pipeline.pp * p.tensor.cp * p.tensor.tp * data_parallel(p),
+                512
+            );
+            match c
+                .spec(&spec)
+                .rechecked()
+                .and_then(|s| s.check_against(&arch))
+            {
+                Ok(_) => {
+                    assert!(
+                        !p.tensor.sequence_parallel && p.tensor.cp == 1,
+                        "{}",
+                        c.name()
+                    );
+                    let dp = data_parallel(p);
+                    if global.is_multiple_of(dp) {
+                        assert_eq!(c.global_batch(), global, "{}", c.name());
+                    }
+                }
+                Err(e) => {
+                    refused.insert(e.to_string().split(" is not").next().map(String::from));
+                }
+            }
+        }
+        let refused: Vec<_> = refused.into_iter().flatten().collect();
+        assert_eq!(
+            refused,
+            [
+                "parallel.cp with framework megatron",
+                "parallel.sequence_parallel with framework megatron"
+            ]
+        );
+        // The interleaved schedule where pp × vpp divides the 126 layers: pp 2 alone.
+        let interleaved: std::collections::BTreeSet<(u64, u64)> = all
+            .iter()
+            .filter(|c| c.parallel.pipeline.schedule == PipelineSchedule::Interleaved1F1B)
+            .map(|c| (c.parallel.pipeline.pp, c.parallel.pipeline.vpp))
+            .collect();
+        assert_eq!(
+            interleaved.into_iter().collect::<Vec<_>>(),
+            [(2, 3), (2, 7)]
+        );
+    }
+
+    /// Qwen3-235B-A22B over 64 GPUs: expert parallelism over each divisor of a stage's ranks,
+    /// tensor parallelism refused by name (Megatron's MoELayer needs sequence parallelism with
+    /// it), every admitted candidate at tp 1.
+    #[test]
+    fn an_moe_model_gets_expert_parallelism_and_no_tensor_parallelism() {
+        let spec = example("qwen3-235b-a22b-megatron-grpo-slime.yaml");
+        let (all, arch, _) = all(&spec);
+        let admitted: Vec<&Candidate> = all
+            .iter()
+            .filter(|c| {
+                c.spec(&spec)
+                    .rechecked()
+                    .and_then(|s| s.check_against(&arch))
+                    .is_ok()
+            })
+            .collect();
+        assert!(admitted.iter().all(|c| c.parallel.tensor.tp == 1));
+        let eps: std::collections::BTreeSet<u64> = admitted
+            .iter()
+            .map(|c| c.megatron.expect("megatron").expert_parallel)
+            .collect();
+        assert_eq!(
+            eps.into_iter().collect::<Vec<_>>(),
+            [1, 2, 4, 8, 16, 32, 64]
+        );
+        let tp = all
+            .iter()
+            .find(|c| c.parallel.tensor.tp == 2)
+            .expect("a tensor-parallel layout, refused");
+        let why = refusal(&spec, &arch, tp);
+        assert!(why.contains("parallel.tp 2 with an MoE model"), "{why}");
+    }
+
+    fn refusal(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> String {
+        c.spec(spec)
+            .rechecked()
+            .and_then(|s| s.check_against(arch))
+            .expect_err("refused")
+            .to_string()
+    }
 
     #[test]
     fn lighter_ends_split_as_llama_3_405b_did() {

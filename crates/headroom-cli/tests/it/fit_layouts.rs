@@ -37,6 +37,30 @@ pub(crate) fn temp_spec(text: &str, suffix: &str) -> tempfile::NamedTempFile {
     file
 }
 
+/// The ranking's rule over `ranked` (`fit --json`'s `layouts.ranked`): the spec's global batch
+/// first, whole steps simulated before accumulation, then the margin kept, then faster.
+pub(crate) fn assert_ranking_rule(ranked: &[Value]) {
+    let key = |e: &Value| {
+        (
+            (
+                e["exact"] == false,
+                e["simulated"] == false,
+                e["within_margin"] == false,
+            ),
+            e["time_per_token"].as_f64().expect("time"),
+        )
+    };
+    for pair in ranked.windows(2) {
+        let (a, b) = (key(&pair[0]), key(&pair[1]));
+        assert!(
+            a.0 < b.0 || (a.0 == b.0 && a.1 <= b.1),
+            "{} before {}",
+            pair[0]["name"],
+            pair[1]["name"]
+        );
+    }
+}
+
 #[test]
 fn the_best_layout_is_what_estimate_says_of_its_spec() {
     let fit = json(&[
@@ -61,28 +85,8 @@ fn the_best_layout_is_what_estimate_says_of_its_spec() {
     assert!(!l["why_best"].as_array().expect("why").is_empty());
     assert!(l["candidates"].as_u64() >= l["simulated"].as_u64());
 
-    // The ranking's rule: the spec's global batch first, whole steps simulated before
-    // accumulation, then the margin kept, then faster.
     let ranked = l["ranked"].as_array().expect("ranked");
-    let key = |e: &Value| {
-        (
-            (
-                e["exact"] == false,
-                e["simulated"] == false,
-                e["within_margin"] == false,
-            ),
-            e["time_per_token"].as_f64().expect("time"),
-        )
-    };
-    for pair in ranked.windows(2) {
-        let (a, b) = (key(&pair[0]), key(&pair[1]));
-        assert!(
-            a.0 < b.0 || (a.0 == b.0 && a.1 <= b.1),
-            "{} before {}",
-            pair[0]["name"],
-            pair[1]["name"]
-        );
-    }
+    assert_ranking_rule(ranked);
     for e in ranked {
         let margin = e["margin_bytes"].as_i64().expect("margin");
         assert_eq!(

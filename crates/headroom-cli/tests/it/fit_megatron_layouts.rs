@@ -8,7 +8,7 @@
 use serde_json::Value;
 
 use crate::common::{headroom, json, stdout};
-use crate::fit_layouts::{temp_spec, with_keys};
+use crate::fit_layouts::{assert_ranking_rule, temp_spec, with_keys};
 
 /// bench/megatron-pp's Llama-3.1-8B slice over 8 GPUs: a 1F1B pipeline of 4 stages, Megatron's
 /// DDP over 2 ranks with the distributed optimizer, selective recomputation, 8 micro-batches.
@@ -84,21 +84,7 @@ fn check_ranked(l: &Value, gpus: u64) {
         );
         assert!(e["distributed_optimizer"].is_boolean());
     }
-    let key = |e: &Value| {
-        (
-            (e["simulated"] == false, e["within_margin"] == false),
-            e["time_per_token"].as_f64().expect("time"),
-        )
-    };
-    for pair in ranked.windows(2) {
-        let (a, b) = (key(&pair[0]), key(&pair[1]));
-        assert!(
-            a.0 < b.0 || (a.0 == b.0 && a.1 <= b.1),
-            "{} before {}",
-            pair[0]["name"],
-            pair[1]["name"]
-        );
-    }
+    assert_ranking_rule(ranked);
 }
 
 /// The refusals name each combination the spec refuses for Megatron.

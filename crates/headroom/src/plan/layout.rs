@@ -407,15 +407,7 @@ impl Candidate {
         if p.tensor.cp > 1 {
             parallel["cp"] = p.tensor.cp.into();
         }
-        let pipeline = &p.pipeline;
-        if pipeline.pp > 1 {
-            parallel["pp"] = pipeline.pp.into();
-            parallel["schedule"] = pipeline.schedule.name().into();
-            if pipeline.vpp > 1 {
-                parallel["vpp"] = pipeline.vpp.into();
-            }
-            parallel["microbatches"] = pipeline.microbatches.into();
-        }
+        pipeline_keys(&mut parallel, &p.pipeline);
         if let Some(mp) = &p.mixed_precision {
             let mut policy = serde_json::json!({"param_dtype": mp.param_dtype.to_string()});
             if let Some(reduce) = mp.reduce_dtype {
@@ -432,6 +424,21 @@ impl Candidate {
             keys["parallel"]["units"] = units.into();
         }
         keys
+    }
+}
+
+/// A pipeline's keys in a layout's `parallel` block.
+pub(super) fn pipeline_keys(parallel: &mut serde_json::Value, pipeline: &PipelineParallel) {
+    if pipeline.pp > 1 {
+        parallel["pp"] = pipeline.pp.into();
+        parallel["schedule"] = pipeline.schedule.name().into();
+        if pipeline.vpp > 1 {
+            parallel["vpp"] = pipeline.vpp.into();
+        }
+        parallel["microbatches"] = pipeline.microbatches.into();
+        if let Some(split) = &pipeline.layers_per_stage {
+            parallel["layers_per_stage"] = split.clone().into();
+        }
     }
 }
 
@@ -1011,23 +1018,9 @@ pub fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
     }
     let mut out = Vec::new();
     for layout in layouts {
-        let dp = data_parallel(&layout);
         let pp = layout.pipeline.pp;
-        // (micro-batch, micro-batches in the pipeline, accumulation)
-        let batches: Vec<(u64, u64, u64)> = if global.is_multiple_of(dp) {
-            let per_rank = global / dp;
-            (1..=per_rank)
-                .filter(|m| per_rank.is_multiple_of(*m))
-                .map(|m| match pp {
-                    1 => (m, 1, per_rank / m),
-                    _ => (m, per_rank / m, 1),
-                })
-                .collect()
-        } else {
-            let closest = (global as f64 / (dp * pp) as f64).round() as u64;
-            vec![(closest.max(1), pp, 1)]
-        };
-        for (micro_batch, microbatches, accumulation) in batches {
+        for (micro_batch, microbatches, accumulation) in batches(global, data_parallel(&layout), pp)
+        {
             let mut parallel = layout.clone();
             parallel.pipeline.microbatches = microbatches;
             if pp > 1 && !pipeline_runs(ctx, &parallel.pipeline, micro_batch) {
@@ -1045,6 +1038,25 @@ pub fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
         }
     }
     out
+}
+
+/// (micro-batch, micro-batches in the pipeline, gradient accumulation) of each way `dp`
+/// data-parallel ranks over a pipeline of `pp` keep the `global` batch: each micro-batch that
+/// divides a rank's share, all through the pipeline or, without one, accumulated; where `dp`
+/// does not divide it, the micro-batch that comes closest, once a step.
+pub(super) fn batches(global: u64, dp: u64, pp: u64) -> Vec<(u64, u64, u64)> {
+    if !global.is_multiple_of(dp) {
+        let closest = (global as f64 / (dp * pp) as f64).round() as u64;
+        return vec![(closest.max(1), pp, 1)];
+    }
+    let per_rank = global / dp;
+    (1..=per_rank)
+        .filter(|m| per_rank.is_multiple_of(*m))
+        .map(|m| match pp {
+            1 => (m, 1, per_rank / m),
+            _ => (m, per_rank / m, 1),
+        })
+        .collect()
 }
 
 /// Whether a pipeline runs `microbatches` micro-batches of `micro_batch` sequences: one per

@@ -13,7 +13,8 @@
 //! made once each and refused by the spec's own checks, which name them.
 
 use super::layout::{
-    Candidate, Context, GPUS_PER_NODE, bandwidth, data_parallel, pipeline_words, ring,
+    self, Candidate, Context, GPUS_PER_NODE, bandwidth, data_parallel, pipeline_keys,
+    pipeline_words, ring,
 };
 use crate::arch::Architecture;
 use crate::spec::{
@@ -67,25 +68,8 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
                     expert_parallel: ep,
                     ..base
                 };
-                let at = |parallel: &Parallel, microbatches, micro_batch, accumulation, m| {
-                    let mut parallel = parallel.clone();
-                    parallel.pipeline.microbatches = microbatches;
-                    Candidate {
-                        recompute: matches!(
-                            m,
-                            Megatron {
-                                recompute: Recompute::Full { .. },
-                                ..
-                            }
-                        ),
-                        parallel,
-                        micro_batch,
-                        accumulation,
-                        megatron: Some(m),
-                    }
-                };
                 // The layout alone: a micro-batch of one sequence through each stage.
-                let probe = at(&parallel, pipeline.pp, 1, 1, plain);
+                let probe = candidate(&parallel, (1, pipeline.pp, 1), plain);
                 if admitted(ctx, &probe).is_err() {
                     out.push(probe);
                     continue;
@@ -108,10 +92,10 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
                             tensor,
                             ..parallel.clone()
                         };
-                        out.push(at(&variant, pipeline.pp, 1, 1, plain));
+                        out.push(candidate(&variant, (1, pipeline.pp, 1), plain));
                     }
                 }
-                for &(micro_batch, microbatches, accumulation) in &batches {
+                for &batch in &batches {
                     for distributed_optimizer in optimizers(&base, dp) {
                         for recompute in recomputations(&base) {
                             let m = Megatron {
@@ -119,7 +103,7 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
                                 recompute,
                                 ..plain
                             };
-                            out.push(at(&parallel, microbatches, micro_batch, accumulation, m));
+                            out.push(candidate(&parallel, batch, m));
                         }
                     }
                 }
@@ -127,6 +111,24 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
         }
     }
     out
+}
+
+/// `parallel` at `(micro-batch, micro-batches through the pipeline, accumulation)` under `m`'s
+/// settings.
+fn candidate(
+    parallel: &Parallel,
+    (micro_batch, microbatches, accumulation): (u64, u64, u64),
+    m: Megatron,
+) -> Candidate {
+    let mut parallel = parallel.clone();
+    parallel.pipeline.microbatches = microbatches;
+    Candidate {
+        recompute: matches!(m.recompute, Recompute::Full { .. }),
+        parallel,
+        micro_batch,
+        accumulation,
+        megatron: Some(m),
+    }
 }
 
 /// Whether the spec admits `c`'s layout for the model: Megatron's checks of the spec, those
@@ -220,34 +222,13 @@ fn layout(ctx: &Context, pipeline: &PipelineParallel, tp: u64) -> Parallel {
     }
 }
 
-/// (micro-batch, micro-batches a step, gradient accumulation) of each way `dp` data-parallel
-/// ranks keep the `global` batch: each micro-batch that divides a rank's share, through the
-/// pipeline as Megatron's schedule takes them (the interleaved one in whole groups of `pp`), or
-/// accumulated without one; where `dp` does not divide it, the micro-batch that comes closest,
-/// once a step.
+/// [`layout::batches`] as Megatron's schedule takes them: the interleaved one in whole groups
+/// of `pp` micro-batches.
 fn batches(global: u64, dp: u64, pipeline: &PipelineParallel) -> Vec<(u64, u64, u64)> {
-    let pp = pipeline.pp;
-    if !global.is_multiple_of(dp) {
-        let closest = ((global as f64 / (dp * pp) as f64).round() as u64).max(1);
-        return vec![(closest, pp, 1)];
-    }
-    let per_rank = global / dp;
-    (1..=per_rank)
-        .filter(|m| per_rank.is_multiple_of(*m))
-        .map(|m| match pp {
-            1 => (m, 1, per_rank / m),
-            _ => (m, per_rank / m, 1),
-        })
-        .filter(|&(_, microbatches, _)| {
-            let p = PipelineParallel {
-                microbatches,
-                ..pipeline.clone()
-            };
-            pp == 1
-                || (p.check_microbatches(true).is_ok()
-                    && (p.schedule != PipelineSchedule::Interleaved1F1B
-                        || microbatches.is_multiple_of(pp)))
-        })
+    let interleaved = pipeline.schedule == PipelineSchedule::Interleaved1F1B;
+    layout::batches(global, dp, pipeline.pp)
+        .into_iter()
+        .filter(|&(_, microbatches, _)| !interleaved || microbatches.is_multiple_of(pipeline.pp))
         .collect()
 }
 
@@ -372,18 +353,7 @@ pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
     if p.tensor.cp > 1 {
         parallel["cp"] = p.tensor.cp.into();
     }
-    let pipeline = &p.pipeline;
-    if pipeline.pp > 1 {
-        parallel["pp"] = pipeline.pp.into();
-        parallel["schedule"] = pipeline.schedule.name().into();
-        if pipeline.vpp > 1 {
-            parallel["vpp"] = pipeline.vpp.into();
-        }
-        parallel["microbatches"] = pipeline.microbatches.into();
-        if let Some(split) = &pipeline.layers_per_stage {
-            parallel["layers_per_stage"] = split.clone().into();
-        }
-    }
+    pipeline_keys(&mut parallel, &p.pipeline);
     let mut megatron = serde_json::json!({"distributed_optimizer": m.distributed_optimizer});
     match m.recompute {
         Recompute::None => {}
@@ -483,7 +453,7 @@ mod tests {
             arch: &arch,
             world,
         };
-        let global = super::super::layout::global_batch(spec, world);
+        let global = layout::global_batch(spec, world);
         (candidates(&ctx, global), arch, global)
     }
 

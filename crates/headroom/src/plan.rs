@@ -14,6 +14,7 @@
 //! in. Computed numbers say so wherever they are shown.
 
 pub mod layout;
+pub mod megatron_layout;
 
 use std::path::Path;
 
@@ -633,14 +634,6 @@ pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
 /// The spec as given, with its residents and ranks, whatever its pipeline-, data-, context-
 /// and tensor-parallel layout.
 fn as_given(setup: &Setup) -> Result<(Estimate, Evaluation)> {
-    if setup.spec.parallel.as_ref().is_some_and(megatron) {
-        return Err(Error::Unsupported {
-            what: "fit of a Megatron-core spec (parallel.framework megatron)".into(),
-            supported: "`headroom estimate` of such a layout; fit's layout search covers data \
-                        parallelism and torchtitan's pipeline, tensor and context parallelism"
-                .into(),
-        });
-    }
     if let Some(p) = setup.spec.parallel.as_ref() {
         let replica = p.pipeline.pp * p.tensor.cp * p.tensor.tp;
         if !u64::from(setup.gpus).is_multiple_of(replica) {
@@ -1353,7 +1346,9 @@ pub enum Layouts {
 pub fn fit(setup: &Setup) -> Result<FitReport> {
     let (estimate, baseline) = as_given(setup)?;
     let max_positions = estimate.arch.max_positions;
-    let knobs_searched = !model_parallel(&setup.spec);
+    // The knobs are PyTorch's and DeepSpeed's; a Megatron-core spec's are its layout's.
+    let knobs_searched =
+        !model_parallel(&setup.spec) && !setup.spec.parallel.as_ref().is_some_and(megatron);
     let all = if knobs_searched {
         search(setup)?
     } else {

@@ -197,6 +197,9 @@ fn render(setup: &Setup, r: &FitReport) -> String {
     };
     if r.knobs_searched {
         out += &knobs(setup, r);
+    } else if plan::megatron_layout::applies(&setup.spec) {
+        out += "\nThe search of memory knobs is PyTorch's and DeepSpeed's: for a Megatron-core spec \
+                the layout search below replaces it.\n";
     } else {
         out += "\nThe search of memory knobs keeps data parallelism: for a pipeline-, tensor- or \
                 context-parallel spec the layout search below replaces it.\n";
@@ -360,6 +363,9 @@ fn layouts(setup: &Setup, s: &LayoutSearch) -> String {
         );
     }
     out += &format!("Margin: {}.\n", layout::MARGIN_RULE);
-    out += &format!("Step time: {}.\n", layout::COST_MODEL);
+    out += &format!(
+        "Step time: {}.\n",
+        headroom::report::layouts::cost_model(&setup.spec)
+    );
     out
 }

@@ -15,7 +15,11 @@ fn spec_with(keys: &Value) -> tempfile::NamedTempFile {
 }
 
 /// The spec `text` (read from `path`) with `keys` set, as a layout's spec keys are applied.
-fn with_keys(text: &str, path: &std::path::Path, keys: &Value) -> tempfile::NamedTempFile {
+pub(crate) fn with_keys(
+    text: &str,
+    path: &std::path::Path,
+    keys: &Value,
+) -> tempfile::NamedTempFile {
     let mut doc = headroom::spec::parse_document(text, path).expect("yaml");
     for (k, v) in keys.as_object().expect("keys") {
         doc[k] = v.clone();
@@ -24,13 +28,37 @@ fn with_keys(text: &str, path: &std::path::Path, keys: &Value) -> tempfile::Name
 }
 
 /// A temporary spec file holding `text`.
-fn temp_spec(text: &str, suffix: &str) -> tempfile::NamedTempFile {
+pub(crate) fn temp_spec(text: &str, suffix: &str) -> tempfile::NamedTempFile {
     let file = tempfile::Builder::new()
         .suffix(suffix)
         .tempfile()
         .expect("temp file");
     std::fs::write(file.path(), text).expect("written");
     file
+}
+
+/// The ranking's rule over `ranked` (`fit --json`'s `layouts.ranked`): the spec's global batch
+/// first, whole steps simulated before accumulation, then the margin kept, then faster.
+pub(crate) fn assert_ranking_rule(ranked: &[Value]) {
+    let key = |e: &Value| {
+        (
+            (
+                e["exact"] == false,
+                e["simulated"] == false,
+                e["within_margin"] == false,
+            ),
+            e["time_per_token"].as_f64().expect("time"),
+        )
+    };
+    for pair in ranked.windows(2) {
+        let (a, b) = (key(&pair[0]), key(&pair[1]));
+        assert!(
+            a.0 < b.0 || (a.0 == b.0 && a.1 <= b.1),
+            "{} before {}",
+            pair[0]["name"],
+            pair[1]["name"]
+        );
+    }
 }
 
 #[test]
@@ -57,28 +85,8 @@ fn the_best_layout_is_what_estimate_says_of_its_spec() {
     assert!(!l["why_best"].as_array().expect("why").is_empty());
     assert!(l["candidates"].as_u64() >= l["simulated"].as_u64());
 
-    // The ranking's rule: the spec's global batch first, whole steps simulated before
-    // accumulation, then the margin kept, then faster.
     let ranked = l["ranked"].as_array().expect("ranked");
-    let key = |e: &Value| {
-        (
-            (
-                e["exact"] == false,
-                e["simulated"] == false,
-                e["within_margin"] == false,
-            ),
-            e["time_per_token"].as_f64().expect("time"),
-        )
-    };
-    for pair in ranked.windows(2) {
-        let (a, b) = (key(&pair[0]), key(&pair[1]));
-        assert!(
-            a.0 < b.0 || (a.0 == b.0 && a.1 <= b.1),
-            "{} before {}",
-            pair[0]["name"],
-            pair[1]["name"]
-        );
-    }
+    assert_ranking_rule(ranked);
     for e in ranked {
         let margin = e["margin_bytes"].as_i64().expect("margin");
         assert_eq!(

@@ -7,6 +7,7 @@ mod common;
 mod diagnose_fit;
 mod estimate;
 mod fit_layouts;
+mod fit_megatron_layouts;
 mod page;
 mod plot;
 mod rules;

@@ -35,8 +35,8 @@ use crate::error::{Error, Result};
 use crate::estimate::{self, Estimate, Limit};
 use crate::gpu::Gpu;
 use crate::spec::{
-    Fsdp1Options, FsdpUnits, Mode, Parallel, PipelineParallel, PipelineSchedule, Precision,
-    RunSpec, Strategy, TensorParallel, TrainerKind,
+    Framework, Fsdp1Options, FsdpUnits, Megatron, Mode, Parallel, PipelineParallel,
+    PipelineSchedule, Precision, RunSpec, Strategy, TensorParallel, TrainerKind,
 };
 
 /// GPUs of one node: a tensor-parallel group stays within one, on NVLink.
@@ -155,7 +155,7 @@ fn pipeline_degrees(ctx: &Context, p: &Parallel) -> Vec<Parallel> {
     out
 }
 
-fn pipeline_words(p: &Parallel) -> Option<String> {
+pub(super) fn pipeline_words(p: &Parallel) -> Option<String> {
     let pipeline = &p.pipeline;
     (pipeline.pp > 1).then(|| match pipeline.schedule {
         PipelineSchedule::Interleaved1F1B => {
@@ -331,6 +331,10 @@ pub struct Candidate {
     pub accumulation: u64,
     /// Activation checkpointing of every decoder layer (full recomputation).
     pub recompute: bool,
+    /// A Megatron-core layout's own settings (`megatron:`: expert parallelism, the distributed
+    /// optimizer, recomputation, which `recompute` then says is full); `None` for the
+    /// torch-native layouts ([`super::megatron_layout`]).
+    pub megatron: Option<Megatron>,
 }
 
 impl Candidate {
@@ -347,6 +351,9 @@ impl Candidate {
 
     /// The layout in words: each axis it uses, then the micro-batch and recomputation.
     pub fn name(&self) -> String {
+        if let Some(m) = &self.megatron {
+            return super::megatron_layout::name(self, m);
+        }
         let parts: Vec<String> = AXES
             .iter()
             .filter_map(|a| (a.words)(&self.parallel))
@@ -368,11 +375,19 @@ impl Candidate {
         spec.parallel = Some(self.parallel.clone());
         spec.batch_size = self.micro_batch * self.pipelined();
         spec.gradient_checkpointing = self.recompute;
+        if self.megatron.is_some() {
+            // Megatron recomputes as `megatron:` says; HF's checkpointing is not its own.
+            spec.gradient_checkpointing = false;
+            spec.megatron = self.megatron;
+        }
         spec
     }
 
     /// The keys of the spec that differ from a spec without `parallel`: what to write in it.
     pub fn spec_keys(&self) -> serde_json::Value {
+        if let Some(m) = &self.megatron {
+            return super::megatron_layout::spec_keys(self, m);
+        }
         let p = &self.parallel;
         let mut parallel = serde_json::json!({
             "strategy": p.strategy.name(),
@@ -392,15 +407,7 @@ impl Candidate {
         if p.tensor.cp > 1 {
             parallel["cp"] = p.tensor.cp.into();
         }
-        let pipeline = &p.pipeline;
-        if pipeline.pp > 1 {
-            parallel["pp"] = pipeline.pp.into();
-            parallel["schedule"] = pipeline.schedule.name().into();
-            if pipeline.vpp > 1 {
-                parallel["vpp"] = pipeline.vpp.into();
-            }
-            parallel["microbatches"] = pipeline.microbatches.into();
-        }
+        pipeline_keys(&mut parallel, &p.pipeline);
         if let Some(mp) = &p.mixed_precision {
             let mut policy = serde_json::json!({"param_dtype": mp.param_dtype.to_string()});
             if let Some(reduce) = mp.reduce_dtype {
@@ -417,6 +424,21 @@ impl Candidate {
             keys["parallel"]["units"] = units.into();
         }
         keys
+    }
+}
+
+/// A pipeline's keys in a layout's `parallel` block.
+pub(super) fn pipeline_keys(parallel: &mut serde_json::Value, pipeline: &PipelineParallel) {
+    if pipeline.pp > 1 {
+        parallel["pp"] = pipeline.pp.into();
+        parallel["schedule"] = pipeline.schedule.name().into();
+        if pipeline.vpp > 1 {
+            parallel["vpp"] = pipeline.vpp.into();
+        }
+        parallel["microbatches"] = pipeline.microbatches.into();
+        if let Some(split) = &pipeline.layers_per_stage {
+            parallel["layers_per_stage"] = split.clone().into();
+        }
     }
 }
 
@@ -549,8 +571,12 @@ pub struct StepTime {
     pub compute_s: f64,
     /// Tensor parallelism's collectives, never overlapped.
     pub tensor_s: f64,
+    /// Expert parallelism's all-to-alls (Megatron's token dispatcher), never overlapped.
+    pub expert_s: f64,
     /// The pipeline's idle ranks while it fills and drains.
     pub bubble_s: f64,
+    /// The pipeline's sends of activations and their gradients between stages.
+    pub sends_s: f64,
     /// Data parallelism's communication that compute does not hide.
     pub data_exposed_s: f64,
     /// Seconds per optimizer step.
@@ -574,10 +600,19 @@ pub fn step_time(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> StepTime
     let reduce = mp.map_or(storage, |m| m.reduce_dtype.unwrap_or(m.param_dtype));
     let (pp, cp) = (p.pipeline.pp, p.tensor.cp);
     let local_tokens = (c.micro_batch * spec.seq_len / cp) as f64;
-    let params = arch.param_count(spec.head()) as f64;
+    let megatron = c
+        .megatron
+        .as_ref()
+        .map(|m| super::megatron_layout::Cost::of(spec, arch, c, m));
+    let params = megatron
+        .as_ref()
+        .map_or(arch.param_count(spec.head()) as f64, |m| m.params);
     // A token runs through its routed experts alone; the data-parallel traffic moves them all.
-    let flops_per_token =
-        if c.recompute { 8.0 } else { 6.0 } * arch.active_param_count(spec.head()) as f64;
+    let flops_per_token = if c.recompute { 8.0 } else { 6.0 }
+        * arch.active_param_count(spec.head()) as f64
+        + megatron
+            .as_ref()
+            .map_or(0.0, |m| m.recompute_flops_per_token);
     let efficiency = 1.0 + HALF_EFFICIENCY_TOKENS / local_tokens;
     let compute_s =
         flops_per_token * local_tokens / (p.tensor.tp * pp) as f64 / PEAK_FLOPS * efficiency;
@@ -594,12 +629,15 @@ pub fn step_time(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> StepTime
     };
     let comm = AXES.iter().map(|a| (a.comm)(&inputs, p));
     let tensor_s = tensor_comm(&inputs, p).exposed_per_micro_s;
+    let sends_s = pipeline_comm(&inputs, p).exposed_per_micro_s;
     let (mut exposed, mut overlapped, mut per_step) = (0.0, 0.0, 0.0);
     for m in comm {
         exposed += m.exposed_per_micro_s;
         overlapped += m.overlapped_per_micro_s;
         per_step += m.per_step_s;
     }
+    let expert_s = megatron.as_ref().map_or(0.0, |m| m.all_to_all_per_micro_s);
+    exposed += expert_s;
     let micro = (c.pipelined() * c.accumulation) as f64;
     let bubble_s =
         c.accumulation as f64 * (pp - 1) as f64 / p.pipeline.vpp as f64 * (compute_s + exposed);
@@ -610,7 +648,9 @@ pub fn step_time(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> StepTime
     StepTime {
         compute_s: micro * compute_s,
         tensor_s: micro * tensor_s,
+        expert_s: micro * expert_s,
         bubble_s,
+        sends_s: micro * sends_s,
         data_exposed_s,
         total_s,
         per_token_s: total_s / (c.global_batch() * spec.seq_len) as f64,
@@ -661,7 +701,7 @@ fn context_comm(x: &CostInputs, p: &Parallel) -> Comm {
 
 /// A ring all-reduce moves `2 (n-1)/n` of the buffer per rank, an all-gather or a
 /// reduce-scatter `(n-1)/n`.
-fn ring(n: u64) -> f64 {
+pub(super) fn ring(n: u64) -> f64 {
     (n.saturating_sub(1)) as f64 / n.max(1) as f64
 }
 
@@ -670,17 +710,23 @@ fn ring(n: u64) -> f64 {
 /// (`sim/strategy/tp.rs`): without sequence parallelism two all-reduces in forward (the
 /// row-parallel outputs) and five in backward (each column-parallel input's gradient: q, k,
 /// v, gate, up); with it an all-gather and a reduce-scatter per block each way (the same
-/// bytes as an all-reduce). Recomputation runs the forward's again.
+/// bytes as an all-reduce). Megatron's column-parallel linears are fused (`linear_qkv`,
+/// `linear_fc1`): two all-reduces in backward. Recomputation runs the forward's again.
 fn tensor_comm(x: &CostInputs, p: &Parallel) -> Comm {
     let tp = p.tensor.tp;
     if tp == 1 {
         return Comm::default();
     }
     let activation = x.micro_batch * x.seq_len * x.hidden * 2.0;
+    let column_parallel = if p.tensor.framework == Framework::Megatron {
+        2.0
+    } else {
+        5.0
+    };
     let (forward, backward) = if p.tensor.sequence_parallel {
         (4.0, 4.0)
     } else {
-        (2.0 * 2.0, 5.0 * 2.0)
+        (2.0 * 2.0, column_parallel * 2.0)
     };
     let passes = if x.recompute { 2.0 * forward } else { forward } + backward;
     let bytes = x.layers * passes * ring(tp) * activation;
@@ -692,7 +738,7 @@ fn tensor_comm(x: &CostInputs, p: &Parallel) -> Comm {
 
 /// Bandwidth of a collective over `ranks` ranks `stride` GPUs apart (the tensor-parallel
 /// ranks are the inner, adjacent ones): NVLink while they share a node.
-fn bandwidth(ranks: u64, stride: u64) -> f64 {
+pub(super) fn bandwidth(ranks: u64, stride: u64) -> f64 {
     if ranks * stride <= GPUS_PER_NODE {
         NVLINK_BYTES_PER_S
     } else {
@@ -783,7 +829,13 @@ impl RankMemo {
     /// What decides a rank's simulation, on any GPU.
     fn rank_key(spec: &RunSpec) -> String {
         let mut spec = spec.clone();
-        if let Some(p) = spec.parallel.as_mut().filter(|p| model_parallel(p) == 1) {
+        // Megatron's distributed optimizer pads its buffers to, and shards them over, the
+        // data-parallel ranks: the world decides its rank.
+        if let Some(p) = spec
+            .parallel
+            .as_mut()
+            .filter(|p| model_parallel(p) == 1 && p.tensor.framework != Framework::Megatron)
+        {
             match p.strategy {
                 Strategy::Ddp => {
                     p.world_size = 2;
@@ -955,30 +1007,20 @@ pub fn global_batch(spec: &RunSpec, world: u64) -> u64 {
 /// the micro-batch that comes closest, once a step), with and without recomputation. A
 /// pipeline runs a data-parallel rank's whole batch in one step: `per_rank / micro_batch`
 /// micro-batches, at least one per stage and as many as its schedule and the simulation take.
+/// A Megatron-core spec's are [`super::megatron_layout::candidates`].
 pub fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
+    if super::megatron_layout::applies(ctx.spec) {
+        return super::megatron_layout::candidates(ctx, global);
+    }
     let mut layouts = vec![template(ctx.spec, ctx.world)];
     for axis in AXES {
         layouts = layouts.iter().flat_map(|p| (axis.expand)(ctx, p)).collect();
     }
     let mut out = Vec::new();
     for layout in layouts {
-        let dp = data_parallel(&layout);
         let pp = layout.pipeline.pp;
-        // (micro-batch, micro-batches in the pipeline, accumulation)
-        let batches: Vec<(u64, u64, u64)> = if global.is_multiple_of(dp) {
-            let per_rank = global / dp;
-            (1..=per_rank)
-                .filter(|m| per_rank.is_multiple_of(*m))
-                .map(|m| match pp {
-                    1 => (m, 1, per_rank / m),
-                    _ => (m, per_rank / m, 1),
-                })
-                .collect()
-        } else {
-            let closest = (global as f64 / (dp * pp) as f64).round() as u64;
-            vec![(closest.max(1), pp, 1)]
-        };
-        for (micro_batch, microbatches, accumulation) in batches {
+        for (micro_batch, microbatches, accumulation) in batches(global, data_parallel(&layout), pp)
+        {
             let mut parallel = layout.clone();
             parallel.pipeline.microbatches = microbatches;
             if pp > 1 && !pipeline_runs(ctx, &parallel.pipeline, micro_batch) {
@@ -990,11 +1032,31 @@ pub fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
                     micro_batch,
                     accumulation,
                     recompute,
+                    megatron: None,
                 });
             }
         }
     }
     out
+}
+
+/// (micro-batch, micro-batches in the pipeline, gradient accumulation) of each way `dp`
+/// data-parallel ranks over a pipeline of `pp` keep the `global` batch: each micro-batch that
+/// divides a rank's share, all through the pipeline or, without one, accumulated; where `dp`
+/// does not divide it, the micro-batch that comes closest, once a step.
+pub(super) fn batches(global: u64, dp: u64, pp: u64) -> Vec<(u64, u64, u64)> {
+    if !global.is_multiple_of(dp) {
+        let closest = (global as f64 / (dp * pp) as f64).round() as u64;
+        return vec![(closest.max(1), pp, 1)];
+    }
+    let per_rank = global / dp;
+    (1..=per_rank)
+        .filter(|m| per_rank.is_multiple_of(*m))
+        .map(|m| match pp {
+            1 => (m, 1, per_rank / m),
+            _ => (m, per_rank / m, 1),
+        })
+        .collect()
 }
 
 /// Whether a pipeline runs `microbatches` micro-batches of `micro_batch` sequences: one per
@@ -1312,7 +1374,9 @@ fn difference(best: &StepTime, next: &StepTime) -> String {
             "tensor-parallel communication",
             next.tensor_s - best.tensor_s,
         ),
+        ("expert-parallel all-to-all", next.expert_s - best.expert_s),
         ("pipeline bubble", next.bubble_s - best.bubble_s),
+        ("sends between pipeline stages", next.sends_s - best.sends_s),
         (
             "data-parallel communication compute does not hide",
             next.data_exposed_s - best.data_exposed_s,
@@ -1322,9 +1386,14 @@ fn difference(best: &StepTime, next: &StepTime) -> String {
         .iter()
         .copied()
         .max_by(|a, b| a.1.total_cmp(&b.1))
-        .expect("four parts");
+        .expect("six parts");
     if more <= 0.0 {
-        return "no part of the step costs more; it trains a different batch".into();
+        // Ranked after `best` as fast: with more memory (Megatron's optimizer not distributed).
+        return if next.per_token_s <= best.per_token_s {
+            "as fast under the cost model, with more device memory".into()
+        } else {
+            "no part of the step costs more; it trains a different batch".into()
+        };
     }
     format!("{:.0}% more {what}", 100.0 * more / best.total_s)
 }
@@ -1353,6 +1422,7 @@ mod tests {
                 micro_batch: 1,
                 accumulation: 1,
                 recompute: false,
+                megatron: None,
             },
             outcome: Outcome::Fits(Numbers {
                 peak_allocated_bytes: device_bytes / 2,
@@ -1491,6 +1561,7 @@ mod tests {
                 micro_batch: 1,
                 accumulation: 1,
                 recompute: false,
+                megatron: None,
             };
             let t = step_time(&spec, &arch, &c);
             assert!(t.bubble_s > 0.0 && t.data_exposed_s == 0.0);

@@ -3,8 +3,9 @@
 use serde::Serialize;
 
 use crate::gpu::Gpu;
-use crate::plan::Layouts;
 use crate::plan::layout::{self, Evaluated, LayoutSearch, Outcome};
+use crate::plan::{Layouts, megatron_layout};
+use crate::spec::{Recompute, RunSpec};
 
 /// How many ranked layouts the report lists.
 pub const LISTED: usize = 10;
@@ -16,7 +17,8 @@ pub struct LayoutsJson {
     /// Why it did not (one GPU, adapters, a model whose tensor parallelism is not modelled);
     /// null when it ran.
     pub not_searched: Option<String>,
-    /// The parallel axes searched, in the order they are chosen (`pp`, `tp`, `cp`, `sp`, `dp`).
+    /// The parallel axes searched, in the order they are chosen (`pp`, `tp`, `cp`, `sp`, `dp`;
+    /// for a Megatron-core spec `pp`, `tp`, `ep`, `dp`).
     pub axes: Vec<&'static str>,
     pub gpus: Option<u64>,
     /// Sequences per optimizer step the spec trains with over these GPUs: a layout that keeps
@@ -34,7 +36,7 @@ pub struct LayoutsJson {
     /// What a layout must keep free to be ranked with the safe ones.
     pub margin_rule: &'static str,
     /// How `time_per_token` is estimated.
-    pub cost_model: &'static str,
+    pub cost_model: String,
     /// The first of `ranked`; null when none fits.
     pub best: Option<LayoutJson>,
     /// Why the best is best, in sentences.
@@ -63,12 +65,23 @@ pub struct LayoutJson {
     pub sequence_parallel: bool,
     /// Context-parallel ranks each sequence is cut over (1: none).
     pub cp: u64,
+    /// Expert-parallel ranks each MoE layer's experts are spread over (1: none): data-parallel
+    /// ranks, `dp / ep` of them holding each expert.
+    pub ep: u64,
     pub dp: u64,
     /// `parallel.strategy` over the data-parallel ranks.
     pub strategy: &'static str,
+    /// `parallel.framework`: `megatron` for Megatron-core's layouts, else `torchtitan`.
+    pub framework: &'static str,
+    /// Megatron's distributed optimizer; null for the torch-native layouts.
+    pub distributed_optimizer: Option<bool>,
     pub micro_batch: u64,
     pub gradient_accumulation: u64,
+    /// Full recomputation of every decoder layer.
     pub recompute: bool,
+    /// Megatron's `recompute_granularity` (`none`, `selective`, `full`); null for the
+    /// torch-native layouts.
+    pub recompute_granularity: Option<&'static str>,
     pub global_batch: u64,
     /// It keeps the spec's global batch.
     pub exact: bool,
@@ -89,7 +102,9 @@ pub struct LayoutJson {
     pub model_step_s: f64,
     pub model_compute_s: f64,
     pub model_tensor_comm_s: f64,
+    pub model_expert_comm_s: f64,
     pub model_pipeline_bubble_s: f64,
+    pub model_pipeline_sends_s: f64,
     pub model_data_comm_exposed_s: f64,
 }
 
@@ -108,7 +123,7 @@ impl LayoutsJson {
             Layouts::NotSearched(why) => Self {
                 searched: false,
                 not_searched: Some(why.clone()),
-                axes: layout::AXES.iter().map(|a| a.name).collect(),
+                axes: axes(&setup.spec),
                 gpus: None,
                 global_batch: None,
                 candidates: 0,
@@ -118,7 +133,7 @@ impl LayoutsJson {
                 out_of_memory: 0,
                 fitting: 0,
                 margin_rule: layout::MARGIN_RULE,
-                cost_model: layout::COST_MODEL,
+                cost_model: cost_model(&setup.spec),
                 best: None,
                 why_best: Vec::new(),
                 ranked: Vec::new(),
@@ -140,7 +155,7 @@ impl LayoutsJson {
         Self {
             searched: true,
             not_searched: None,
-            axes: layout::AXES.iter().map(|a| a.name).collect(),
+            axes: axes(&setup.spec),
             gpus: Some(s.gpus),
             global_batch: Some(s.global_batch),
             candidates: s.candidates,
@@ -150,7 +165,7 @@ impl LayoutsJson {
             out_of_memory: s.out_of_memory,
             fitting: s.ranked.len(),
             margin_rule: layout::MARGIN_RULE,
-            cost_model: layout::COST_MODEL,
+            cost_model: cost_model(&setup.spec),
             best: s.best().map(|e| LayoutJson::new(gpu, e, best_time)),
             why_best: layout::reasons(setup, s),
             ranked,
@@ -161,6 +176,24 @@ impl LayoutsJson {
                 headroom_bytes: gpu.total_bytes as i128 - est.device_bytes() as i128,
             }),
         }
+    }
+}
+
+/// The axes the search of `spec`'s layouts chooses.
+fn axes(spec: &RunSpec) -> Vec<&'static str> {
+    if megatron_layout::applies(spec) {
+        megatron_layout::AXES.to_vec()
+    } else {
+        layout::AXES.iter().map(|a| a.name).collect()
+    }
+}
+
+/// The cost model of the search of `spec`'s layouts, in words.
+pub fn cost_model(spec: &RunSpec) -> String {
+    if megatron_layout::applies(spec) {
+        format!("{}; {}", layout::COST_MODEL, megatron_layout::COST_MODEL)
+    } else {
+        layout::COST_MODEL.to_string()
     }
 }
 
@@ -182,11 +215,23 @@ impl LayoutJson {
             tp: p.tensor.tp,
             sequence_parallel: p.tensor.sequence_parallel,
             cp: p.tensor.cp,
+            ep: c.megatron.map_or(1, |m| m.expert_parallel),
             dp: layout::data_parallel(p),
             strategy: p.strategy.name(),
+            framework: if c.megatron.is_some() {
+                "megatron"
+            } else {
+                "torchtitan"
+            },
+            distributed_optimizer: c.megatron.map(|m| m.distributed_optimizer),
             micro_batch: c.micro_batch,
             gradient_accumulation: c.accumulation,
             recompute: c.recompute,
+            recompute_granularity: c.megatron.map(|m| match m.recompute {
+                Recompute::None => "none",
+                Recompute::Selective => "selective",
+                Recompute::Full { .. } => "full",
+            }),
             global_batch: c.global_batch(),
             exact: e.exact,
             simulated: e.simulated,
@@ -201,7 +246,9 @@ impl LayoutJson {
             model_step_s: e.time.total_s,
             model_compute_s: e.time.compute_s,
             model_tensor_comm_s: e.time.tensor_s,
+            model_expert_comm_s: e.time.expert_s,
             model_pipeline_bubble_s: e.time.bubble_s,
+            model_pipeline_sends_s: e.time.sends_s,
             model_data_comm_exposed_s: e.time.data_exposed_s,
         }
     }

@@ -955,6 +955,14 @@ impl RunSpec {
                     .into(),
             });
         }
+        if parallel.tensor.cp > 1 {
+            return Err(Error::Unsupported {
+                what: "parallel.cp with framework megatron".into(),
+                supported: "context parallelism as torchtitan applies it (framework torchtitan, \
+                            strategy fsdp)"
+                    .into(),
+            });
+        }
         let refused = |what: &str| Error::Unsupported {
             what: format!("{what} with framework megatron"),
             supported: "training a causal LM (mode train) in precision bf16 with optimizer adamw, \
@@ -1786,20 +1794,13 @@ fn parse_tensor_parallel(
         ));
     }
     if framework == Framework::Megatron {
-        if positive(obj, "cp", 1).map_err(field)? > 1 {
-            return Err(Error::Unsupported {
-                what: "parallel.cp with framework megatron".into(),
-                supported: "context parallelism as torchtitan applies it (framework torchtitan, \
-                            strategy fsdp)"
-                    .into(),
-            });
-        }
-        // Megatron's own DDP spreads the data-parallel dimension (`spec::megatron` checks it).
+        // Megatron's own DDP spreads the data-parallel dimension (`spec::megatron` checks it);
+        // `check_megatron` refuses its context parallelism.
         return Ok(TensorParallel {
             tp,
             sequence_parallel,
             framework,
-            cp: 1,
+            cp: positive(obj, "cp", 1).map_err(field)?,
         });
     }
     if tp > 1 && !matches!(strategy, Strategy::Fsdp | Strategy::NoDataParallel) {

@@ -1,0 +1,569 @@
+//! The layout search of `fit --gpus N` for a Megatron-core spec (`parallel.framework:
+//! megatron`): the candidates [`super::layout`]'s search simulates, ranks and explains as it
+//! does the torch-native ones. A candidate is a pipeline (1F1B, or the interleaved schedule with
+//! `vpp` model chunks a rank) × tensor parallelism × expert parallelism (MoE) × Megatron's DDP
+//! over the data-parallel ranks left, with the distributed optimizer or not, × the micro-batch
+//! that keeps the spec's global batch (`micro_batch × microbatches × dp`, as Megatron's
+//! `num_microbatches` calculator requires) × recomputation (none, selective, full).
+//!
+//! Every candidate's rank is `estimate`'s: each pipeline rank simulated, the worst one kept.
+//! Layouts the spec refuses for Megatron (tensor parallelism that does not divide the heads or
+//! the vocabulary, tensor parallelism of an MoE model, expert parallelism that does not divide
+//! the experts, sequence and context parallelism, which the local layer spec cannot run) are
+//! made once each and refused by the spec's own checks, which name them.
+
+use super::layout::{
+    self, Candidate, Context, GPUS_PER_NODE, bandwidth, data_parallel, pipeline_keys,
+    pipeline_words, ring,
+};
+use crate::arch::Architecture;
+use crate::spec::{
+    Framework, Megatron, Parallel, PipelineParallel, PipelineSchedule, Recompute, RecomputeMethod,
+    RunSpec, Strategy, TensorParallel,
+};
+
+/// How `fit --json` names the axes a Megatron layout is chosen on, in the order they are
+/// chosen (`vpp` is part of the pipeline's).
+pub const AXES: &[&str] = &["pp", "tp", "ep", "dp"];
+
+/// The most model chunks a rank holds in the interleaved schedules searched: each `vpp` is a
+/// pipeline of its own to simulate, and each chunk more divides the bubble less while adding
+/// its sends between stages (both in the cost model).
+pub const MAX_SEARCHED_VPP: u64 = 8;
+
+/// What the cost model adds for a Megatron layout ([`COST_MODEL`]), in words for reports.
+pub const COST_MODEL: &str = "under Megatron-core: two all-reduces a layer each way for tensor \
+    parallelism (its fused linear_qkv and linear_fc1), expert parallelism's token all-to-alls \
+    (dispatch and combine, forward and backward, again with full recomputation) at NVLink or \
+    network bandwidth, never hidden, selective recomputation's attention scores computed twice, \
+    and the data-parallel reduction of a rank's share (1 / ep) of the experts";
+
+/// Whether `spec` is laid out by Megatron-core.
+pub fn applies(spec: &RunSpec) -> bool {
+    spec.parallel
+        .as_ref()
+        .is_some_and(|p| p.tensor.framework == Framework::Megatron)
+}
+
+/// Every candidate over `ctx.world` GPUs for the spec's `global` batch: each pipeline
+/// ([`pipelines`]) × tensor-parallel degree × expert-parallel degree, at each micro-batch that
+/// keeps the global batch, with and without the distributed optimizer (over 2 or more
+/// data-parallel ranks), under each recomputation. A layout the spec refuses is one candidate
+/// (refused by name); with tensor parallelism, its sequence-parallel and context-parallel
+/// variants are too.
+pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
+    let base = ctx.spec.megatron.unwrap_or_default();
+    let mut out = Vec::new();
+    for pipeline in pipelines(ctx) {
+        let stage = ctx.world / pipeline.pp;
+        for tp in (1..=GPUS_PER_NODE.min(stage)).filter(|tp| stage.is_multiple_of(*tp)) {
+            for ep in expert_degrees(ctx.arch, stage / tp) {
+                let parallel = layout(ctx, &pipeline, tp);
+                let dp = data_parallel(&parallel);
+                let batches = batches(global, dp, &pipeline);
+                if batches.is_empty() {
+                    continue;
+                }
+                let plain = Megatron {
+                    expert_parallel: ep,
+                    ..base
+                };
+                // The layout alone: a micro-batch of one sequence through each stage.
+                let probe = candidate(&parallel, (1, pipeline.pp, 1), plain);
+                if admitted(ctx, &probe).is_err() {
+                    out.push(probe);
+                    continue;
+                }
+                if tp > 1 {
+                    let sequence = TensorParallel {
+                        sequence_parallel: true,
+                        ..parallel.tensor
+                    };
+                    // Context parallelism of 2 over the data-parallel ranks, where they split.
+                    let context = TensorParallel {
+                        cp: 2,
+                        ..parallel.tensor
+                    };
+                    for tensor in [Some(sequence), dp.is_multiple_of(2).then_some(context)]
+                        .into_iter()
+                        .flatten()
+                    {
+                        let variant = Parallel {
+                            tensor,
+                            ..parallel.clone()
+                        };
+                        out.push(candidate(&variant, (1, pipeline.pp, 1), plain));
+                    }
+                }
+                for &batch in &batches {
+                    for distributed_optimizer in optimizers(&base, dp) {
+                        for recompute in recomputations(&base) {
+                            let m = Megatron {
+                                distributed_optimizer,
+                                recompute,
+                                ..plain
+                            };
+                            out.push(candidate(&parallel, batch, m));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `parallel` at `(micro-batch, micro-batches through the pipeline, accumulation)` under `m`'s
+/// settings.
+fn candidate(
+    parallel: &Parallel,
+    (micro_batch, microbatches, accumulation): (u64, u64, u64),
+    m: Megatron,
+) -> Candidate {
+    let mut parallel = parallel.clone();
+    parallel.pipeline.microbatches = microbatches;
+    Candidate {
+        recompute: matches!(m.recompute, Recompute::Full { .. }),
+        parallel,
+        micro_batch,
+        accumulation,
+        megatron: Some(m),
+    }
+}
+
+/// Whether the spec admits `c`'s layout for the model: Megatron's checks of the spec, those
+/// that need the architecture included.
+fn admitted(ctx: &Context, c: &Candidate) -> crate::error::Result<()> {
+    c.spec(ctx.spec).rechecked()?.check_against(ctx.arch)
+}
+
+/// The pipelines Megatron runs the model's layers in over `ctx.world` GPUs: none; 1F1B over
+/// each degree that divides the world, the layers split evenly where the degree divides them,
+/// else with the first and last stages lighter (`num_layers_in_first_pipeline_stage` and
+/// `..._last_...`: the middle stages take `ceil(layers / pp)`, the ends share the rest), the
+/// spec's own split at its own degree; the interleaved schedule with each `vpp` from 2 to
+/// [`MAX_SEARCHED_VPP`] whose `pp × vpp` chunks split the layers evenly. Each with the
+/// micro-batches of one stage (the candidate's replace them).
+fn pipelines(ctx: &Context) -> Vec<PipelineParallel> {
+    let layers = ctx.arch.layers;
+    let own = ctx.spec.parallel.as_ref().map(|p| &p.pipeline);
+    let mut out = vec![PipelineParallel::default()];
+    for pp in (2..=ctx.world.min(layers)).filter(|pp| ctx.world.is_multiple_of(*pp)) {
+        let split = match own.filter(|o| o.pp == pp && o.vpp == 1) {
+            Some(o) => o.layers_per_stage.clone(),
+            None if layers.is_multiple_of(pp) => None,
+            None => lighter_ends(layers, pp),
+        };
+        if split.is_some() || layers.is_multiple_of(pp) {
+            out.push(PipelineParallel {
+                pp,
+                microbatches: pp,
+                layers_per_stage: split,
+                ..PipelineParallel::default()
+            });
+        }
+        for vpp in (2..=MAX_SEARCHED_VPP).filter(|v| layers.is_multiple_of(pp * v)) {
+            out.push(PipelineParallel {
+                pp,
+                vpp,
+                microbatches: pp,
+                schedule: PipelineSchedule::Interleaved1F1B,
+                layers_per_stage: None,
+            });
+        }
+    }
+    out
+}
+
+/// `layers` over `pp >= 2` stages when `pp` does not divide them: the middle stages
+/// `ceil(layers / pp)` each, the first and the last the rest (the first the smaller half), as
+/// Llama 3's 405B split puts one layer fewer beside the embedding and the output layer;
+/// `None` when the ends would be left no layer.
+fn lighter_ends(layers: u64, pp: u64) -> Option<Vec<u64>> {
+    let middle = layers.div_ceil(pp);
+    let rest = layers.checked_sub((pp - 2) * middle)?;
+    let first = rest / 2;
+    (first >= 1).then(|| {
+        let mut split = vec![middle; pp as usize];
+        split[0] = first;
+        split[pp as usize - 1] = rest - first;
+        split
+    })
+}
+
+/// Expert-parallel degrees: those of an MoE model that divide a stage's data-parallel ranks
+/// (the spec refuses those that do not divide the experts); 1 for a dense model.
+fn expert_degrees(arch: &Architecture, ranks: u64) -> Vec<u64> {
+    match &arch.moe {
+        None => vec![1],
+        Some(_) => (1..=ranks).filter(|ep| ranks.is_multiple_of(*ep)).collect(),
+    }
+}
+
+/// The spec's `pipeline` over `tp` tensor-parallel ranks and Megatron's DDP over the rest.
+fn layout(ctx: &Context, pipeline: &PipelineParallel, tp: u64) -> Parallel {
+    let own = ctx
+        .spec
+        .parallel
+        .clone()
+        .expect("a Megatron spec has parallel");
+    Parallel {
+        strategy: Strategy::Ddp,
+        world_size: ctx.world,
+        shard_size: ctx.world / (pipeline.pp * tp),
+        tensor: TensorParallel {
+            tp,
+            sequence_parallel: false,
+            framework: Framework::Megatron,
+            cp: 1,
+        },
+        pipeline: pipeline.clone(),
+        ..own
+    }
+}
+
+/// [`layout::batches`] as Megatron's schedule takes them: the interleaved one in whole groups
+/// of `pp` micro-batches.
+fn batches(global: u64, dp: u64, pipeline: &PipelineParallel) -> Vec<(u64, u64, u64)> {
+    let interleaved = pipeline.schedule == PipelineSchedule::Interleaved1F1B;
+    layout::batches(global, dp, pipeline.pp)
+        .into_iter()
+        .filter(|&(_, microbatches, _)| !interleaved || microbatches.is_multiple_of(pipeline.pp))
+        .collect()
+}
+
+/// The distributed optimizer off and on over 2 or more data-parallel ranks; the spec's over one.
+fn optimizers(base: &Megatron, dp: u64) -> Vec<bool> {
+    if dp > 1 {
+        vec![false, true]
+    } else {
+        vec![base.distributed_optimizer]
+    }
+}
+
+/// No recomputation, selective (the core attention), full (every layer, one at a time), and the
+/// spec's own when it is another.
+fn recomputations(base: &Megatron) -> Vec<Recompute> {
+    let mut out = vec![
+        Recompute::None,
+        Recompute::Selective,
+        Recompute::Full {
+            method: RecomputeMethod::Uniform,
+            layers: 1,
+        },
+    ];
+    if !out.contains(&base.recompute) {
+        out.push(base.recompute);
+    }
+    out
+}
+
+/// A Megatron candidate in words: its pipeline (with an uneven split's layers), tensor, expert
+/// and data parallelism, its micro-batches and recomputation.
+pub(super) fn name(c: &Candidate, m: &Megatron) -> String {
+    let p = &c.parallel;
+    let mut parts = Vec::new();
+    if let Some(pipeline) = pipeline_words(p) {
+        parts.push(match &p.pipeline.layers_per_stage {
+            Some(split) => format!("{pipeline} with stages of {} layers", split_words(split)),
+            None => pipeline,
+        });
+    }
+    if p.tensor.tp > 1 {
+        let sp = if p.tensor.sequence_parallel {
+            " + SP"
+        } else {
+            ""
+        };
+        parts.push(format!("tp {}{sp}", p.tensor.tp));
+    }
+    if p.tensor.cp > 1 {
+        parts.push(format!("cp {}", p.tensor.cp));
+    }
+    // Expert parallelism spreads each MoE layer's experts over data-parallel ranks.
+    parts.push(format!(
+        "dp {} (Megatron DDP{}){}",
+        data_parallel(p),
+        if m.distributed_optimizer {
+            ", distributed optimizer"
+        } else {
+            ""
+        },
+        if m.expert_parallel > 1 {
+            format!(" with ep {}", m.expert_parallel)
+        } else {
+            String::new()
+        }
+    ));
+    format!(
+        "{}, micro-batch {} × {}{}",
+        parts.join(" × "),
+        c.micro_batch,
+        c.pipelined() * c.accumulation,
+        match m.recompute {
+            Recompute::None => String::new(),
+            Recompute::Selective => ", selective recompute".into(),
+            Recompute::Full {
+                method: RecomputeMethod::Uniform,
+                layers: 1,
+            } => ", full recompute".into(),
+            Recompute::Full {
+                method: RecomputeMethod::Uniform,
+                layers,
+            } => format!(", full recompute of {layers} layers at a time"),
+            Recompute::Full {
+                method: RecomputeMethod::Block,
+                layers,
+            } => format!(", full recompute of the first {layers} layers"),
+        }
+    )
+}
+
+/// A stage split in words, runs of equal counts folded: `7, 8 × 14, 7`.
+fn split_words(split: &[u64]) -> String {
+    let mut runs: Vec<(u64, usize)> = Vec::new();
+    for &n in split {
+        match runs.last_mut() {
+            Some((last, count)) if *last == n => *count += 1,
+            _ => runs.push((n, 1)),
+        }
+    }
+    runs.iter()
+        .map(|&(n, count)| match count {
+            1 => n.to_string(),
+            _ => format!("{n} × {count}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The keys a Megatron candidate writes over the spec: its batch, its whole `parallel` block and
+/// its whole `megatron` block (the spec's other Megatron settings kept).
+pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
+    let p = &c.parallel;
+    let mut parallel = serde_json::json!({
+        "strategy": p.strategy.name(),
+        "world_size": p.world_size,
+        "framework": "megatron",
+        "tp": p.tensor.tp,
+    });
+    if p.tensor.sequence_parallel {
+        parallel["sequence_parallel"] = true.into();
+    }
+    if p.tensor.cp > 1 {
+        parallel["cp"] = p.tensor.cp.into();
+    }
+    pipeline_keys(&mut parallel, &p.pipeline);
+    let mut megatron = serde_json::json!({"distributed_optimizer": m.distributed_optimizer});
+    match m.recompute {
+        Recompute::None => {}
+        Recompute::Selective => megatron["recompute_granularity"] = "selective".into(),
+        Recompute::Full { method, layers } => {
+            megatron["recompute_granularity"] = "full".into();
+            megatron["recompute_method"] = match method {
+                RecomputeMethod::Uniform => "uniform",
+                RecomputeMethod::Block => "block",
+            }
+            .into();
+            megatron["recompute_num_layers"] = layers.into();
+        }
+    }
+    if m.expert_parallel > 1 {
+        megatron["expert_model_parallel_size"] = m.expert_parallel.into();
+    }
+    if m.transformer_engine {
+        megatron["transformer_impl"] = "transformer_engine".into();
+    }
+    if m.optimizer_cpu_offload {
+        megatron["optimizer_cpu_offload"] = true.into();
+    }
+    serde_json::json!({
+        "batch_size": c.micro_batch * c.pipelined(),
+        "parallel": parallel,
+        "megatron": megatron,
+    })
+}
+
+/// What the cost model ([`super::layout::step_time`]) counts differently for a Megatron
+/// candidate.
+pub(super) struct Cost {
+    /// The parameters whose gradients a rank's data-parallel groups reduce, times `tp × pp`:
+    /// the dense ones and `1 / ep` of the experts.
+    pub params: f64,
+    /// Selective recomputation's core attention run again: `QKᵀ` and the scores times `V` of
+    /// every layer, `2 × seq_len × heads × head_dim` FLOPs a token each (the local spec's
+    /// unfused attention computes the whole score matrix).
+    pub recompute_flops_per_token: f64,
+    /// Expert parallelism's all-to-alls for one micro-batch on one rank.
+    pub all_to_all_per_micro_s: f64,
+}
+
+impl Cost {
+    pub(super) fn of(spec: &RunSpec, arch: &Architecture, c: &Candidate, m: &Megatron) -> Self {
+        let p = &c.parallel;
+        let ep = m.expert_parallel;
+        let routed = arch.moe.as_ref().map_or(0, |moe| {
+            (0..arch.layers).filter(|&l| moe.routes(l)).count() as u64
+        });
+        let (expert_params, top_k) = arch.moe.as_ref().map_or((0, 0), |moe| {
+            (
+                routed * moe.experts * 3 * moe.intermediate * arch.hidden,
+                moe.top_k,
+            )
+        });
+        let params = arch.param_count(spec.head()) - expert_params + expert_params / ep;
+        let recompute_flops_per_token = match m.recompute {
+            Recompute::Selective => {
+                (arch.layers * 2 * 2 * spec.seq_len * arch.heads * arch.head_dim) as f64
+            }
+            _ => 0.0,
+        };
+        let all_to_all_per_micro_s = if ep > 1 {
+            // Dispatch and combine, forward and backward, and forward again when recomputed.
+            let passes = if c.recompute { 6.0 } else { 4.0 };
+            let bytes = (c.micro_batch * spec.seq_len * top_k * arch.hidden * 2) as f64;
+            let layers = routed as f64 / p.pipeline.pp as f64;
+            layers * passes * ring(ep) * bytes / bandwidth(ep, p.tensor.tp)
+        } else {
+            0.0
+        };
+        Cost {
+            params: params as f64,
+            recompute_flops_per_token,
+            all_to_all_per_micro_s,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example(name: &str) -> RunSpec {
+        let path = format!("{}/../../examples/{name}", env!("CARGO_MANIFEST_DIR"));
+        RunSpec::from_file(std::path::Path::new(&path)).expect("example")
+    }
+
+    /// The candidates of `spec` over its own GPUs, with its architecture.
+    fn all(spec: &RunSpec) -> (Vec<Candidate>, Architecture, u64) {
+        let (_, arch) = spec.architecture(None, "").expect("catalog model");
+        let world = spec.parallel.as_ref().expect("parallel").world_size;
+        let ctx = Context {
+            spec,
+            arch: &arch,
+            world,
+        };
+        let global = layout::global_batch(spec, world);
+        (candidates(&ctx, global), arch, global)
+    }
+
+    /// Over the 405B's 512 GPUs: the spec's own layout is a candidate; every other one the spec
+    /// admits keeps the global batch (or comes closest where dp does not divide it) and is a
+    /// spec Megatron runs; those it refuses are sequence and context parallelism, named.
+    #[test]
+    fn the_405b_candidates_hold_its_own_layout_and_only_what_megatron_runs() {
+        let spec = example("llama-3.1-405b-megatron-tp8-pp16-512xh100.yaml");
+        let (all, arch, global) = all(&spec);
+        assert_eq!(global, 64);
+        assert!(all.iter().any(|c| c.spec(&spec) == spec), "the spec's own");
+        let mut refused = std::collections::BTreeSet::new();
+        for c in &all {
+            let p = &c.parallel;
+            assert_eq!(
+                p.pipeline.pp * p.tensor.cp * p.tensor.tp * data_parallel(p),
+                512
+            );
+            match c
+                .spec(&spec)
+                .rechecked()
+                .and_then(|s| s.check_against(&arch))
+            {
+                Ok(_) => {
+                    assert!(
+                        !p.tensor.sequence_parallel && p.tensor.cp == 1,
+                        "{}",
+                        c.name()
+                    );
+                    let dp = data_parallel(p);
+                    if global.is_multiple_of(dp) {
+                        assert_eq!(c.global_batch(), global, "{}", c.name());
+                    }
+                }
+                Err(e) => {
+                    refused.insert(e.to_string().split(" is not").next().map(String::from));
+                }
+            }
+        }
+        let refused: Vec<_> = refused.into_iter().flatten().collect();
+        assert_eq!(
+            refused,
+            [
+                "parallel.cp with framework megatron",
+                "parallel.sequence_parallel with framework megatron"
+            ]
+        );
+        // The interleaved schedule where pp × vpp divides the 126 layers: pp 2 alone.
+        let interleaved: std::collections::BTreeSet<(u64, u64)> = all
+            .iter()
+            .filter(|c| c.parallel.pipeline.schedule == PipelineSchedule::Interleaved1F1B)
+            .map(|c| (c.parallel.pipeline.pp, c.parallel.pipeline.vpp))
+            .collect();
+        assert_eq!(
+            interleaved.into_iter().collect::<Vec<_>>(),
+            [(2, 3), (2, 7)]
+        );
+    }
+
+    /// Qwen3-235B-A22B over 64 GPUs: expert parallelism over each divisor of a stage's ranks,
+    /// tensor parallelism refused by name (Megatron's MoELayer needs sequence parallelism with
+    /// it), every admitted candidate at tp 1.
+    #[test]
+    fn an_moe_model_gets_expert_parallelism_and_no_tensor_parallelism() {
+        let spec = example("qwen3-235b-a22b-megatron-grpo-slime.yaml");
+        let (all, arch, _) = all(&spec);
+        let admitted: Vec<&Candidate> = all
+            .iter()
+            .filter(|c| {
+                c.spec(&spec)
+                    .rechecked()
+                    .and_then(|s| s.check_against(&arch))
+                    .is_ok()
+            })
+            .collect();
+        assert!(admitted.iter().all(|c| c.parallel.tensor.tp == 1));
+        let eps: std::collections::BTreeSet<u64> = admitted
+            .iter()
+            .map(|c| c.megatron.expect("megatron").expert_parallel)
+            .collect();
+        assert_eq!(
+            eps.into_iter().collect::<Vec<_>>(),
+            [1, 2, 4, 8, 16, 32, 64]
+        );
+        let tp = all
+            .iter()
+            .find(|c| c.parallel.tensor.tp == 2)
+            .expect("a tensor-parallel layout, refused");
+        let why = refusal(&spec, &arch, tp);
+        assert!(why.contains("parallel.tp 2 with an MoE model"), "{why}");
+    }
+
+    fn refusal(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> String {
+        c.spec(spec)
+            .rechecked()
+            .and_then(|s| s.check_against(arch))
+            .expect_err("refused")
+            .to_string()
+    }
+
+    #[test]
+    fn lighter_ends_split_as_llama_3_405b_did() {
+        let split = lighter_ends(126, 16).expect("a split");
+        assert_eq!(split.len(), 16);
+        assert_eq!(split.iter().sum::<u64>(), 126);
+        assert_eq!((split[0], split[1], split[14], split[15]), (7, 8, 8, 7));
+        assert_eq!(lighter_ends(94, 4), Some(vec![23, 24, 24, 23]));
+        assert_eq!(lighter_ends(7, 2), Some(vec![3, 4]));
+        assert_eq!(lighter_ends(5, 4), None, "the ends would hold nothing");
+        assert_eq!(split_words(&split), "7, 8 × 14, 7");
+    }
+}

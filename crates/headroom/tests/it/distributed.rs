@@ -255,3 +255,61 @@ fn device_totals_include_the_communicators() {
     }
     assert!(checked >= 16, "{checked} rows");
 }
+
+/// DDP's own small device tensors against the traced run of the same spec, where the real
+/// `DistributedDataParallel` and its C++ Reducer ran (`bench/trace/ddp`): the constructor's
+/// parameter check (the count, its all-gather outputs and NCCL's flat buffer, the shape
+/// metadata) and the bucket rebuild's index copies (`sync_bucket_indices`), in the same
+/// order and sizes.
+#[test]
+fn ddp_small_device_tensors_are_the_reducers() {
+    use headroom::sim::Component;
+    use headroom::trace::{Event, StorageKind};
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let trace = headroom::trace::read(
+        &root.join("bench/trace/ddp/ddp__qwen2.5-1.5b-4l__amp_bf16__bs4__s1024__gc.json.gz"),
+    )
+    .expect("trace");
+    let small = 1 << 20;
+    let outside_modules = |i: u32| {
+        let s = &trace.storages[i as usize];
+        (s.bytes < small
+            && s.kind == StorageKind::Temporary
+            && s.module.is_empty()
+            && matches!(
+                s.op.as_str(),
+                "aten.empty.memory_format" | "aten.empty_like.default"
+            ))
+        .then_some(s.bytes)
+    };
+    let traced: Vec<(bool, u64)> = trace
+        .events
+        .iter()
+        .filter_map(|e| match *e {
+            Event::Alloc(i) => outside_modules(i).map(|b| (true, b)),
+            Event::Free(i) => outside_modules(i).map(|b| (false, b)),
+            _ => None,
+        })
+        .collect();
+    let spec = RunSpec::from_value(&trace.spec).expect("spec");
+    let (_, events) = headroom::estimate::estimate_with_trace(
+        &spec,
+        None,
+        &gpu::Gpu::default(),
+        headroom::estimate::Limit::None,
+        true,
+    )
+    .expect("estimate");
+    let native: Vec<(bool, u64)> = events
+        .iter()
+        .filter(|e| {
+            e.component == Component::Communication
+                && e.bytes < small
+                && !e.label.starts_with("broadcast_coalesced")
+        })
+        .map(|e| (e.alloc, e.bytes))
+        .collect();
+    // The check makes ten requests over two ranks, the rebuild four.
+    assert_eq!(traced.len(), 14, "{traced:?}");
+    assert_eq!(native, traced);
+}

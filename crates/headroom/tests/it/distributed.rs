@@ -313,3 +313,36 @@ fn ddp_small_device_tensors_are_the_reducers() {
     assert_eq!(traced.len(), 14, "{traced:?}");
     assert_eq!(native, traced);
 }
+
+/// The embedding's backward past 3072 indices (`embedding_backward_cuda_kernel`) as the rank-0
+/// snapshot of the 4-layer DDP run recorded it (`bench/distributed/h200x2/ddp-q15-4l.pickle.gz`,
+/// 4096 indices into 151936 fp32 rows of 1536): after the gradient's zeros, the partial
+/// segments' offsets (36,040 bytes) and their fp32 sums (27,678,720 bytes), freed at once.
+#[test]
+fn embedding_backward_makes_its_partial_segment_buffers() {
+    let row = rows()
+        .into_iter()
+        .find(|r| r["id"] == "ddp/qwen2.5-1.5b-4l/amp_bf16/bs4/s1024/gc")
+        .expect("the 4-layer DDP row");
+    let spec = RunSpec::from_value(&row["spec"]).expect("spec");
+    let (_, events) = headroom::estimate::estimate_with_trace(
+        &spec,
+        None,
+        &gpu::Gpu::default(),
+        headroom::estimate::Limit::None,
+        true,
+    )
+    .expect("estimate");
+    let at = events
+        .iter()
+        .position(|e| e.alloc && e.label == "grad of embedding")
+        .expect("the embedding's gradient");
+    let after: Vec<(bool, u64)> = events[at + 1..]
+        .iter()
+        .take(12)
+        .map(|e| (e.alloc, e.bytes))
+        .collect();
+    assert_eq!(after[5], (true, 36_040));
+    assert_eq!(after[6], (true, 27_678_720));
+    assert_eq!(after[7], (false, 27_678_720));
+}

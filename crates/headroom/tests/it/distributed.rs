@@ -255,3 +255,94 @@ fn device_totals_include_the_communicators() {
     }
     assert!(checked >= 16, "{checked} rows");
 }
+
+/// DDP's own small device tensors against the traced run of the same spec, where the real
+/// `DistributedDataParallel` and its C++ Reducer ran (`bench/trace/ddp`): the constructor's
+/// parameter check (the count, its all-gather outputs and NCCL's flat buffer, the shape
+/// metadata) and the bucket rebuild's index copies (`sync_bucket_indices`), in the same
+/// order and sizes.
+#[test]
+fn ddp_small_device_tensors_are_the_reducers() {
+    use headroom::sim::Component;
+    use headroom::trace::{Event, StorageKind};
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let trace = headroom::trace::read(
+        &root.join("bench/trace/ddp/ddp__qwen2.5-1.5b-4l__amp_bf16__bs4__s1024__gc.json.gz"),
+    )
+    .expect("trace");
+    let small = 1 << 20;
+    let outside_modules = |i: u32| {
+        let s = &trace.storages[i as usize];
+        (s.bytes < small
+            && s.kind == StorageKind::Temporary
+            && s.module.is_empty()
+            && matches!(
+                s.op.as_str(),
+                "aten.empty.memory_format" | "aten.empty_like.default"
+            ))
+        .then_some(s.bytes)
+    };
+    let traced: Vec<(bool, u64)> = trace
+        .events
+        .iter()
+        .filter_map(|e| match *e {
+            Event::Alloc(i) => outside_modules(i).map(|b| (true, b)),
+            Event::Free(i) => outside_modules(i).map(|b| (false, b)),
+            _ => None,
+        })
+        .collect();
+    let spec = RunSpec::from_value(&trace.spec).expect("spec");
+    let (_, events) = headroom::estimate::estimate_with_trace(
+        &spec,
+        None,
+        &gpu::Gpu::default(),
+        headroom::estimate::Limit::None,
+        true,
+    )
+    .expect("estimate");
+    let native: Vec<(bool, u64)> = events
+        .iter()
+        .filter(|e| {
+            e.component == Component::Communication
+                && e.bytes < small
+                && !e.label.starts_with("broadcast_coalesced")
+        })
+        .map(|e| (e.alloc, e.bytes))
+        .collect();
+    // The check makes ten requests over two ranks, the rebuild four.
+    assert_eq!(traced.len(), 14, "{traced:?}");
+    assert_eq!(native, traced);
+}
+
+/// The embedding's backward past 3072 indices (`embedding_backward_cuda_kernel`) as the rank-0
+/// snapshot of the 4-layer DDP run recorded it (`bench/distributed/h200x2/ddp-q15-4l.pickle.gz`,
+/// 4096 indices into 151936 fp32 rows of 1536): after the gradient's zeros, the partial
+/// segments' offsets (36,040 bytes) and their fp32 sums (27,678,720 bytes), freed at once.
+#[test]
+fn embedding_backward_makes_its_partial_segment_buffers() {
+    let row = rows()
+        .into_iter()
+        .find(|r| r["id"] == "ddp/qwen2.5-1.5b-4l/amp_bf16/bs4/s1024/gc")
+        .expect("the 4-layer DDP row");
+    let spec = RunSpec::from_value(&row["spec"]).expect("spec");
+    let (_, events) = headroom::estimate::estimate_with_trace(
+        &spec,
+        None,
+        &gpu::Gpu::default(),
+        headroom::estimate::Limit::None,
+        true,
+    )
+    .expect("estimate");
+    let at = events
+        .iter()
+        .position(|e| e.alloc && e.label == "grad of embedding")
+        .expect("the embedding's gradient");
+    let after: Vec<(bool, u64)> = events[at + 1..]
+        .iter()
+        .take(12)
+        .map(|e| (e.alloc, e.bytes))
+        .collect();
+    assert_eq!(after[5], (true, 36_040));
+    assert_eq!(after[6], (true, 27_678_720));
+    assert_eq!(after[7], (false, 27_678_720));
+}

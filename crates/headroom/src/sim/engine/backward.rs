@@ -240,8 +240,7 @@ impl Tracer {
             }
             Bwd::Embedding => {
                 out.push(
-                    needs(0)
-                        .map(|(numel, _)| self.empty(numel, self.dtype(g), "grad of embedding")),
+                    needs(0).map(|(numel, _)| self.embedding_dense_backward(g, saved[0], numel)),
                 );
             }
             Bwd::EmbeddingReplicatedGrad { tp } => out.push(needs(0).map(|(numel, _)| {
@@ -510,6 +509,73 @@ impl Tracer {
 }
 
 impl Tracer {
+    /// `embedding_dense_backward_cuda` (`Embedding.cu`, `EmbeddingBackwardKernel.cu`) of the
+    /// incoming gradient `g` over the saved `ids`, for a weight of `weight_numel` elements:
+    /// returns the weight's gradient (`zeros`). Up to 3072 indices one kernel accumulates into
+    /// it; past that the indices are sorted (`sorted_indices`, `orig_indices`, an `arange`) and
+    /// summed by segments of equal index: each segment's offsets, their partial segments of
+    /// `NROWS_PER_THREAD` rows, and a buffer of every partial segment's sums in the
+    /// accumulation dtype (fp32 for 16-bit gradients), freed in reverse as their scopes end.
+    /// cub's own scratch for the sort and the scans is left out (under 100 KiB here).
+    fn embedding_dense_backward(&mut self, g: T, ids: T, weight_numel: u64) -> T {
+        const DIRECT_MAX_INDICES: u64 = 3072;
+        const NROWS_PER_THREAD: u64 = 10;
+        let indices = self.numel(ids);
+        let index = self.dtype(ids);
+        let width = self.numel(g) / indices.max(1);
+        let dtype = self.dtype(g);
+        if indices <= DIRECT_MAX_INDICES {
+            return self.empty(weight_numel, dtype, "grad of embedding");
+        }
+        let sorted = self.empty(indices, index, "embedding backward: sorted indices");
+        let orig = self.empty(indices, index, "embedding backward: original positions");
+        let range = self.empty(indices, index, "embedding backward: arange");
+        self.drop(range);
+        let grad = self.empty(weight_numel, dtype, "grad of embedding");
+        let num_weights = weight_numel / width.max(1);
+        let max_segments = indices.min(num_weights);
+        let max_partial_segments = indices / NROWS_PER_THREAD + max_segments;
+        let segment_offsets = self.empty(indices, index, "embedding backward: segment offsets");
+        let segments = self.empty(1, DType::I64, "embedding backward: segment count");
+        let partials = self.empty(
+            max_segments,
+            index,
+            "embedding backward: partials per segment",
+        );
+        let partial_offsets = self.empty(
+            max_segments,
+            index,
+            "embedding backward: partials per segment offset",
+        );
+        let partial_count = self.empty(1, DType::I64, "embedding backward: partial segment count");
+        let partial_segment_offsets = self.empty(
+            max_partial_segments,
+            index,
+            "embedding backward: partial segment offsets",
+        );
+        let acc = match dtype {
+            DType::BF16 | DType::F16 => DType::F32,
+            other => other,
+        };
+        let sums = self.empty(
+            max_partial_segments * width,
+            acc,
+            "embedding backward: partial segment sums",
+        );
+        self.drop_all(&[
+            sums,
+            partial_segment_offsets,
+            partial_count,
+            partial_offsets,
+            partials,
+            segments,
+            segment_offsets,
+            orig,
+            sorted,
+        ]);
+        grad
+    }
+
     /// `nonzero` of a boolean mask with `selected` true elements: a count, cub's scratch, the
     /// `[selected, 2]` int64 indices (returned) and cub's second scratch.
     pub(crate) fn nonzero(&mut self, selected: u64) -> T {

@@ -201,7 +201,8 @@ impl Instance {
         };
         if strategy == Some(spec::Strategy::Ddp) {
             let all: Vec<ParamId> = params.clone().collect();
-            wrapper = Strategy::Ddp(Ddp::wrap(t, &all, &trainable_ids, arch.buffers()));
+            let ranks = parallel.map_or(1, |p| p.world_size / p.pipeline.pp / p.tensor.tp);
+            wrapper = Strategy::Ddp(Ddp::wrap(t, &all, &trainable_ids, arch.buffers(), ranks));
         }
         // DeepSpeed ZeRO 1/2: the optimizer steps the rank's fp32 master partition, and the
         // engine turns the harness's `torch.autocast` off (its forward runs in the

@@ -2,8 +2,10 @@
 //! 1 MiB, `broadcast_buffers=True`, `gradient_as_bucket_view=False`) as one rank sees it.
 //!
 //! What it allocates, after `nn/parallel/distributed.py` and `c10d/reducer.cpp`:
-//! - construction: `_verify_params_across_processes` copies a metadata tensor (two int64 per
-//!   dimension of every parameter) to the device and frees it; `_sync_module_states`
+//! - construction: `_verify_params_across_processes` (`reducer.cpp`) copies the parameter
+//!   count to the device and all-gathers it (one output per rank, through ProcessGroupNCCL's
+//!   flat buffer of them all), then copies a metadata tensor (two int64 per dimension of every
+//!   parameter) to the device, each freed as its local goes; `_sync_module_states`
 //!   broadcasts parameters then buffers through `broadcast_coalesced`: tensors grouped in
 //!   buckets of at least 250 MiB, each bucket flattened into one new tensor (a lone tensor is
 //!   only viewed), at most two buckets in flight; then the `Reducer` allocates its gradient
@@ -11,8 +13,10 @@
 //!   bucket per dtype holding every trainable parameter (measured: bench/distributed).
 //! - every forward broadcasts the buffers again (same bucketing). The second forward rebuilds
 //!   the buckets in the order gradients became ready in the first backward (the first up to
-//!   1 MiB, the rest up to 25 MiB): the old buffer is freed, then the new ones allocated in
-//!   that order.
+//!   1 MiB, the rest up to 25 MiB): `sync_bucket_indices` broadcasts the new assignment from
+//!   device copies of two int32 host tensors (every parameter's index and the bucket count;
+//!   each bucket's size), freed when it returns; then the old buffer is freed and the new ones
+//!   allocated in that order.
 //! - backward copies each gradient into its bucket and all-reduces the bucket in place; the
 //!   result is copied back into `.grad`: nothing is allocated. So DDP holds a second copy of
 //!   the gradients for good.
@@ -66,6 +70,44 @@ fn buckets_by_size(tensors: &[(u64, DType)], limits: &[u64]) -> Vec<Vec<usize>> 
     closed
 }
 
+/// `verify_params_across_processes` (`reducer.cpp`) under NCCL: the parameter count copied to
+/// the device, one `empty_like` of it per rank for the all-gather, which ProcessGroupNCCL runs
+/// through a flat buffer of them all (freed when the collective returns), then the sizes and
+/// strides of every parameter copied to the device; the locals go in reverse order of
+/// construction, the gathered counts in order.
+fn verify_params_across_processes(t: &mut Tracer, trainable: &[ParamId], ranks: u64) {
+    let outer = std::mem::replace(&mut t.component, Component::Communication);
+    let count = t.empty(1, DType::I64, "DDP parameter count");
+    let gathered: Vec<T> = (0..ranks)
+        .map(|_| t.empty(1, DType::I64, "DDP gathered parameter counts"))
+        .collect();
+    let flat = t.empty(ranks, DType::I64, "NCCL all-gather flat buffer");
+    t.drop(flat);
+    let dims: u64 = trainable
+        .iter()
+        .map(|&p| if t.params[p].matrix.is_some() { 2 } else { 1 })
+        .sum();
+    let metadata = t.empty(2 * dims, DType::I64, "DDP parameter shape metadata");
+    t.drop(metadata);
+    for g in gathered {
+        t.drop(g);
+    }
+    t.drop(count);
+    t.component = outer;
+}
+
+/// `sync_bucket_indices`: the rebuilt assignment broadcast from device copies of its two host
+/// tensors, every parameter's index followed by the bucket count, then each bucket's size
+/// (int32); both freed when it returns, the sizes first.
+fn sync_bucket_indices(t: &mut Tracer, params: usize, buckets: usize) {
+    let outer = std::mem::replace(&mut t.component, Component::Communication);
+    let indices = t.empty(params as u64 + 1, DType::I32, "DDP rebuilt bucket indices");
+    let sizes = t.empty(buckets as u64, DType::I32, "DDP rebuilt bucket sizes");
+    t.drop(sizes);
+    t.drop(indices);
+    t.component = outer;
+}
+
 /// `broadcast_coalesced`: each bucket of two or more tensors is flattened into a new tensor
 /// (freed when its broadcast finishes); the third bucket waits for the first.
 fn broadcast_coalesced(t: &mut Tracer, tensors: &[(u64, DType)]) {
@@ -92,20 +134,15 @@ fn broadcast_coalesced(t: &mut Tracer, tensors: &[(u64, DType)]) {
 impl Ddp {
     /// `DistributedDataParallel(model)`: `params` are every parameter in `parameters()`
     /// order with whether it trains, `buffers` the module's buffers.
+    /// `ranks` is the size of its process group.
     pub(crate) fn wrap(
         t: &mut Tracer,
         params: &[ParamId],
         trainable: &[ParamId],
         buffers: Vec<(u64, DType)>,
+        ranks: u64,
     ) -> Ddp {
-        let outer = std::mem::replace(&mut t.component, Component::Communication);
-        let dims: u64 = trainable
-            .iter()
-            .map(|&p| if t.params[p].matrix.is_some() { 2 } else { 1 })
-            .sum();
-        let metadata = t.empty(2 * dims, DType::I64, "DDP parameter shape metadata");
-        t.drop(metadata);
-        t.component = outer;
+        verify_params_across_processes(t, trainable, ranks);
         let mut states: Vec<(u64, DType)> = params
             .iter()
             .map(|&p| (t.numel(t.param(p)), t.dtype(t.param(p))))
@@ -161,6 +198,7 @@ impl Ddp {
                 .filter(|p| self.params.contains(p))
                 .collect();
             let buckets = self.assign(t, &order, &[FIRST_BUCKET_BYTES, BUCKET_BYTES]);
+            sync_bucket_indices(t, order.len(), buckets.len());
             for b in std::mem::take(&mut self.buckets) {
                 t.drop(b);
             }

@@ -7,7 +7,7 @@
 //! shared: CPU time over the cores is what an idle one takes).
 //! `cargo bench -p headroom --bench layouts`; results in bench/PERFORMANCE.md.
 //!
-//! Arguments (after `--`) that name a model or a GPU keep only those; `LAYOUTS_ANSWERS=FILE`
+//! Arguments (after `--`) that name a model, a GPU or a number of GPUs keep only those; `LAYOUTS_ANSWERS=FILE`
 //! writes every search's whole answer (`LayoutSearch`'s debug form: counts, refusals, every
 //! fitting candidate with its numbers and cost, in rank order, and the closest when none
 //! fits), one line each, so two builds' answers can be compared with `diff`.
@@ -36,6 +36,9 @@ fn main() {
         .map(|path| std::fs::File::create(path).expect("LAYOUTS_ANSWERS is writable"));
     const MODELS: [&str; 2] = ["llama-3.1-70b", "qwen3-235b-a22b"];
     const GPUS: [&str; 3] = ["h100-80gb", "h200", "a100-80gb"];
+    const WORLDS: [u32; 8] = [8, 16, 32, 64, 128, 256, 512, 1024];
+    let worlds: Vec<String> = WORLDS.iter().map(u32::to_string).collect();
+    let worlds: Vec<&str> = worlds.iter().map(String::as_str).collect();
     println!(
         "model            gpu        gpus  candidates  simulated  refused  fitting  seconds  best"
     );
@@ -43,7 +46,7 @@ fn main() {
         let (mut candidates, mut simulated, mut refused) = (0, 0, 0);
         let (start, cpu_start) = (Instant::now(), cpu_seconds());
         for gpu in GPUS.into_iter().filter(|g| kept(g, &GPUS)) {
-            for gpus in [8u32, 16, 32, 64, 128, 256, 512, 1024] {
+            for gpus in WORLDS.into_iter().filter(|w| kept(&w.to_string(), &worlds)) {
                 let spec = RunSpec::from_value(&json!({
                     "model": model, "precision": "bf16", "optimizer": "adamw",
                     "batch_size": GLOBAL_BATCH / u64::from(gpus), "seq_len": 4096,

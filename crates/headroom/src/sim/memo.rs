@@ -56,6 +56,23 @@ pub(crate) type Script = Vec<(&'static str, Range<usize>)>;
 pub(crate) type RunPhase<'a> =
     dyn FnMut(&mut Tracer, &'static str, &mut dyn FnMut(&mut Tracer)) + 'a;
 
+/// Runs one measured phase of step `step` (`f`): its peak goes to `phases`, and the range of
+/// the requests it recorded to `script`, which a replay of the step lays out again.
+pub(crate) fn measured_phase(
+    t: &mut Tracer,
+    step: u32,
+    name: &'static str,
+    script: &mut Script,
+    phases: &mut Vec<PhasePeak>,
+    f: &mut dyn FnMut(&mut Tracer),
+) {
+    let first = t.mem.requests_recorded();
+    t.mem.begin_measured_phase(name, step);
+    f(t);
+    script.push((name, first..t.mem.requests_recorded()));
+    phases.push(t.mem.phase_peak());
+}
+
 /// What the memo knows of a run's steps so far.
 pub(crate) struct Memo {
     /// Whole steps may be taken from the previous one.

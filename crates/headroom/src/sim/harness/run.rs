@@ -10,7 +10,7 @@ use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::OnOom;
 use crate::sim::engine::tracer::{T, Tracer};
-use crate::sim::memo::{Memo, Script};
+use crate::sim::memo::{Memo, Script, measured_phase};
 use crate::spec::{Framework, Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
 
 /// Simulate the run of `spec` on `arch` as `options` say.
@@ -132,11 +132,7 @@ fn simulate_rank(
         }
         let mut script: Script = Vec::new();
         let mut phase = |t: &mut Tracer, name: &'static str, f: &mut dyn FnMut(&mut Tracer)| {
-            let first = t.mem.requests_recorded();
-            t.mem.begin_measured_phase(name, step);
-            f(t);
-            script.push((name, first..t.mem.requests_recorded()));
-            phases.push(t.mem.phase_peak());
+            measured_phase(t, step, name, &mut script, &mut phases, f)
         };
         if !train {
             phase(&mut t, "forward", &mut |t| instance.logprob_pass(t, ids));
@@ -416,22 +412,10 @@ mod tests {
         for value in specs {
             let (spec, arch) = spec_and_arch(&value);
             let run = |capacity, repeat_steps| {
-                let options = Options {
-                    capacity,
-                    record_trace: true,
-                    repeat_steps,
-                    ..Options::new(AllocatorConfig::default())
-                };
+                let options = Options::memo_test(capacity, repeat_steps, AfterOom::GoOn);
                 simulate(&spec, &arch, &options)
             };
-            let unlimited = run(None, false);
-            let (reserved, allocated) = (unlimited.peak_reserved, unlimited.peak.allocated);
-            for capacity in [
-                None,
-                Some(reserved - 1),
-                Some(allocated + (reserved - allocated) / 2),
-                Some(allocated - 1),
-            ] {
+            for capacity in run(None, false).devices_around() {
                 let (fast, slow) = (run(capacity, true), run(capacity, false));
                 assert_same_numbers(&fast, &slow, &format!("{value} {capacity:?}"));
                 assert_eq!(fast.oom, slow.oom, "{value}");

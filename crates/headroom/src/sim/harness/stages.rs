@@ -41,7 +41,7 @@ use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{Keep, Memory, OnOom};
 use crate::sim::engine::tracer::{ParamId, T, Tracer};
-use crate::sim::memo::{Memo, Script};
+use crate::sim::memo::{Memo, Script, measured_phase};
 use crate::sim::model::Batch;
 use crate::sim::model::heads::{for_causal_lm_loss, lm_head};
 use crate::sim::model::transformer::{DecoderInput, Model};
@@ -282,11 +282,7 @@ fn simulate_rank(
         }
         let mut script: Script = Vec::new();
         let mut phase = |t: &mut Tracer, name: &'static str, f: &mut dyn FnMut(&mut Tracer)| {
-            let first = t.mem.requests_recorded();
-            t.mem.begin_measured_phase(name, step);
-            f(t);
-            script.push((name, first..t.mem.requests_recorded()));
-            phases.push(t.mem.phase_peak());
+            measured_phase(t, step, name, &mut script, &mut phases, f)
         };
         let mut losses = Vec::new();
         phase(&mut t, "schedule", &mut |t| {
@@ -602,7 +598,6 @@ fn unshard_plan(order: &[Action]) -> Vec<(Vec<u64>, Vec<u64>)> {
 mod tests {
     use super::*;
     use crate::sim::harness::simulation::AfterOom;
-    use headroom_alloc::AllocatorConfig;
     use serde_json::json;
 
     /// A pipeline's ranks take step 3 from step 2, or its requests, where step 2 provably
@@ -651,23 +646,13 @@ mod tests {
             let model = spec.resolve_model(None).expect("known model");
             let arch = Architecture::from_hf_config(&model.config).expect("valid config");
             let run = |capacity, repeat_steps, after_oom| {
-                let options = Options {
-                    capacity,
-                    record_trace: true,
-                    repeat_steps,
-                    after_oom,
-                    ..Options::new(AllocatorConfig::default())
-                };
-                simulate(&spec, &arch, &options)
+                simulate(
+                    &spec,
+                    &arch,
+                    &Options::memo_test(capacity, repeat_steps, after_oom),
+                )
             };
-            let unlimited = run(None, false, AfterOom::GoOn);
-            let (reserved, allocated) = (unlimited.peak_reserved, unlimited.peak.allocated);
-            for capacity in [
-                None,
-                Some(reserved - 1),
-                Some(allocated + (reserved - allocated) / 2),
-                Some(allocated - 1),
-            ] {
+            for capacity in run(None, false, AfterOom::GoOn).devices_around() {
                 for after_oom in [AfterOom::GoOn, AfterOom::StopUnlessUnlimited] {
                     let fast = run(capacity, true, after_oom);
                     let slow = run(capacity, false, after_oom);

@@ -1157,7 +1157,9 @@ impl CachingAllocator {
             // hold it, as a device large enough would reserve 1 1/8 of itself.
             pages = pages.max(size.div_ceil(page_size));
         }
-        let base = self.address_space.reserve(pages.checked_mul(page_size)?)?;
+        let base = self
+            .address_space
+            .reserve_virtual(pages.checked_mul(page_size)?)?;
         let index = self.expandable_segments.len() as u32;
         self.expandable_segments.push(Some(ExpandableSegment {
             base,

@@ -607,3 +607,55 @@ fn seed004_zero2_fits_where_ddp_does_not() {
     assert!(offload > zero2 && zero2 > ddp, "{offload} {zero2} {ddp}");
     assert!(host > 10 << 30, "{host}");
 }
+
+/// transformers 4.57 builds its causal mask from positions to mask as the H100 run did: the
+/// requests from `cache_position` to the rotary table's first, as
+/// bench/transformers-4.57/snapshots/q05-bf16-bs4-s2048-tf4.57.pickle.gz recorded them (its
+/// events 307-346: `find_packed_sequence_indices`, then `sdpa_mask_recent_torch`'s vmapped
+/// `and_masks(causal, packed)`, then the packed mask freed as `create_causal_mask` returns).
+#[test]
+fn transformers_4_57_builds_the_causal_mask_as_the_h100_run_did() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("q05.json");
+    std::fs::write(
+        &spec,
+        r#"{"model": "qwen2.5-0.5b", "precision": "bf16", "optimizer": "adamw", "batch_size": 4,
+            "seq_len": 2048, "attention": "sdpa", "versions": {"transformers": "4.57"}}"#,
+    )
+    .unwrap();
+    let timeline = dir.path().join("timeline.jsonl");
+    stdout(&headroom(&[
+        "estimate",
+        spec.to_str().unwrap(),
+        "--timeline",
+        timeline.to_str().unwrap(),
+    ]));
+    let events: Vec<Value> = std::fs::read_to_string(&timeline)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let start = events
+        .iter()
+        .position(|e| e["label"] == "cache_position")
+        .expect("4.57's cache_position");
+    let end = events
+        .iter()
+        .position(|e| e["label"] == "rotary position_ids.float()")
+        .expect("the rotary table");
+    let simulated: Vec<i64> = events[start..end]
+        .iter()
+        .map(|e| {
+            let bytes = e["bytes"].as_i64().unwrap();
+            if e["alloc"] == true { bytes } else { -bytes }
+        })
+        .collect();
+    let (mi, kv) = (4 << 20, 16 << 20);
+    let recorded: Vec<i64> = vec![
+        16384, 32, 65568, 65536, -65568, 8192, 65536, 65536, -65536, -8192, -32, -65536, // packed
+        16384, 32, 8, 2048, mi, mi, -mi, -2048, // aranges, and_mask's ones & causal
+        65536, 65536, 65536, -65536, -65536, 65536, 65536, 65536, -65536, -65536, // two gathers
+        kv, -65536, -65536, kv, -kv, -mi, -16384, -32, -8, -65536,
+    ];
+    assert_eq!(simulated, recorded);
+}

@@ -125,7 +125,7 @@ impl Instance {
         };
         let transformers_4_57 =
             spec.versions.followed(spec::Library::Transformers) == Some(spec::TRANSFORMERS_4_57);
-        model.materializes_causal_mask = transformers_4_57;
+        model.transformers_4_57 = transformers_4_57;
         let on_gpu = home == Home::Gpu
             && !offloaded_unsharded
             && !matches!(

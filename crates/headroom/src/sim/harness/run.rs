@@ -281,6 +281,10 @@ mod tests {
                    "lora": {"r": 8, "alpha": 16, "targets": "all-linear", "dropout": 0.05}}),
             json!({"model": "qwen2.5-0.5b", "precision": "bf16", "mode": "forward",
                    "batch_size": 2, "seq_len": 256}),
+            json!({"model": "qwen2.5-0.5b", "precision": "amp-bf16", "mode": "forward",
+                   "batch_size": 1, "seq_len": 512}),
+            json!({"model": "qwen2.5-0.5b", "precision": "fp32", "mode": "forward",
+                   "batch_size": 4, "seq_len": 128}),
             json!({"model": "qwen2.5-0.5b", "precision": "fp32", "optimizer": "sgd",
                    "batch_size": 1, "seq_len": 128}),
         ];
@@ -354,8 +358,10 @@ mod tests {
                 limited_repeats += fast.repeated_steps * u32::from(capacity.is_some());
             }
         }
-        // Half of these runs repeat their last step; the short devices run out, and a device
-        // limit does not keep steps from repeating.
+        // The forward runs repeat their last step; the short devices run out, and a device
+        // limit does not keep steps from repeating. A training run's step 3 does not repeat
+        // step 2: the segments step 2 made lie below the older ones (the driver's placement),
+        // so best fit prefers them where step 2 took an older block of the same size.
         assert!(repeated >= 3, "{repeated} steps repeated");
         assert!(ooms >= 3, "{ooms} runs out of memory");
         assert!(
@@ -423,13 +429,18 @@ mod tests {
                 replayed += fast.replayed_steps;
                 ooms += u32::from(slow.oom.is_some());
             }
+            let unlimited = run(None, true);
             assert!(
-                run(None, true).repeated_steps + run(None, true).replayed_steps > 0,
+                unlimited.repeated_steps + unlimited.replayed_steps > 0,
                 "{value}: no step taken from the one before"
             );
         }
-        assert!(repeated >= 5, "{repeated} steps repeated");
-        assert!(replayed >= 1, "{replayed} steps replayed");
+        // Step 3 is taken whole or made from step 2's requests, in every spec and on devices
+        // of every size.
+        assert!(
+            repeated + replayed >= 15,
+            "{repeated} + {replayed} steps taken"
+        );
         assert!(ooms >= 5, "{ooms} runs out of memory");
     }
 }

@@ -40,16 +40,17 @@ pub(crate) struct Masks {
 }
 
 impl Masks {
-    /// Build the masks `Qwen2Model.forward` and siblings pass to their layers; `materialize`:
-    /// SDPA gets a (b, 1, s, s) mask even where `is_causal` would do (transformers 4.57
-    /// without an `attention_mask`, see `Model::materializes_causal_mask`).
+    /// Build the masks `Qwen2Model.forward` and siblings pass to their layers; `packed_4_57`:
+    /// transformers 4.57's path without an `attention_mask` (see
+    /// `Model::transformers_4_57`), where the packed-sequence mask joins the mask
+    /// function and SDPA gets a (b, 1, s, s) mask even where `is_causal` would do.
     pub(crate) fn create(
         t: &mut Tracer,
         a: &Architecture,
         batch: Batch,
         attention: AttentionImpl,
         dtype: DType,
-        materialize: bool,
+        packed_4_57: bool,
     ) -> Masks {
         let outer = std::mem::replace(&mut t.component, Component::Activations);
         let window = a.sliding_window.filter(|_| a.family != Family::Gpt2);
@@ -57,20 +58,19 @@ impl Masks {
         // gpt-oss mix sliding and full layers.
         let needs_full = window.is_none() || a.sliding_pattern.is_some();
         let needs_sliding = window.is_some();
-        let build = |t: &mut Tracer, sliding: bool| -> Option<T> {
-            match attention {
-                AttentionImpl::Sdpa if materialize => {
-                    // `sdpa_mask` without the causal skip: `_vmap_for_bhqkv` evaluates the
-                    // mask function for every (batch, query, key).
-                    Some(batch_mask(t, batch, sliding))
-                }
-                AttentionImpl::Sdpa => {
+        let build = |t: &mut Tracer, sliding: bool, packed: Option<T>| -> Option<T> {
+            match (attention, packed) {
+                (AttentionImpl::Sdpa, Some(_)) => Some(vmap_mask(t, batch, sliding)),
+                (AttentionImpl::Sdpa, None) => {
                     // `_ignore_causal_mask_sdpa`: no mask while SDPA's `is_causal` can do it.
                     let needed = sliding && window.is_some_and(|w| batch.s >= w);
                     needed.then(|| bool_mask(t, batch, true))
                 }
-                AttentionImpl::Eager => {
-                    let b = bool_mask(t, batch, sliding);
+                (AttentionImpl::Eager, packed) => {
+                    let b = match packed {
+                        Some(_) => vmap_mask(t, batch, sliding),
+                        None => bool_mask(t, batch, sliding),
+                    };
                     // `torch.where(mask, 0, min_dtype)` on the mask expanded to the batch.
                     let scalars = [
                         t.empty(1, dtype, "where: 0"),
@@ -88,8 +88,17 @@ impl Masks {
         };
         let create = |t: &mut Tracer, needed: bool, sliding: bool| {
             needed.then(|| {
-                find_packed_sequence_indices(t, batch);
-                build(t, sliding)
+                if packed_4_57 {
+                    // The mask function holds the packed-sequence mask until
+                    // `create_causal_mask` returns.
+                    let packed = packed_sequence_mask_4_57(t, batch);
+                    let mask = build(t, sliding, Some(packed));
+                    t.drop(packed);
+                    mask
+                } else {
+                    find_packed_sequence_indices(t, batch);
+                    build(t, sliding, None)
+                }
             })
         };
         let full = create(t, needs_full, false).flatten();
@@ -169,16 +178,72 @@ fn bool_mask(t: &mut Tracer, batch: Batch, sliding: bool) -> T {
     mask
 }
 
-/// `sdpa_mask` as transformers 4.57 builds it when it cannot skip the causal mask: the
-/// predicate evaluated over (b, 1, s, s), one bool per batch row, query and key.
-fn batch_mask(t: &mut Tracer, batch: Batch, sliding: bool) -> T {
-    let pattern = bool_mask(t, batch, sliding);
-    let mask = t.empty(
-        batch.b * batch.s * batch.s,
-        DType::Bool,
-        "causal mask (b, 1, s, s)",
+/// transformers 4.57's `find_packed_sequence_indices`, whose result it always returns (5.x
+/// checks `packed_sequence_mask[:, -1] == 0` and returns `None` for unpacked rows):
+/// `(position_diff != 1).cumsum(-1)` allocates its int64 output before the int64 copy of its
+/// boolean input.
+fn packed_sequence_mask_4_57(t: &mut Tracer, batch: Batch) -> T {
+    let outer = std::mem::replace(&mut t.component, Component::Inputs);
+    let (b, n) = (batch.b, batch.n());
+    let first = t.empty(b, DType::I64, "position_ids[:, :1] - 1");
+    let prepended = t.empty(
+        b * (batch.s + 1),
+        DType::I64,
+        "diff: cat(prepend, position_ids)",
     );
-    t.drop(pattern);
+    let diff = t.empty(n, DType::I64, "position_diff");
+    t.drop(prepended);
+    let ne = t.empty(n, DType::Bool, "position_diff != 1");
+    let cumsum = t.empty(n, DType::I64, "packed_sequence_mask");
+    let as_long = t.empty(n, DType::I64, "cumsum input (int64)");
+    t.drop_all(&[as_long, ne, first, diff]);
+    t.component = outer;
+    cumsum
+}
+
+/// transformers 4.57's `sdpa_mask_recent_torch` without the causal skip: `_vmap_for_bhqkv`
+/// evaluates `and_masks(causal or sliding-causal, packed-sequence)` nested four vmaps deep
+/// (key innermost), so every intermediate is as large as the index dimensions it depends on:
+/// `and_mask`'s `q_idx.new_ones(())` one bool per query, the causal and sliding predicates one
+/// per (query, key), the packed-sequence test one per (batch, query, key).
+fn vmap_mask(t: &mut Tracer, batch: Batch, sliding: bool) -> T {
+    let (b, s) = (batch.b, batch.s);
+    let kv_arange = t.empty(s, DType::I64, "mask: kv arange");
+    let batch_arange = t.empty(b, DType::I64, "mask: batch arange");
+    let head_arange = t.empty(1, DType::I64, "mask: head arange");
+    let ones = t.empty(s, DType::Bool, "and_mask: q_idx.new_ones(())");
+    let pattern = if sliding {
+        // `sliding_window_causal_mask_function`: itself an `and_masks` of the sliding
+        // overlay and the causal predicate.
+        let inner_ones = t.empty(s, DType::Bool, "and_mask: q_idx.new_ones(())");
+        let shifted = t.empty(s, DType::I64, "sliding: q_idx - window");
+        let window = t.empty(s * s, DType::Bool, "sliding: kv_idx > q_idx - window");
+        t.drop(shifted);
+        let first = t.empty(s * s, DType::Bool, "and_mask: &");
+        t.drop_all(&[window, inner_ones]);
+        let causal = t.empty(s * s, DType::Bool, "causal: kv_idx <= q_idx");
+        let both = t.empty(s * s, DType::Bool, "and_mask: &");
+        t.drop_all(&[causal, first]);
+        both
+    } else {
+        t.empty(s * s, DType::Bool, "causal: kv_idx <= q_idx")
+    };
+    let pattern_and = t.empty(s * s, DType::Bool, "and_mask: &");
+    t.drop_all(&[pattern, ones]);
+    // `packed_sequence_mask[batch_idx, q_idx] == packed_sequence_mask[batch_idx, kv_idx]`:
+    // each indexing broadcasts its two index tensors to (b, s) before gathering (b, s) values.
+    let gather = |t: &mut Tracer| {
+        let rows = t.empty(b * s, DType::I64, "index: batch_idx broadcast");
+        let cols = t.empty(b * s, DType::I64, "index: position broadcast");
+        let values = t.empty(b * s, DType::I64, "packed_sequence_mask[batch_idx, idx]");
+        t.drop_all(&[cols, rows]);
+        values
+    };
+    let (of_query, of_key) = (gather(t), gather(t));
+    let same = t.empty(b * s * s, DType::Bool, "packed: same sequence");
+    t.drop_all(&[of_query, of_key]);
+    let mask = t.empty(b * s * s, DType::Bool, "causal mask (b, 1, s, s)");
+    t.drop_all(&[same, pattern_and, kv_arange, batch_arange, head_arange]);
     mask
 }
 

@@ -226,11 +226,12 @@ pub(crate) struct Model {
     pub inputs_require_grads: bool,
     /// The parallel strategy wrapping it, whose hooks run in forward and backward.
     pub strategy: RefCell<Strategy>,
-    /// transformers 4.57 materialises the (b, 1, s, s) causal mask even when no
-    /// `attention_mask` is passed (its `find_packed_sequence_indices` always returns a
-    /// tensor, which turns off `allow_is_causal_skip`), so SDPA gets a mask: K and V are
-    /// repeated and each layer saves an additive bias. 5.x returns `None` there.
-    pub materializes_causal_mask: bool,
+    /// The modeling code is transformers 4.57's: it materialises the (b, 1, s, s) causal
+    /// mask even when no `attention_mask` is passed (its `find_packed_sequence_indices` always
+    /// returns a tensor, which turns off `allow_is_causal_skip`), so SDPA gets a mask: K and V
+    /// are repeated and each layer saves an additive bias; 5.x returns `None` there. Its
+    /// `position_ids` are a view of `cache_position`, alive until the forward returns.
+    pub transformers_4_57: bool,
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
@@ -441,7 +442,7 @@ impl Model {
             checkpointing: false,
             inputs_require_grads: false,
             strategy: RefCell::new(Strategy::Local),
-            materializes_causal_mask: false,
+            transformers_4_57: false,
             kv_cache: None,
             adapters_disabled: false,
             liger: liger::Kernels::default(),
@@ -598,10 +599,17 @@ impl Model {
     /// layers, then the final norm (`final_norm`) or the hidden states as they are.
     fn layers_from(&self, t: &mut Tracer, inputs_embeds: T, batch: Batch, final_norm: bool) -> T {
         let a = &self.arch;
-        // position_ids = arange(s) + past_seen_tokens
-        let arange = t.empty(batch.s, DType::I64, "arange(s)");
-        let position_ids = t.empty(batch.s, DType::I64, "position_ids");
-        t.drop(arange);
+        let position_ids = if self.transformers_4_57 {
+            // `cache_position = arange(past, past + s)`; `position_ids =
+            // cache_position.unsqueeze(0)`.
+            t.empty(batch.s, DType::I64, "cache_position")
+        } else {
+            // `position_ids = arange(s) + past_seen_tokens`
+            let arange = t.empty(batch.s, DType::I64, "arange(s)");
+            let position_ids = t.empty(batch.s, DType::I64, "position_ids");
+            t.drop(arange);
+            position_ids
+        };
         // GPT-2 adds learned positions before building the mask; the others keep
         // `hidden_states = inputs_embeds` (the name `inputs_embeds` keeps the embedding output
         // alive until the forward returns).
@@ -616,14 +624,14 @@ impl Model {
             None => t.share(inputs_embeds),
         };
         // A generating model passes an `attention_mask` and a cache: no packed-sequence check.
-        let materialize = self.materializes_causal_mask && self.kv_cache.is_none();
+        let packed_4_57 = self.transformers_4_57 && self.kv_cache.is_none();
         let masks = Masks::create(
             t,
             a,
             batch,
             self.attention,
             self.activation_dtype(),
-            materialize,
+            packed_4_57,
         );
         let rope = if a.family == Family::Gpt2 {
             Rope::none()
@@ -1060,10 +1068,11 @@ impl Model {
                 sinks,
             ),
         };
-        t.drop_all(&[q, k, v]);
+        // `attn_output = self.o_proj(attn_output)`; the states die as the forward returns.
         let o = layer.o.expect("o_proj");
         let proj = self.hooked_linear(t, o, out);
         t.drop(out);
+        t.drop_all(&[q, k, v]);
         self.row_output(t, proj)
     }
 

@@ -6,7 +6,13 @@
 //! each model's totals with the CPU time the process spent on them (the machine may be
 //! shared: CPU time over the cores is what an idle one takes).
 //! `cargo bench -p headroom --bench layouts`; results in bench/PERFORMANCE.md.
+//!
+//! Arguments (after `--`) that name a model, a GPU or a number of GPUs keep only those; `LAYOUTS_ANSWERS=FILE`
+//! writes every search's whole answer (`LayoutSearch`'s debug form: counts, refusals, every
+//! fitting candidate with its numbers and cost, in rank order, and the closest when none
+//! fits), one line each, so two builds' answers can be compared with `diff`.
 
+use std::io::Write;
 use std::time::Instant;
 
 use headroom::gpu;
@@ -19,14 +25,28 @@ const GLOBAL_BATCH: u64 = 1024;
 
 fn main() {
     let memo = RankMemo::default();
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let kept = |name: &str, all: &[&str]| {
+        filters.iter().all(|f| !all.contains(&f.as_str())) || filters.iter().any(|f| f == name)
+    };
+    let mut answers = std::env::var_os("LAYOUTS_ANSWERS")
+        .map(|path| std::fs::File::create(path).expect("LAYOUTS_ANSWERS is writable"));
+    const MODELS: [&str; 2] = ["llama-3.1-70b", "qwen3-235b-a22b"];
+    const GPUS: [&str; 3] = ["h100-80gb", "h200", "a100-80gb"];
+    const WORLDS: [u32; 8] = [8, 16, 32, 64, 128, 256, 512, 1024];
+    let worlds: Vec<String> = WORLDS.iter().map(u32::to_string).collect();
+    let worlds: Vec<&str> = worlds.iter().map(String::as_str).collect();
     println!(
         "model            gpu        gpus  candidates  simulated  refused  fitting  seconds  best"
     );
-    for model in ["llama-3.1-70b", "qwen3-235b-a22b"] {
+    for model in MODELS.into_iter().filter(|m| kept(m, &MODELS)) {
         let (mut candidates, mut simulated, mut refused) = (0, 0, 0);
         let (start, cpu_start) = (Instant::now(), cpu_seconds());
-        for gpu in ["h100-80gb", "h200", "a100-80gb"] {
-            for gpus in [8u32, 16, 32, 64, 128, 256, 512, 1024] {
+        for gpu in GPUS.into_iter().filter(|g| kept(g, &GPUS)) {
+            for gpus in WORLDS.into_iter().filter(|w| kept(&w.to_string(), &worlds)) {
                 let spec = RunSpec::from_value(&json!({
                     "model": model, "precision": "bf16", "optimizer": "adamw",
                     "batch_size": GLOBAL_BATCH / u64::from(gpus), "seq_len": 4096,
@@ -51,6 +71,9 @@ fn main() {
                     t.elapsed().as_secs_f64(),
                     s.best().map_or("none fits".into(), |b| b.candidate.name())
                 );
+                if let Some(file) = answers.as_mut() {
+                    writeln!(file, "{model} {gpu} {gpus}: {s:?}").expect("answers written");
+                }
                 candidates += s.candidates;
                 simulated += s.simulated;
                 refused += s.refused;

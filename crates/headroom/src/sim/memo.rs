@@ -14,6 +14,13 @@
 //! spare segments are exactly step k-1's new ones, all used again where they were made).
 //! Every later step then repeats it exactly.
 //!
+//! The process's state is also what the tracer's walk does not see: the parallel strategies'
+//! own (FSDP2's units and the buffers it holds over a step) and the FSDP unit the hooks
+//! left current (part of the walk). A step is compared only where every strategy is at rest
+//! (`Strategy::at_rest`): in the one state its configuration fixes, so two steps that start at
+//! rest start in the same strategy state, and a step that repeats another ends at rest as that
+//! one did. Requests are recorded with their stream, which a replay allocates on again.
+//!
 //! When only the allocator's side fails (the tracer state is the previous step's), the step
 //! still makes the previous step's requests: model code never reads what the allocator
 //! answered (allocations are only kept, freed and compared), so the tracer's requests in a
@@ -48,6 +55,23 @@ pub(crate) type Script = Vec<(&'static str, Range<usize>)>;
 /// Runs one measured phase: its name, and what it does to the tracer.
 pub(crate) type RunPhase<'a> =
     dyn FnMut(&mut Tracer, &'static str, &mut dyn FnMut(&mut Tracer)) + 'a;
+
+/// Runs one measured phase of step `step` (`f`): its peak goes to `phases`, and the range of
+/// the requests it recorded to `script`, which a replay of the step lays out again.
+pub(crate) fn measured_phase(
+    t: &mut Tracer,
+    step: u32,
+    name: &'static str,
+    script: &mut Script,
+    phases: &mut Vec<PhasePeak>,
+    f: &mut dyn FnMut(&mut Tracer),
+) {
+    let first = t.mem.requests_recorded();
+    t.mem.begin_measured_phase(name, step);
+    f(t);
+    script.push((name, first..t.mem.requests_recorded()));
+    phases.push(t.mem.phase_peak());
+}
 
 /// What the memo knows of a run's steps so far.
 pub(crate) struct Memo {
@@ -131,17 +155,24 @@ impl Memo {
 
     /// Before step `step`, whose state the caller holds as `roots`: takes the step from the
     /// previous one where it repeats it (pushing its phases), and says whether it did;
-    /// otherwise starts recording it for the next one to compare with.
+    /// otherwise starts recording it for the next one to compare with. `at_rest`: what the
+    /// caller holds outside the tracer and the roots (the parallel strategies' state) is in
+    /// the one state its configuration fixes (`Strategy::at_rest`); a step that does not start
+    /// there is neither compared nor recorded.
     pub(crate) fn take_step(
         &mut self,
         t: &mut Tracer,
         step: u32,
         last_step: u32,
         roots: &[T],
+        at_rest: bool,
         phases: &mut Vec<PhasePeak>,
     ) -> bool {
         let worth_comparing = step > 1 || self.compare_first;
-        if self.steps && self.repeating.is_none() && worth_comparing {
+        if self.repeating.is_none() && !at_rest {
+            self.previous = None;
+        }
+        if self.steps && self.repeating.is_none() && worth_comparing && at_rest {
             let mut buffer = Vec::new();
             if let Some(prev) = self.previous.take() {
                 let same_tracer = t.state_is(Scope::Step, roots, &prev.tracer);

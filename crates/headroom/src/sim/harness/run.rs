@@ -10,7 +10,7 @@ use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::OnOom;
 use crate::sim::engine::tracer::{T, Tracer};
-use crate::sim::memo::{Memo, Script};
+use crate::sim::memo::{Memo, Script, measured_phase};
 use crate::spec::{Framework, Home, Mode, Optimizer, Parallel, RunSpec, TrainerKind};
 
 /// Simulate the run of `spec` on `arch` as `options` say.
@@ -109,12 +109,15 @@ fn simulate_rank(
     );
     // Building (or loading) the model is reported as step 0's "load" phase.
     let mut phases = vec![t.mem.phase_peak()];
-    // Collectives' buffers are not part of the compared state: sharded runs simulate every
-    // step. Step 1 of training creates the optimizer's states, so step 2 never starts where
-    // step 1 did: not worth comparing (not comparing only means simulating).
+    // A strategy's own state (FSDP2's units and buffers) is compared only where it is at
+    // rest (`Strategy::at_rest`); the other strategies' never is, and their runs simulate
+    // every step. Step 2's pass is made from step 1's only without `parallel`: the pass's
+    // record does not compare a strategy's state. Step 1 of training creates
+    // the optimizer's states, so step 2 never starts where step 1 did: not worth comparing
+    // (not comparing only means simulating).
     let local = spec.parallel.is_none();
     let mut memo = Memo::new(
-        repeat_steps && local,
+        repeat_steps,
         repeat_steps && local && train && has_optimizer,
         !train || !has_optimizer,
     );
@@ -123,16 +126,13 @@ fn simulate_rank(
             break;
         }
         let roots: Vec<T> = instance.optimizer.tensors().chain([ids]).collect();
-        if memo.take_step(&mut t, step, STEPS, &roots, &mut phases) {
+        let at_rest = instance.model.strategy.borrow().at_rest();
+        if memo.take_step(&mut t, step, STEPS, &roots, at_rest, &mut phases) {
             continue;
         }
         let mut script: Script = Vec::new();
         let mut phase = |t: &mut Tracer, name: &'static str, f: &mut dyn FnMut(&mut Tracer)| {
-            let first = t.mem.requests_recorded();
-            t.mem.begin_measured_phase(name, step);
-            f(t);
-            script.push((name, first..t.mem.requests_recorded()));
-            phases.push(t.mem.phase_peak());
+            measured_phase(t, step, name, &mut script, &mut phases, f)
         };
         if !train {
             phase(&mut t, "forward", &mut |t| instance.logprob_pass(t, ids));
@@ -384,5 +384,63 @@ mod tests {
         );
         // Step 3 made from a record that starts with the replayed pass of step 2.
         assert!(both >= 3, "{both} runs replay both a pass and a step");
+    }
+
+    /// Sharded runs take a step from the previous one, or its requests, where their strategy
+    /// is at rest between steps (FSDP2, HSDP, tensor and context parallelism over it, an MoE),
+    /// and report what simulating every step reports, to the byte, also on devices that flush
+    /// the cache or run out.
+    #[test]
+    fn sharded_steps_repeat_as_simulated_ones() {
+        let llama = |parallel: serde_json::Value, seq_len: u64| {
+            json!({"model": "llama-3.2-1b", "precision": "bf16", "optimizer": "adamw",
+                   "batch_size": 2, "seq_len": seq_len, "gradient_checkpointing": true,
+                   "parallel": parallel})
+        };
+        let specs = [
+            llama(json!({"strategy": "fsdp", "world_size": 4}), 512),
+            llama(
+                json!({"strategy": "fsdp", "world_size": 8, "shard_size": 4,
+                       "reshard_after_forward": false}),
+                512,
+            ),
+            llama(
+                json!({"strategy": "fsdp", "world_size": 8, "tp": 2, "sequence_parallel": true,
+                       "framework": "torchtitan"}),
+                512,
+            ),
+            llama(json!({"strategy": "fsdp", "world_size": 4, "cp": 2}), 2048),
+            json!({"model": "olmoe-1b-7b", "precision": "bf16", "optimizer": "adamw",
+                   "batch_size": 1, "seq_len": 256,
+                   "parallel": {"strategy": "fsdp", "world_size": 8}}),
+        ];
+        let (mut repeated, mut replayed, mut ooms) = (0, 0, 0);
+        for value in specs {
+            let (spec, arch) = spec_and_arch(&value);
+            let run = |capacity, repeat_steps| {
+                let options = Options::memo_test(capacity, repeat_steps, AfterOom::GoOn);
+                simulate(&spec, &arch, &options)
+            };
+            for capacity in run(None, false).devices_around() {
+                let (fast, slow) = (run(capacity, true), run(capacity, false));
+                assert_same_numbers(&fast, &slow, &format!("{value} {capacity:?}"));
+                assert_eq!(fast.oom, slow.oom, "{value}");
+                repeated += fast.repeated_steps;
+                replayed += fast.replayed_steps;
+                ooms += u32::from(slow.oom.is_some());
+            }
+            let unlimited = run(None, true);
+            assert!(
+                unlimited.repeated_steps + unlimited.replayed_steps > 0,
+                "{value}: no step taken from the one before"
+            );
+        }
+        // Step 3 is taken whole or made from step 2's requests, in every spec and on devices
+        // of every size.
+        assert!(
+            repeated + replayed >= 15,
+            "{repeated} + {replayed} steps taken"
+        );
+        assert!(ooms >= 5, "{ooms} runs out of memory");
     }
 }

@@ -195,3 +195,37 @@ pub struct StagePeak {
     pub peak_allocated: u64,
     pub peak_reserved: u64,
 }
+
+#[cfg(test)]
+impl Options {
+    /// The memo tests' run: at `capacity`, the trace kept, with or without the step memo.
+    pub(crate) fn memo_test(
+        capacity: Option<u64>,
+        repeat_steps: bool,
+        after_oom: AfterOom,
+    ) -> Self {
+        Options {
+            capacity,
+            record_trace: true,
+            repeat_steps,
+            after_oom,
+            ..Options::new(AllocatorConfig::default())
+        }
+    }
+}
+
+#[cfg(test)]
+impl Simulation {
+    /// Devices around this unlimited run's peaks: none, one byte short of its reserved peak
+    /// (the step that reaches it flushes the cache, or runs out), between its peaks, and one
+    /// byte short of its allocated peak (an error).
+    pub(crate) fn devices_around(&self) -> [Option<u64>; 4] {
+        let (reserved, allocated) = (self.peak_reserved, self.peak.allocated);
+        [
+            None,
+            Some(reserved - 1),
+            Some(allocated + (reserved - allocated) / 2),
+            Some(allocated - 1),
+        ]
+    }
+}

@@ -41,6 +41,7 @@ use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{Keep, Memory, OnOom};
 use crate::sim::engine::tracer::{ParamId, T, Tracer};
+use crate::sim::memo::{Memo, Script, measured_phase};
 use crate::sim::model::Batch;
 use crate::sim::model::heads::{for_causal_lm_loss, lm_head};
 use crate::sim::model::transformer::{DecoderInput, Model};
@@ -85,8 +86,9 @@ struct InFlight {
 /// Simulate every pipeline rank (or `options.only_rank`'s) and report the one that needs most,
 /// with each stage's peak.
 pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
+    let repeat_steps = options.repeat_steps && !options.record_timeline;
     worst_rank(spec, options, |t, pp_rank| {
-        simulate_rank(spec, arch, t, pp_rank)
+        simulate_rank(spec, arch, t, pp_rank, repeat_steps)
     })
 }
 
@@ -159,8 +161,16 @@ pub(crate) fn worst_rank(
     }
 }
 
-/// Pipeline rank `pp_rank`'s process `t`: load, then the measured steps.
-fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u64) -> Simulation {
+/// Pipeline rank `pp_rank`'s process `t`: load, then the measured steps, each taken from the
+/// one before where it provably repeats it (`sim::memo`, with `repeat_steps`): the stages'
+/// receive buffers are among the state compared, and their strategies must be at rest.
+fn simulate_rank(
+    spec: &RunSpec,
+    arch: &Architecture,
+    mut t: Tracer,
+    pp_rank: u64,
+    repeat_steps: bool,
+) -> Simulation {
     let parallel = spec.parallel.as_ref().expect("a pipeline-parallel spec");
     let pipeline = &parallel.pipeline;
     let (pp, microbatches) = (pipeline.pp, pipeline.microbatches);
@@ -254,35 +264,51 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
     );
     let mut phases = vec![t.mem.phase_peak()];
     let order = rank_order(pipeline.schedule, pp, pipeline.vpp, microbatches, pp_rank);
+    // Step 1 makes the receive buffers and the optimizer's states: step 2 never starts where
+    // it did (not comparing only means simulating).
+    let mut memo = Memo::new(repeat_steps, false, false);
     for step in 1..=STEPS {
         if t.mem.stopped() {
             break;
         }
-        t.mem.begin_measured_phase("schedule", step);
-        if step == 1 {
-            initialize(
-                &mut t,
-                &mut stages,
-                microbatches,
-                batch,
-                arch.hidden,
-                compute_dtype,
-            );
+        let roots: Vec<T> = optimizer
+            .tensors()
+            .chain([ids])
+            .chain(stages.iter().flat_map(|s| s.output_grads.iter().copied()))
+            .collect();
+        let at_rest = stages.iter().all(|s| s.model.strategy.borrow().at_rest());
+        if memo.take_step(&mut t, step, STEPS, &roots, at_rest, &mut phases) {
+            continue;
         }
-        let losses = run_schedule(&mut t, &stages, &order, pipeline, ids, batch, autocast);
-        phases.push(t.mem.phase_peak());
+        let mut script: Script = Vec::new();
+        let mut phase = |t: &mut Tracer, name: &'static str, f: &mut dyn FnMut(&mut Tracer)| {
+            measured_phase(t, step, name, &mut script, &mut phases, f)
+        };
+        let mut losses = Vec::new();
+        phase(&mut t, "schedule", &mut |t| {
+            if step == 1 {
+                initialize(
+                    t,
+                    &mut stages,
+                    microbatches,
+                    batch,
+                    arch.hidden,
+                    compute_dtype,
+                );
+            }
+            losses = run_schedule(t, &stages, &order, pipeline, ids, batch, autocast);
+        });
         t.drop_all(&losses);
         if t.mem.stopped() {
             break;
         }
-        t.mem.begin_measured_phase("optimizer", step);
-        optimizer.step(&mut t, &trainable);
-        phases.push(t.mem.phase_peak());
+        phase(&mut t, "optimizer", &mut |t| optimizer.step(t, &trainable));
         for &p in &trainable {
             if let Some(g) = t.params[p].grad.take() {
                 t.drop(g);
             }
         }
+        memo.end_step(&mut t, phases.len(), script);
     }
     let peak_reserved = Simulation::steps_peak_reserved(&phases);
     let params = arch.parameters(head).iter().map(|p| p.numel()).sum();
@@ -310,8 +336,8 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
         refused: t.mem.refused().cloned(),
         trace: t.mem.take_trace(),
         timeline: t.mem.take_timeline(),
-        repeated_steps: 0,
-        replayed_steps: 0,
+        repeated_steps: memo.repeated_steps,
+        replayed_steps: memo.replayed_steps,
         replayed_passes: 0,
         unlimited: !t.mem.stopped() && t.mem.unlimited(),
     }
@@ -571,6 +597,88 @@ fn unshard_plan(order: &[Action]) -> Vec<(Vec<u64>, Vec<u64>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sim::harness::simulation::AfterOom;
+    use serde_json::json;
+
+    /// A pipeline's ranks take step 3 from step 2, or its requests, where step 2 provably
+    /// repeats (plain stages, FSDP2 stages with and without tensor parallelism, 1F1B and
+    /// interleaved), and report what simulating every step reports, to the byte: every rank's
+    /// phases and stages, the worst rank, its peak and trace, also on devices that flush the
+    /// cache or run out.
+    #[test]
+    fn pipeline_steps_repeat_as_simulated_ones() {
+        let pipeline = |parallel: serde_json::Value, checkpointing: bool| {
+            // Llama-3.1-8B's widths over 4 layers (its own output head: stages untied).
+            json!({"model": "llama-3.1-8b", "precision": "bf16", "optimizer": "adamw",
+                   "model_config": {"model_type": "llama", "hidden_size": 4096,
+                       "intermediate_size": 14336, "num_attention_heads": 32,
+                       "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+                       "num_hidden_layers": 4, "tie_word_embeddings": false},
+                   "batch_size": 4, "seq_len": 512, "gradient_checkpointing": checkpointing,
+                   "parallel": parallel})
+        };
+        let specs = [
+            pipeline(
+                json!({"strategy": "none", "world_size": 2, "pp": 2, "microbatches": 4}),
+                false,
+            ),
+            pipeline(
+                json!({"strategy": "fsdp", "world_size": 8, "pp": 2, "microbatches": 4,
+                       "reshard_after_forward": false}),
+                true,
+            ),
+            pipeline(
+                json!({"strategy": "fsdp", "world_size": 8, "pp": 2, "vpp": 2,
+                       "schedule": "interleaved-1f1b", "microbatches": 4,
+                       "reshard_after_forward": false}),
+                false,
+            ),
+            pipeline(
+                json!({"strategy": "fsdp", "world_size": 8, "pp": 2, "tp": 2,
+                       "framework": "torchtitan", "microbatches": 4,
+                       "reshard_after_forward": false}),
+                true,
+            ),
+        ];
+        let (mut repeated, mut ooms) = (0, 0);
+        for value in specs {
+            let spec = RunSpec::from_value(&value).expect("valid spec");
+            let model = spec.resolve_model(None).expect("known model");
+            let arch = Architecture::from_hf_config(&model.config).expect("valid config");
+            let run = |capacity, repeat_steps, after_oom| {
+                simulate(
+                    &spec,
+                    &arch,
+                    &Options::memo_test(capacity, repeat_steps, after_oom),
+                )
+            };
+            for capacity in run(None, false, AfterOom::GoOn).devices_around() {
+                for after_oom in [AfterOom::GoOn, AfterOom::StopUnlessUnlimited] {
+                    let fast = run(capacity, true, after_oom);
+                    let slow = run(capacity, false, after_oom);
+                    let context = format!("{value} {capacity:?}");
+                    assert_eq!(fast.phases, slow.phases, "{context}");
+                    assert_eq!(fast.stages, slow.stages, "{context}");
+                    assert_eq!(fast.rank, slow.rank, "{context}");
+                    assert_eq!(fast.peak_reserved, slow.peak_reserved, "{context}");
+                    assert_eq!(fast.peak.allocated, slow.peak.allocated, "{context}");
+                    assert_eq!(fast.peak.breakdown, slow.peak.breakdown, "{context}");
+                    assert_eq!(fast.trace, slow.trace, "{context}");
+                    assert_eq!(fast.oom, slow.oom, "{context}");
+                    assert_eq!(fast.unlimited, slow.unlimited, "{context}");
+                    repeated += fast.repeated_steps + fast.replayed_steps;
+                    ooms += u32::from(slow.oom.is_some());
+                }
+            }
+            let unlimited = run(None, true, AfterOom::GoOn);
+            assert!(
+                unlimited.repeated_steps + unlimited.replayed_steps > 0,
+                "{value}: step 3 simulated again"
+            );
+        }
+        assert!(repeated >= 8, "{repeated} steps taken from the one before");
+        assert!(ooms >= 4, "{ooms} runs out of memory");
+    }
 
     fn stages_of(plan: &[(Vec<u64>, Vec<u64>)]) -> (Vec<u64>, Vec<u64>) {
         let reshards = plan.iter().flat_map(|p| p.0.clone()).collect();

@@ -230,6 +230,23 @@ impl Fsdp {
         }
     }
 
+    /// Between steps: every unit sharded, out of backward, with nothing accumulated or
+    /// recorded, and no all-gather or reduce-scatter buffer held. The fields that change
+    /// over a step then have these values alone, so two states at rest are the same state.
+    pub(crate) fn at_rest(&self) -> bool {
+        self.units.iter().all(|u| {
+            !u.unsharded
+                && u.backward == UnitBackward::NotReached
+                && u.accumulated.iter().all(Option::is_none)
+                && u.post_forward_indices.is_empty()
+        }) && self.all_gather_state.is_none()
+            && self.prefetched.is_empty()
+            && self.reduce_scatter_state.is_none()
+            && self.post_forward_order.is_empty()
+            && self.gradient_sync
+            && self.pending.is_empty()
+    }
+
     /// The root's unit id (the units before it are the decoder layers).
     pub(crate) fn root(&self) -> u32 {
         (self.units.len() - 1) as u32

@@ -127,6 +127,23 @@ impl Strategy {
         }
     }
 
+    /// Whether the strategy is in the one state it returns to between steps, fixed by its
+    /// configuration alone: what the step memo (`sim::memo`) needs to know of the state it
+    /// does not compare, so that two steps that start at rest start in the same strategy
+    /// state. Tensor and context parallelism keep nothing between calls; FSDP2 at rest holds
+    /// no buffer and no unit unsharded ([`Fsdp::at_rest`]). The others keep what the memo
+    /// does not see (DDP's buckets, ZeRO's partitions): never at rest for it.
+    pub(crate) fn at_rest(&self) -> bool {
+        match self {
+            Strategy::Local => true,
+            Strategy::Fsdp(fsdp) => fsdp.at_rest(),
+            Strategy::Tensor(_) | Strategy::Context(_) => {
+                self.wrapped().is_some_and(Strategy::at_rest)
+            }
+            _ => false,
+        }
+    }
+
     /// The strategy a mesh-dimension layout (tensor, context parallelism) wraps, whose hooks
     /// it passes on.
     fn wrapped(&self) -> Option<&Strategy> {

@@ -247,7 +247,7 @@ impl Memory {
         };
         let block_size = self.allocator.block_size(block);
         if let Some(r) = &mut self.recording {
-            r.malloc(block, bytes, component, label);
+            r.malloc(block, bytes, self.stream, component, label);
         }
         self.live[component.index()] += bytes;
         self.live[Component::AllocatorRounding.index()] += block_size - bytes;

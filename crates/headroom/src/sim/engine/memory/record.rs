@@ -11,8 +11,10 @@ use crate::sim::engine::component::Component;
 /// requests can make them again without the tracer (see `sim::memo`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Request {
+    /// On `stream` (a collective's own, or the default one).
     Malloc {
         bytes: u64,
+        stream: u32,
         component: Component,
         label: &'static str,
     },
@@ -45,11 +47,13 @@ impl Recording {
         &mut self,
         block: BlockId,
         bytes: u64,
+        stream: u32,
         component: Component,
         label: &'static str,
     ) {
         self.requests.push(Request::Malloc {
             bytes,
+            stream,
             component,
             label,
         });
@@ -189,21 +193,28 @@ impl Memory {
             .map(|r| r.requests)
     }
 
-    /// Makes `requests` again; `allocations` holds those of the record's `Malloc`s made so
-    /// far (the record's indices), to be continued by a later call.
+    /// Makes `requests` again, each allocation on the stream it was made on; `allocations`
+    /// holds those of the record's `Malloc`s made so far (the record's indices), to be
+    /// continued by a later call.
     pub(crate) fn replay(&mut self, requests: &[Request], allocations: &mut Vec<Allocation>) {
+        let current = self.stream;
         for &request in requests {
             match request {
                 Request::Malloc {
                     bytes,
+                    stream,
                     component,
                     label,
-                } => allocations.push(self.malloc(bytes, component, label)),
+                } => {
+                    self.stream = stream;
+                    allocations.push(self.malloc(bytes, component, label));
+                }
                 Request::Free { index, label } => self.free(allocations[index as usize], label),
                 Request::Recategorize { index, component } => {
                     self.recategorize(&mut allocations[index as usize], component)
                 }
             }
         }
+        self.stream = current;
     }
 }

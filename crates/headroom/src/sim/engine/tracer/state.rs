@@ -225,6 +225,8 @@ impl Tracer {
                 | workspaces
                 | ((self.thread as u64) << 32),
         );
+        // The FSDP unit whose forward hooks last ran: what the next ops are recorded under.
+        out.word(self.unit.map_or(NO_WORD, u64::from));
         out.word(u64::from(
             self.nodes.is_empty()
                 && self.regions.is_empty()

@@ -239,10 +239,7 @@ impl Tracer {
                 }
             }
             Bwd::Embedding => {
-                out.push(
-                    needs(0)
-                        .map(|(numel, _)| self.empty(numel, self.dtype(g), "grad of embedding")),
-                );
+                out.push(needs(0).map(|(numel, _)| self.embedding_dense_backward(g, saved[0], numel)));
             }
             Bwd::EmbeddingReplicatedGrad { tp } => out.push(needs(0).map(|(numel, _)| {
                 self.empty(numel * tp, self.dtype(g), "grad of embedding (Replicate)")
@@ -539,6 +536,46 @@ impl Tracer {
 
     /// `index_put_(indices, values, accumulate=True)` with an integer index of `indices`
     /// elements: the linearised index and its sort (`index_put_with_sort_kernel`), all freed.
+    /// `embedding_dense_backward` on CUDA (`Embedding.cu`, `EmbeddingBackwardKernel.cu`): up
+    /// to 3072 ids a kernel adds each row into the zeroed weight gradient directly; past that
+    /// the ids are sorted with their positions, the gradient zeroed, then the segments of equal
+    /// ids cut into partial segments of `NROWS_PER_THREAD` (10) rows, sized without a sync by
+    /// their upper bounds (`max_segments = min(numel, num_weights)`, `max_partial_segment =
+    /// numel / 10 + max_segments`), each partial segment's row summed in the op-math type
+    /// (fp32) before it is added into the gradient. cub's scratch and the count scalars are
+    /// left out (under 2 KiB here). Returns the weight's gradient (`numel` elements).
+    fn embedding_dense_backward(&mut self, g: T, ids: T, numel: u64) -> T {
+        let tokens = self.numel(ids);
+        let width = self.numel(g) / tokens.max(1);
+        let rows = numel / width.max(1);
+        if tokens <= 3072 {
+            return self.empty(numel, self.dtype(g), "grad of embedding");
+        }
+        let sorted = self.empty(tokens, DType::I64, "embedding backward: sorted_indices");
+        let orig = self.empty(tokens, DType::I64, "embedding backward: orig_indices");
+        let range = self.empty(tokens, DType::I64, "embedding backward: arange(numel)");
+        self.drop(range);
+        let grad = self.empty(numel, self.dtype(g), "grad of embedding");
+        let segments = self.empty(tokens, DType::I64, "embedding backward: segment_offsets");
+        let max_segments = tokens.min(rows);
+        let per_segment = self.empty(max_segments, DType::I64, "partials_per_segment");
+        let per_segment_offset =
+            self.empty(max_segments, DType::I64, "partials_per_segment_offset");
+        let max_partial = tokens / 10 + max_segments;
+        let partial_offset = self.empty(max_partial, DType::I64, "partial_segment_offset");
+        let partial_sums = self.empty(max_partial * width, DType::F32, "grad_weight_per_segment");
+        self.drop_all(&[
+            partial_sums,
+            partial_offset,
+            per_segment_offset,
+            per_segment,
+            segments,
+            orig,
+            sorted,
+        ]);
+        grad
+    }
+
     fn index_sort_temporaries(&mut self, indices: u64) {
         let linear = self.empty(indices, DType::I64, "index_put: linear index");
         let sorted = self.empty(indices, DType::I64, "index_put: sorted index");

@@ -315,7 +315,9 @@ def _build_ep(spec: Spec, cfg, cls, dtype, device):
     DistributedConfig(tp_plan="auto", enable_expert_parallel=True))` applies it, on the meta model the
     other builders start from: `initialize_tensor_parallelism`'s mesh over all ranks, then
     `maybe_distribute_model` (the config's `base_model_ep_plan`: the experts `Shard(0)`, the router's and
-    the experts' forward hooks), then the weights, peft and checkpointing as the single-run harness."""
+    the experts' forward hooks), then the weights, peft and checkpointing as the single-run harness.
+    Returns the model and its counts: `params` of the base model (before adapters, as measure.py
+    counts it), `trainable_params` after them."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.configuration_utils import DistributedConfig
@@ -330,7 +332,9 @@ def _build_ep(spec: Spec, cfg, cls, dtype, device):
     model = type(model).maybe_distribute_model(model, config, mesh)
     model.to_empty(device=device)
     _initialize(model, device)
-    return _prepare(spec, model)
+    params = _count_params(model, par.world_size)
+    model = _prepare(spec, model)
+    return model, (params, _count_params(model, par.world_size, trainable_only=True))
 
 
 def _context_parallel(cp_mesh, inputs):
@@ -643,8 +647,7 @@ def measure_dist(
         model, cp_mesh = _build_torchtitan(spec, cfg, cls, dtype, device)
         hf_model = model
     elif par.ep > 1:
-        model = _build_ep(spec, cfg, cls, dtype, device)
-        hf_model = model
+        model, counts = _build_ep(spec, cfg, cls, dtype, device)
     elif par.strategy == "fsdp":
         model = _build_fsdp(spec, cfg, cls, dtype, device)
         hf_model = model

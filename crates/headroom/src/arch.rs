@@ -851,7 +851,13 @@ impl Architecture {
             Some(m) => {
                 let (e, i) = (m.local_experts(), m.intermediate);
                 let router = |out: &mut Vec<Param>| {
-                    linear(out, Module::Router, m.experts, h, self.family == Family::GptOss)
+                    linear(
+                        out,
+                        Module::Router,
+                        m.experts,
+                        h,
+                        self.family == Family::GptOss,
+                    )
                 };
                 let experts = |out: &mut Vec<Param>| {
                     let bias = self.family == Family::GptOss;

@@ -104,8 +104,16 @@ fn bad_layouts_name_the_field() {
     };
     let none = |_: &mut Value| {};
     let ep4 = json!({"strategy": "none", "world_size": 4, "ep": 4});
-    refused(json!({"strategy": "fsdp", "world_size": 4, "ep": 4}), &none, "parallel.strategy");
-    refused(json!({"strategy": "none", "world_size": 8, "ep": 4}), &none, "parallel.world_size");
+    refused(
+        json!({"strategy": "fsdp", "world_size": 4, "ep": 4}),
+        &none,
+        "parallel.strategy",
+    );
+    refused(
+        json!({"strategy": "none", "world_size": 8, "ep": 4}),
+        &none,
+        "parallel.world_size",
+    );
     refused(
         json!({"strategy": "none", "world_size": 8, "ep": 4, "tp": 2}),
         &none,
@@ -121,8 +129,16 @@ fn bad_layouts_name_the_field() {
         &none,
         "parallel.ep with framework megatron",
     );
-    refused(json!({"strategy": "none", "world_size": 3, "ep": 3}), &none, "parallel.ep");
-    refused(ep4.clone(), &|v| v["optimizer"] = json!("adamw"), "optimizer");
+    refused(
+        json!({"strategy": "none", "world_size": 3, "ep": 3}),
+        &none,
+        "parallel.ep",
+    );
+    refused(
+        ep4.clone(),
+        &|v| v["optimizer"] = json!("adamw"),
+        "optimizer",
+    );
     refused(
         ep4.clone(),
         &|v| v["experts_implementation"] = json!("eager"),
@@ -187,4 +203,27 @@ fn the_shard_splits_the_experts_alone() {
             .sum()
     };
     assert_eq!(others(&shard), others(&arch));
+}
+
+/// `fit` and the remedies search layouts and knobs that would drop `parallel.ep`: they refuse
+/// the spec by name.
+#[test]
+fn fit_refuses_an_expert_parallel_spec() {
+    let setup = headroom::plan::Setup {
+        spec: RunSpec::from_value(&spec(json!({"strategy": "none", "world_size": 4, "ep": 4})))
+            .expect("valid spec"),
+        spec_dir: None,
+        gpu: gpu::find("h100-80gb").expect("gpu"),
+        gpus: 4,
+        residents: Vec::new(),
+        launcher: headroom::plan::Launcher::Script,
+    };
+    let Err(err) = headroom::plan::fit(&setup) else {
+        panic!("fit accepted an expert-parallel spec")
+    };
+    assert!(err.to_string().contains("parallel.ep"), "{err}");
+    let Err(err) = headroom::plan::baseline(&setup) else {
+        panic!("the remedies' baseline accepted an expert-parallel spec")
+    };
+    assert!(err.to_string().contains("parallel.ep"), "{err}");
 }

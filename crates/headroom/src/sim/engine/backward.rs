@@ -239,7 +239,9 @@ impl Tracer {
                 }
             }
             Bwd::Embedding => {
-                out.push(needs(0).map(|(numel, _)| self.embedding_dense_backward(g, saved[0], numel)));
+                out.push(
+                    needs(0).map(|(numel, _)| self.embedding_dense_backward(g, saved[0], numel)),
+                );
             }
             Bwd::EmbeddingReplicatedGrad { tp } => out.push(needs(0).map(|(numel, _)| {
                 self.empty(numel * tp, self.dtype(g), "grad of embedding (Replicate)")

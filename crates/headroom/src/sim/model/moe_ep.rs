@@ -31,7 +31,12 @@ impl Model {
     /// The router's own outputs are freed when the hook returns (autograd keeps `idx` through
     /// `topk`). Returns the new `(w, idx)`.
     pub(crate) fn ep_router_slice(&self, t: &mut Tracer, w: T, idx: T) -> (T, T) {
-        let local = self.arch.moe.as_ref().expect("an MoE family").local_experts();
+        let local = self
+            .arch
+            .moe
+            .as_ref()
+            .expect("an MoE family")
+            .local_experts();
         let n = t.numel(idx);
         // non_local_mask = (router_indices // num_local_experts) != ep_rank
         let owner = t.empty(n, DType::I64, "router_indices // num_local_experts");

@@ -8,7 +8,7 @@
 use serde_json::{Map, Value};
 
 use super::parse::{boolean, positive};
-use super::run::{Optimizer, RunSpec, Strategy};
+use super::{ExpertsImpl, Mode, Optimizer, RunSpec, Strategy};
 use crate::arch::{Architecture, Module, Router};
 use crate::error::{Error, Result};
 
@@ -70,7 +70,7 @@ pub(super) fn parse(obj: &Map<String, Value>, strategy: Strategy, world_size: u6
 /// foreach and fused kernels refuse in torch 2.11 ("got mixed torch.Tensor and DTensor"); the
 /// for-loop steps them one at a time. LoRA on the attention or MLP trains plain tensors only.
 pub(super) fn check_spec(spec: &RunSpec, ep: u64) -> Result<()> {
-    if spec.mode != super::Mode::Train {
+    if spec.mode != Mode::Train {
         return Err(Error::field(
             "mode",
             "forward",
@@ -124,7 +124,7 @@ pub(super) fn check_against(spec: &RunSpec, arch: &Architecture, ep: u64) -> Res
             ),
         ));
     }
-    if spec.experts == super::ExpertsImpl::Eager {
+    if spec.experts == ExpertsImpl::Eager {
         return Err(Error::field(
             "experts_implementation",
             "eager",

@@ -112,6 +112,19 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
   buffers=[inputs], buffer_seq_dims=[1], no_restore_buffers={inputs})` on `inputs = ids.clone()` (the step's
   fresh batch, sharded in place with the head-tail load balancer); labels are the inputs.
 
+* `ep > 1` (transformers' expert parallelism, strategy none, world_size = ep; `_build_ep`):
+  1. `with torch.device("meta"): model = cls.from_config(cfg, ...)` as for `fsdp`.
+  2. `init_device_mesh("cuda", (ep,))` (transformers' `initialize_tensor_parallelism`), then
+     `maybe_distribute_model(model, DistributedConfig(tp_size=ep, tp_plan="auto",
+     enable_expert_parallel=True), mesh)`, what `from_pretrained` calls before loading weights: the
+     config's `base_model_ep_plan` through `apply_tensor_parallelism` (expert weights `Shard(0)`
+     DTensors of `num_experts / ep` experts, the router's `EpRouterParallel` and the experts'
+     `MoeExpertsParallel` hooks; everything else plain tensors).
+  3. `to_empty`, `normal_(std=0.02)` of each local shard, the rotary module rebuilt on the GPU.
+  4. peft and gradient checkpointing as measure.py's `_prepare` (LoRA only off the experts).
+  5. the optimizer as for `fsdp` (full training needs `adamw-forloop`: foreach and fused AdamW refuse
+     the mix of DTensors and plain tensors).
+
 * `ddp`: `with torch.device("cuda"): model = cls.from_config(cfg, dtype=...)` as measure.py;
   gradient checkpointing as above; `DistributedDataParallel(model, device_ids=[local_rank])` with
   its defaults (bucket_cap_mb 25, gradient_as_bucket_view False, broadcast of rank 0's
@@ -295,6 +308,33 @@ def _build_torchtitan(spec: Spec, cfg, cls, dtype, device):
     model.to_empty(device=device)
     _initialize(model, device)
     return model, (mesh["cp"] if par.cp > 1 else None)
+
+
+def _build_ep(spec: Spec, cfg, cls, dtype, device):
+    """transformers' expert parallelism (`parallel.ep`) as `from_pretrained(..., distributed_config=
+    DistributedConfig(tp_plan="auto", enable_expert_parallel=True))` applies it, on the meta model the
+    other builders start from: `initialize_tensor_parallelism`'s mesh over all ranks, then
+    `maybe_distribute_model` (the config's `base_model_ep_plan`: the experts `Shard(0)`, the router's and
+    the experts' forward hooks), then the weights, peft and checkpointing as the single-run harness.
+    Returns the model and its counts: `params` of the base model (before adapters, as measure.py
+    counts it), `trainable_params` after them."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    from .measure import _prepare
+
+    par = spec.parallel
+    with torch.device("meta"):
+        model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
+    mesh = init_device_mesh(device.type, (par.ep,))
+    config = DistributedConfig(tp_size=par.ep, tp_plan="auto", enable_expert_parallel=True)
+    model = type(model).maybe_distribute_model(model, config, mesh)
+    model.to_empty(device=device)
+    _initialize(model, device)
+    params = _count_params(model, par.world_size)
+    model = _prepare(spec, model)
+    return model, (params, _count_params(model, par.world_size, trainable_only=True))
 
 
 def _context_parallel(cp_mesh, inputs):
@@ -606,6 +646,8 @@ def measure_dist(
     elif par.tp > 1 or par.cp > 1:
         model, cp_mesh = _build_torchtitan(spec, cfg, cls, dtype, device)
         hf_model = model
+    elif par.ep > 1:
+        model, counts = _build_ep(spec, cfg, cls, dtype, device)
     elif par.strategy == "fsdp":
         model = _build_fsdp(spec, cfg, cls, dtype, device)
         hf_model = model

@@ -33,7 +33,7 @@ STRATEGIES = ("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3", "none")
 PARALLEL_KEYS = (
     "strategy", "world_size", "reshard_after_forward", "shard_size", "offload_params", "offload_optimizer",
     "mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel", "framework", "cp",
-    "pp", "vpp", "microbatches", "schedule", "layers_per_stage",
+    "pp", "vpp", "microbatches", "schedule", "layers_per_stage", "ep",
 )
 # pp > 1: torch.distributed.pipelining's schedules the harness drives (pp.py)
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
@@ -102,6 +102,9 @@ class Parallel:
     # context parallelism (torchtitan's ring attention over SDPA): world_size = dp x cp x tp, FSDP2
     # shards over dp x cp
     cp: int = 1
+    # expert parallelism as transformers applies `base_model_ep_plan` (dist.py `_build_ep`): alone, with
+    # strategy none and world_size = ep
+    ep: int = 1
 
     def to_json(self) -> dict:
         out = {
@@ -130,6 +133,8 @@ class Parallel:
         if self.cp > 1:
             out["cp"] = self.cp
             out["framework"] = self.framework
+        if self.ep > 1:
+            out["ep"] = self.ep
         return out
 
 
@@ -455,11 +460,12 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
             raise SpecError(f"`parallel.units`: {units!r} is not allowed; use one of {', '.join(FSDP_UNITS)}")
     out.units = units
     _pipeline_parallel(raw, out)
+    _expert_parallel(raw, out, spec)
     _tensor_parallel(raw, out)
     _context_parallel(raw, out, spec)
     if spec.mode != "train" and not forward_ok:
         raise SpecError(f"`parallel`: mode {spec.mode!r} is not allowed; sharded runs are measured in mode train")
-    if spec.quantization or spec.lora is not None:
+    if spec.quantization or (spec.lora is not None and out.ep == 1):
         raise SpecError("`parallel`: not measured with `quantization` or `lora`; leave those out")
     if strategy.startswith("zero") and spec.precision not in ("bf16", "fp32"):
         raise SpecError(
@@ -510,7 +516,7 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
             "`parallel.sequence_parallel`: true is not allowed; it shards the sequence over the tensor-parallel "
             "ranks: set tp >= 2 or leave it out"
         )
-    if out.strategy == "none" and tp * out.pp != out.world_size:
+    if out.strategy == "none" and tp * out.pp * out.ep != out.world_size:
         raise SpecError(
             f"`parallel.strategy`: 'none' (tensor parallelism alone) needs world_size == tp, not "
             f"{out.world_size} and {tp}; use fsdp to shard over the data-parallel dimension"
@@ -530,6 +536,30 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
     out.tp, out.sequence_parallel, out.framework = tp, sp, framework
     if tp > 1 or framework == "megatron":
         out.shard_size = out.world_size // (tp * out.pp)
+
+
+def _expert_parallel(raw: dict, out: Parallel, spec: "Spec") -> None:
+    """`ep`: transformers' expert parallelism, alone (strategy none, world_size = ep); full training steps
+    the experts' DTensors beside plain tensors, which only the for-loop AdamW accepts (torch 2.11)."""
+    ep = raw.get("ep", 1)
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise SpecError(f"`parallel.ep`: {ep!r} is not allowed; use an integer >= 1")
+    if ep == 1:
+        return
+    if out.strategy != "none" or out.world_size != ep or out.pp > 1 or raw.get("tp", 1) != 1 or raw.get("cp", 1) != 1:
+        raise SpecError(
+            f"`parallel.ep`: {ep} is measured alone: strategy none, world_size = ep, without tp, cp or pp"
+        )
+    if spec.mode != "train":
+        raise SpecError(f"`parallel.ep`: mode {spec.mode!r} is not allowed; it is measured in mode train")
+    if spec.lora is None and spec.optimizer != "adamw-forloop":
+        raise SpecError(
+            f"`optimizer`: {spec.optimizer!r} is not allowed with parallel.ep; use adamw-forloop (the foreach "
+            "and fused steps refuse the experts' DTensors beside plain tensors)"
+        )
+    if spec.lora is not None and spec.lora.target_parameters:
+        raise SpecError("`lora.target_parameters`: not allowed with parallel.ep (peft's baddbmm refuses the DTensor)")
+    out.ep = ep
 
 
 def _pipeline_parallel(raw: dict, out: Parallel) -> None:

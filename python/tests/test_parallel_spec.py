@@ -45,7 +45,7 @@ class ParallelSpecTest(unittest.TestCase):
             sorted(
                 set(specmod.PARALLEL_KEYS)
                 - {"mixed_precision", "units", "use_orig_params", "backward_prefetch", "tp", "sequence_parallel", "cp",
-                   "framework", "pp", "vpp", "microbatches", "schedule", "layers_per_stage"}
+                   "framework", "pp", "vpp", "microbatches", "schedule", "layers_per_stage", "ep"}
             ),
         )
         self.assertEqual((ddp["shard_size"], ddp["reshard_after_forward"]), (2, True))
@@ -232,7 +232,7 @@ class Fsdp1SpecTest(unittest.TestCase):
         pipeline = {"pp", "vpp", "microbatches", "schedule", "layers_per_stage"}
         self.assertEqual(
             sorted(out),
-            sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units", "tp", "sequence_parallel", "framework", "cp"} - pipeline),
+            sorted(set(specmod.PARALLEL_KEYS) - {"mixed_precision", "units", "tp", "sequence_parallel", "framework", "cp", "ep"} - pipeline),
         )
         self.assertEqual((out["use_orig_params"], out["backward_prefetch"]), (True, "pre"))
 

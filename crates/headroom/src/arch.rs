@@ -592,7 +592,6 @@ impl Architecture {
         }
     }
 
-    /// Width of the query projection (`heads * head_dim`).
     /// What one rank of a tensor-parallel group of `tp` holds and computes: its share of the
     /// attention heads (query and key/value), of the MLP's width and of the vocabulary rows of
     /// the embedding and the head.
@@ -606,6 +605,17 @@ impl Architecture {
         }
     }
 
+    /// What one rank of an expert-parallel group of `ep` holds: `experts / ep` of each MoE
+    /// layer's routed experts, everything else whole.
+    pub fn expert_parallel_shard(&self, ep: u64) -> Architecture {
+        let mut shard = self.clone();
+        if let Some(moe) = shard.moe.as_mut() {
+            moe.expert_parallel = ep;
+        }
+        shard
+    }
+
+    /// Width of the query projection (`heads * head_dim`).
     pub fn q_dim(&self) -> u64 {
         self.heads * self.head_dim
     }
@@ -839,9 +849,15 @@ impl Architecture {
                 linear(out, Module::Down, h, i, self.mlp_bias);
             }
             Some(m) => {
-                let (e, i) = (m.experts, m.intermediate);
+                let (e, i) = (m.local_experts(), m.intermediate);
                 let router = |out: &mut Vec<Param>| {
-                    linear(out, Module::Router, e, h, self.family == Family::GptOss)
+                    linear(
+                        out,
+                        Module::Router,
+                        m.experts,
+                        h,
+                        self.family == Family::GptOss,
+                    )
                 };
                 let experts = |out: &mut Vec<Param>| {
                     let bias = self.family == Family::GptOss;

@@ -634,6 +634,19 @@ pub fn baseline(setup: &Setup) -> Result<(Estimate, Evaluation)> {
 /// The spec as given, with its residents and ranks, whatever its pipeline-, data-, context-
 /// and tensor-parallel layout.
 fn as_given(setup: &Setup) -> Result<(Estimate, Evaluation)> {
+    if setup
+        .spec
+        .parallel
+        .as_ref()
+        .is_some_and(|p| p.tensor.ep > 1)
+    {
+        return Err(Error::Unsupported {
+            what: "fit and remedies of an expert-parallel spec (parallel.ep)".into(),
+            supported: "`headroom estimate` of such a layout; the searches change data, \
+                        pipeline, tensor and context parallelism and would drop it"
+                .into(),
+        });
+    }
     if let Some(p) = setup.spec.parallel.as_ref() {
         let replica = p.pipeline.pp * p.tensor.cp * p.tensor.tp;
         if !u64::from(setup.gpus).is_multiple_of(replica) {

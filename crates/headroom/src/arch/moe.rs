@@ -51,6 +51,9 @@ pub struct Moe {
     pub mlp_only: Vec<u64>,
     /// `output_router_logits`: every MoE layer's logits are kept for the load-balancing loss.
     pub output_router_logits: bool,
+    /// Ranks that split the routed experts (transformers' `base_model_ep_plan`): each holds
+    /// `experts / expert_parallel` of every MoE layer; the router still scores all of them.
+    pub expert_parallel: u64,
 }
 
 impl Moe {
@@ -59,6 +62,11 @@ impl Moe {
         layer >= self.first_dense
             && (layer + 1).is_multiple_of(self.sparse_step)
             && !self.mlp_only.contains(&layer)
+    }
+
+    /// The experts one rank holds and runs (`module.num_experts` after `MoEParamShard`).
+    pub fn local_experts(&self) -> u64 {
+        self.experts / self.expert_parallel
     }
 
     /// Read the MoE fields of `family` from an HF config, with transformers' defaults.
@@ -201,6 +209,7 @@ impl Moe {
             sparse_step,
             mlp_only,
             output_router_logits: flag("output_router_logits", false),
+            expert_parallel: 1,
         }))
     }
 }

@@ -9,6 +9,7 @@
 //!
 //! [`load`] reads a file and tells the two apart.
 
+mod expert_parallel;
 mod megatron;
 mod megatron_pipeline;
 mod parse;

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use super::expert_parallel;
 use super::megatron::{Megatron, Recompute, RecomputeMethod, parse_megatron};
 use super::parse::{
     RUN_SPEC_KEY, boolean, choice, parse_document, positive, read_document, unknown_key,
@@ -293,6 +294,9 @@ pub struct TensorParallel {
     /// (`world_size = dp × cp × tp`): each rank holds `seq_len / cp` of every sequence and
     /// attention runs as a ring; FSDP2 shards over `dp × cp`. 1: none.
     pub cp: u64,
+    /// Expert parallelism as transformers applies `base_model_ep_plan` (`spec::expert_parallel`):
+    /// each of `world_size = ep` ranks holds `experts / ep` of every MoE layer. 1: none.
+    pub ep: u64,
 }
 
 impl Default for TensorParallel {
@@ -302,6 +306,7 @@ impl Default for TensorParallel {
             sequence_parallel: false,
             framework: Framework::Torchtitan,
             cp: 1,
+            ep: 1,
         }
     }
 }
@@ -503,6 +508,7 @@ const PARALLEL_KEYS: &[&str] = &[
     "schedule",
     "layers_per_stage",
     "cp",
+    "ep",
 ];
 
 impl RunSpec {
@@ -765,16 +771,18 @@ impl RunSpec {
 
     /// What the simulator models, whoever built the spec (the spec reader's checks are
     /// stricter; `fit` builds specs beyond them, QLoRA under DDP): adapters (LoRA, 4-bit
-    /// weights) on one GPU or under DDP, not under a sharding strategy.
+    /// weights) on one GPU or under DDP, not under a sharding strategy; LoRA (off the experts)
+    /// under expert parallelism, whose adapters are plain tensors.
     pub(crate) fn check_simulated(&self) -> Result<()> {
         match &self.parallel {
             Some(p)
                 if p.strategy != Strategy::Ddp
+                    && !(p.tensor.ep > 1 && self.quantization.is_none())
                     && (self.lora.is_some() || self.quantization.is_some()) =>
             {
                 Err(Error::Unsupported {
                     what: format!("adapters with parallel.strategy {}", p.strategy.name()),
-                    supported: "LoRA and QLoRA alone or with ddp".into(),
+                    supported: "LoRA and QLoRA alone or with ddp, LoRA with parallel.ep".into(),
                 })
             }
             _ => Ok(()),
@@ -901,7 +909,9 @@ impl RunSpec {
                     ),
                 ));
             }
-            if parallel.strategy != Strategy::Ddp && self.lora.is_some() {
+            if tensor.ep > 1 {
+                expert_parallel::check_spec(self, tensor.ep)?;
+            } else if parallel.strategy != Strategy::Ddp && self.lora.is_some() {
                 return Err(Error::Unsupported {
                     what: format!("LoRA with parallel.strategy {}", parallel.strategy.name()),
                     supported: "LoRA alone or with ddp".into(),
@@ -1290,6 +1300,14 @@ impl RunSpec {
         if self.parallel.as_ref().is_some_and(|p| p.tensor.cp > 1) {
             check_context_parallel(self, arch)?;
         }
+        if let Some(ep) = self
+            .parallel
+            .as_ref()
+            .map(|p| p.tensor.ep)
+            .filter(|&ep| ep > 1)
+        {
+            expert_parallel::check_against(self, arch, ep)?;
+        }
         if self.trainer.use_liger_kernel
             && !matches!(arch.family, Family::Llama | Family::Qwen2 | Family::Qwen3)
         {
@@ -1449,6 +1467,7 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
         .map_err(field)?,
     };
     let world_size = positive(obj, "world_size", 1).map_err(field)?;
+    let ep = expert_parallel::parse(obj, strategy, world_size)?;
     let pipeline = pipeline_parallel::parse(obj, world_size)?;
     // Megatron's pipeline composes with its own DDP and tensor parallelism (`megatron_pipeline`).
     if obj.get("framework").and_then(Value::as_str) != Some("megatron") {
@@ -1462,7 +1481,14 @@ fn parse_parallel(value: &Value) -> Result<Parallel> {
             world_size,
         )?;
     }
-    let tensor = parse_tensor_parallel(obj, strategy, world_size / pipeline.pp)?;
+    let tensor = if ep > 1 {
+        TensorParallel {
+            ep,
+            ..TensorParallel::default()
+        }
+    } else {
+        parse_tensor_parallel(obj, strategy, world_size / pipeline.pp)?
+    };
     let dp = world_size / pipeline.pp / tensor.tp;
     // The harness writes every key; a key that does not apply is accepted at its default.
     let set = |key: &str| {
@@ -1801,6 +1827,7 @@ fn parse_tensor_parallel(
             sequence_parallel,
             framework,
             cp: positive(obj, "cp", 1).map_err(field)?,
+            ep: 1,
         });
     }
     if tp > 1 && !matches!(strategy, Strategy::Fsdp | Strategy::NoDataParallel) {
@@ -1859,6 +1886,7 @@ fn parse_tensor_parallel(
         sequence_parallel,
         framework,
         cp,
+        ep: 1,
     })
 }
 

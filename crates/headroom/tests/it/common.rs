@@ -136,3 +136,12 @@ pub fn llama_3_1_8b_widths(layers: u64) -> Value {
         "vocab_size": 128256, "num_hidden_layers": layers, "tie_word_embeddings": false,
     })
 }
+
+/// The error `value` is refused with, read and checked against its model as `estimate` does;
+/// panics if it is accepted.
+pub fn refusal(value: &Value) -> String {
+    headroom::spec::RunSpec::from_value(value)
+        .and_then(|s| s.architecture(None, "").map(|_| s))
+        .expect_err(&value.to_string())
+        .to_string()
+}

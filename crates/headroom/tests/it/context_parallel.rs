@@ -74,10 +74,7 @@ fn bad_layouts_name_the_field() {
     let refused = |seq_len: u64, parallel: Value, edit: &dyn Fn(&mut Value), field: &str| {
         let mut value = spec(seq_len, parallel.clone());
         edit(&mut value);
-        let err = RunSpec::from_value(&value)
-            .and_then(|s| s.architecture(None, "").map(|_| s))
-            .expect_err(&value.to_string())
-            .to_string();
+        let err = common::refusal(&value);
         assert!(err.contains(field), "{parallel}: {err}");
     };
     let none = |_: &mut Value| {};

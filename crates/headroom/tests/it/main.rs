@@ -9,6 +9,7 @@ mod common;
 mod context_parallel;
 mod diagnose_seeds;
 mod distributed;
+mod expert_parallel;
 mod fit;
 mod layering;
 mod layouts;

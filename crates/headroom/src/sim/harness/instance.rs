@@ -68,6 +68,8 @@ impl Instance {
             .as_ref()
             .map(|p| p.tensor)
             .filter(|t| t.tp > 1);
+        // An expert-parallel rank builds its share of every MoE layer's experts.
+        let ep = spec.parallel.as_ref().map_or(1, |p| p.tensor.ep);
         let full_arch = arch;
         let shard;
         let arch = match tensor {
@@ -75,8 +77,13 @@ impl Instance {
                 shard = arch.tensor_parallel_shard(tensor.tp);
                 &shard
             }
+            None if ep > 1 => {
+                shard = arch.expert_parallel_shard(ep);
+                &shard
+            }
             None => arch,
         };
+        let dtensors = tensor.is_some() || ep > 1;
         let trainable = |_: &Param| train;
         let attention = attention_impl(spec, arch);
         let dtype = param_dtype(spec);
@@ -119,9 +126,10 @@ impl Instance {
             None => Model::build(t, arch, head, dtype, &trainable, attention),
         };
         // A DTensor counts its global size.
-        let param_count = match tensor {
-            Some(_) => full_arch.parameters(head).iter().map(Param::numel).sum(),
-            None => (first..t.params.len()).map(|p| t.numel(t.param(p))).sum(),
+        let param_count = if dtensors {
+            full_arch.parameters(head).iter().map(Param::numel).sum()
+        } else {
+            (first..t.params.len()).map(|p| t.numel(t.param(p))).sum()
         };
         let transformers_4_57 =
             spec.versions.followed(spec::Library::Transformers) == Some(spec::TRANSFORMERS_4_57);
@@ -190,9 +198,10 @@ impl Instance {
             .clone()
             .filter(|&p| t.requires_grad(t.param(p)))
             .collect();
-        let trainable_count = match tensor {
-            Some(_) if train => param_count,
-            _ => trainable_ids.iter().map(|&p| t.numel(t.param(p))).sum(),
+        let trainable_count = if dtensors && train && spec.lora.is_none() {
+            param_count
+        } else {
+            trainable_ids.iter().map(|&p| t.numel(t.param(p))).sum()
         };
         let trainable_ids = match &wrapper {
             Strategy::Fsdp(fsdp) => fsdp.device_shards(),

@@ -1,6 +1,6 @@
 //! The HF models as engine ops: each function names the transformers function it mirrors.
 //! [`transformer`] builds the parameters and runs the decoder stack, [`attention`] its
-//! attention kernels and masks, [`mla`] DeepSeek's latent attention, [`moe`] routed experts, [`heads`] the output heads and losses, [`liger`]
+//! attention kernels and masks, [`mla`] DeepSeek's latent attention, [`moe`] routed experts ([`moe_ep`] under expert parallelism), [`heads`] the output heads and losses, [`liger`]
 //! liger-kernel's replacements for some of them, [`load`]
 //! `from_pretrained`, [`quant`] the bitsandbytes 4-bit weights and peft's k-bit preparation, [`trl`] TRL's fused LM head
 //! and its trainers' losses.
@@ -14,6 +14,7 @@ pub(crate) mod megatron_mlp;
 pub(crate) mod megatron_moe;
 pub(crate) mod mla;
 pub(crate) mod moe;
+pub(crate) mod moe_ep;
 pub(crate) mod quant;
 pub(crate) mod transformer;
 pub(crate) mod trl;

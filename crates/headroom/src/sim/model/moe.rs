@@ -78,7 +78,8 @@ impl Model {
         out
     }
 
-    /// The router: returns the top-k weights (n, k) and expert indices (n, k).
+    /// The router: returns the top-k weights (n, k) and expert indices (n, k), under expert
+    /// parallelism sliced to this rank's experts.
     fn route(&self, t: &mut Tracer, layer: &Layer, x: T, tokens: u64) -> (T, T) {
         let moe = self.moe_config();
         let router = layer.router.expect("router");
@@ -149,6 +150,10 @@ impl Model {
             }
         };
         self.module_post_forward(t);
+        if moe.expert_parallel > 1 {
+            let (w, idx) = routed;
+            return self.ep_router_slice(t, w, idx);
+        }
         routed
     }
 
@@ -239,7 +244,7 @@ impl Model {
     /// rows, two grouped GEMMs around the gate, weight, restore the order, sum over k.
     fn grouped_mm_experts(&self, t: &mut Tracer, ex: &Experts, r: &Routed, tokens: u64) -> T {
         let moe = self.moe_config();
-        let (h, i, e) = (self.arch.hidden, moe.intermediate, moe.experts);
+        let (h, i, e) = (self.arch.hidden, moe.intermediate, moe.local_experts());
         let s = tokens * moe.top_k;
         let (ids_g, perm) = t.sort(r.idx);
         let rows = t.empty(s, DType::I64, "perm // top_k");

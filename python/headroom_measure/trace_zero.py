@@ -37,9 +37,6 @@ import os
 
 from .trace import TraceError
 
-TRACEABLE = ("zero1", "zero2")
-
-
 class _Event:
     def __init__(self, *args, **kwargs):
         pass
@@ -68,6 +65,15 @@ def fake_cuda_accelerator(rec, total_memory: int):
 
     default = torch.cpu.current_stream()
 
+    class Stream(torch.cpu.Stream):
+        """`torch.cpu`'s stream with CUDA's waits, which order nothing here."""
+
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
     class FakeCudaAccelerator(CUDA_Accelerator):
         def is_available(self):
             return True
@@ -95,7 +101,7 @@ def fake_cuda_accelerator(rec, total_memory: int):
 
         @property
         def Stream(self):
-            return torch.cpu.Stream
+            return Stream
 
         def stream(self, stream):
             return torch.cpu.stream(stream)
@@ -155,6 +161,9 @@ def fake_cuda_accelerator(rec, total_memory: int):
         def is_pinned(self, tensor):
             return False
 
+        def on_accelerator(self, tensor):
+            return is_device(rec, tensor)
+
         def range_push(self, msg):
             pass
 
@@ -162,6 +171,47 @@ def fake_cuda_accelerator(rec, total_memory: int):
             pass
 
     return FakeCudaAccelerator()
+
+
+def _record_streams(stack: contextlib.ExitStack, rec, streams) -> None:
+    """`Tensor.record_stream(s)` recorded (`Recorder.record_stream`), `s` numbered by `streams`:
+    the CPU has no kernel for it (`aten::record_stream`), and its effect is the caching
+    allocator's, which the replay has."""
+    import torch
+
+    from .trace_dist import patch
+
+    patch(stack, torch.Tensor, "record_stream", lambda tensor, stream: rec.record_stream(tensor, streams.number(stream)))
+
+
+def is_device(rec, tensor) -> bool:
+    """Whether `tensor` stands for a CUDA tensor: a fake one not made on the host."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    sid = rec._id_of(tensor)
+    return isinstance(tensor, FakeTensor) and (sid is None or rec.storages[sid]["kind"] != "host")
+
+
+def _rank_checks(stack: contextlib.ExitStack, rec) -> None:
+    """ZeRO-3's checks that every rank recorded the same module and parameter order
+    (`assert_ints_same_as_other_ranks`) run as on the GPU, their tensors made and broadcast, and
+    read back what rank 0 broadcast: its own list."""
+    from deepspeed.runtime.zero import utils
+
+    from .trace_dist import patch
+
+    length, values = utils.assert_lst_len_same_as_other_ranks, utils.get_lst_from_rank0
+
+    def same_length(lst):
+        with rec.reading([len(lst)]):
+            return length(lst)
+
+    def from_rank0(lst):
+        with rec.reading(lst):
+            return values(lst)
+
+    patch(stack, utils, "assert_lst_len_same_as_other_ranks", same_length)
+    patch(stack, utils, "get_lst_from_rank0", from_rank0)
 
 
 @contextlib.contextmanager
@@ -212,15 +262,6 @@ def _host_copies(rec):
 
 def refuse_untraceable_zero(par) -> None:
     """Refuse, by name, the DeepSpeed layouts the tracer cannot run."""
-    if par.strategy not in TRACEABLE:
-        raise TraceError(
-            f"`parallel.strategy: {par.strategy}`: ZeRO-3's parameter gathers call `record_stream` on each gathered "
-            "partition (`part_to_copy.record_stream(get_accelerator().current_stream())` in "
-            "`AllGatherCoalescedHandle.wait`, deepspeed/runtime/zero/partition_parameters.py), which fails on the "
-            "tracer's fake tensors (`aten::record_stream` has no CPU kernel: RuntimeError: unknown parameter type), "
-            "and a trace does not record a block held for another stream; the tracer runs ddp, fsdp1, fsdp "
-            f"(FSDP2), zero1, zero2 and tensor parallelism; `headroom estimate` models {par.strategy} natively"
-        )
     for key, on in (("offload_optimizer", par.offload_optimizer), ("offload_params", par.offload_params)):
         if on:
             raise TraceError(
@@ -257,10 +298,13 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
     fake = fake_cuda_accelerator(rec, 80 * 2**30)
     before = accelerator.get_accelerator()
     accelerator.set_accelerator(fake)
-    rec.stream_of = Streams().current
+    streams = Streams()
+    rec.stream_of = streams.current
     device = torch.device("cpu")
     try:
-        with fake_world(par.world_size), _host_copies(rec):
+        with fake_world(par.world_size), _host_copies(rec), contextlib.ExitStack() as stack:
+            _record_streams(stack, rec, streams)
+            _rank_checks(stack, rec)
             rec.phase("load")
             cfg = m._hf_config(spec, fields)
             cls = m._auto_class(spec)

@@ -1,4 +1,4 @@
-"""Trace a DeepSpeed ZeRO-1/2 run as rank 0 of its world: the engine `dist.py` builds
+"""Trace a DeepSpeed ZeRO-1/2/3 run as rank 0 of its world: the engine `dist.py` builds
 (`deepspeed.initialize` with `ds_config`), under torch's `fake` process group on the CPU, inside
 the tracer's `FakeTensorMode` (`trace.py`), on DeepSpeed's CUDA code path.
 
@@ -12,7 +12,12 @@ the driver is answered here, none of it an allocation:
   say `cpu` (every `torch.device(...)` DeepSpeed builds from them is where the fake tensors live).
 - **Streams and events.** Streams are `torch.cpu`'s, whose `stream(s)` context makes `s` current,
   and the recorder attributes each storage to the current stream (`trace_dist.Streams`), as CUDA's
-  caching allocator takes `getCurrentCUDAStream()`; events order nothing (the replay is sequential).
+  caching allocator takes `getCurrentCUDAStream()`; events and a stream's `synchronize` order
+  nothing (the replay is sequential). `Tensor.record_stream`, which ZeRO-3 calls on its gathered
+  parameters and gradients and which has no CPU kernel, is recorded for the replay
+  ([`_record_streams`]).
+- **Where a tensor lives.** `on_accelerator` says what CUDA would: every fake tensor but those the
+  tracer made on the host (ZeRO-3 frees a parameter through `record_stream` only on the device).
 - **Memory queries.** `memory_allocated`, `max_memory_allocated`, ... answer 0 and
   `reset_peak_memory_stats` does nothing: DeepSpeed calls them only to log (`see_memory_usage`).
   `empty_cache` is recorded where DeepSpeed calls it, for the replay to release the free segments.
@@ -27,7 +32,10 @@ The tracer makes those copies as CUDA makes them ([`_host_copies`]): `.cpu()` of
 is a new host tensor (`kind: host`, out of the replay), what the flattening makes from the host
 copies (the padding, the flat buffer) is host, and `.to(device)` of a host tensor is a new device tensor.
 
-ZeRO-3 is refused ([`refuse_untraceable_zero`] says why), and so are the offloads.
+ZeRO-3's checks that every rank recorded the same module and parameter order broadcast rank 0's
+lists and read them back; rank 0 of a fake world reads its own ([`_rank_checks`]).
+
+The offloads are refused ([`refuse_untraceable_zero`] says why).
 """
 
 from __future__ import annotations
@@ -63,8 +71,6 @@ def fake_cuda_accelerator(rec, total_memory: int):
     import torch
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
-    default = torch.cpu.current_stream()
-
     class Stream(torch.cpu.Stream):
         """`torch.cpu`'s stream with CUDA's waits, which order nothing here."""
 
@@ -73,6 +79,8 @@ def fake_cuda_accelerator(rec, total_memory: int):
 
         def query(self):
             return True
+
+    default = Stream()  # current while the run is traced (`run_zero_loop`)
 
     class FakeCudaAccelerator(CUDA_Accelerator):
         def is_available(self):
@@ -184,12 +192,17 @@ def _record_streams(stack: contextlib.ExitStack, rec, streams) -> None:
     patch(stack, torch.Tensor, "record_stream", lambda tensor, stream: rec.record_stream(tensor, streams.number(stream)))
 
 
+def is_host(rec, tensor) -> bool:
+    """Whether the tracer made `tensor`'s storage on the host."""
+    sid = rec._id_of(tensor)
+    return sid is not None and rec.storages[sid]["kind"] == "host"
+
+
 def is_device(rec, tensor) -> bool:
     """Whether `tensor` stands for a CUDA tensor: a fake one not made on the host."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    sid = rec._id_of(tensor)
-    return isinstance(tensor, FakeTensor) and (sid is None or rec.storages[sid]["kind"] != "host")
+    return isinstance(tensor, FakeTensor) and not is_host(rec, tensor)
 
 
 def _rank_checks(stack: contextlib.ExitStack, rec) -> None:
@@ -225,19 +238,15 @@ def _host_copies(rec):
     real_cpu, real_to = torch.Tensor.cpu, torch.Tensor.to
     real_flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
 
-    def is_host(tensor) -> bool:
-        sid = rec._id_of(tensor)
-        return sid is not None and rec.storages[sid]["kind"] == "host"
-
     def cpu(tensor, *args, **kwargs):
-        if is_host(tensor):
+        if is_host(rec, tensor):
             return real_cpu(tensor, *args, **kwargs)
         copy = tensor.clone()
         rec.classify([copy], "host")
         return copy
 
     def to(tensor, *args, **kwargs):
-        if not is_host(tensor):
+        if not is_host(rec, tensor):
             return real_to(tensor, *args, **kwargs)
         if "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args):
             return real_to(tensor.clone(), *args, **kwargs)  # to the device: a device copy
@@ -298,11 +307,12 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
     fake = fake_cuda_accelerator(rec, 80 * 2**30)
     before = accelerator.get_accelerator()
     accelerator.set_accelerator(fake)
-    streams = Streams()
-    rec.stream_of = streams.current
     device = torch.device("cpu")
     try:
         with fake_world(par.world_size), _host_copies(rec), contextlib.ExitStack() as stack:
+            stack.enter_context(torch.cpu.stream(fake.default_stream()))
+            streams = Streams()
+            rec.stream_of = streams.current
             _record_streams(stack, rec, streams)
             _rank_checks(stack, rec)
             rec.phase("load")

@@ -22,7 +22,8 @@ the driver is answered here, none of it an allocation:
   `reset_peak_memory_stats` does nothing: DeepSpeed calls them only to log (`see_memory_usage`).
   `empty_cache` is recorded where DeepSpeed calls it, for the replay to release the free segments.
 - **Seeds and RNG state.** No-ops: random values do not exist under fake tensors.
-- **Pinned host memory.** `pin_memory` returns the tensor: host memory is not replayed.
+- **Pinned host memory.** `pin_memory` returns the tensor, marked as host memory (`kind: host`,
+  not replayed): DeepSpeed pins only what it keeps on the host, as `offload_param`'s partitions.
 
 Host copies. The fake tensors stand for CUDA tensors but live on the CPU, where `.cpu()` is the
 tensor itself. ZeRO-1/2's optimizer copies each bit16 parameter to the host
@@ -35,7 +36,8 @@ copies (the padding, the flat buffer) is host, and `.to(device)` of a host tenso
 ZeRO-3's checks that every rank recorded the same module and parameter order broadcast rank 0's
 lists and read them back; rank 0 of a fake world reads its own ([`_rank_checks`]).
 
-The offloads are refused ([`refuse_untraceable_zero`] says why).
+`offload_param` runs so (its partitions pinned on the host, each gather's `.to(device)` a device
+copy); `offload_optimizer` is refused ([`refuse_untraceable_zero`] says why).
 """
 
 from __future__ import annotations
@@ -164,6 +166,7 @@ def fake_cuda_accelerator(rec, total_memory: int):
             pass
 
         def pin_memory(self, tensor, align_bytes=1):
+            rec.classify([tensor], "host")  # DeepSpeed pins only what it keeps on the host
             return tensor
 
         def is_pinned(self, tensor):
@@ -271,13 +274,12 @@ def _host_copies(rec):
 
 def refuse_untraceable_zero(par) -> None:
     """Refuse, by name, the DeepSpeed layouts the tracer cannot run."""
-    for key, on in (("offload_optimizer", par.offload_optimizer), ("offload_params", par.offload_params)):
-        if on:
-            raise TraceError(
-                f"`parallel.{key}: true` under {par.strategy}: DeepSpeedCPUAdam, the C++ op DeepSpeed JIT-builds for "
-                "the host step, reads the tensors' memory, which fake tensors do not have; `headroom estimate` "
-                "models the offload natively"
-            )
+    if par.offload_optimizer:
+        raise TraceError(
+            f"`parallel.offload_optimizer: true` under {par.strategy}: DeepSpeedCPUAdam, the C++ op DeepSpeed "
+            "JIT-builds for the host step, reads the tensors' memory, which fake tensors do not have; the tracer "
+            "runs offload_params without it; `headroom estimate` models the optimizer offload natively"
+        )
 
 
 def run_zero_loop(rec, spec, fields: dict, progress, steps: int):

@@ -13,6 +13,7 @@ from .test_trace_dist import tiny_parameter_numels, traced
 WORLD = 4
 ZERO2 = {**TINY, "parallel": {"strategy": "zero2", "world_size": WORLD}}
 ZERO3 = {**TINY, "parallel": {"strategy": "zero3", "world_size": 2}}
+ZERO3_PARAM_OFFLOAD = {**TINY, "parallel": {"strategy": "zero3", "world_size": 1, "offload_params": True}}
 
 
 @unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")
@@ -86,6 +87,22 @@ class Zero3Test(unittest.TestCase):
                 live.discard(e[1])
             elif e[0] == "record_stream":
                 self.assertIn(e[1], live)
+
+
+@unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")
+class Zero3ParamOffloadTest(unittest.TestCase):
+    def test_partitions_stay_on_the_host_and_each_gather_copies_them_over(self):
+        doc = traced(ZERO3_PARAM_OFFLOAD)
+        storages, events = doc["storages"], doc["events"]
+        layer, root = tiny_parameter_numels()
+        numel = TINY["model_config"]["num_hidden_layers"] * layer + root
+        host = sum(s["bytes"] for s in storages if s["kind"] == "host" and s["op"] == "aten.empty.memory_format")
+        self.assertGreaterEqual(host, 2 * numel, "every bf16 partition pinned on the host")
+        phases = {p["name"]: p["event"] for p in doc["phases"]}
+        forward = events[phases["step 2 forward"] : phases["step 2 backward"]]
+        mlp = 2 * TINY["model_config"]["hidden_size"] * TINY["model_config"]["intermediate_size"]
+        copies = [e[1] for e in forward if e[0] == "alloc" and storages[e[1]]["bytes"] == mlp]
+        self.assertTrue(copies and all(storages[sid]["kind"] != "host" for sid in copies), "device copies")
 
 
 if __name__ == "__main__":

@@ -192,7 +192,10 @@ def _record_streams(stack: contextlib.ExitStack, rec, streams) -> None:
 
     from .trace_dist import patch
 
-    patch(stack, torch.Tensor, "record_stream", lambda tensor, stream: rec.record_stream(tensor, streams.number(stream)))
+    def record_stream(tensor, stream):
+        rec.record_stream(tensor, streams.number(stream))
+
+    patch(stack, torch.Tensor, "record_stream", record_stream)
 
 
 def is_host(rec, tensor) -> bool:

@@ -67,7 +67,9 @@ class Zero3Test(unittest.TestCase):
         # A coalesced gather's wait makes each parameter whole out of the flat buffer (`torch.cat`).
         gathered = [
             e[1] for e in forward
-            if e[0] == "alloc" and storages[e[1]]["op"] == "aten.cat.default" and storages[e[1]]["bytes"] in (mlp, vocabulary)
+            if e[0] == "alloc"
+            and storages[e[1]]["op"] == "aten.cat.default"
+            and storages[e[1]]["bytes"] in (mlp, vocabulary)
         ]  # fmt: skip
         sizes = Counter(storages[sid]["bytes"] for sid in gathered)
         self.assertGreaterEqual(sizes[mlp], 3 * layers, "each layer's MLP weights")

@@ -528,7 +528,7 @@ fn saved_traces_match_their_measurements() {
     const SHARDED: usize = 56;
     const DDP: usize = 4;
     const FSDP1: usize = 12;
-    const ZERO: usize = 22;
+    const ZERO: usize = 23;
     const CORPORA: [(&str, &str); 19] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",

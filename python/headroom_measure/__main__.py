@@ -23,6 +23,7 @@ Exit code 2 on a bad spec or a missing dependency, with a message saying what is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -133,7 +134,8 @@ def _run_tracer(run, unit: str) -> int:
         print(f"tracing {unit} {step} of {steps}", file=sys.stderr, flush=True)
 
     try:
-        run(progress)
+        with _stdout_to_stderr():
+            run(progress)
     except (TraceError, EmulationError) as err:
         return _fail(str(err))
     except Exception as err:  # noqa: BLE001 - the model's own code failed on fake tensors
@@ -144,6 +146,22 @@ def _run_tracer(run, unit: str) -> int:
             "cannot be traced; `headroom estimate` models supported model types natively"
         )
     return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """What the traced libraries print goes to stderr, at the file descriptor: the tracer's
+    output is its file, and the libraries write to stdout through handles they took when
+    imported (DeepSpeed's logger, a trainer's metrics) or from C++."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _trace_pipeline(raw, args) -> int:

@@ -89,6 +89,8 @@ class Recorder:
         self.stream_of = lambda: 0
         # Answers to operators whose output shape depends on values (`trace_trl.MaskAnswers`).
         self.answers = None
+        # Values the next scalar reads return, in order (`reading`).
+        self.known_reads: list = []
         self.bounds = IndexBounds()
 
     # -- what the step loop calls ------------------------------------------------------------
@@ -101,6 +103,23 @@ class Recorder:
 
     def empty_cache(self):
         self.events.append(["empty_cache"])
+
+    @contextlib.contextmanager
+    def reading(self, values):
+        """The scalar reads made inside return `values`, in order: what the real run reads back
+        is known to the caller (rank 0 of a fake world reading its own broadcast)."""
+        self.known_reads = list(values)
+        try:
+            yield
+        finally:
+            self.known_reads = []
+
+    def record_stream(self, tensor, stream: int):
+        """`tensor.record_stream(s)`, `s` numbered as `stream_of` numbers streams: its storage's
+        block, once freed, waits for the work queued on that stream before it is reused."""
+        sid = self._id_of(tensor)
+        if sid is not None:
+            self.events.append(["record_stream", sid, stream])
 
     def classify(self, tensors, kind: str):
         """Mark the storages of `tensors` (still alive) as holding `kind`."""
@@ -184,13 +203,16 @@ class Recorder:
 
     def _scalar(self, t):
         """A value read back to Python (`.item()`, `bool(t)`), which fake tensors do not have.
-        The reads the traced code makes decide no allocation: transformers' masking asks "is
+        Reads whose values the caller knows return them (`reading`). The other reads the traced
+        code makes decide no allocation: transformers' masking asks "is
         every row unpacked / unpadded" (true of the harness's dense batch) and the optimizers
         read their step counter for the bias correction (any positive value). A mask whose value
         the answers know (a NaN check) reads as that."""
         import torch
 
         self.scalar_reads += 1
+        if self.known_reads:
+            return self.known_reads.pop(0)
         known = self.answers.uniform(t) if self.answers is not None else None
         if known is not None:
             return known

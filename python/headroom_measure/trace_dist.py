@@ -28,8 +28,8 @@ import contextlib
 
 from .trace import TraceError
 
-# The strategies the tracer runs here (DeepSpeed's: `trace_zero`, which refuses ZeRO-3 first).
-TRACEABLE = ("fsdp", "fsdp1", "ddp", "none", "zero1", "zero2")
+# The strategies the tracer runs here (DeepSpeed's: `trace_zero`).
+TRACEABLE = ("fsdp", "fsdp1", "ddp", "none", "zero1", "zero2", "zero3")
 
 
 def refuse_untraceable_parallel(par) -> None:
@@ -48,7 +48,7 @@ def refuse_untraceable_parallel(par) -> None:
         )
     if par.strategy not in TRACEABLE:
         raise TraceError(
-            f"`parallel.strategy: {par.strategy}`: the tracer runs ddp, fsdp1, fsdp (FSDP2), zero1, zero2 "
+            f"`parallel.strategy: {par.strategy}`: the tracer runs ddp, fsdp1, fsdp (FSDP2), zero1, zero2, zero3 "
             "and tensor parallelism (strategy none or fsdp with tp > 1); `headroom estimate` models "
             f"{par.strategy} natively"
         )
@@ -61,8 +61,8 @@ def refuse_untraceable_parallel(par) -> None:
 
 
 class Streams:
-    """Numbers the streams storages are allocated on: 0 for the default stream, then 1, 2, ... in
-    the order the others are first allocated on."""
+    """Numbers the streams storages are allocated or used on (`record_stream`): 0 for the default
+    stream, then 1, 2, ... in the order the others are first named."""
 
     def __init__(self):
         import torch
@@ -72,7 +72,10 @@ class Streams:
         self._keep = [torch.cpu.current_stream()]  # the ids stay unique while the streams live
 
     def current(self) -> int:
-        stream = self._cpu.current_stream()
+        return self.number(self._cpu.current_stream())
+
+    def number(self, stream) -> int:
+        """`stream`'s number, given it now if it has none."""
         sid = self._ids.get(id(stream))
         if sid is None:
             sid = len(self._keep)

@@ -1,4 +1,4 @@
-"""Trace a DeepSpeed ZeRO-1/2 run as rank 0 of its world: the engine `dist.py` builds
+"""Trace a DeepSpeed ZeRO-1/2/3 run as rank 0 of its world: the engine `dist.py` builds
 (`deepspeed.initialize` with `ds_config`), under torch's `fake` process group on the CPU, inside
 the tracer's `FakeTensorMode` (`trace.py`), on DeepSpeed's CUDA code path.
 
@@ -12,12 +12,18 @@ the driver is answered here, none of it an allocation:
   say `cpu` (every `torch.device(...)` DeepSpeed builds from them is where the fake tensors live).
 - **Streams and events.** Streams are `torch.cpu`'s, whose `stream(s)` context makes `s` current,
   and the recorder attributes each storage to the current stream (`trace_dist.Streams`), as CUDA's
-  caching allocator takes `getCurrentCUDAStream()`; events order nothing (the replay is sequential).
+  caching allocator takes `getCurrentCUDAStream()`; events and a stream's `synchronize` order
+  nothing (the replay is sequential). `Tensor.record_stream`, which ZeRO-3 calls on its gathered
+  parameters and gradients and which has no CPU kernel, is recorded for the replay
+  ([`_record_streams`]).
+- **Where a tensor lives.** `on_accelerator` says what CUDA would: every fake tensor but those the
+  tracer made on the host (ZeRO-3 frees a parameter through `record_stream` only on the device).
 - **Memory queries.** `memory_allocated`, `max_memory_allocated`, ... answer 0 and
   `reset_peak_memory_stats` does nothing: DeepSpeed calls them only to log (`see_memory_usage`).
   `empty_cache` is recorded where DeepSpeed calls it, for the replay to release the free segments.
 - **Seeds and RNG state.** No-ops: random values do not exist under fake tensors.
-- **Pinned host memory.** `pin_memory` returns the tensor: host memory is not replayed.
+- **Pinned host memory.** `pin_memory` returns the tensor, marked as host memory (`kind: host`,
+  not replayed): DeepSpeed pins only what it keeps on the host, as `offload_param`'s partitions.
 
 Host copies. The fake tensors stand for CUDA tensors but live on the CPU, where `.cpu()` is the
 tensor itself. ZeRO-1/2's optimizer copies each bit16 parameter to the host
@@ -27,7 +33,11 @@ The tracer makes those copies as CUDA makes them ([`_host_copies`]): `.cpu()` of
 is a new host tensor (`kind: host`, out of the replay), what the flattening makes from the host
 copies (the padding, the flat buffer) is host, and `.to(device)` of a host tensor is a new device tensor.
 
-ZeRO-3 is refused ([`refuse_untraceable_zero`] says why), and so are the offloads.
+ZeRO-3's checks that every rank recorded the same module and parameter order broadcast rank 0's
+lists and read them back; rank 0 of a fake world reads its own ([`_rank_checks`]).
+
+`offload_param` runs so (its partitions pinned on the host, each gather's `.to(device)` a device
+copy); `offload_optimizer` is refused ([`refuse_untraceable_zero`] says why).
 """
 
 from __future__ import annotations
@@ -36,9 +46,6 @@ import contextlib
 import os
 
 from .trace import TraceError
-
-TRACEABLE = ("zero1", "zero2")
-
 
 class _Event:
     def __init__(self, *args, **kwargs):
@@ -66,7 +73,16 @@ def fake_cuda_accelerator(rec, total_memory: int):
     import torch
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
-    default = torch.cpu.current_stream()
+    class Stream(torch.cpu.Stream):
+        """`torch.cpu`'s stream with CUDA's waits, which order nothing here."""
+
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
+    default = Stream()  # current while the run is traced (`run_zero_loop`)
 
     class FakeCudaAccelerator(CUDA_Accelerator):
         def is_available(self):
@@ -95,7 +111,7 @@ def fake_cuda_accelerator(rec, total_memory: int):
 
         @property
         def Stream(self):
-            return torch.cpu.Stream
+            return Stream
 
         def stream(self, stream):
             return torch.cpu.stream(stream)
@@ -150,10 +166,14 @@ def fake_cuda_accelerator(rec, total_memory: int):
             pass
 
         def pin_memory(self, tensor, align_bytes=1):
+            rec.classify([tensor], "host")  # DeepSpeed pins only what it keeps on the host
             return tensor
 
         def is_pinned(self, tensor):
             return False
+
+        def on_accelerator(self, tensor):
+            return is_device(rec, tensor)
 
         def range_push(self, msg):
             pass
@@ -162,6 +182,55 @@ def fake_cuda_accelerator(rec, total_memory: int):
             pass
 
     return FakeCudaAccelerator()
+
+
+def _record_streams(stack: contextlib.ExitStack, rec, streams) -> None:
+    """`Tensor.record_stream(s)` recorded (`Recorder.record_stream`), `s` numbered by `streams`:
+    the CPU has no kernel for it (`aten::record_stream`), and its effect is the caching
+    allocator's, which the replay has."""
+    import torch
+
+    from .trace_dist import patch
+
+    def record_stream(tensor, stream):
+        rec.record_stream(tensor, streams.number(stream))
+
+    patch(stack, torch.Tensor, "record_stream", record_stream)
+
+
+def is_host(rec, tensor) -> bool:
+    """Whether the tracer made `tensor`'s storage on the host."""
+    sid = rec._id_of(tensor)
+    return sid is not None and rec.storages[sid]["kind"] == "host"
+
+
+def is_device(rec, tensor) -> bool:
+    """Whether `tensor` stands for a CUDA tensor: a fake one not made on the host."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor) and not is_host(rec, tensor)
+
+
+def _rank_checks(stack: contextlib.ExitStack, rec) -> None:
+    """ZeRO-3's checks that every rank recorded the same module and parameter order
+    (`assert_ints_same_as_other_ranks`) run as on the GPU, their tensors made and broadcast, and
+    read back what rank 0 broadcast: its own list."""
+    from deepspeed.runtime.zero import utils
+
+    from .trace_dist import patch
+
+    length, values = utils.assert_lst_len_same_as_other_ranks, utils.get_lst_from_rank0
+
+    def same_length(lst):
+        with rec.reading([len(lst)]):
+            return length(lst)
+
+    def from_rank0(lst):
+        with rec.reading(lst):
+            return values(lst)
+
+    patch(stack, utils, "assert_lst_len_same_as_other_ranks", same_length)
+    patch(stack, utils, "get_lst_from_rank0", from_rank0)
 
 
 @contextlib.contextmanager
@@ -175,19 +244,15 @@ def _host_copies(rec):
     real_cpu, real_to = torch.Tensor.cpu, torch.Tensor.to
     real_flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
 
-    def is_host(tensor) -> bool:
-        sid = rec._id_of(tensor)
-        return sid is not None and rec.storages[sid]["kind"] == "host"
-
     def cpu(tensor, *args, **kwargs):
-        if is_host(tensor):
+        if is_host(rec, tensor):
             return real_cpu(tensor, *args, **kwargs)
         copy = tensor.clone()
         rec.classify([copy], "host")
         return copy
 
     def to(tensor, *args, **kwargs):
-        if not is_host(tensor):
+        if not is_host(rec, tensor):
             return real_to(tensor, *args, **kwargs)
         if "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args):
             return real_to(tensor.clone(), *args, **kwargs)  # to the device: a device copy
@@ -212,22 +277,12 @@ def _host_copies(rec):
 
 def refuse_untraceable_zero(par) -> None:
     """Refuse, by name, the DeepSpeed layouts the tracer cannot run."""
-    if par.strategy not in TRACEABLE:
+    if par.offload_optimizer:
         raise TraceError(
-            f"`parallel.strategy: {par.strategy}`: ZeRO-3's parameter gathers call `record_stream` on each gathered "
-            "partition (`part_to_copy.record_stream(get_accelerator().current_stream())` in "
-            "`AllGatherCoalescedHandle.wait`, deepspeed/runtime/zero/partition_parameters.py), which fails on the "
-            "tracer's fake tensors (`aten::record_stream` has no CPU kernel: RuntimeError: unknown parameter type), "
-            "and a trace does not record a block held for another stream; the tracer runs ddp, fsdp1, fsdp "
-            f"(FSDP2), zero1, zero2 and tensor parallelism; `headroom estimate` models {par.strategy} natively"
+            f"`parallel.offload_optimizer: true` under {par.strategy}: DeepSpeedCPUAdam, the C++ op DeepSpeed "
+            "JIT-builds for the host step, reads the tensors' memory, which fake tensors do not have; the tracer "
+            "runs offload_params without it; `headroom estimate` models the optimizer offload natively"
         )
-    for key, on in (("offload_optimizer", par.offload_optimizer), ("offload_params", par.offload_params)):
-        if on:
-            raise TraceError(
-                f"`parallel.{key}: true` under {par.strategy}: DeepSpeedCPUAdam, the C++ op DeepSpeed JIT-builds for "
-                "the host step, reads the tensors' memory, which fake tensors do not have; `headroom estimate` "
-                "models the offload natively"
-            )
 
 
 def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
@@ -257,10 +312,14 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
     fake = fake_cuda_accelerator(rec, 80 * 2**30)
     before = accelerator.get_accelerator()
     accelerator.set_accelerator(fake)
-    rec.stream_of = Streams().current
     device = torch.device("cpu")
     try:
-        with fake_world(par.world_size), _host_copies(rec):
+        with fake_world(par.world_size), _host_copies(rec), contextlib.ExitStack() as stack:
+            stack.enter_context(torch.cpu.stream(fake.default_stream()))
+            streams = Streams()
+            rec.stream_of = streams.current
+            _record_streams(stack, rec, streams)
+            _rank_checks(stack, rec)
             rec.phase("load")
             cfg = m._hf_config(spec, fields)
             cls = m._auto_class(spec)

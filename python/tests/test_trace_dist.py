@@ -44,7 +44,11 @@ def tiny_parameter_numels():
 class RefusalTest(unittest.TestCase):
     def test_strategies_the_tracer_cannot_run_are_refused_by_name(self):
         for parallel, key, reason in (
-            ({"strategy": "zero3"}, "`parallel.strategy: zero3`", "record_stream"),
+            (
+                {"strategy": "zero3", "offload_optimizer": True},
+                "`parallel.offload_optimizer: true`",
+                "DeepSpeedCPUAdam",
+            ),
             ({"strategy": "fsdp1", "offload_params": True}, "`parallel.offload_params: true`", "host copies"),
         ):
             spec = {**TINY, "parallel": {**parallel, "world_size": 2}}

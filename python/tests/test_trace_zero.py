@@ -1,15 +1,19 @@
-"""The tracer on DeepSpeed ZeRO-2 (trace_zero.py): rank 0 of a fake world on DeepSpeed's CUDA code
-path. The bit16 parameters go to the host and come back as one flat buffer, as on CUDA, and the
-fp32 partition is rank 0's share of it."""
+"""The tracer on DeepSpeed ZeRO-2 and ZeRO-3 (trace_zero.py): rank 0 of a fake world on DeepSpeed's
+CUDA code path. Under ZeRO-2 the bit16 parameters go to the host and come back as one flat buffer,
+as on CUDA, and the fp32 partition is rank 0's share of it; under ZeRO-3 each module's parameters
+are gathered whole on the all-gather stream and used on the default one (`record_stream`)."""
 
 import importlib.util
 import unittest
+from collections import Counter
 
 from .test_trace import TINY, has_torch
 from .test_trace_dist import tiny_parameter_numels, traced
 
 WORLD = 4
 ZERO2 = {**TINY, "parallel": {"strategy": "zero2", "world_size": WORLD}}
+ZERO3 = {**TINY, "parallel": {"strategy": "zero3", "world_size": 2}}
+ZERO3_PARAM_OFFLOAD = {**TINY, "parallel": {"strategy": "zero3", "world_size": 1, "offload_params": True}}
 
 
 @unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")
@@ -45,6 +49,62 @@ class Zero2Test(unittest.TestCase):
         storages = self.doc["storages"]
         share = [s for s in storages if s["bytes"] == 4 * self.padded // WORLD and s["kind"] != "host"]
         self.assertTrue(share, "no fp32 partition of rank 0's share")
+
+
+@unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")
+class Zero3Test(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.doc = traced(ZERO3)  # three steps: every rank check read back rank 0's own lists
+
+    def test_gathered_parameters_are_made_on_the_all_gather_stream_and_used_on_the_default_one(self):
+        events, storages = self.doc["events"], self.doc["storages"]
+        phases = {p["name"]: p["event"] for p in self.doc["phases"]}
+        forward = events[phases["step 2 forward"] : phases["step 2 backward"]]
+        c = TINY["model_config"]
+        h, i, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+        mlp, vocabulary = 2 * h * i, 2 * vocab * h  # bf16 weights no tensor of the model's own matches
+        # A coalesced gather's wait makes each parameter whole out of the flat buffer (`torch.cat`).
+        gathered = [
+            e[1] for e in forward
+            if e[0] == "alloc"
+            and storages[e[1]]["op"] == "aten.cat.default"
+            and storages[e[1]]["bytes"] in (mlp, vocabulary)
+        ]  # fmt: skip
+        sizes = Counter(storages[sid]["bytes"] for sid in gathered)
+        self.assertGreaterEqual(sizes[mlp], 3 * layers, "each layer's MLP weights")
+        self.assertGreaterEqual(sizes[vocabulary], 2, "the embedding and the head")
+        streams = {storages[sid].get("stream", 0) for sid in gathered}
+        self.assertEqual(len(streams), 1)
+        self.assertNotIn(0, streams)
+        used_on_default = {e[1] for e in events if e[0] == "record_stream" and e[2] == 0}
+        self.assertLessEqual(set(gathered), used_on_default)
+
+    def test_a_stream_uses_a_storage_only_while_it_lives(self):
+        live = set()
+        for e in self.doc["events"]:
+            if e[0] == "alloc":
+                live.add(e[1])
+            elif e[0] == "free":
+                live.discard(e[1])
+            elif e[0] == "record_stream":
+                self.assertIn(e[1], live)
+
+
+@unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")
+class Zero3ParamOffloadTest(unittest.TestCase):
+    def test_partitions_stay_on_the_host_and_each_gather_copies_them_over(self):
+        doc = traced(ZERO3_PARAM_OFFLOAD)
+        storages, events = doc["storages"], doc["events"]
+        layer, root = tiny_parameter_numels()
+        numel = TINY["model_config"]["num_hidden_layers"] * layer + root
+        host = sum(s["bytes"] for s in storages if s["kind"] == "host" and s["op"] == "aten.empty.memory_format")
+        self.assertGreaterEqual(host, 2 * numel, "every bf16 partition pinned on the host")
+        phases = {p["name"]: p["event"] for p in doc["phases"]}
+        forward = events[phases["step 2 forward"] : phases["step 2 backward"]]
+        mlp = 2 * TINY["model_config"]["hidden_size"] * TINY["model_config"]["intermediate_size"]
+        copies = [e[1] for e in forward if e[0] == "alloc" and storages[e[1]]["bytes"] == mlp]
+        self.assertTrue(copies and all(storages[sid]["kind"] != "host" for sid in copies), "device copies")
 
 
 if __name__ == "__main__":

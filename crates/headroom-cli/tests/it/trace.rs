@@ -515,9 +515,9 @@ fn estimate_with_trace_runs_the_tracer() {
 /// their world under torch's fake process group, against the rows measured the same way; `ddp`
 /// are DistributedDataParallel runs traced the same way, against rows measured under NCCL on
 /// H200s (each replayed on the GPU its row ran on), and `fsdp1` FullyShardedDataParallel runs
-/// against fake-group rows; `zero` are DeepSpeed ZeRO-1/2 engines traced the same way on
-/// DeepSpeed's CUDA code path, against the 2-rank NCCL rows and the fake-group rows of
-/// `bench/scale`. A row with each rank's phases is held to its steps' peak, as the
+/// against fake-group rows; `zero` are DeepSpeed ZeRO-1/2/3 engines traced the same way on
+/// DeepSpeed's CUDA code path, against the 2-rank NCCL rows, the one-GPU rows of
+/// `bench/distributed/h200x1*` and the fake-group rows of `bench/scale` and `bench/moe`. A row with each rank's phases is held to its steps' peak, as the
 /// trace's peak leaves the load out (`headroom validate` does the same). One row's reserved
 /// memory is held to 12% instead: its recorded snapshot replays to the trace's reserved bytes
 /// exactly once the driver's segment addresses are left out, so the miss is the allocator's
@@ -528,8 +528,8 @@ fn saved_traces_match_their_measurements() {
     const SHARDED: usize = 56;
     const DDP: usize = 4;
     const FSDP1: usize = 12;
-    const ZERO: usize = 9;
-    const CORPORA: [(&str, &str); 16] = [
+    const ZERO: usize = 23;
+    const CORPORA: [(&str, &str); 19] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -585,6 +585,18 @@ fn saved_traces_match_their_measurements() {
             "bench/trace/zero",
         ),
         ("bench/scale/rows-h100-torch2.11.jsonl", "bench/trace/zero"),
+        (
+            "bench/distributed/h200x1/h200x1-torch2.11.jsonl",
+            "bench/trace/zero",
+        ),
+        (
+            "bench/distributed/h200x1-param-offload/h200x1-param-offload.jsonl",
+            "bench/trace/zero",
+        ),
+        (
+            "bench/moe/dist-rows-h100-torch2.11-fake8.jsonl",
+            "bench/trace/zero",
+        ),
     ];
     let repo = crate::common::repo();
     let (mut checked, mut unseen, mut trainers, mut sharded, mut ddp, mut fsdp1, mut zero) =

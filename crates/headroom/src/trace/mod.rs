@@ -143,6 +143,10 @@ pub enum Event {
     /// `["engine", index, awake]`: rollout engine `index` wakes (after `empty_cache()`) or
     /// goes to sleep.
     Engine { engine: u32, awake: bool },
+    /// `["record_stream", i, stream]`: `Tensor.record_stream` of live storage `i` on `stream`
+    /// (numbered as storages' streams are); freed, its block waits for that stream's work
+    /// before it is reused.
+    RecordStream { storage: u32, stream: u32 },
 }
 
 /// The thread a GEMM runs on: each has its own cuBLAS handle and so its own workspaces.

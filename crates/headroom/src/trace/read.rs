@@ -293,7 +293,8 @@ fn check_phases(phases: &[Phase], events: usize) -> Result<()> {
     Ok(())
 }
 
-/// Each storage goes from never allocated to live to freed, once.
+/// Each storage goes from never allocated to live to freed, once, and is used on another
+/// stream only while live.
 fn check_lifetimes(events: &[Event], storages: usize) -> Result<()> {
     #[derive(Clone, Copy, PartialEq)]
     enum State {
@@ -303,11 +304,15 @@ fn check_lifetimes(events: &[Event], storages: usize) -> Result<()> {
     }
     let mut states = vec![State::Unborn; storages];
     for (i, event) in events.iter().enumerate() {
-        let (Event::Alloc(id) | Event::Free(id)) = *event else {
-            continue;
+        let (id, shown) = match *event {
+            Event::Alloc(id) => (id, format!("[\"alloc\", {id}]")),
+            Event::Free(id) => (id, format!("[\"free\", {id}]")),
+            Event::RecordStream { storage, stream } => {
+                (storage, format!("[\"record_stream\", {storage}, {stream}]"))
+            }
+            _ => continue,
         };
         let alloc = matches!(event, Event::Alloc(_));
-        let shown = format!("[\"{}\", {id}]", if alloc { "alloc" } else { "free" });
         let bad = |allowed: String| Error::field(format!("events[{i}]"), &shown, allowed);
         let Some(state) = states.get_mut(id as usize) else {
             return Err(bad(match storages {
@@ -318,6 +323,14 @@ fn check_lifetimes(events: &[Event], storages: usize) -> Result<()> {
                 ),
             }));
         };
+        if matches!(event, Event::RecordStream { .. }) {
+            if !matches!(*state, State::Live(_)) {
+                return Err(bad(format!(
+                    "storage {id} is not live there; a stream uses only a live storage"
+                )));
+            }
+            continue;
+        }
         *state = match (*state, alloc) {
             (State::Unborn, true) => State::Live(i),
             (State::Live(_), false) => State::Freed(i),
@@ -732,7 +745,7 @@ impl<'de> Deserialize<'de> for Scalar {
 }
 
 /// The events the format has: name, fewest and most arguments, and how they are written.
-const EVENTS: [(&str, usize, usize, &str); 7] = [
+const EVENTS: [(&str, usize, usize, &str); 8] = [
     ("alloc", 1, 1, "[\"alloc\", storage]"),
     ("free", 1, 1, "[\"free\", storage]"),
     ("empty_cache", 0, 0, "[\"empty_cache\"]"),
@@ -750,6 +763,12 @@ const EVENTS: [(&str, usize, usize, &str); 7] = [
         "[\"attention_backward\", kernel, batch, heads, seq, head_dim, gqa, dtype_bytes]",
     ),
     ("engine", 2, 2, "[\"engine\", index, awake]"),
+    (
+        "record_stream",
+        2,
+        2,
+        "[\"record_stream\", storage, stream]",
+    ),
 ];
 
 /// The message of a value that cannot be used: `what value is not allowed; allowed`.
@@ -830,6 +849,10 @@ fn event<E: de::Error>(name: &str, args: &[Scalar]) -> Result<Event, E> {
             engine: engine_index(&args[0])?,
             awake: flag("awake", &args[1])?,
         },
+        "record_stream" => Event::RecordStream {
+            storage: storage(&args[0])?,
+            stream: stream(&args[1])?,
+        },
         _ => Event::AttentionBackward(Box::new(attention(args)?)),
     })
 }
@@ -843,6 +866,20 @@ fn storage<E: de::Error>(arg: &Scalar) -> Result<u32, E> {
             format!(
                 "use a storage's index, an integer from 0 (a trace has at most {MAX_TRACE_STORAGES} \
                  storages)"
+            ),
+        )),
+    }
+}
+
+fn stream<E: de::Error>(arg: &Scalar) -> Result<u32, E> {
+    match *arg {
+        Scalar::Unsigned(n) if n <= u64::from(u32::MAX) => Ok(n as u32),
+        _ => Err(refuse(
+            "stream ",
+            arg,
+            format!(
+                "use a stream's number, an integer from 0 (the default stream) to {}",
+                u32::MAX
             ),
         )),
     }
@@ -1066,6 +1103,17 @@ mod tests {
         let listed = from_bytes(&with("version", json!(1)), Path::new("t.json")).expect("v1");
         let compacted = from_bytes(&compact("", Value::Null), Path::new("t.json")).expect("v2");
         assert_eq!(listed, compacted);
+        // A stream's use of a storage is written as a list in both versions.
+        let mut doc: Value = serde_json::from_slice(&compact("", Value::Null)).expect("json");
+        doc["events"] = json!([0, ["record_stream", 0, 2], 1]);
+        let trace = from_bytes(doc.to_string().as_bytes(), Path::new("t.json")).expect("v2");
+        assert_eq!(
+            trace.events[1],
+            Event::RecordStream {
+                storage: 0,
+                stream: 2
+            }
+        );
         let mut streams = compact("stream", json!([0, 2]));
         let trace = from_bytes(&streams, Path::new("t.json")).expect("streams");
         assert_eq!(trace.storages[1].stream, 2);
@@ -1197,6 +1245,19 @@ mod tests {
                 json!(["gemm", [[[[[[1]]]]]]]),
                 "bias_epilogue a list is not allowed",
             ),
+            (
+                json!(["record_stream", 0]),
+                "`record_stream` with 1 arguments is not allowed; it takes 2: \
+                 [\"record_stream\", storage, stream]",
+            ),
+            (
+                json!(["record_stream", 0, -1]),
+                "stream -1 is not allowed; use a stream's number",
+            ),
+            (
+                json!(["record_stream", 0, 1u64 << 32]),
+                "stream 4294967296 is not allowed",
+            ),
         ];
         for (event, message) in cases {
             let err = event_error(event);
@@ -1230,6 +1291,18 @@ mod tests {
             (
                 json!([["alloc", 1], ["free", 1], ["free", 1]]),
                 "storage 1 was freed already, at events[1]",
+            ),
+            (
+                json!([["record_stream", 0, 1]]),
+                "[\"record_stream\", 0, 1] is not allowed; storage 0 is not live there",
+            ),
+            (
+                json!([["alloc", 0], ["free", 0], ["record_stream", 0, 1]]),
+                "storage 0 is not live there; a stream uses only a live storage",
+            ),
+            (
+                json!([["record_stream", 5, 1]]),
+                "[\"record_stream\", 5, 1] is not allowed; the trace has 2 storages",
             ),
         ];
         for (events, message) in cases {

@@ -9,6 +9,14 @@
 //!   (`Tracer::reduction_staging`);
 //! - `attention_backward`: the kernel's own buffers in the order `Bwd::SdpaFlash`,
 //!   `Bwd::SdpaCudnn` and `Bwd::SdpaEfficient` allocate and free them in `backward.rs`.
+//!
+//! A storage `record_stream` marked as used on another stream than its own is freed as
+//! `CUDACachingAllocator.cpp` frees it: `free` records an event on each such stream
+//! (`insert_events`) and the block stays out of the pools until `process_events`, at the start
+//! of the next `malloc`, sees them complete, or `empty_cache` synchronizes. The replay takes
+//! them complete at that next `malloc`: the GPU has caught up with work queued before the
+//! free, which is what the native ZeRO-3 and FSDP1 strategies assume when they drop a block
+//! used on another stream at once; nothing can tell the two apart before the next request.
 
 use headroom_alloc::{AllocatorConfig, BlockId, CachingAllocator, OutOfMemory};
 
@@ -186,6 +194,8 @@ struct Live {
     block: BlockId,
     bytes: u64,
     holder: usize,
+    /// `record_stream` named a stream other than the one it was allocated on.
+    used_elsewhere: bool,
 }
 
 #[derive(Default)]
@@ -213,6 +223,8 @@ struct Replay<'t> {
     allocator: CachingAllocator,
     /// The block of each live storage.
     storages: Vec<Option<Live>>,
+    /// Blocks freed while other streams used them, waiting for `process_events`.
+    pending: Vec<BlockId>,
     live: [u64; HOLDERS],
     peak: Peak,
     /// Whether the main thread (0) and autograd's device thread (1) have their cuBLAS and
@@ -238,6 +250,7 @@ impl<'t> Replay<'t> {
             device_total: gpu.total_bytes,
             allocator: CachingAllocator::new(config.clone(), capacity),
             storages: vec![None; trace.storages.len()],
+            pending: Vec::new(),
             live: [0; HOLDERS],
             peak: Peak::default(),
             cublas: [false; 2],
@@ -314,7 +327,16 @@ impl<'t> Replay<'t> {
                 let live = self.storages[id as usize].take();
                 self.free(live);
             }
-            Event::EmptyCache => self.allocator.empty_cache(),
+            Event::RecordStream { storage, stream } => {
+                let own = self.trace.storages[storage as usize].stream;
+                if let Some(live) = &mut self.storages[storage as usize] {
+                    live.used_elsewhere |= stream != own;
+                }
+            }
+            Event::EmptyCache => {
+                self.pending.clear();
+                self.allocator.empty_cache();
+            }
             Event::Gemm {
                 bias_epilogue,
                 thread,
@@ -450,6 +472,7 @@ impl<'t> Replay<'t> {
         if bytes == 0 {
             return Ok(None);
         }
+        self.process_events();
         let block = match self.allocator.malloc(bytes, stream) {
             Ok(block) => block,
             Err(error) => {
@@ -479,7 +502,16 @@ impl<'t> Replay<'t> {
             block,
             bytes,
             holder,
+            used_elsewhere: false,
         }))
+    }
+
+    /// `process_events`: the blocks freed while other streams used them go back to their
+    /// pools (the module doc says when their events complete).
+    fn process_events(&mut self) {
+        for block in std::mem::take(&mut self.pending) {
+            self.allocator.complete_free(block);
+        }
     }
 
     fn free(&mut self, live: Option<Live>) {
@@ -487,7 +519,12 @@ impl<'t> Replay<'t> {
             return;
         };
         let size = self.allocator.block_size(live.block);
-        self.allocator.free(live.block);
+        if live.used_elsewhere {
+            self.allocator.free_requested(live.block);
+            self.pending.push(live.block);
+        } else {
+            self.allocator.free(live.block);
+        }
         self.live[live.holder] -= live.bytes;
         self.live[ROUNDING] -= size - live.bytes;
         self.timeline_events += 1;
@@ -849,6 +886,49 @@ mod tests {
             replay(&t, &h100(), Limit::None).peak_reserved_bytes,
             100 * MIB
         );
+    }
+
+    #[test]
+    fn a_block_another_stream_used_returns_to_its_pool_at_the_next_request() {
+        // Storage 0 on stream 1, used on the default stream, then freed: its allocation ends
+        // at the free, and the block waits for the default stream's work, which is done by the
+        // next request (storage 1, same stream), so that request reuses it.
+        let events = |used_on: u32| {
+            json!([
+                ["alloc", 0],
+                ["record_stream", 0, used_on],
+                ["free", 0],
+                ["alloc", 1],
+                ["free", 1]
+            ])
+        };
+        let storages = [(100 * MIB, 1), (100 * MIB, 1)];
+        for used_on in [0, 1] {
+            let t = trace_on_streams(&storages, events(used_on));
+            let est = replay(&t, &h100(), Limit::None);
+            assert_eq!(est.peak_reserved_bytes, 100 * MIB, "used on {used_on}");
+            assert_eq!(est.peak_allocated_bytes, 100 * MIB, "used on {used_on}");
+        }
+        // Freed while used elsewhere, then `empty_cache()`: synchronized, the segment goes.
+        let mut flushed = trace_on_streams(
+            &[(100 * MIB, 1), (1024, 0)],
+            json!([
+                ["alloc", 0],
+                ["record_stream", 0, 0],
+                ["free", 0],
+                ["empty_cache"],
+                ["alloc", 1],
+                ["free", 1]
+            ]),
+        );
+        flushed.phases.push(crate::trace::Phase {
+            name: "step 1 backward".into(),
+            event: 4,
+            iteration: None,
+        });
+        let est = replay(&flushed, &h100(), Limit::None);
+        assert_eq!(est.phases[1].peak_reserved, 100 * MIB);
+        assert_eq!(est.phases[2].peak_reserved, 2 * MIB);
     }
 
     /// A pipeline's trace: `storages` (bytes, kind), one rollout engine with this share of the

@@ -216,6 +216,7 @@ fn layout(ctx: &Context, pipeline: &PipelineParallel, tp: u64) -> Parallel {
             sequence_parallel: false,
             framework: Framework::Megatron,
             cp: 1,
+            ep: 1,
         },
         pipeline: pipeline.clone(),
         ..own

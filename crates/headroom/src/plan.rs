@@ -14,7 +14,6 @@
 //! in. Computed numbers say so wherever they are shown.
 
 pub mod layout;
-pub mod megatron_layout;
 
 use std::path::Path;
 

@@ -197,7 +197,7 @@ fn render(setup: &Setup, r: &FitReport) -> String {
     };
     if r.knobs_searched {
         out += &knobs(setup, r);
-    } else if plan::megatron_layout::applies(&setup.spec) {
+    } else if plan::layout::megatron::applies(&setup.spec) {
         out += "\nThe search of memory knobs is PyTorch's and DeepSpeed's: for a Megatron-core spec \
                 the layout search below replaces it.\n";
     } else {

@@ -70,6 +70,7 @@ pub const EXAMPLES: &[(&str, &str)] = &[
     example!("llama-3.1-405b-tp8-fsdp2-512xh100.yaml"),
     example!("llama-3.1-70b-pp8-interleaved-8xh200.yaml"),
     example!("llama-3.1-70b-megatron-tp8-pp4-64xh100.yaml"),
+    example!("llama-3.1-70b-megatron-tp8-pp4-vpp4-64xh100.yaml"),
     example!("llama-3.1-405b-megatron-tp8-pp16-512xh100.yaml"),
     example!("llama-3.1-70b-pp4-fsdp2-32xh200.yaml"),
     example!("llama-3.1-405b-tp8-cp8-fsdp2-512xh100-128k.yaml"),

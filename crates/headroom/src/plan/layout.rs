@@ -23,6 +23,8 @@
 //! the others run on every core. A candidate that runs out of memory stops there: the
 //! search needs to know it does not fit, not its demand.
 
+pub mod megatron;
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Mutex;
@@ -333,7 +335,7 @@ pub struct Candidate {
     pub recompute: bool,
     /// A Megatron-core layout's own settings (`megatron:`: expert parallelism, the distributed
     /// optimizer, recomputation, which `recompute` then says is full); `None` for the
-    /// torch-native layouts ([`super::megatron_layout`]).
+    /// torch-native layouts ([`megatron`]).
     pub megatron: Option<Megatron>,
 }
 
@@ -352,7 +354,7 @@ impl Candidate {
     /// The layout in words: each axis it uses, then the micro-batch and recomputation.
     pub fn name(&self) -> String {
         if let Some(m) = &self.megatron {
-            return super::megatron_layout::name(self, m);
+            return megatron::name(self, m);
         }
         let parts: Vec<String> = AXES
             .iter()
@@ -386,7 +388,7 @@ impl Candidate {
     /// The keys of the spec that differ from a spec without `parallel`: what to write in it.
     pub fn spec_keys(&self) -> serde_json::Value {
         if let Some(m) = &self.megatron {
-            return super::megatron_layout::spec_keys(self, m);
+            return megatron::spec_keys(self, m);
         }
         let p = &self.parallel;
         let mut parallel = serde_json::json!({
@@ -603,7 +605,7 @@ pub fn step_time(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> StepTime
     let megatron = c
         .megatron
         .as_ref()
-        .map(|m| super::megatron_layout::Cost::of(spec, arch, c, m));
+        .map(|m| megatron::Cost::of(spec, arch, c, m));
     let params = megatron
         .as_ref()
         .map_or(arch.param_count(spec.head()) as f64, |m| m.params);
@@ -1007,10 +1009,10 @@ pub fn global_batch(spec: &RunSpec, world: u64) -> u64 {
 /// the micro-batch that comes closest, once a step), with and without recomputation. A
 /// pipeline runs a data-parallel rank's whole batch in one step: `per_rank / micro_batch`
 /// micro-batches, at least one per stage and as many as its schedule and the simulation take.
-/// A Megatron-core spec's are [`super::megatron_layout::candidates`].
+/// A Megatron-core spec's are [`megatron::candidates`].
 pub fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
-    if super::megatron_layout::applies(ctx.spec) {
-        return super::megatron_layout::candidates(ctx, global);
+    if megatron::applies(ctx.spec) {
+        return megatron::candidates(ctx, global);
     }
     let mut layouts = vec![template(ctx.spec, ctx.world)];
     for axis in AXES {

@@ -4,7 +4,8 @@ use serde::Serialize;
 
 use crate::gpu::Gpu;
 use crate::plan::layout::{self, Evaluated, LayoutSearch, Outcome};
-use crate::plan::{Layouts, megatron_layout};
+use crate::plan::Layouts;
+use crate::plan::layout::megatron as megatron_layout;
 use crate::spec::{Recompute, RunSpec};
 
 /// How many ranked layouts the report lists.

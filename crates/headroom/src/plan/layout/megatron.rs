@@ -1,5 +1,5 @@
 //! The layout search of `fit --gpus N` for a Megatron-core spec (`parallel.framework:
-//! megatron`): the candidates [`super::layout`]'s search simulates, ranks and explains as it
+//! megatron`): the candidates [`super`]'s search simulates, ranks and explains as it
 //! does the torch-native ones. A candidate is a pipeline (1F1B, or the interleaved schedule with
 //! `vpp` model chunks a rank) × tensor parallelism × expert parallelism (MoE) × Megatron's DDP
 //! over the data-parallel ranks left, with the distributed optimizer or not, × the micro-batch
@@ -12,8 +12,8 @@
 //! the experts, sequence and context parallelism, which the local layer spec cannot run) are
 //! made once each and refused by the spec's own checks, which name them.
 
-use super::layout::{
-    self, Candidate, Context, GPUS_PER_NODE, bandwidth, data_parallel, pipeline_keys,
+use super::{
+    self as layout, Candidate, Context, GPUS_PER_NODE, bandwidth, data_parallel, pipeline_keys,
     pipeline_words, ring,
 };
 use crate::arch::Architecture;
@@ -385,7 +385,7 @@ pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
     })
 }
 
-/// What the cost model ([`super::layout::step_time`]) counts differently for a Megatron
+/// What the cost model ([`super::step_time`]) counts differently for a Megatron
 /// candidate.
 pub(super) struct Cost {
     /// The parameters whose gradients a rank's data-parallel groups reduce, times `tp × pp`:

@@ -48,3 +48,46 @@ fn interleaving_costs_the_first_rank_activations() {
     let last = estimate(2, 3);
     assert!(schedule_peak(&last) < schedule_peak(&interleaved));
 }
+
+/// `megatron.overlap_p2p_comm` unset is Megatron-LM's default for an interleaved pipeline, the
+/// overlap, which holds each round's next input through its backward: a middle rank's schedule
+/// needs more with it. It applies to no other schedule, which refuses it naming the field.
+#[test]
+fn the_interleaved_schedule_overlaps_its_receives_by_default() {
+    let spec = |vpp: u64, megatron: serde_json::Value| {
+        let mut parallel = json!({"strategy": "ddp", "world_size": 4, "framework": "megatron",
+            "pp": 4, "microbatches": 8});
+        if vpp > 1 {
+            parallel["vpp"] = json!(vpp);
+            parallel["schedule"] = json!("interleaved-1f1b");
+        }
+        let spec = json!({"model": "llama-3.1-8b", "model_config": common::llama_3_1_8b_widths(8),
+            "precision": "bf16", "optimizer": "adamw", "batch_size": 8, "seq_len": 1024,
+            "parallel": parallel, "megatron": megatron});
+        RunSpec::from_value(&spec).and_then(|s| s.architecture(None, "").map(|_| s))
+    };
+    let schedule_peak = |megatron: serde_json::Value| {
+        let spec = spec(2, megatron).expect("valid");
+        let est =
+            headroom::estimate::estimate_rank(&spec, None, &gpu::find("h100-80gb").expect("gpu"), 2)
+                .expect("estimate");
+        est.phases
+            .iter()
+            .filter(|p| p.phase == "schedule")
+            .map(|p| p.peak_allocated)
+            .max()
+            .expect("schedule phases")
+    };
+    let default = schedule_peak(json!({}));
+    assert_eq!(default, schedule_peak(json!({"overlap_p2p_comm": true})));
+    let plain = schedule_peak(json!({"overlap_p2p_comm": false}));
+    assert!(default > plain, "overlapped {default} vs not {plain}");
+    let err = spec(1, json!({"overlap_p2p_comm": true}))
+        .expect_err("1F1B does not overlap")
+        .to_string();
+    assert!(
+        err.contains("megatron.overlap_p2p_comm") && err.contains("vpp"),
+        "{err}"
+    );
+    assert!(spec(1, json!({"overlap_p2p_comm": false})).is_ok());
+}

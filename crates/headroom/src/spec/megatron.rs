@@ -363,7 +363,10 @@ mod tests {
         assert!(err(json!({"context_parallel_size": 0})).contains("integer >= 1"));
         assert!(err(json!({"overlap_p2p_comm": 1})).contains("megatron.overlap_p2p_comm"));
         let flush = err(json!({"overlap_p2p_comm_warmup_flush": true}));
-        assert!(flush.contains("overlap_p2p_comm_warmup_flush true"), "{flush}");
+        assert!(
+            flush.contains("overlap_p2p_comm_warmup_flush true"),
+            "{flush}"
+        );
         let given = |v: Value| parse_megatron(&json!({"overlap_p2p_comm": v})).unwrap();
         // Megatron-LM overlaps an interleaved schedule unless told not to, and no other.
         assert!(given(Value::Null).overlaps_p2p(2) && !given(Value::Null).overlaps_p2p(1));

@@ -68,9 +68,13 @@ fn the_interleaved_schedule_overlaps_its_receives_by_default() {
     };
     let schedule_peak = |megatron: serde_json::Value| {
         let spec = spec(2, megatron).expect("valid");
-        let est =
-            headroom::estimate::estimate_rank(&spec, None, &gpu::find("h100-80gb").expect("gpu"), 2)
-                .expect("estimate");
+        let est = headroom::estimate::estimate_rank(
+            &spec,
+            None,
+            &gpu::find("h100-80gb").expect("gpu"),
+            2,
+        )
+        .expect("estimate");
         est.phases
             .iter()
             .filter(|p| p.phase == "schedule")

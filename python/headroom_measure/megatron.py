@@ -66,7 +66,7 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 MEGATRON_KEYS = (
     "distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers",
-    "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+    "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size", "overlap_p2p_comm",
 )
 # initialize_model_parallel's other sizes: measured at 1 only
 UNMEASURED_SIZES = ("pipeline_model_parallel_size", "context_parallel_size")
@@ -75,7 +75,8 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 def megatron_options(spec: Spec) -> dict:
     """The spec's `megatron` block, checked: `distributed_optimizer` (bool), `recompute_granularity` (None, full
-    or selective), `recompute_method` (uniform or block; full only), `recompute_num_layers`."""
+    or selective), `recompute_method` (uniform or block; full only), `recompute_num_layers`, `overlap_p2p_comm` (bool;
+    unset, the pipeline harness takes Megatron-LM's default)."""
     raw = spec.raw.get("megatron") or {}
     if not isinstance(raw, dict):
         raise SpecError(f"`megatron`: {raw!r} is not allowed; use a mapping {{{', '.join(MEGATRON_KEYS)}}}")
@@ -94,7 +95,12 @@ def megatron_options(spec: Spec) -> dict:
         "recompute_granularity": raw.get("recompute_granularity"),
         "recompute_method": raw.get("recompute_method"),
         "recompute_num_layers": raw.get("recompute_num_layers"),
+        "overlap_p2p_comm": raw.get("overlap_p2p_comm"),
     }
+    if out["overlap_p2p_comm"] not in (None, True, False):
+        raise SpecError(f"`megatron.overlap_p2p_comm`: {out['overlap_p2p_comm']!r} is not allowed; use true or false")
+    if out["overlap_p2p_comm"] and spec.parallel.vpp == 1:
+        raise SpecError("`megatron.overlap_p2p_comm`: true applies to the interleaved schedule (parallel.vpp > 1)")
     if not isinstance(out["distributed_optimizer"], bool):
         raise SpecError(f"`megatron.distributed_optimizer`: {out['distributed_optimizer']!r} is not allowed; use true or false")
     if out["recompute_granularity"] not in RECOMPUTE_GRANULARITIES:

@@ -12,8 +12,9 @@ Each stage is built as megatron.py builds the whole model (`GPTModel(pre_process
 `config.finalize_model_grads_func = finalize_model_grads`.
 With `vpp > 1` (schedule interleaved-1f1b) the rank builds one chunk per virtual stage as Megatron-LM's `get_model`
 does (`megatron.build_chunks`: the embedding on the first rank's chunk 0, the loss on the last rank's last chunk,
-each chunk its own DDP, one optimizer over all), with `overlap_p2p_comm=False` (`--no-overlap-p2p-communication`),
-`no_sync_func` one per chunk, and runs `forward_backward_pipelining_with_interleaving` instead; `env.order` names
+each chunk its own DDP, one optimizer over all), with `megatron.overlap_p2p_comm` as Megatron-LM's arguments set it
+(on unless given false, `--no-overlap-p2p-communication`: then `batch_p2p_comm=True` as without interleaving; the
+row's spec says which), `no_sync_func` one per chunk, and runs `forward_backward_pipelining_with_interleaving` instead; `env.order` names
 each forward's chunk (`@c`).
 A step is `zero_grad_buffer()` of every chunk, `optimizer.zero_grad()`, then Megatron's
 `forward_backward_pipelining_without_interleaving` over `microbatches` micro-batches of `batch_size /
@@ -55,6 +56,10 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     t0 = time.time()
     options = megatron_options(spec)
     par = spec.parallel
+    # Megatron-LM overlaps an interleaved schedule's p2p communication unless told not to.
+    overlap = par.vpp > 1 and options["overlap_p2p_comm"] is not False
+    if par.vpp > 1:
+        options["overlap_p2p_comm"] = overlap
     world, pp, n = par.world_size, par.pp, par.microbatches
     rank = int(os.environ.get("HEADROOM_FAKE_RANK", "0"))
     micro = spec.batch_size // n
@@ -86,7 +91,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     ddp_model = chunks[0]
     config = ddp_model.config
     config.deallocate_pipeline_outputs = True
-    config.overlap_p2p_comm, config.batch_p2p_comm = False, True
+    config.overlap_p2p_comm, config.batch_p2p_comm = overlap, not overlap
     config.no_sync_func = ddp_model.no_sync if vpp == 1 else [chunk.no_sync for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
     load = load_record()

@@ -31,11 +31,15 @@ class MegatronSpecTest(unittest.TestCase):
         self.assertEqual(
             megatron_options(spec),
             {"expert_model_parallel_size": 1, "distributed_optimizer": True, "recompute_granularity": "full",
-             "recompute_method": "uniform", "recompute_num_layers": 1},
+             "recompute_method": "uniform", "recompute_num_layers": 1, "overlap_p2p_comm": None},
         )  # fmt: skip
         self.assertEqual(megatron_options(specmod.parse(raw()))["recompute_granularity"], None)
         ep = megatron_options(specmod.parse(raw(megatron={"expert_model_parallel_size": 8})))
         self.assertEqual(ep["expert_model_parallel_size"], 8)
+        interleaved = {"strategy": "ddp", "world_size": 4, "tp": 1, "framework": "megatron", "pp": 2, "vpp": 2,
+                       "schedule": "interleaved-1f1b", "microbatches": 2}  # fmt: skip
+        overlap = megatron_options(specmod.parse(raw(parallel=interleaved, megatron={"overlap_p2p_comm": True})))
+        self.assertIs(overlap["overlap_p2p_comm"], True)
 
     def test_the_row_spec_round_trips(self):
         spec = specmod.parse(raw(parallel={"strategy": "ddp", "world_size": 4, "tp": 1, "framework": "megatron"}))
@@ -53,6 +57,8 @@ class MegatronSpecTest(unittest.TestCase):
             (raw(megatron={"expert_model_parallel_size": 0}), "megatron.expert_model_parallel_size"),
             (raw(megatron={"context_parallel_size": 2}), "megatron.context_parallel_size"),
             (raw(megatron={"distributed_optimizer": "yes"}), "megatron.distributed_optimizer"),
+            (raw(megatron={"overlap_p2p_comm": "yes"}), "megatron.overlap_p2p_comm"),
+            (raw(megatron={"overlap_p2p_comm": True}), "megatron.overlap_p2p_comm"),
             (raw(gradient_checkpointing=True), "gradient_checkpointing"),
             (raw(optimizer="sgd"), "framework megatron"),
         ]

@@ -1,7 +1,8 @@
 """Writes bench/megatron-pp-vpp/specs.jsonl: Megatron-core pipeline ranks under the interleaved 1F1B schedule
 (`vpp` model chunks per rank, local layer spec), each one rank of a fake world: the line's `rank` is the global rank
 the fake process group is initialised with, so the process is pipeline rank `rank // (world / pp)` (Megatron's rank
-order tp-cp-ep-dp-pp)."""
+order tp-cp-ep-dp-pp). `ROWS` were measured with `--no-overlap-p2p-communication` (`megatron.overlap_p2p_comm: false`),
+`OVERLAP_ROWS` with Megatron-LM's default overlap."""
 import json
 import sys
 from pathlib import Path
@@ -31,15 +32,22 @@ ROWS = [
     ("q30", 4, 4, 2048, 8, 1, 2, 2, 4, False, ("selective", None, None), 0, False, 4),
     ("q30", 4, 4, 2048, 8, 1, 2, 2, 4, False, ("selective", None, None), 4, True, 4),
 ]
+OVERLAP_ROWS = [
+    ("l8b", 8, 8, 1024, 8, 1, 4, 2, 8, True, ("selective", None, None), 0, True),
+    ("l8b", 8, 8, 1024, 8, 1, 4, 2, 8, True, ("selective", None, None), 4, True),
+    ("l8b", 8, 8, 1024, 8, 1, 4, 2, 8, True, ("selective", None, None), 6, False),
+    ("q7b", 6, 6, 1024, 4, 1, 2, 3, 6, False, ("full", "block", 1), 2, False),
+]
 
 
-def row(key, layers, b, s, world, tp, pp, vpp, mb, dist_opt, recompute, rank, snapshot, ep=1):
+def row(key, layers, b, s, world, tp, pp, vpp, mb, dist_opt, recompute, rank, snapshot, ep=1, overlap=False):
     model, config = MODELS[key]
     mega = {"distributed_optimizer": dist_opt}
     if ep > 1:
         mega["expert_model_parallel_size"] = ep
     rc = recompute_keys(mega, recompute)
-    tag = "do" if dist_opt else "nodo"
+    mega["overlap_p2p_comm"] = overlap
+    tag = ("do" if dist_opt else "nodo") + ("-overlap" if overlap else "")
     parallel = {"strategy": "ddp", "world_size": world, "tp": tp, "framework": "megatron", "pp": pp, "vpp": vpp,
                 "schedule": "interleaved-1f1b", "microbatches": mb}
     shape = f"tp{tp}-pp{pp}-vpp{vpp}" + (f"-ep{ep}" if ep > 1 else "")
@@ -48,5 +56,6 @@ def row(key, layers, b, s, world, tp, pp, vpp, mb, dist_opt, recompute, rank, sn
 
 
 out = Path(__file__).resolve().parents[1] / "specs.jsonl"
-out.write_text("".join(json.dumps(row(*r)) + "\n" for r in ROWS))
-print(out, len(ROWS))
+lines = [row(*r) for r in ROWS] + [row(*r, overlap=True) for r in OVERLAP_ROWS]
+out.write_text("".join(json.dumps(r) + "\n" for r in lines))
+print(out, len(lines))

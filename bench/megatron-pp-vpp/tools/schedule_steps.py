@@ -1,10 +1,12 @@
 """Prints what megatron-core 0.19's `forward_backward_pipelining_with_interleaving` does on each pipeline rank with
-`batch_p2p_comm` (no p2p overlap), run on the CPU with its communication and compute stood in for: every receive
+`batch_p2p_comm` (no p2p overlap), or with `overlap_p2p_comm` (`--overlap`: Megatron-LM's default for interleaved
+pipelines, without `overlap_p2p_comm_warmup_flush`), run on the CPU with its communication and compute stood in for: every receive
 of an input (R) and of a gradient (G), forward (F<chunk>.<microbatch>), `deallocate_output_tensor` of a sent output
 (D) and backward (B<chunk>.<microbatch>), in order. The Rust schedule's test (`sim/strategy/megatron_interleaved.rs`)
 holds these lines.
-    PYTHONPATH=/path/to/megatron-core python bench/megatron-pp-vpp/tools/schedule_steps.py
+    PYTHONPATH=/path/to/megatron-core python bench/megatron-pp-vpp/tools/schedule_steps.py [--overlap]
 """
+import sys
 import types
 
 import torch
@@ -30,10 +32,19 @@ class Config(types.SimpleNamespace):
         return None
 
 
-def steps(pp: int, vpp: int, n: int, rank: int) -> str:
+class Work:
+    def wait(self):
+        pass
+
+
+def steps(pp: int, vpp: int, n: int, rank: int, overlap: bool) -> str:
     log = []
-    config = Config(deallocate_pipeline_outputs=True, hidden_size=1, batch_p2p_comm=True,
-                    microbatch_group_size_per_vp_stage=pp, virtual_pipeline_model_parallel_size=vpp)
+    config = Config(deallocate_pipeline_outputs=True, hidden_size=1, batch_p2p_comm=not overlap,
+                    overlap_p2p_comm=overlap, microbatch_group_size_per_vp_stage=pp,
+                    virtual_pipeline_model_parallel_size=vpp)
+
+    def handles(sent, received, send_key, recv_key):  # `_p2p_ops`' requests, as `overlap_p2p_comm` returns them
+        return {**({send_key: Work()} if sent is not None else {}), **({recv_key: Work()} if received else {})}
 
     def received(recv_prev=False, recv_next=False):
         prev = nxt = None
@@ -56,10 +67,12 @@ def steps(pp: int, vpp: int, n: int, rank: int) -> str:
             return received(recv_next=not is_last_stage)[1]
 
         def send_forward_recv_forward(self, out, recv_prev, tensor_shape, overlap_p2p_comm=False):
-            return received(recv_prev=recv_prev)[0]
+            prev = received(recv_prev=recv_prev)[0]
+            return (prev, handles(out, recv_prev, "send_next", "recv_prev")) if overlap_p2p_comm else prev
 
         def send_backward_recv_backward(self, grad, recv_next, tensor_shape, overlap_p2p_comm=False):
-            return received(recv_next=recv_next)[1]
+            nxt = received(recv_next=recv_next)[1]
+            return (nxt, handles(grad, recv_next, "send_prev", "recv_next")) if overlap_p2p_comm else nxt
 
         def send_forward_backward_recv_forward_backward(self, out, grad, recv_prev, recv_next, tensor_shape):
             return received(recv_prev, recv_next)
@@ -99,6 +112,7 @@ schedules.torch = types.SimpleNamespace(
     zeros=lambda *a, **k: torch.zeros(*a, dtype=k.get("dtype")),
 )
 dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+overlap = "--overlap" in sys.argv[1:]
 for pp, vpp, n in [(2, 2, 2), (2, 2, 4), (2, 3, 4), (4, 2, 4), (4, 2, 8), (2, 2, 6), (4, 4, 4)]:
     for rank in range(pp):
-        print(f'({pp}, {vpp}, {n}, {rank}, "{steps(pp, vpp, n, rank)}"),')
+        print(f'({pp}, {vpp}, {n}, {rank}, "{steps(pp, vpp, n, rank, overlap)}"),')

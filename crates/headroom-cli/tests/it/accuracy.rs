@@ -100,7 +100,7 @@ fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
 /// NCCL over 2 H100s (one row per rank); torchtitan's PP × FSDP2 (each stage sharded over
 /// dp 2 to 8, with and without a mixed-precision policy, and tensor parallelism 2 under it)
 /// under the fake process group; and Megatron-core's 1F1B and interleaved 1F1B (2 and 3 model
-/// chunks per rank) with its tensor parallelism, DDP, distributed optimizer and recomputation,
+/// chunks per rank, with and without `overlap_p2p_comm`) with its tensor parallelism, DDP, distributed optimizer and recomputation,
 /// first, middle and last ranks, and with a Qwen3-MoE's experts split by expert parallelism
 /// within each stage, under the fake process group: each within 3% on peak allocated and 8% on reserved, as the
 /// pipeline-parallelism and multi-GPU issues ask.
@@ -113,6 +113,7 @@ fn pipeline_parallel_rows_within_the_gates() {
         "bench/megatron-pp-moe/rows-h100-torch2.11.jsonl",
         "bench/megatron-pp-vpp/rows-h100-torch2.11.jsonl",
         "bench/megatron-pp-vpp/rows-moe-h100-torch2.11.jsonl",
+        "bench/megatron-pp-vpp/rows-overlap-h100-torch2.11.jsonl",
         "bench/pp/rows-fsdp-h100-torch2.11.jsonl",
         "bench/pp/rows-fsdp-call2-h100-torch2.11.jsonl",
     ] {

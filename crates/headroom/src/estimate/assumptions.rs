@@ -225,10 +225,9 @@ impl Assumptions {
             warnings.push(
                 "Megatron's pipeline parallelism is measured for its 1F1B and interleaved \
                  schedules as single ranks (first, middle and last) of a fake process group \
-                 (bench/megatron-pp, bench/megatron-pp-vpp), the interleaved one without \
-                 overlap_p2p_comm (Megatron-LM's --no-overlap-p2p-communication; its default \
-                 overlap holds one or two more activations in flight): NCCL's point-to-point \
-                 communicators between stages are not measured"
+                 (bench/megatron-pp, bench/megatron-pp-vpp), the interleaved one with and \
+                 without overlap_p2p_comm: NCCL's point-to-point communicators between stages, \
+                 and how long NCCL holds a tensor an isend is still sending, are not measured"
                     .to_string(),
             );
         }

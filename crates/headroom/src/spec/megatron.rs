@@ -1,7 +1,8 @@
 //! `megatron:`, the settings of a run under `parallel.framework: megatron` that change memory:
 //! Megatron-core's `DistributedOptimizer` (`use_distributed_optimizer`) and activation
 //! recomputation (`recompute_granularity`, `recompute_method`, `recompute_num_layers` of
-//! `TransformerConfig`) and expert parallelism (`expert_model_parallel_size`), read here;
+//! `TransformerConfig`), expert parallelism (`expert_model_parallel_size`) and the interleaved
+//! schedule's `overlap_p2p_comm`, read here;
 //! `RunSpec::check_megatron` and [`check_moe`] say what of Megatron is modelled and refuse the
 //! rest by name.
 
@@ -25,6 +26,8 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
     "expert_tensor_parallel_size",
     "transformer_impl",
     "optimizer_cpu_offload",
+    "overlap_p2p_comm",
+    "overlap_p2p_comm_warmup_flush",
 ];
 
 /// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
@@ -54,6 +57,9 @@ pub struct Megatron {
     /// `--optimizer-cpu-offload` (`HybridDeviceOptimizer`), not modelled: the estimate keeps
     /// the main parameters and Adam's states on the GPU and says so.
     pub optimizer_cpu_offload: bool,
+    /// `overlap_p2p_comm` as given; unset, Megatron-LM's default (on unless
+    /// `--no-overlap-p2p-communication`), which it turns off without interleaving.
+    pub overlap_p2p_comm: Option<bool>,
 }
 
 impl Default for Megatron {
@@ -64,6 +70,7 @@ impl Default for Megatron {
             expert_parallel: 1,
             transformer_engine: false,
             optimizer_cpu_offload: false,
+            overlap_p2p_comm: None,
         }
     }
 }
@@ -91,6 +98,11 @@ pub enum RecomputeMethod {
 }
 
 impl Megatron {
+    /// Whether the interleaved schedule of `vpp` chunks a rank overlaps its p2p communication.
+    pub fn overlaps_p2p(&self, vpp: u64) -> bool {
+        vpp > 1 && self.overlap_p2p_comm.unwrap_or(true)
+    }
+
     /// The layer ranges `TransformerBlock._checkpointed_forward` checkpoints as one
     /// `tensor_parallel.checkpoint` each, of a block of `layers` layers: `uniform` chunks of
     /// `n` layers over the whole block, `block` the first `n` layers one by one.
@@ -143,6 +155,18 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
     )
     .map_err(field)?;
     let optimizer_cpu_offload = boolean(obj, "optimizer_cpu_offload").map_err(field)?;
+    let overlap_p2p_comm = match obj.get("overlap_p2p_comm") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(boolean(obj, "overlap_p2p_comm").map_err(field)?),
+    };
+    if boolean(obj, "overlap_p2p_comm_warmup_flush").map_err(field)? {
+        return Err(Error::Unsupported {
+            what: "megatron.overlap_p2p_comm_warmup_flush true".into(),
+            supported: "the interleaved schedule with overlap_p2p_comm true or false and \
+                        overlap_p2p_comm_warmup_flush false (Megatron-LM's default)"
+                .into(),
+        });
+    }
     #[derive(Clone, Copy, PartialEq)]
     enum Granularity {
         None,
@@ -200,6 +224,7 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         expert_parallel,
         transformer_engine,
         optimizer_cpu_offload,
+        overlap_p2p_comm,
     })
 }
 
@@ -336,6 +361,16 @@ mod tests {
             8
         );
         assert!(err(json!({"context_parallel_size": 0})).contains("integer >= 1"));
+        assert!(err(json!({"overlap_p2p_comm": 1})).contains("megatron.overlap_p2p_comm"));
+        let flush = err(json!({"overlap_p2p_comm_warmup_flush": true}));
+        assert!(
+            flush.contains("overlap_p2p_comm_warmup_flush true"),
+            "{flush}"
+        );
+        let given = |v: Value| parse_megatron(&json!({"overlap_p2p_comm": v})).unwrap();
+        // Megatron-LM overlaps an interleaved schedule unless told not to, and no other.
+        assert!(given(Value::Null).overlaps_p2p(2) && !given(Value::Null).overlaps_p2p(1));
+        assert!(!given(json!(false)).overlaps_p2p(2) && given(json!(true)).overlaps_p2p(3));
         assert!(parse_megatron(&json!({"pipeline_model_parallel_size": 1})).is_ok());
         assert_eq!(
             parse_megatron(&json!({"recompute_granularity": "full"})).unwrap(),

@@ -1057,6 +1057,15 @@ impl RunSpec {
         }
         check_tp_divides(arch, parallel.tensor.tp)?;
         super::megatron_pipeline::check(&parallel.pipeline, arch.layers)?;
+        if megatron.overlap_p2p_comm == Some(true) && parallel.pipeline.vpp == 1 {
+            return Err(Error::field(
+                "megatron.overlap_p2p_comm",
+                true,
+                "it applies to the interleaved schedule (parallel.vpp >= 2): megatron-core's \
+                 other schedules refuse it and Megatron-LM turns it off without one; leave it \
+                 out or set false",
+            ));
+        }
         if let Recompute::Full {
             method: RecomputeMethod::Block,
             layers,

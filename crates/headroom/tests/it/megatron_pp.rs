@@ -12,7 +12,7 @@ use crate::common::{self, rel};
 
 /// The load, schedule and optimizer peaks of every step of every row's rank within 1%, its
 /// reserved peak within 8% (the accuracy gate): 1F1B's (bench/megatron-pp) and the interleaved
-/// schedule's (bench/megatron-pp-vpp).
+/// schedule's with and without `overlap_p2p_comm` (bench/megatron-pp-vpp).
 #[test]
 fn every_phase_of_every_megatron_pipeline_rank() {
     let mut checked = 0;
@@ -20,6 +20,7 @@ fn every_phase_of_every_megatron_pipeline_rank() {
         include_str!("../../../../bench/megatron-pp/rows-h100-torch2.11.jsonl"),
         include_str!("../../../../bench/megatron-pp-vpp/rows-h100-torch2.11.jsonl"),
         include_str!("../../../../bench/megatron-pp-vpp/rows-moe-h100-torch2.11.jsonl"),
+        include_str!("../../../../bench/megatron-pp-vpp/rows-overlap-h100-torch2.11.jsonl"),
     ]) {
         let (id, est, measured) = common::estimate_measured_rank(&row);
         let rank = measured["rank"].as_u64().expect("rank");
@@ -32,7 +33,7 @@ fn every_phase_of_every_megatron_pipeline_rank() {
         );
         checked += common::check_pipeline_rank(id, &est, measured, 0.01, 0.08);
     }
-    assert_eq!(checked, 22 * 6, "every phase of the 22 rows");
+    assert_eq!(checked, 26 * 6, "every phase of the 26 rows");
 }
 
 fn spec(layers: u64, batch: u64, parallel: Value, megatron: Value) -> Value {

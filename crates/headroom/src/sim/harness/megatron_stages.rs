@@ -124,7 +124,8 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
                 batch,
                 received,
             };
-            let steps = interleaved(pp, vpp, microbatches, pp_rank);
+            let overlap = spec.megatron.unwrap_or_default().overlaps_p2p(vpp);
+            let steps = interleaved(pp, vpp, microbatches, pp_rank, overlap);
             schedule.run(&mut t, &steps, (ids, loss_mask), &mut block_inputs);
         }
         phases.push(t.mem.phase_peak());

@@ -36,8 +36,8 @@
 //! - recomputation: `tensor_parallel.checkpoint` of whole layers (`full`, chunks as
 //!   `spec::Megatron::checkpointed_chunks` says) or of each layer's core attention
 //!   (`selective`, from q, k and v after the rotary embedding), reentrant: the recomputation
-//!   runs the whole region when its gradient arrives and keeps its output through the
-//!   region's backward.
+//!   runs the whole region when its gradient arrives and keeps its output, and that
+//!   gradient, through the region's backward.
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;

@@ -1,8 +1,13 @@
 //! Megatron-core 0.19's `forward_backward_pipelining_with_interleaving` (`pipeline_parallel/
 //! schedules.py`, virtual pipeline: `vpp` model chunks per rank) as the steps one pipeline rank
-//! takes with `batch_p2p_comm` (no p2p overlap): its receives, forwards, backwards and
+//! takes, with `batch_p2p_comm` (no p2p overlap) or with `overlap_p2p_comm` (without
+//! `overlap_p2p_comm_warmup_flush`): its receives, forwards, backwards and
 //! `deallocate_output_tensor` calls, with the chunk each receive is appended to, since those decide
-//! when a received tensor is made and freed. Rank `r` of `pp` runs
+//! when a received tensor is made and freed. With the overlap the steady phase posts the next
+//! input's receive between the forward and the backward, the gradient's after the backward, and
+//! deallocates the sent output only before the next forward (`pp_pre_forward`); the warm-up and
+//! cool-down receive as without it, but for the warm-up's last gradient receive, made after the
+//! deallocation and held in `bwd_recv_buffer` until the first steady receive replaces it. Rank `r` of `pp` runs
 //! `min(2 (pp - r - 1) + (vpp - 1) g, n vpp)` warm-up forwards (`get_pp_rank_microbatches`, `g`
 //! the micro-batch group `microbatch_group_size_per_vp_stage`, `pp` by default), then rounds of a
 //! forward and a backward, then the cool-down backwards; the virtual micro-batches run in
@@ -52,8 +57,8 @@ fn schedule_table(n: u64, chunks: u64, group: u64) -> Vec<(u64, u64)> {
 }
 
 /// The steps of pipeline rank `rank` of `pp`, with `vpp` chunks, over `n` micro-batches
-/// (training, the micro-batch group `pp`).
-pub(crate) fn interleaved(pp: u64, vpp: u64, n: u64, rank: u64) -> Vec<Step> {
+/// (training, the micro-batch group `pp`), with `overlap_p2p_comm` or without.
+pub(crate) fn interleaved(pp: u64, vpp: u64, n: u64, rank: u64, overlap: bool) -> Vec<Step> {
     let group = pp;
     let total = n * vpp;
     let warmup = (2 * (pp - rank - 1) + (vpp - 1) * group).min(total);
@@ -119,42 +124,80 @@ pub(crate) fn interleaved(pp: u64, vpp: u64, n: u64, rank: u64) -> Vec<Step> {
             chunk,
             microbatch: microbatch_of(k),
         });
-        let grad = if k == warmup - 1 && !all_in_warmup {
-            into(!last, vpp - 1)
-        } else {
-            Recv::Keep
-        };
+        // The last warm-up iteration also receives the first gradient: in the same call
+        // without the overlap, after the deallocation with it.
+        let first_grad = k == warmup - 1 && !all_in_warmup;
         steps.push(Step::Communicate {
             input: into(recv_prev, next),
-            grad,
+            grad: if first_grad && !overlap {
+                into(!last, vpp - 1)
+            } else {
+                Recv::Keep
+            },
         });
         output_sent = sends(chunk);
         if output_sent {
             steps.push(Step::Deallocate);
         }
+        if first_grad && overlap {
+            // Into `bwd_recv_buffer[-1]`, which holds it as a local would.
+            steps.push(Step::Communicate {
+                input: Recv::Keep,
+                grad: into(!last, vpp - 1),
+            });
+        }
     }
     for k in 0..remaining {
         let forward_k = k + warmup;
         let forward_chunk = chunk_of(forward_k, true);
-        steps.push(Step::Forward {
-            chunk: forward_chunk,
-            microbatch: microbatch_of(forward_k),
-        });
-        steps.push(Step::Backward {
-            chunk: chunk_of(k, false),
-            microbatch: microbatch_of(k),
-        });
         let (mut recv_prev, next_forward) = from_previous(forward_k, true);
         let (recv_next, next_backward) = from_previous(k, false);
         if k == remaining - 1 {
             recv_prev = false;
         }
-        steps.push(Step::Communicate {
-            input: into(recv_prev, next_forward),
-            grad: into(recv_next, next_backward),
+        // `pp_pre_forward`: the previous iteration's output is deallocated only now.
+        if overlap && output_sent {
+            steps.push(Step::Deallocate);
+        }
+        steps.push(Step::Forward {
+            chunk: forward_chunk,
+            microbatch: microbatch_of(forward_k),
         });
+        if overlap {
+            // `pp_post_forward`: the receive goes through `fwd_recv_buffer`, emptied at once,
+            // into the list; `pp_post_backward`'s likewise through `bwd_recv_buffer`, which lets
+            // the warm-up's gradient go when it is rebound.
+            if recv_prev {
+                steps.push(Step::Communicate {
+                    input: Recv::Into {
+                        chunk: next_forward,
+                        bind: false,
+                    },
+                    grad: Recv::Keep,
+                });
+            }
+        }
+        steps.push(Step::Backward {
+            chunk: chunk_of(k, false),
+            microbatch: microbatch_of(k),
+        });
+        if overlap {
+            steps.push(Step::Communicate {
+                input: Recv::Keep,
+                grad: into(recv_next, next_backward),
+            });
+            steps.push(Step::Communicate {
+                input: Recv::Keep,
+                grad: Recv::Clear,
+            });
+        } else {
+            steps.push(Step::Communicate {
+                input: into(recv_prev, next_forward),
+                grad: into(recv_next, next_backward),
+            });
+        }
         output_sent = sends(forward_chunk);
-        if output_sent {
+        if output_sent && !overlap {
             steps.push(Step::Deallocate);
         }
     }
@@ -340,6 +383,150 @@ mod tests {
         ),
     ];
 
+    /// The same with `overlap_p2p_comm` (`schedule_steps.py --overlap`).
+    const MEGATRON_OVERLAP_STEPS: &[(u64, u64, u64, u64, &str)] = &[
+        (
+            2,
+            2,
+            2,
+            0,
+            "F0.0 D F0.1 R D F1.0 R D F1.1 D D G B1.0 G B1.1 G B0.0 G B0.1",
+        ),
+        (
+            2,
+            2,
+            2,
+            1,
+            "R F0.0 R D F0.1 R D D F1.0 R B1.0 F1.1 B1.1 G B0.0 G B0.1",
+        ),
+        (
+            2,
+            2,
+            4,
+            0,
+            "F0.0 D F0.1 R D F1.0 R D F1.1 D G D F0.2 B1.0 G D F0.3 R B1.1 G D F1.2 R B0.0 G D F1.3 B0.1 G D B1.2 G B1.3 G B0.2 G B0.3",
+        ),
+        (
+            2,
+            2,
+            4,
+            1,
+            "R F0.0 R D F0.1 R D D F1.0 R B1.0 F1.1 R B1.1 G F0.2 R B0.0 G D F0.3 R B0.1 D F1.2 R B1.2 F1.3 B1.3 G B0.2 G B0.3",
+        ),
+        (
+            2,
+            3,
+            4,
+            0,
+            "F0.0 D F0.1 R D F1.0 R D F1.1 R D F2.0 R D F2.1 D G D F0.2 B2.0 G D F0.3 R B2.1 G D F1.2 R B1.0 G D F1.3 R B1.1 G D F2.2 R B0.0 G D F2.3 B0.1 G D B2.2 G B2.3 G B1.2 G B1.3 G B0.2 G B0.3",
+        ),
+        (
+            2,
+            3,
+            4,
+            1,
+            "R F0.0 R D F0.1 R D F1.0 R D F1.1 R D D F2.0 R B2.0 F2.1 R B2.1 G F0.2 R B1.0 G D F0.3 R B1.1 G D F1.2 R B0.0 G D F1.3 R B0.1 D F2.2 R B2.2 F2.3 B2.3 G B1.2 G B1.3 G B0.2 G B0.3",
+        ),
+        (
+            4,
+            2,
+            4,
+            0,
+            "F0.0 D F0.1 D F0.2 D F0.3 R D F1.0 R D F1.1 R D F1.2 R D F1.3 D D G B1.0 G B1.1 G B1.2 G B1.3 G B0.0 G B0.1 G B0.2 G B0.3",
+        ),
+        (
+            4,
+            2,
+            4,
+            1,
+            "R F0.0 R D F0.1 R D F0.2 R D F0.3 R D F1.0 R D F1.1 R D F1.2 R D F1.3 D D G B1.0 G B1.1 G B1.2 G B1.3 G B0.0 G B0.1 G B0.2 G B0.3",
+        ),
+        (
+            4,
+            2,
+            4,
+            2,
+            "R F0.0 R D F0.1 R D F0.2 R D F0.3 R D F1.0 R D F1.1 R D G D F1.2 R B1.0 G D F1.3 B1.1 G D B1.2 G B1.3 G B0.0 G B0.1 G B0.2 G B0.3",
+        ),
+        (
+            4,
+            2,
+            4,
+            3,
+            "R F0.0 R D F0.1 R D F0.2 R D F0.3 R D D F1.0 R B1.0 F1.1 R B1.1 F1.2 R B1.2 F1.3 B1.3 G B0.0 G B0.1 G B0.2 G B0.3",
+        ),
+        (
+            4,
+            2,
+            8,
+            0,
+            "F0.0 D F0.1 D F0.2 D F0.3 R D F1.0 R D F1.1 R D F1.2 R D F1.3 D F0.4 D F0.5 D G D F0.6 B1.0 G D F0.7 R B1.1 G D F1.4 R B1.2 G D F1.5 R B1.3 G D F1.6 R B0.0 G D F1.7 B0.1 G D B0.2 G B0.3 G B1.4 G B1.5 G B1.6 G B1.7 G B0.4 G B0.5 G B0.6 G B0.7",
+        ),
+        (
+            4,
+            2,
+            8,
+            1,
+            "R F0.0 R D F0.1 R D F0.2 R D F0.3 R D F1.0 R D F1.1 R D F1.2 R D F1.3 R D G D F0.4 R B1.0 G D F0.5 R B1.1 G D F0.6 R B1.2 G D F0.7 R B1.3 G D F1.4 R B0.0 G D F1.5 R B0.1 G D F1.6 R B0.2 G D F1.7 B0.3 G D B1.4 G B1.5 G B1.6 G B1.7 G B0.4 G B0.5 G B0.6 G B0.7",
+        ),
+        (
+            4,
+            2,
+            8,
+            2,
+            "R F0.0 R D F0.1 R D F0.2 R D F0.3 R D F1.0 R D F1.1 R D G D F1.2 R B1.0 G D F1.3 R B1.1 G D F0.4 R B1.2 G D F0.5 R B1.3 G D F0.6 R B0.0 G D F0.7 R B0.1 G D F1.4 R B0.2 G D F1.5 R B0.3 G D F1.6 R B1.4 G D F1.7 B1.5 G D B1.6 G B1.7 G B0.4 G B0.5 G B0.6 G B0.7",
+        ),
+        (
+            4,
+            2,
+            8,
+            3,
+            "R F0.0 R D F0.1 R D F0.2 R D F0.3 R D D F1.0 R B1.0 F1.1 R B1.1 F1.2 R B1.2 F1.3 R B1.3 G F0.4 R B0.0 G D F0.5 R B0.1 G D F0.6 R B0.2 G D F0.7 R B0.3 D F1.4 R B1.4 F1.5 R B1.5 F1.6 R B1.6 F1.7 B1.7 G B0.4 G B0.5 G B0.6 G B0.7",
+        ),
+        (
+            2,
+            2,
+            6,
+            0,
+            "F0.0 D F0.1 R D F1.0 R D F1.1 D G D F0.2 B1.0 G D F0.3 R B1.1 G D F1.2 R B0.0 G D F1.3 B0.1 G D F0.4 B1.2 G D F0.5 R B1.3 G D F1.4 R B0.2 G D F1.5 B0.3 G D B1.4 G B1.5 G B0.4 G B0.5",
+        ),
+        (
+            2,
+            2,
+            6,
+            1,
+            "R F0.0 R D F0.1 R D D F1.0 R B1.0 F1.1 R B1.1 G F0.2 R B0.0 G D F0.3 R B0.1 D F1.2 R B1.2 F1.3 R B1.3 G F0.4 R B0.2 G D F0.5 R B0.3 D F1.4 R B1.4 F1.5 B1.5 G B0.4 G B0.5",
+        ),
+        (
+            4,
+            4,
+            4,
+            0,
+            "F0.0 D F0.1 D F0.2 D F0.3 R D F1.0 R D F1.1 R D F1.2 R D F1.3 R D F2.0 R D F2.1 R D F2.2 R D F2.3 R D F3.0 R D F3.1 R D F3.2 R D F3.3 D D G B3.0 G B3.1 G B3.2 G B3.3 G B2.0 G B2.1 G B2.2 G B2.3 G B1.0 G B1.1 G B1.2 G B1.3 G B0.0 G B0.1 G B0.2 G B0.3",
+        ),
+        (
+            4,
+            4,
+            4,
+            1,
+            "R F0.0 R D F0.1 R D F0.2 R D F0.3 R D F1.0 R D F1.1 R D F1.2 R D F1.3 R D F2.0 R D F2.1 R D F2.2 R D F2.3 R D F3.0 R D F3.1 R D F3.2 R D F3.3 D D G B3.0 G B3.1 G B3.2 G B3.3 G B2.0 G B2.1 G B2.2 G B2.3 G B1.0 G B1.1 G B1.2 G B1.3 G B0.0 G B0.1 G B0.2 G B0.3",
+        ),
+        (
+            4,
+            4,
+            4,
+            2,
+            "R F0.0 R D F0.1 R D F0.2 R D F0.3 R D F1.0 R D F1.1 R D F1.2 R D F1.3 R D F2.0 R D F2.1 R D F2.2 R D F2.3 R D F3.0 R D F3.1 R D G D F3.2 R B3.0 G D F3.3 B3.1 G D B3.2 G B3.3 G B2.0 G B2.1 G B2.2 G B2.3 G B1.0 G B1.1 G B1.2 G B1.3 G B0.0 G B0.1 G B0.2 G B0.3",
+        ),
+        (
+            4,
+            4,
+            4,
+            3,
+            "R F0.0 R D F0.1 R D F0.2 R D F0.3 R D F1.0 R D F1.1 R D F1.2 R D F1.3 R D F2.0 R D F2.1 R D F2.2 R D F2.3 R D D F3.0 R B3.0 F3.1 R B3.1 F3.2 R B3.2 F3.3 B3.3 G B2.0 G B2.1 G B2.2 G B2.3 G B1.0 G B1.1 G B1.2 G B1.3 G B0.0 G B0.1 G B0.2 G B0.3",
+        ),
+    ];
+
     fn calls(steps: &[Step]) -> String {
         let mut out = Vec::new();
         for step in steps {
@@ -362,12 +549,14 @@ mod tests {
 
     #[test]
     fn every_rank_calls_what_megatron_calls() {
-        for &(pp, vpp, n, rank, expected) in MEGATRON_STEPS {
-            assert_eq!(
-                calls(&interleaved(pp, vpp, n, rank)),
-                expected,
-                "pp {pp} vpp {vpp} n {n} rank {rank}"
-            );
+        for (overlap, recorded) in [(false, MEGATRON_STEPS), (true, MEGATRON_OVERLAP_STEPS)] {
+            for &(pp, vpp, n, rank, expected) in recorded {
+                assert_eq!(
+                    calls(&interleaved(pp, vpp, n, rank, overlap)),
+                    expected,
+                    "pp {pp} vpp {vpp} n {n} rank {rank} overlap {overlap}"
+                );
+            }
         }
     }
 
@@ -379,8 +568,8 @@ mod tests {
         for pp in 2..=6 {
             for vpp in 2..=4 {
                 for n in (pp..=3 * pp).step_by(pp as usize) {
-                    for rank in 0..pp {
-                        let steps = interleaved(pp, vpp, n, rank);
+                    for (rank, overlap) in (0..pp).flat_map(|r| [(r, false), (r, true)]) {
+                        let steps = interleaved(pp, vpp, n, rank, overlap);
                         let mut inputs = vec![0i64; vpp as usize];
                         let mut grads = vec![0i64; vpp as usize];
                         let mut forwards = vec![0i64; vpp as usize];
@@ -400,7 +589,7 @@ mod tests {
                                     if !(rank == 0 && chunk == 0) {
                                         assert!(
                                             inputs[c] >= forwards[c],
-                                            "pp {pp} vpp {vpp} n {n} rank {rank}"
+                                            "pp {pp} vpp {vpp} n {n} rank {rank} overlap {overlap}"
                                         );
                                     }
                                 }

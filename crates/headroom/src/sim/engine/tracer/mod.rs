@@ -323,9 +323,14 @@ struct Region {
     pending: usize,
     /// A reentrant checkpoint (`torch.utils.checkpoint(use_reentrant=True)`, Megatron's
     /// `tensor_parallel.checkpoint`): its recomputation runs the whole region, and the output
-    /// it recomputed lives until the region's backward is done.
+    /// it recomputed and the gradients it received live until the region's backward is done.
     reentrant: bool,
     recomputed_output: Option<T>,
+    /// A reentrant region's incoming gradients: `CheckpointFunction.backward(ctx, *args)`
+    /// holds `args` until its inner `torch.autograd.backward` returns.
+    held_grads: SmallVec<[T; 1]>,
+    /// A node of the region has run in backward.
+    entered: bool,
 }
 
 /// A node recorded inside a checkpointed region.
@@ -1063,6 +1068,8 @@ impl Tracer {
             pending: 0,
             reentrant: false,
             recomputed_output: None,
+            held_grads: SmallVec::new(),
+            entered: false,
         });
         self.region = Some(id);
         id
@@ -1204,11 +1211,11 @@ impl Tracer {
                 self.unit_entered[u as usize] = true;
                 hooks.unit_backward_begins(self, u);
             }
-            if let Some(region) = self.nodes[id as usize].region
-                && !self.regions[region as usize].recomputed
-                && self.unpacks(node, region)
-            {
-                hooks.recompute(self, region);
+            if let Some(region) = self.nodes[id as usize].region {
+                self.hold_region_grads(node, region);
+                if !self.regions[region as usize].recomputed && self.unpacks(node, region) {
+                    hooks.recompute(self, region);
+                }
             }
             let outputs = self.run_node(node);
             self.release_node(node);
@@ -1258,7 +1265,9 @@ impl Tracer {
             if region.pending > 0 && region.nodes.iter().all(|n| reached[n.id.0 as usize]) {
                 self.regions[r].pending = 0;
                 let inputs = std::mem::take(&mut self.regions[r].inputs);
+                let held = std::mem::take(&mut self.regions[r].held_grads);
                 self.drop_all(&inputs);
+                self.drop_all(&held);
             }
         }
     }
@@ -1348,6 +1357,26 @@ impl Tracer {
         self.drop_all(&grads);
     }
 
+    /// The first node of a reentrant region to run receives the gradients of the region's
+    /// output: they are held until the region's backward is done.
+    fn hold_region_grads(&mut self, node: NodeId, region: u32) {
+        let r = &self.regions[region as usize];
+        if !r.reentrant || r.entered {
+            return;
+        }
+        self.regions[region as usize].entered = true;
+        let grads: SmallVec<[T; 1]> = self.nodes[node.0 as usize]
+            .buffer
+            .iter()
+            .flatten()
+            .copied()
+            .collect();
+        for &g in &grads {
+            self.share(g);
+        }
+        self.regions[region as usize].held_grads = grads;
+    }
+
     /// After a node ran: drop its incoming gradients, then release what it saved.
     fn release_node(&mut self, node: NodeId) {
         self.release_buffer(node);
@@ -1359,10 +1388,12 @@ impl Tracer {
             if r.pending == 0 {
                 let inputs = std::mem::take(&mut r.inputs);
                 let output = r.recomputed_output.take();
+                let held = std::mem::take(&mut r.held_grads);
                 self.drop_all(&inputs);
                 if let Some(output) = output {
                     self.drop(output);
                 }
+                self.drop_all(&held);
             }
         }
     }
@@ -1379,6 +1410,7 @@ impl Tracer {
         }
         for r in std::mem::take(&mut self.regions) {
             self.drop_all(&r.inputs);
+            self.drop_all(&r.held_grads);
         }
         self.nodes.clear();
         self.edges.clear();

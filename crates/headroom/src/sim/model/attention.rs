@@ -125,9 +125,30 @@ impl Masks {
 }
 
 /// `masking_utils.find_packed_sequence_indices` on `position_ids` expanded to the batch: small
-/// temporaries of every mask creation (they scale with b * s).
+/// temporaries of every mask creation (they scale with b * s); 5.x returns `None` for unpacked
+/// rows (`packed_sequence_mask[:, -1] == 0` throughout).
 fn find_packed_sequence_indices(t: &mut Tracer, batch: Batch) {
     let outer = std::mem::replace(&mut t.component, Component::Inputs);
+    let (first, diff, cumsum) = packed_sequence_cumsum(t, batch);
+    let last = t.empty(batch.b, DType::Bool, "packed_sequence_mask[:, -1] == 0");
+    let all = t.empty(1, DType::Bool, ".all()");
+    t.drop_all(&[last, all, first, diff, cumsum]);
+    t.component = outer;
+}
+
+/// transformers 4.57's `find_packed_sequence_indices`, whose result it always returns.
+fn packed_sequence_mask_4_57(t: &mut Tracer, batch: Batch) -> T {
+    let outer = std::mem::replace(&mut t.component, Component::Inputs);
+    let (first, diff, cumsum) = packed_sequence_cumsum(t, batch);
+    t.drop_all(&[first, diff]);
+    t.component = outer;
+    cumsum
+}
+
+/// `first_dummy_value = position_ids[:, :1] - 1`, `position_diff = torch.diff(position_ids,
+/// prepend=first_dummy_value)` and `(position_diff != 1).cumsum(-1)`, which allocates its int64
+/// output before the int64 copy of its boolean input: the two locals and the cumsum.
+fn packed_sequence_cumsum(t: &mut Tracer, batch: Batch) -> (T, T, T) {
     let (b, n) = (batch.b, batch.n());
     let first = t.empty(b, DType::I64, "position_ids[:, :1] - 1");
     let prepended = t.empty(
@@ -138,13 +159,10 @@ fn find_packed_sequence_indices(t: &mut Tracer, batch: Batch) {
     let diff = t.empty(n, DType::I64, "position_diff");
     t.drop(prepended);
     let ne = t.empty(n, DType::Bool, "position_diff != 1");
-    let as_long = t.empty(n, DType::I64, "cumsum input (int64)");
     let cumsum = t.empty(n, DType::I64, "packed_sequence_mask");
+    let as_long = t.empty(n, DType::I64, "cumsum input (int64)");
     t.drop_all(&[as_long, ne]);
-    let last = t.empty(b, DType::Bool, "packed_sequence_mask[:, -1] == 0");
-    let all = t.empty(1, DType::Bool, ".all()");
-    t.drop_all(&[last, all, first, diff, cumsum]);
-    t.component = outer;
+    (first, diff, cumsum)
 }
 
 /// `sdpa_mask`: index aranges, then the (s, s) boolean pattern (a causal one, or the
@@ -176,29 +194,6 @@ fn bool_mask(t: &mut Tracer, batch: Batch, sliding: bool) -> T {
     };
     t.drop_all(&[batch_arange, head_arange, aranges[0], aranges[1]]);
     mask
-}
-
-/// transformers 4.57's `find_packed_sequence_indices`, whose result it always returns (5.x
-/// checks `packed_sequence_mask[:, -1] == 0` and returns `None` for unpacked rows):
-/// `(position_diff != 1).cumsum(-1)` allocates its int64 output before the int64 copy of its
-/// boolean input.
-fn packed_sequence_mask_4_57(t: &mut Tracer, batch: Batch) -> T {
-    let outer = std::mem::replace(&mut t.component, Component::Inputs);
-    let (b, n) = (batch.b, batch.n());
-    let first = t.empty(b, DType::I64, "position_ids[:, :1] - 1");
-    let prepended = t.empty(
-        b * (batch.s + 1),
-        DType::I64,
-        "diff: cat(prepend, position_ids)",
-    );
-    let diff = t.empty(n, DType::I64, "position_diff");
-    t.drop(prepended);
-    let ne = t.empty(n, DType::Bool, "position_diff != 1");
-    let cumsum = t.empty(n, DType::I64, "packed_sequence_mask");
-    let as_long = t.empty(n, DType::I64, "cumsum input (int64)");
-    t.drop_all(&[as_long, ne, first, diff]);
-    t.component = outer;
-    cumsum
 }
 
 /// transformers 4.57's `sdpa_mask_recent_torch` without the causal skip: `_vmap_for_bhqkv`

@@ -3,9 +3,9 @@
 use serde::Serialize;
 
 use crate::gpu::Gpu;
-use crate::plan::layout::{self, Evaluated, LayoutSearch, Outcome};
 use crate::plan::Layouts;
 use crate::plan::layout::megatron as megatron_layout;
+use crate::plan::layout::{self, Evaluated, LayoutSearch, Outcome};
 use crate::spec::{Recompute, RunSpec};
 
 /// How many ranked layouts the report lists.

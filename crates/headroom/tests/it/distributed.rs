@@ -292,14 +292,7 @@ fn ddp_small_device_tensors_are_the_reducers() {
         })
         .collect();
     let spec = RunSpec::from_value(&trace.spec).expect("spec");
-    let (_, events) = headroom::estimate::estimate_with_trace(
-        &spec,
-        None,
-        &gpu::Gpu::default(),
-        headroom::estimate::Limit::None,
-        true,
-    )
-    .expect("estimate");
+    let events = native_events(&spec);
     let native: Vec<(bool, u64)> = events
         .iter()
         .filter(|e| {
@@ -325,14 +318,7 @@ fn embedding_backward_makes_its_partial_segment_buffers() {
         .find(|r| r["id"] == "ddp/qwen2.5-1.5b-4l/amp_bf16/bs4/s1024/gc")
         .expect("the 4-layer DDP row");
     let spec = RunSpec::from_value(&row["spec"]).expect("spec");
-    let (_, events) = headroom::estimate::estimate_with_trace(
-        &spec,
-        None,
-        &gpu::Gpu::default(),
-        headroom::estimate::Limit::None,
-        true,
-    )
-    .expect("estimate");
+    let events = native_events(&spec);
     let at = events
         .iter()
         .position(|e| e.alloc && e.label == "grad of embedding")
@@ -345,4 +331,17 @@ fn embedding_backward_makes_its_partial_segment_buffers() {
     assert_eq!(after[5], (true, 36_040));
     assert_eq!(after[6], (true, 27_678_720));
     assert_eq!(after[7], (false, 27_678_720));
+}
+
+/// The estimate's allocations and frees of `spec` on the default GPU, without a device limit.
+fn native_events(spec: &RunSpec) -> Vec<headroom::sim::SimulatedEvent> {
+    let (_, events) = headroom::estimate::estimate_with_trace(
+        spec,
+        None,
+        &gpu::Gpu::default(),
+        headroom::estimate::Limit::None,
+        true,
+    )
+    .expect("estimate");
+    events
 }

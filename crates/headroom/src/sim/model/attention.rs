@@ -179,21 +179,28 @@ fn bool_mask(t: &mut Tracer, batch: Batch, sliding: bool) -> T {
         aranges.push(shifted);
     }
     let mask = if sliding {
-        let flag = t.empty(1, DType::Bool, "and_mask: flag");
-        let diff = t.empty(s, DType::I64, "sliding: kv_idx - window");
-        let window = t.empty(s * s, DType::Bool, "sliding: kv_idx > q_idx - window");
-        t.drop(diff);
-        let first = t.empty(s * s, DType::Bool, "and_mask: &");
-        t.drop_all(&[window, flag]);
-        let causal = t.empty(s * s, DType::Bool, "causal: kv_idx <= q_idx");
-        let both = t.empty(s * s, DType::Bool, "and_mask: &");
-        t.drop_all(&[causal, first]);
-        both
+        sliding_causal(t, s, 1)
     } else {
         t.empty(s * s, DType::Bool, "causal: kv_idx <= q_idx")
     };
     t.drop_all(&[batch_arange, head_arange, aranges[0], aranges[1]]);
     mask
+}
+
+/// `and_masks(sliding_window_overlay(window), causal_mask_function)` over (query, key):
+/// `and_mask`'s starting `new_ones` (`ones` bools), `q_idx - window`, the two predicates and
+/// the two `&`s, each (query, key) result freed once the next exists.
+fn sliding_causal(t: &mut Tracer, s: u64, ones: u64) -> T {
+    let start = t.empty(ones, DType::Bool, "and_mask: new_ones");
+    let shifted = t.empty(s, DType::I64, "sliding: q_idx - window");
+    let window = t.empty(s * s, DType::Bool, "sliding: kv_idx > q_idx - window");
+    t.drop(shifted);
+    let first = t.empty(s * s, DType::Bool, "and_mask: &");
+    t.drop_all(&[window, start]);
+    let causal = t.empty(s * s, DType::Bool, "causal: kv_idx <= q_idx");
+    let both = t.empty(s * s, DType::Bool, "and_mask: &");
+    t.drop_all(&[causal, first]);
+    both
 }
 
 /// transformers 4.57's `sdpa_mask_recent_torch` without the causal skip: `_vmap_for_bhqkv`
@@ -208,18 +215,9 @@ fn vmap_mask(t: &mut Tracer, batch: Batch, sliding: bool) -> T {
     let head_arange = t.empty(1, DType::I64, "mask: head arange");
     let ones = t.empty(s, DType::Bool, "and_mask: q_idx.new_ones(())");
     let pattern = if sliding {
-        // `sliding_window_causal_mask_function`: itself an `and_masks` of the sliding
-        // overlay and the causal predicate.
-        let inner_ones = t.empty(s, DType::Bool, "and_mask: q_idx.new_ones(())");
-        let shifted = t.empty(s, DType::I64, "sliding: q_idx - window");
-        let window = t.empty(s * s, DType::Bool, "sliding: kv_idx > q_idx - window");
-        t.drop(shifted);
-        let first = t.empty(s * s, DType::Bool, "and_mask: &");
-        t.drop_all(&[window, inner_ones]);
-        let causal = t.empty(s * s, DType::Bool, "causal: kv_idx <= q_idx");
-        let both = t.empty(s * s, DType::Bool, "and_mask: &");
-        t.drop_all(&[causal, first]);
-        both
+        // `sliding_window_causal_mask_function`: itself an `and_masks`, whose `new_ones` is
+        // batched over the queries too.
+        sliding_causal(t, s, s)
     } else {
         t.empty(s * s, DType::Bool, "causal: kv_idx <= q_idx")
     };

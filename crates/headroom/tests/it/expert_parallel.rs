@@ -9,8 +9,8 @@ use serde_json::{Value, json};
 use crate::common;
 
 /// Every forward, backward and optimizer peak of every step of every row within 0.1%, the
-/// reserved peak within the gate's 10% (bench/ep/README.md: the two rows past 8% are the
-/// driver's segment placement), and the global parameter count. Call 1's harness counted the
+/// reserved peak within the gate's 8% (segments placed as the driver places them,
+/// bench/ep/README.md), and the global parameter count. Call 1's harness counted the
 /// LoRA row's adapters in `params`; measure.py's count is the base model's.
 #[test]
 fn every_phase_of_every_expert_parallel_row() {
@@ -32,7 +32,7 @@ fn every_phase_of_every_expert_parallel_row() {
                 - measured["trainable_params"].as_u64().unwrap();
             measured["params"] = json!(base);
         }
-        checked += common::check_every_phase(&row, 0.001, 0.10).1;
+        checked += common::check_every_phase(&row, 0.001, 0.08).1;
     }
     assert!(checked >= 108, "{checked} phases checked");
 }

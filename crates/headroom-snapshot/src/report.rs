@@ -77,6 +77,9 @@ pub struct ReplayJson<'a> {
     pub device: usize,
     /// `--alloc-conf`; null when the replay ran under the recorded config.
     pub alloc_conf: Option<&'a str>,
+    /// True under `--ignore-addresses`: new segments placed by headroom's driver model, not at
+    /// the recorded `cudaMalloc` addresses.
+    pub ignore_addresses: bool,
     /// Recorded segment events reproduced in order, as a fraction of those recorded.
     pub fidelity: f64,
     /// False when `fidelity` is a lower bound.
@@ -131,7 +134,12 @@ pub struct SegmentStepJson {
 }
 
 impl<'a> ReplayJson<'a> {
-    pub fn new(file: String, alloc_conf: Option<&'a str>, r: &ReplayReport) -> Self {
+    pub fn new(
+        file: String,
+        alloc_conf: Option<&'a str>,
+        ignore_addresses: bool,
+        r: &ReplayReport,
+    ) -> Self {
         let step = |s: Option<SegmentStep>| {
             s.map(|s| SegmentStepJson {
                 action: s.action.name(),
@@ -142,6 +150,7 @@ impl<'a> ReplayJson<'a> {
             file,
             device: r.device,
             alloc_conf,
+            ignore_addresses,
             fidelity: r.fidelity,
             fidelity_exact: r.fidelity_exact,
             segment_events: SegmentEventsJson {

@@ -33,6 +33,11 @@ pub struct Args {
     /// the what-if beside the recorded config's replay) to FILE.svg or FILE.html.
     #[arg(long, value_name = "FILE.svg|FILE.html")]
     pub plot: Option<PathBuf>,
+    /// Place each new segment where headroom's driver model puts it (as in an estimate)
+    /// instead of at the recorded `cudaMalloc` address: how much of the reserved memory depends
+    /// on where the driver put the segments.
+    #[arg(long)]
+    pub ignore_addresses: bool,
 }
 
 pub fn run(args: Args) -> CliResult {
@@ -51,9 +56,12 @@ pub fn run(args: Args) -> CliResult {
 pub fn json(args: &Args) -> CliResult<String> {
     let file = args.file.display().to_string();
     Ok(match replayed(args)? {
-        Replayed::Snapshot(report) => {
-            to_json(&ReplayJson::new(file, args.alloc_conf.as_deref(), &report))
-        }
+        Replayed::Snapshot(report) => to_json(&ReplayJson::new(
+            file,
+            args.alloc_conf.as_deref(),
+            args.ignore_addresses,
+            &report,
+        )),
         Replayed::Trace(t) => to_json(&TraceReplayJson::new(
             file,
             &t.trace,
@@ -94,6 +102,13 @@ fn replayed(args: &Args) -> CliResult<Replayed> {
                 args.file.display()
             )));
         }
+        if args.ignore_addresses {
+            return Err(CliError::input(format!(
+                "--ignore-addresses: {} is a headroom trace, which recorded no addresses (its \
+                 segments are always placed by the driver model; allowed: a torch.cuda.memory snapshot)",
+                args.file.display()
+            )));
+        }
         return replay_trace(args, config).map(|t| Replayed::Trace(Box::new(t)));
     }
     let snapshot = super::snapshot::load(&args.file)?;
@@ -109,12 +124,20 @@ fn replayed(args: &Args) -> CliResult<Replayed> {
         &ReplayOptions {
             config,
             device: None,
-            ..ReplayOptions::default()
+            ignore_addresses: args.ignore_addresses,
         },
     );
     if let Some(path) = &args.plot {
         // The what-if is drawn beside the replay under the recorded config.
-        let original = what_if.then(|| replay(&snapshot, &ReplayOptions::default()));
+        let original = what_if.then(|| {
+            replay(
+                &snapshot,
+                &ReplayOptions {
+                    ignore_addresses: args.ignore_addresses,
+                    ..ReplayOptions::default()
+                },
+            )
+        });
         let title = format!("{} (device {})", args.file.display(), report.device);
         let svg = replay_svg(
             &title,
@@ -250,6 +273,11 @@ fn print_human(args: &Args, r: &ReplayReport) {
     match &args.alloc_conf {
         Some(conf) => println!("replayed under --alloc-conf {conf}"),
         None => println!("replayed under the recorded allocator config"),
+    }
+    if args.ignore_addresses {
+        println!(
+            "new segments placed by headroom's driver model (--ignore-addresses), not at the recorded addresses"
+        );
     }
     println!(
         "fidelity: {:.2}% ({} of {} recorded segment events reproduced in order{}; {} simulated)",

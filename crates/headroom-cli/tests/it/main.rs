@@ -10,6 +10,7 @@ mod fit_layouts;
 mod fit_megatron_layouts;
 mod page;
 mod plot;
+mod replay;
 mod rules;
 mod serve;
 mod totality;

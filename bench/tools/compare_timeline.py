@@ -16,6 +16,13 @@ import json
 import pickle
 
 
+def is_internal(filename):
+    """torch's own frames and Python's `<...>` ones; the packages that call torch are what names a
+    tensor. Matched by the installed package path, not a bare "torch/", which the device's
+    /opt/torch/.venv would match for every package."""
+    return "<" in filename or "/site-packages/torch/" in filename or filename.startswith("torch/")
+
+
 def real_events(path):
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
@@ -26,7 +33,7 @@ def real_events(path):
     for e in trace:
         if e["action"] not in ("alloc", "free_completed"):
             continue
-        frames = [fr for fr in e.get("frames", []) if "torch/" not in fr["filename"] and "<" not in fr["filename"]]
+        frames = [fr for fr in e.get("frames", []) if not is_internal(fr["filename"])]
         where = " < ".join(f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames[:2])
         out.append(("+" if e["action"] == "alloc" else "-", e["size"], where))
     return out

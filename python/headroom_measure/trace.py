@@ -40,22 +40,12 @@ def refuse_untraceable(spec):
     from .trainers import TrainerSpec
 
     if isinstance(spec, TrainerSpec):
-        if spec.trainer == "trl-dpo" and spec.precompute_ref_log_probs:
-            raise TraceError(
-                "`precompute_ref_log_probs: true`: TRL writes the reference log-probabilities into the dataset's "
-                "Arrow cache (`.numpy()`), which needs values fake tensors do not have; `headroom estimate` models "
-                "trl-dpo natively"
-            )
-        if spec.use_liger_kernel:
-            raise TraceError("`use_liger_kernel`: liger's Triton kernels do not run on fake tensors")
         spec = spec.base
     if spec.quantization:
         raise TraceError(
             f"`quantization: {spec.quantization}`: bitsandbytes kernels do not run on fake tensors; "
             "`headroom estimate` models 4-bit runs natively"
         )
-    if spec.optimizer == "adamw-8bit":
-        raise TraceError("`optimizer: adamw-8bit`: bitsandbytes does not run on fake tensors")
     if spec.experts_implementation == "eager":
         raise TraceError(
             "`experts_implementation: eager`: the per-expert loop's shapes are the numbers of tokens the router "
@@ -408,7 +398,7 @@ def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
         # Libraries that make tensors when imported make real ones, outside the fake mode.
         _import_trainer_modules(trainer_spec)
     rec = Recorder()
-    with fake_cuda(rec):
+    with _kernel_libraries(run_spec, trainer_spec), fake_cuda(rec):
         if trainer_spec:
             _run_trainer(rec, trainer_spec, fields, progress)
         elif run_spec.parallel is not None and run_spec.parallel.strategy.startswith("zero"):
@@ -438,6 +428,21 @@ def fake_cuda(rec: Recorder):
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with CudaEmulation(), _RealCodePaths(), fake, rec.mode(), _ModuleNames(rec):
         yield
+
+
+def _kernel_libraries(spec: Spec, trainer_spec=None) -> contextlib.ExitStack:
+    """The emulations of the CUDA kernel libraries the run calls (bitsandbytes, liger-kernel),
+    entered before the fake mode: a library that makes tensors when imported makes real ones."""
+    libraries = contextlib.ExitStack()
+    if spec.optimizer == "adamw-8bit" or spec.quantization:
+        from .bitsandbytes_emulation import BitsAndBytesOnTheGpu
+
+        libraries.enter_context(BitsAndBytesOnTheGpu())
+    if trainer_spec is not None and trainer_spec.use_liger_kernel:
+        from .liger_emulation import LigerOnTheGpu
+
+        libraries.enter_context(LigerOnTheGpu())
+    return libraries
 
 
 def autocast_of(spec: Spec):
@@ -653,7 +658,9 @@ def _run_trainer(rec: Recorder, ts, fields: dict, progress):
                 _classify_optimizer_state(rec, trainer_box[0].optimizer)
                 rec.phase(f"step {state.global_step + 1} zero_grad")
 
-        with _BuildOnTheDevice(ts):
+        with _BuildOnTheDevice(ts), contextlib.ExitStack() as building:
+            if ts.trainer == "trl-dpo" and ts.precompute_ref_log_probs:
+                building.enter_context(trace_trl.PrecomputedReference(rec))
             trainer = trainers.build_trainer(ts, fields, ckpt, tokenizer, [Phases()], device="cpu")
         trainer.remove_callback(PrinterCallback)  # the end-of-training metrics, on stdout
         trainer_box.append(trainer)

@@ -43,7 +43,9 @@ def refuse_untraceable(spec):
         spec = spec.base
     if spec.quantization:
         raise TraceError(
-            f"`quantization: {spec.quantization}`: bitsandbytes kernels do not run on fake tensors; "
+            f"`quantization: {spec.quantization}`: the quantized model is loaded by `from_pretrained` from a saved "
+            "checkpoint (transformers' allocator warm-up, then each weight copied to the device in bf16 and quantized "
+            "there), which the tracer does not emulate yet (bitsandbytes' own kernels run: `adamw-8bit` is traced); "
             "`headroom estimate` models 4-bit runs natively"
         )
     if spec.experts_implementation == "eager":
@@ -679,7 +681,7 @@ def _run_trainer(rec: Recorder, ts, fields: dict, progress):
                 rec.accumulating = False
 
         accelerator.backward = marked_backward
-        with trace_trl.on_cuda(rec, ts, trainer):
+        with _AcceleratorEmptiesTheCache(rec), trace_trl.on_cuda(rec, ts, trainer):
             trainer.train()
         trainer_box.clear()
         del trainer, accelerator, backward
@@ -739,6 +741,38 @@ class _BuildOnTheDevice:
     def __exit__(self, *exc):
         for module, real in self.saved:
             module.create_model_from_path = real
+        return False
+
+
+class _AcceleratorEmptiesTheCache:
+    """accelerate's `clear_device_cache` (`Trainer.train()` starts with `accelerator.free_memory()`)
+    empties the CUDA cache where CUDA is available, which the CPU it runs on is not: it records
+    the `empty_cache` the GPU run makes. After DPO's reference precompute that releases the
+    pass's cached segments before training starts."""
+
+    def __init__(self, rec: Recorder):
+        self.rec = rec
+
+    def __enter__(self):
+        import gc
+
+        from accelerate.utils import memory
+
+        self._real = memory.clear_device_cache
+        rec = self.rec
+
+        def clear_device_cache(garbage_collection: bool = False) -> None:
+            if garbage_collection:
+                gc.collect()
+            rec.empty_cache()
+
+        memory.clear_device_cache = clear_device_cache
+        return self
+
+    def __exit__(self, *exc):
+        from accelerate.utils import memory
+
+        memory.clear_device_cache = self._real
         return False
 
 

@@ -29,7 +29,7 @@ import contextlib
 import re
 
 SM90_MULTIPROCESSORS = 132
-# (module, function) whose device tests are answered as on the GPU.
+# (module, function) whose device tests and value reads are answered as on the GPU.
 DEVICE_DECIDED = (
     ("liger_kernel.ops.rms_norm", "rms_norm_backward"),
     ("liger_kernel.ops.fused_linear_cross_entropy", "_can_use_mm_out"),

@@ -43,10 +43,11 @@ def refuse_untraceable(spec):
         spec = spec.base
     if spec.quantization:
         raise TraceError(
-            f"`quantization: {spec.quantization}`: the quantized model is loaded by `from_pretrained` from a saved "
-            "checkpoint (transformers' allocator warm-up, then each weight copied to the device in bf16 and quantized "
-            "there), which the tracer does not emulate yet (bitsandbytes' own kernels run: `adamw-8bit` is traced); "
-            "`headroom estimate` models 4-bit runs natively"
+            f"`quantization: {spec.quantization}`: bitsandbytes' 4-bit weights are `Params4bit`, a tensor subclass "
+            "made with `Tensor._make_subclass`, which cannot wrap a fake tensor, and the model is loaded by "
+            "`from_pretrained` (transformers' allocator warm-up, then each weight copied to the device in bf16 and "
+            "quantized there), which the tracer does not emulate yet (bitsandbytes' own kernels run: `adamw-8bit` is "
+            "traced); `headroom estimate` models 4-bit runs natively"
         )
     if spec.experts_implementation == "eager":
         raise TraceError(

@@ -662,7 +662,16 @@ fn saved_traces_match_their_measurements() {
         }
     }
     assert_eq!(
-        (checked, unseen, trainers, sharded, ddp, fsdp1, zero, bitsandbytes),
+        (
+            checked,
+            unseen,
+            trainers,
+            sharded,
+            ddp,
+            fsdp1,
+            zero,
+            bitsandbytes
+        ),
         (
             106 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES,
             4,

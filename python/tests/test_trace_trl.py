@@ -245,11 +245,13 @@ class TrlTraceTest(unittest.TestCase):
         # rejected rows) and its completions' hidden states gathered by the fused head
         copies = [s for s in made if s["op"] == "aten.clone.default" and s["bytes"] == 2 * batch * seq * 8]
         self.assertEqual(len(copies), 3 * batches)
-        gathered = [s for s in made if s["op"] == "aten.index.Tensor" and s["bytes"] == 2 * batch * (seq - 32) * hidden * 2]
+        completions = 2 * batch * (seq - 32) * hidden * 2
+        gathered = [s for s in made if s["op"] == "aten.index.Tensor" and s["bytes"] == completions]
         self.assertEqual(len(gathered), batches)
         # the weights' hash reads them on the host: no fp32 copy of the embedding on the device
         embedding_fp32 = TINY["model_config"]["vocab_size"] * hidden * 4
-        self.assertFalse([s for s in doc["storages"] if s["op"] == "aten._to_copy.default" and s["bytes"] == embedding_fp32])
+        casts = [s for s in doc["storages"] if s["op"] == "aten._to_copy.default" and s["bytes"] == embedding_fp32]
+        self.assertFalse(casts)
 
 
 @unittest.skipUnless(has_trl(), "torch, transformers and trl are not installed")

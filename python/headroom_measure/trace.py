@@ -40,22 +40,15 @@ def refuse_untraceable(spec):
     from .trainers import TrainerSpec
 
     if isinstance(spec, TrainerSpec):
-        if spec.trainer == "trl-dpo" and spec.precompute_ref_log_probs:
-            raise TraceError(
-                "`precompute_ref_log_probs: true`: TRL writes the reference log-probabilities into the dataset's "
-                "Arrow cache (`.numpy()`), which needs values fake tensors do not have; `headroom estimate` models "
-                "trl-dpo natively"
-            )
-        if spec.use_liger_kernel:
-            raise TraceError("`use_liger_kernel`: liger's Triton kernels do not run on fake tensors")
         spec = spec.base
     if spec.quantization:
         raise TraceError(
-            f"`quantization: {spec.quantization}`: bitsandbytes kernels do not run on fake tensors; "
-            "`headroom estimate` models 4-bit runs natively"
+            f"`quantization: {spec.quantization}`: bitsandbytes' 4-bit weights are `Params4bit`, a tensor subclass "
+            "made with `Tensor._make_subclass`, which cannot wrap a fake tensor, and the model is loaded by "
+            "`from_pretrained` (transformers' allocator warm-up, then each weight copied to the device in bf16 and "
+            "quantized there), which the tracer does not emulate yet (bitsandbytes' own kernels run: `adamw-8bit` is "
+            "traced); `headroom estimate` models 4-bit runs natively"
         )
-    if spec.optimizer == "adamw-8bit":
-        raise TraceError("`optimizer: adamw-8bit`: bitsandbytes does not run on fake tensors")
     if spec.experts_implementation == "eager":
         raise TraceError(
             "`experts_implementation: eager`: the per-expert loop's shapes are the numbers of tokens the router "
@@ -408,7 +401,7 @@ def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
         # Libraries that make tensors when imported make real ones, outside the fake mode.
         _import_trainer_modules(trainer_spec)
     rec = Recorder()
-    with fake_cuda(rec):
+    with _kernel_libraries(run_spec, trainer_spec), fake_cuda(rec):
         if trainer_spec:
             _run_trainer(rec, trainer_spec, fields, progress)
         elif run_spec.parallel is not None and run_spec.parallel.strategy.startswith("zero"):
@@ -438,6 +431,21 @@ def fake_cuda(rec: Recorder):
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with CudaEmulation(), _RealCodePaths(), fake, rec.mode(), _ModuleNames(rec):
         yield
+
+
+def _kernel_libraries(spec: Spec, trainer_spec=None) -> contextlib.ExitStack:
+    """The emulations of the CUDA kernel libraries the run calls (bitsandbytes, liger-kernel),
+    entered before the fake mode: a library that makes tensors when imported makes real ones."""
+    libraries = contextlib.ExitStack()
+    if spec.optimizer == "adamw-8bit" or spec.quantization:
+        from .bitsandbytes_emulation import BitsAndBytesOnTheGpu
+
+        libraries.enter_context(BitsAndBytesOnTheGpu())
+    if trainer_spec is not None and trainer_spec.use_liger_kernel:
+        from .liger_emulation import LigerOnTheGpu
+
+        libraries.enter_context(LigerOnTheGpu())
+    return libraries
 
 
 def autocast_of(spec: Spec):
@@ -653,7 +661,9 @@ def _run_trainer(rec: Recorder, ts, fields: dict, progress):
                 _classify_optimizer_state(rec, trainer_box[0].optimizer)
                 rec.phase(f"step {state.global_step + 1} zero_grad")
 
-        with _BuildOnTheDevice(ts):
+        with _BuildOnTheDevice(ts), contextlib.ExitStack() as building:
+            if ts.trainer == "trl-dpo" and ts.precompute_ref_log_probs:
+                building.enter_context(trace_trl.PrecomputedReference(rec))
             trainer = trainers.build_trainer(ts, fields, ckpt, tokenizer, [Phases()], device="cpu")
         trainer.remove_callback(PrinterCallback)  # the end-of-training metrics, on stdout
         trainer_box.append(trainer)
@@ -672,7 +682,7 @@ def _run_trainer(rec: Recorder, ts, fields: dict, progress):
                 rec.accumulating = False
 
         accelerator.backward = marked_backward
-        with trace_trl.on_cuda(rec, ts, trainer):
+        with _AcceleratorEmptiesTheCache(rec), trace_trl.on_cuda(rec, ts, trainer):
             trainer.train()
         trainer_box.clear()
         del trainer, accelerator, backward
@@ -732,6 +742,38 @@ class _BuildOnTheDevice:
     def __exit__(self, *exc):
         for module, real in self.saved:
             module.create_model_from_path = real
+        return False
+
+
+class _AcceleratorEmptiesTheCache:
+    """accelerate's `clear_device_cache` (`Trainer.train()` starts with `accelerator.free_memory()`)
+    empties the CUDA cache where CUDA is available, which the CPU it runs on is not: it records
+    the `empty_cache` the GPU run makes. After DPO's reference precompute that releases the
+    pass's cached segments before training starts."""
+
+    def __init__(self, rec: Recorder):
+        self.rec = rec
+
+    def __enter__(self):
+        import gc
+
+        from accelerate.utils import memory
+
+        self._real = memory.clear_device_cache
+        rec = self.rec
+
+        def clear_device_cache(garbage_collection: bool = False) -> None:
+            if garbage_collection:
+                gc.collect()
+            rec.empty_cache()
+
+        memory.clear_device_cache = clear_device_cache
+        return self
+
+    def __exit__(self, *exc):
+        from accelerate.utils import memory
+
+        memory.clear_device_cache = self._real
         return False
 
 

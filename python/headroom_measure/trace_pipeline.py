@@ -40,6 +40,11 @@ def refuse_untraceable_pipeline(pipe) -> None:
     for k, inst in enumerate(pipe.instances):
         try:
             refuse_untraceable(inst.spec)
+            if inst.spec.optimizer == "adamw-8bit" or inst.spec.quantization:
+                raise TraceError(
+                    "bitsandbytes (`optimizer: adamw-8bit`, `quantization`) is traced in a run spec, not yet in a "
+                    "pipeline instance; `headroom estimate` models it natively"
+                )
             strategy = inst.spec.parallel.strategy if inst.spec.parallel is not None else None
             if strategy in ("ddp", "fsdp1", "zero1", "zero2"):
                 raise TraceError(

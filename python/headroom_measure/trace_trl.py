@@ -184,25 +184,109 @@ def learn_label_masks(trainer, answers: MaskAnswers):
     `labels` (SFT) or `completion_mask` (DPO) say which positions are scored. DPO's batch is the
     chosen rows over the rejected ones, and its metrics select each half by its own mask: a half's
     shape is answered when both halves have the same count (otherwise the shape is ambiguous)."""
-    import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
     collate = trainer.data_collator
 
     def learning(features):
         with _disable_current_modes():
-            real = collate(features)
-            if "labels" in real:
-                valid = real["labels"][:, 1:] != -100
-            else:
-                valid = real["completion_mask"][:, 1:] != 0
-                chosen, rejected = (int(torch.count_nonzero(h)) for h in valid.chunk(2, dim=0))
-                if chosen == rejected:
-                    answers.learn(valid.chunk(2, dim=0)[0].shape, chosen)
-            answers.learn(valid.shape, int(torch.count_nonzero(valid)))
+            learn_batch(collate(features), answers)
         return collate(features)
 
     trainer.data_collator = learning
+
+
+def learn_batch(real, answers: MaskAnswers):
+    """Teach `answers` the label masks of the collated batch `real` (real tensors)."""
+    import torch
+
+    if "labels" in real:
+        valid = real["labels"][:, 1:] != -100
+    else:
+        valid = real["completion_mask"][:, 1:] != 0
+        chosen, rejected = (int(torch.count_nonzero(h)) for h in valid.chunk(2, dim=0))
+        if chosen == rejected:
+            answers.learn(valid.chunk(2, dim=0)[0].shape, chosen)
+    answers.learn(valid.shape, int(torch.count_nonzero(valid)))
+
+
+class PrecomputedReference:
+    """DPO's `precompute_ref_log_probs` pass (`_precompute_ref_logps`, run while the trainer is
+    built) as it runs on CUDA. Its GPU work is each batch's reference forward
+    (`compute_ref_log_probs`), which runs as traced code; the rest is host work on values:
+    the batches collated on the host, the log-probabilities copied back (`.cpu()`) and written
+    into the dataset's Arrow cache (`.numpy()`), keyed by a hash of the weights' bytes.
+
+    So the pass runs outside the fake and recording modes, and each batch re-enters them: the
+    batch is copied to the device (accelerate's `send_to_device`), the forward runs on the fused
+    head's CUDA path with the batch's label mask answered, and the host receives zeros of the
+    log-probabilities' shape. The device copies and the outputs stay alive until the next
+    batch's replace them, as the loop's variables hold them. The weights' hash, which reads
+    every weight back to the host and allocates nothing on the device, is a fresh random one, as
+    the hash of random weights is (the cache is never hit). The pass is its own phase,
+    `reference precompute`, whose peak counts as the measured run's construction peak does."""
+
+    def __init__(self, rec):
+        self.rec = rec
+        self.held = None  # the last batch's device copy and outputs
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        import uuid
+
+        import trl.trainer.dpo_trainer as dpo
+
+        trainer_class = dpo.DPOTrainer
+        real_precompute = trainer_class._precompute_ref_logps
+        tracer = self
+
+        def precompute(trainer, dataset, name, batch_size):
+            from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+            modes = _get_current_dispatch_mode_stack()
+            tracer.rec.phase("reference precompute")
+            try:
+                with _disable_current_modes():
+                    trainer.compute_ref_log_probs = tracer._on_device(trainer, modes)
+                    try:
+                        return real_precompute(trainer, dataset, name, batch_size)
+                    finally:
+                        del trainer.compute_ref_log_probs
+            finally:
+                tracer.held = None
+                tracer.rec.phase("load")
+
+        self._stack.callback(setattr, trainer_class, "_precompute_ref_logps", real_precompute)
+        trainer_class._precompute_ref_logps = precompute
+        self._stack.callback(setattr, dpo, "hash_module", dpo.hash_module)
+        dpo.hash_module = lambda module: uuid.uuid4().hex
+        return self
+
+    def _on_device(self, trainer, modes):
+        import torch
+        from torch.utils._pytree import tree_map
+
+        real_compute = type(trainer).compute_ref_log_probs
+        rec = self.rec
+
+        def compute(model, inputs):
+            answers = MaskAnswers()
+            learn_batch(inputs, answers)
+            with contextlib.ExitStack() as modes_on:
+                for mode in modes:
+                    modes_on.enter_context(mode)
+                rec.answers = answers
+                modes_on.callback(setattr, rec, "answers", None)
+                modes_on.enter_context(TritonPath(rec))
+                on_device = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, inputs)
+                out = real_compute(trainer, model, on_device)
+                self.held = (on_device, out)
+            return tuple(torch.zeros(t.shape, dtype=t.dtype) for t in out)
+
+        return compute
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
 
 
 FUSED_HEAD_TRAINERS = ("trl-sft", "trl-dpo", "trl-grpo")

@@ -54,6 +54,16 @@ class RefusalTest(unittest.TestCase):
             self.assertIn(f"instances[0] (actor): `parallel.strategy: {strategy}`", out.stderr)
             self.assertNotIn("Traceback", out.stderr)
 
+    def test_an_instance_with_bitsandbytes_is_refused_by_name(self):
+        # traced in a run spec (bitsandbytes_emulation.py), not yet as a pipeline's instance
+        raw = json.loads(json.dumps(PIPELINE))
+        raw["instances"][0]["optimizer"] = "adamw-8bit"
+        with tempfile.TemporaryDirectory() as tmp:
+            out = run("trace", "--spec-json", json.dumps(raw), "--out", f"{tmp}/t.json")
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("instances[0] (actor): bitsandbytes (`optimizer: adamw-8bit`", out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
+
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")
 class PipelineTraceTest(unittest.TestCase):

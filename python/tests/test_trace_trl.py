@@ -228,6 +228,31 @@ class TrlTraceTest(unittest.TestCase):
         hidden, batch, seq = TINY["model_config"]["hidden_size"], TINY["batch_size"], TINY["seq_len"]
         self.assertIn(2 * batch * (seq - 32) * hidden * 2, self.gathered_hidden_bytes(doc))
 
+    def test_dpo_precomputes_the_reference_on_the_device_and_hands_the_host_its_values(self):
+        from .test_trace import TINY
+
+        spec = {**TINY, "trainer": "trl-dpo", "max_steps": 1, "prompt_len": 32, "precompute_ref_log_probs": True}
+        spec.pop("optimizer")
+        doc = self.trace(spec)
+        names = [p["name"] for p in doc["phases"]]
+        self.assertIn("reference precompute", names)
+        at = names.index("reference precompute")
+        begin, end = doc["phases"][at]["event"], doc["phases"][at + 1]["event"]
+        made = [doc["storages"][e[1]] for e in doc["events"][begin:end] if e[0] == "alloc"]
+        hidden, batch, seq = TINY["model_config"]["hidden_size"], TINY["batch_size"], TINY["seq_len"]
+        batches = 64 // batch  # the harness's 64 rows, at the training batch size
+        # each batch copied to the device (ids, attention and completion masks of chosen and
+        # rejected rows) and its completions' hidden states gathered by the fused head
+        copies = [s for s in made if s["op"] == "aten.clone.default" and s["bytes"] == 2 * batch * seq * 8]
+        self.assertEqual(len(copies), 3 * batches)
+        completions = 2 * batch * (seq - 32) * hidden * 2
+        gathered = [s for s in made if s["op"] == "aten.index.Tensor" and s["bytes"] == completions]
+        self.assertEqual(len(gathered), batches)
+        # the weights' hash reads them on the host: no fp32 copy of the embedding on the device
+        embedding_fp32 = TINY["model_config"]["vocab_size"] * hidden * 4
+        casts = [s for s in doc["storages"] if s["op"] == "aten._to_copy.default" and s["bytes"] == embedding_fp32]
+        self.assertFalse(casts)
+
 
 @unittest.skipUnless(has_trl(), "torch, transformers and trl are not installed")
 class UniformMaskTest(unittest.TestCase):

@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 19] = [
+const HARNESS: [(&str, &str); 21] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -51,6 +51,14 @@ const HARNESS: [(&str, &str); 19] = [
     (
         "cuda_emulation.py",
         include_str!("../../../../python/headroom_measure/cuda_emulation.py"),
+    ),
+    (
+        "liger_emulation.py",
+        include_str!("../../../../python/headroom_measure/liger_emulation.py"),
+    ),
+    (
+        "bitsandbytes_emulation.py",
+        include_str!("../../../../python/headroom_measure/bitsandbytes_emulation.py"),
     ),
     (
         "dist.py",

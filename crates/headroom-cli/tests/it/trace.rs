@@ -517,7 +517,8 @@ fn estimate_with_trace_runs_the_tracer() {
 /// H200s (each replayed on the GPU its row ran on), and `fsdp1` FullyShardedDataParallel runs
 /// against fake-group rows; `zero` are DeepSpeed ZeRO-1/2/3 engines traced the same way on
 /// DeepSpeed's CUDA code path, against the 2-rank NCCL rows, the one-GPU rows of
-/// `bench/distributed/h200x1*` and the fake-group rows of `bench/scale` and `bench/moe`. A row with each rank's phases is held to its steps' peak, as the
+/// `bench/distributed/h200x1*` and the fake-group rows of `bench/scale` and `bench/moe`;
+/// `bitsandbytes` are the H200 rows of bitsandbytes' 8-bit AdamW. A row with each rank's phases is held to its steps' peak, as the
 /// trace's peak leaves the load out (`headroom validate` does the same). One row's reserved
 /// memory is held to 12% instead: its recorded snapshot replays to the trace's reserved bytes
 /// exactly once the driver's segment addresses are left out, so the miss is the allocator's
@@ -529,7 +530,8 @@ fn saved_traces_match_their_measurements() {
     const DDP: usize = 4;
     const FSDP1: usize = 12;
     const ZERO: usize = 23;
-    const CORPORA: [(&str, &str); 19] = [
+    const BITSANDBYTES: usize = 5;
+    const CORPORA: [(&str, &str); 21] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -545,6 +547,14 @@ fn saved_traces_match_their_measurements() {
         (
             "bench/calibration/h100-torch2.11.jsonl",
             "bench/trace/corpus",
+        ),
+        (
+            "bench/calibration/h200-torch2.11.jsonl",
+            "bench/trace/bitsandbytes",
+        ),
+        (
+            "bench/shared/calibration/h200-torch2.11.jsonl",
+            "bench/trace/bitsandbytes",
         ),
         (
             "bench/moe/rows-h100-torch2.11-tf5.17-peft0.21.jsonl",
@@ -601,6 +611,7 @@ fn saved_traces_match_their_measurements() {
     let repo = crate::common::repo();
     let (mut checked, mut unseen, mut trainers, mut sharded, mut ddp, mut fsdp1, mut zero) =
         (0, 0, 0, 0, 0, 0, 0);
+    let mut bitsandbytes = 0;
     for (rows, traces) in CORPORA {
         let rows = std::fs::read_to_string(repo.join(rows)).expect("rows");
         for line in rows.lines().filter(|l| !l.trim().is_empty()) {
@@ -647,18 +658,29 @@ fn saved_traces_match_their_measurements() {
             ddp += usize::from(traces.ends_with("ddp"));
             fsdp1 += usize::from(traces.ends_with("fsdp1"));
             zero += usize::from(traces.ends_with("zero"));
+            bitsandbytes += usize::from(traces.ends_with("bitsandbytes"));
         }
     }
     assert_eq!(
-        (checked, unseen, trainers, sharded, ddp, fsdp1, zero),
         (
-            100 + SHARDED + DDP + FSDP1 + ZERO,
+            checked,
+            unseen,
+            trainers,
+            sharded,
+            ddp,
+            fsdp1,
+            zero,
+            bitsandbytes
+        ),
+        (
+            106 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES,
             4,
-            51,
+            56,
             SHARDED,
             DDP,
             FSDP1,
-            ZERO
+            ZERO,
+            BITSANDBYTES
         )
     );
 }

@@ -44,12 +44,8 @@ def tiny_parameter_numels():
 class RefusalTest(unittest.TestCase):
     def test_strategies_the_tracer_cannot_run_are_refused_by_name(self):
         for parallel, key, reason in (
-            (
-                {"strategy": "zero3", "offload_optimizer": True},
-                "`parallel.offload_optimizer: true`",
-                "DeepSpeedCPUAdam",
-            ),
-            ({"strategy": "fsdp1", "offload_params": True}, "`parallel.offload_params: true`", "host copies"),
+            ({"strategy": "fsdp", "pp": 2}, "`parallel.pp: 2`", "pipeline schedules"),
+            ({"strategy": "fsdp", "cp": 2}, "`parallel.cp: 2`", "context parallelism"),
         ):
             spec = {**TINY, "parallel": {**parallel, "world_size": 2}}
             with tempfile.TemporaryDirectory() as tmp:

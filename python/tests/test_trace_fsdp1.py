@@ -7,7 +7,7 @@ backward on the stream their forward ran on."""
 import unittest
 
 from .test_trace import TINY, has_torch
-from .test_trace_dist import traced
+from .test_trace_dist import tiny_parameter_numels, traced
 
 
 def fsdp1(use_orig_params):

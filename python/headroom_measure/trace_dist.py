@@ -214,8 +214,9 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
     rec.stream_of = Streams().current
     device = torch.device("cpu")
     ddp = par.strategy == "ddp"
-    wrapper = {"ddp": DdpOnFakeTensors, "fsdp1": Fsdp1OnFakeTensors}.get(par.strategy)
-    with fake_world(par.world_size), _FsdpCuda(rec), wrapper(rec) if wrapper else contextlib.nullcontext():
+    wrappers = {"ddp": lambda: DdpOnFakeTensors(rec), "fsdp1": lambda: Fsdp1OnFakeTensors(rec, par.offload_params)}
+    wrapper = wrappers.get(par.strategy, contextlib.nullcontext)
+    with fake_world(par.world_size), _FsdpCuda(rec), wrapper():
         rec.phase("load")
         cfg = m._hf_config(spec, fields)
         cls = m._auto_class(spec)

@@ -91,8 +91,9 @@ class _BackwardStreams:
 class Fsdp1OnFakeTensors:
     """The points above, for the life of a `with` block."""
 
-    def __init__(self, rec):
+    def __init__(self, rec, offload: bool = False):
         self.rec = rec
+        self.offload = offload  # `offload_params`: CPU offload's copies made (`_offload`)
         self._stack = contextlib.ExitStack()
 
     def __enter__(self):
@@ -136,7 +137,8 @@ class Fsdp1OnFakeTensors:
             rec.storage_resized(unsharded, "fsdp1 shard")  # resized to 0 before `set_`: freed
 
         patch(self._stack, handle_cls, "shard", shard)
-        self._offload(handle_cls)
+        if self.offload:
+            self._offload(handle_cls)
         patch(self._stack, _flat_param, "_alloc_storage", alloc_storage)
         patch(self._stack, _flat_param, "_free_storage", free_storage)
         patch(self._stack, torch.UntypedStorage, "data_ptr", storage_ptr)
@@ -161,25 +163,26 @@ class Fsdp1OnFakeTensors:
             return copy
 
         def flat_param_to(handle, *args, **kwargs):
-            if handle._offload_params:
-                # Under offload every move is between the host and the device: the flat
-                # parameter becomes a copy on the other side, and the old storage goes.
-                flat = handle.flat_param
-                flat.data = copied(flat, "temporary" if is_host(rec, flat) else "host")
+            # Every move is between the host and the device: the flat parameter becomes a copy
+            # on the other side, and the old storage goes.
+            flat = handle.flat_param
+            flat.data = copied(flat, "temporary" if is_host(rec, flat) else "host")
             real_to(handle, *args, **kwargs)  # the views of the original parameters follow
 
         def use_low_precision_shard(handle):
             real_low(handle)
-            if handle._offload_params:
-                # `_mp_shard.copy_(_local_shard.to(device))`: the host shard's full-precision
-                # device copy, cast into the low-precision shard and dropped.
-                copy = copied(handle.flat_param._local_shard, "temporary")
-                del copy
+            # `_mp_shard.copy_(_local_shard.to(device))`: the host shard's full-precision device
+            # copy, cast into the low-precision shard and dropped.
+            copy = copied(handle.flat_param._local_shard, "temporary")
+            del copy
 
         def pin_memory(tensor, *args, **kwargs):
             rec.classify([tensor], "host")  # FSDP1 pins what it keeps on the host
             return tensor
 
+        # What FSDP1 makes from host tensors (the gradient writeback's `zeros_like(flat_param)`)
+        # is host memory, as a CPU kernel's output is.
+        patch(self._stack, rec, "host_follows_inputs", True)
         patch(self._stack, handle_cls, "flat_param_to", flat_param_to)
         patch(self._stack, handle_cls, "_use_low_precision_shard", use_low_precision_shard)
         patch(self._stack, torch.Tensor, "pin_memory", pin_memory)

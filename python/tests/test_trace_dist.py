@@ -53,7 +53,7 @@ class RefusalTest(unittest.TestCase):
             self.assertEqual(out.returncode, 2, out.stderr)
             self.assertIn(key, out.stderr)
             self.assertIn(reason, out.stderr)
-            self.assertIn("the tracer runs", out.stderr)
+            self.assertIn("`headroom estimate` models", out.stderr)
             self.assertNotIn("Traceback", out.stderr)
 
     def test_megatron_is_refused_though_its_strategy_is_ddp(self):

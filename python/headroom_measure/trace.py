@@ -133,6 +133,16 @@ class Recorder:
             if sid is not None:
                 self.storages[sid]["kind"] = kind
 
+    def copy_as(self, tensor, kind: str):
+        """A copy of `tensor` whose storages hold `kind`: the copy CUDA makes on the other side
+        of a host-device move (differentiable, as `.to()` is), which between fake CPU tensors is a
+        no-op."""
+        first = len(self.storages)
+        copy = tensor.clone()
+        for storage in self.storages[first:]:
+            storage["kind"] = kind
+        return copy
+
     def classify_phase(self, kind: str, since_event: int):
         """Storages allocated since `since_event`, alive now and not yet classified: `kind`."""
         for sid in self.live.values():

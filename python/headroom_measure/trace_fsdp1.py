@@ -155,25 +155,18 @@ class Fsdp1OnFakeTensors:
         rec = self.rec
         real_to, real_low = handle_cls.flat_param_to, handle_cls._use_low_precision_shard
 
-        def copied(tensor, kind: str):
-            first = len(rec.storages)
-            copy = tensor.detach().clone()
-            for storage in rec.storages[first:]:
-                storage["kind"] = kind
-            return copy
-
         def flat_param_to(handle, *args, **kwargs):
             # Every move is between the host and the device: the flat parameter becomes a copy
             # on the other side, and the old storage goes.
             flat = handle.flat_param
-            flat.data = copied(flat, "temporary" if is_host(rec, flat) else "host")
+            flat.data = rec.copy_as(flat, "temporary" if is_host(rec, flat) else "host")
             real_to(handle, *args, **kwargs)  # the views of the original parameters follow
 
         def use_low_precision_shard(handle):
             real_low(handle)
             # `_mp_shard.copy_(_local_shard.to(device))`: the host shard's full-precision device
             # copy, cast into the low-precision shard and dropped.
-            copy = copied(handle.flat_param._local_shard, "temporary")
+            copy = rec.copy_as(handle.flat_param._local_shard, "temporary")
             del copy
 
         def pin_memory(tensor, *args, **kwargs):

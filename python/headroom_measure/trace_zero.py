@@ -285,25 +285,17 @@ def _host_copies(rec):
     real_cpu, real_to = torch.Tensor.cpu, torch.Tensor.to
     real_flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
 
-    def copied(tensor, kind: str):
-        """A copy of `tensor` holding `kind`, as the copy CUDA makes to the other side."""
-        first = len(rec.storages)
-        copy = tensor.clone()
-        for storage in rec.storages[first:]:
-            storage["kind"] = kind
-        return copy
-
     def cpu(tensor, *args, **kwargs):
         if is_host(rec, tensor):
             return real_cpu(tensor, *args, **kwargs)
-        return copied(tensor, "host")
+        return rec.copy_as(tensor, "host")
 
     def to(tensor, *args, **kwargs):
         target = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
         if is_host(rec, tensor) and target is not None and not names_host(target):
-            return real_to(copied(tensor, "temporary"), *args, **kwargs)  # to the device: a device copy
+            return real_to(rec.copy_as(tensor, "temporary"), *args, **kwargs)  # to the device: a device copy
         if not is_host(rec, tensor) and names_host(target):
-            tensor = copied(tensor, "host")  # to the host: a host copy
+            tensor = rec.copy_as(tensor, "host")  # to the host: a host copy
         return real_to(tensor, *args, **kwargs)  # a cast stays where the tensor is
 
     def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False):

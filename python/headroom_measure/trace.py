@@ -57,10 +57,7 @@ def refuse_untraceable(spec):
         )
     if spec.parallel is not None:
         from .trace_dist import refuse_untraceable_parallel
-        from .trace_zero import refuse_untraceable_zero
 
-        if spec.parallel.strategy.startswith("zero"):
-            refuse_untraceable_zero(spec.parallel)
         refuse_untraceable_parallel(spec.parallel)
 
 
@@ -85,6 +82,11 @@ class Recorder:
         # Values the next scalar reads return, in order (`reading`).
         self.known_reads: list = []
         self.bounds = IndexBounds()
+        # Whether an operator whose tensor inputs all live on the host makes its outputs there, as
+        # a CPU kernel does (`kind: host`); the DeepSpeed tracer, whose optimizer offload computes
+        # on host tensors, turns it on (`trace_zero.py`).
+        self.host_follows_inputs = False
+        self.stream_uses: set[tuple[int, int]] = set()  # (storage, stream) pairs recorded
 
     # -- what the step loop calls ------------------------------------------------------------
 
@@ -109,9 +111,12 @@ class Recorder:
 
     def record_stream(self, tensor, stream: int):
         """`tensor.record_stream(s)`, `s` numbered as `stream_of` numbers streams: its storage's
-        block, once freed, waits for the work queued on that stream before it is reused."""
+        block, once freed, waits for the work queued on that stream before it is reused. A block
+        keeps a set of the streams that used it (`stream_uses`), so each storage and stream is
+        recorded once: ZeRO-3 records every rank's partition of one gathered buffer."""
         sid = self._id_of(tensor)
-        if sid is not None:
+        if sid is not None and (sid, stream) not in self.stream_uses:
+            self.stream_uses.add((sid, stream))
             self.events.append(["record_stream", sid, stream])
 
     def classify(self, tensors, kind: str):
@@ -120,6 +125,16 @@ class Recorder:
             sid = self._id_of(t)
             if sid is not None:
                 self.storages[sid]["kind"] = kind
+
+    def copy_as(self, tensor, kind: str):
+        """A copy of `tensor` whose storages hold `kind`: the copy CUDA makes on the other side
+        of a host-device move (differentiable, as `.to()` is), which between fake CPU tensors is a
+        no-op."""
+        first = len(self.storages)
+        copy = tensor.clone()
+        for storage in self.storages[first:]:
+            storage["kind"] = kind
+        return copy
 
     def classify_phase(self, kind: str, since_event: int):
         """Storages allocated since `since_event`, alive now and not yet classified: `kind`."""
@@ -218,9 +233,13 @@ class Recorder:
         name = func._schema.name.removeprefix("aten::")
         if self.accumulating and func is torch.ops.aten.add.Tensor and self._accumulate_in_place(args, out):
             return
+        first = len(self.storages)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._maybe_alloc(t, str(func))
+        if self.host_follows_inputs and len(self.storages) > first and self._on_host(args, kwargs):
+            for s in self.storages[first:]:
+                s["kind"] = "host"
         self.bounds.after(self, func, args, kwargs, out)
         if name in KERNEL_MARKERS_GEMM:
             self.gemm(name == "addmm" and isinstance(args[0], torch.Tensor) and args[0].dim() == 1)
@@ -228,6 +247,14 @@ class Recorder:
             self._outer_sum(args)
         elif name in ATTENTION_BACKWARD:
             self._attention_backward(ATTENTION_BACKWARD[name], args)
+
+    def _on_host(self, args, kwargs) -> bool:
+        """Whether the operator's tensor inputs (one at least) all live on the host."""
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        ids = [self._id_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return bool(ids) and all(sid is not None and self.storages[sid]["kind"] == "host" for sid in ids)
 
     def gemm(self, bias_epilogue: bool):
         """A cuBLAS GEMM, whose workspace the Rust side sizes. The autograd engine runs the

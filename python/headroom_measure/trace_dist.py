@@ -40,12 +40,6 @@ def refuse_untraceable_parallel(par) -> None:
             "parallelism), not Megatron-core's GPTModel and DistributedDataParallel; `headroom estimate` models "
             "framework megatron natively"
         )
-    if par.strategy == "fsdp1" and par.offload_params:
-        raise TraceError(
-            "`parallel.offload_params: true` with strategy fsdp1: FSDP1's host copies of the shards and their "
-            "gradients are not emulated on the CPU yet; the tracer runs fsdp1 without offload and fsdp (FSDP2) with "
-            "it; `headroom estimate` models fsdp1 offload natively"
-        )
     if par.strategy not in TRACEABLE:
         raise TraceError(
             f"`parallel.strategy: {par.strategy}`: the tracer runs ddp, fsdp1, fsdp (FSDP2), zero1, zero2, zero3 "
@@ -220,8 +214,9 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
     rec.stream_of = Streams().current
     device = torch.device("cpu")
     ddp = par.strategy == "ddp"
-    wrapper = {"ddp": DdpOnFakeTensors, "fsdp1": Fsdp1OnFakeTensors}.get(par.strategy)
-    with fake_world(par.world_size), _FsdpCuda(rec), wrapper(rec) if wrapper else contextlib.nullcontext():
+    wrappers = {"ddp": lambda: DdpOnFakeTensors(rec), "fsdp1": lambda: Fsdp1OnFakeTensors(rec, par.offload_params)}
+    wrapper = wrappers.get(par.strategy, contextlib.nullcontext)
+    with fake_world(par.world_size), _FsdpCuda(rec), wrapper():
         rec.phase("load")
         cfg = m._hf_config(spec, fields)
         cls = m._auto_class(spec)

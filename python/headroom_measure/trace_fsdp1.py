@@ -31,10 +31,17 @@ pre-unshard, unshard and post-backward streams with `torch.cpu.stream(...)` on t
 other stream's work is done, which a replay in program order (every kernel done when issued)
 does not see either.
 
+- **CPU offload.** FSDP1 moves each sharded flat parameter to the host after it is built
+  (`flat_param_to(cpu)`), pins it and a host gradient shard (`_cpu_grad`), and under mixed
+  precision casts each unshard's low-precision shard from `_local_shard.to(device)`; each reduced
+  gradient shard is copied into `_cpu_grad`, where the optimizer steps. Every `torch.device` here
+  is the fake tensors' `cpu`, so the moves are no-ops and the checks pass; the tracer makes the
+  copies CUDA makes (`Fsdp1OnFakeTensors._offload`): a flat parameter's move a copy on the other
+  side, each unshard's full-precision device copy, and what FSDP1 pins host memory.
+
 Not put back yet: the engine sums a gradient's two contributions (a tied embedding's) on the
 stream of the node they flow into, the root's unshard stream on the GPU, which the recorder cannot
-name (the sum runs between nodes); here it is on the default stream. CPU offload is refused
-(`trace_dist.refuse_untraceable_parallel`): its host copies are not emulated for FSDP1.
+name (the sum runs between nodes); here it is on the default stream.
 """
 
 from __future__ import annotations
@@ -84,8 +91,9 @@ class _BackwardStreams:
 class Fsdp1OnFakeTensors:
     """The points above, for the life of a `with` block."""
 
-    def __init__(self, rec):
+    def __init__(self, rec, offload: bool = False):
         self.rec = rec
+        self.offload = offload  # `offload_params`: CPU offload's copies made (`_offload`)
         self._stack = contextlib.ExitStack()
 
     def __enter__(self):
@@ -129,11 +137,50 @@ class Fsdp1OnFakeTensors:
             rec.storage_resized(unsharded, "fsdp1 shard")  # resized to 0 before `set_`: freed
 
         patch(self._stack, handle_cls, "shard", shard)
+        if self.offload:
+            self._offload(handle_cls)
         patch(self._stack, _flat_param, "_alloc_storage", alloc_storage)
         patch(self._stack, _flat_param, "_free_storage", free_storage)
         patch(self._stack, torch.UntypedStorage, "data_ptr", storage_ptr)
         patch(self._stack, FakeTensor, "data_ptr", tensor_ptr)
         return self
+
+    def _offload(self, handle_cls):
+        """CPU offload's copies, made as CUDA makes them (the module doc)."""
+        import torch
+
+        from .trace_dist import patch
+        from .trace_zero import is_host
+
+        rec = self.rec
+        real_to, real_low = handle_cls.flat_param_to, handle_cls._use_low_precision_shard
+
+        def flat_param_to(handle, *args, **kwargs):
+            # Every move is between the host and the device: the flat parameter becomes a copy
+            # on the other side, and the old storage goes.
+            flat = handle.flat_param
+            flat.data = rec.copy_as(flat, "temporary" if is_host(rec, flat) else "host")
+            real_to(handle, *args, **kwargs)  # the views of the original parameters follow
+
+        def use_low_precision_shard(handle):
+            real_low(handle)
+            # `_mp_shard.copy_(_local_shard.to(device))`: the host shard's full-precision device
+            # copy, cast into the low-precision shard and dropped.
+            copy = rec.copy_as(handle.flat_param._local_shard, "temporary")
+            del copy
+
+        def pin_memory(tensor, *args, **kwargs):
+            rec.classify([tensor], "host")  # FSDP1 pins what it keeps on the host
+            return tensor
+
+        # What FSDP1 makes from host tensors (the gradient writeback's `zeros_like(flat_param)`)
+        # is host memory, as a CPU kernel's output is.
+        patch(self._stack, rec, "host_follows_inputs", True)
+        patch(self._stack, handle_cls, "flat_param_to", flat_param_to)
+        patch(self._stack, handle_cls, "_use_low_precision_shard", use_low_precision_shard)
+        patch(self._stack, torch.Tensor, "pin_memory", pin_memory)
+        # The post-backward callback waits for the gradients' host copies; the replay is in order.
+        patch(self._stack, torch.cpu.Stream, "synchronize", lambda stream: None)
 
     def __exit__(self, *exc):
         return self._stack.__exit__(*exc)

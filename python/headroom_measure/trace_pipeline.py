@@ -1,7 +1,8 @@
 """Trace a pipeline (pipeline.py: several models in one process, phase by phase) under fake
 tensors on the CPU, as `measure_pipeline` runs it on the GPU: the instances built in list order
 by the same builders (the single-run harness's, dist.py's FSDP2 as rank 0 of the fake process
-group, FSDP2 `CPUOffloadPolicy` in a group of one), one `input_ids` per batch shape, then every
+group, FSDP2 `CPUOffloadPolicy` in a group of one, DeepSpeed engines as `trace_zero.py` runs
+them, each train pass `engine.backward` and `engine.step`), one `input_ids` per batch shape, then every
 phase of every iteration with its moves and passes. Each trace phase is one measured record
 (`name`, `iteration`), beginning where the harness resets the peak counters.
 
@@ -46,10 +47,11 @@ def refuse_untraceable_pipeline(pipe) -> None:
                     "pipeline instance; `headroom estimate` models it natively"
                 )
             strategy = inst.spec.parallel.strategy if inst.spec.parallel is not None else None
-            if strategy in ("ddp", "fsdp1", "zero1", "zero2"):
+            if strategy in ("ddp", "fsdp1"):
                 raise TraceError(
-                    f"`parallel.strategy: {strategy}`: the pipeline tracer builds fsdp (FSDP2) instances; {strategy} "
-                    f"is traced in a run spec; `headroom estimate` models {strategy} instances natively"
+                    f"`parallel.strategy: {strategy}`: the pipeline tracer builds fsdp (FSDP2) and DeepSpeed "
+                    f"(zero1, zero2, zero3) instances; {strategy} is traced in a run spec; `headroom estimate` models "
+                    f"{strategy} instances natively"
                 )
         except TraceError as err:
             raise TraceError(f"instances[{k}] ({inst.name}): {err}") from None
@@ -58,9 +60,10 @@ def refuse_untraceable_pipeline(pipe) -> None:
 class _Instance:
     """A built instance and where its parameters and optimizer states are."""
 
-    def __init__(self, inst, model, module, optimizer, params_on_device: bool):
+    def __init__(self, inst, model, module, optimizer, params_on_device: bool, engine: bool = False):
         self.inst = inst
-        self.model = model  # what passes call: the FSDP2 module or the (peft) model
+        self.model = model  # what passes call: the FSDP2 module, the DeepSpeed engine or the (peft) model
+        self.engine = engine  # a DeepSpeed engine, which steps and zeroes its gradients itself
         self.module = module  # the transformers module (generate)
         self.optimizer = optimizer
         self.params_on_device = params_on_device
@@ -148,15 +151,23 @@ def trace_pipeline(pipe, engines: Engines, raw: dict, fields: list[dict], out_pa
 @contextlib.contextmanager
 def _process_group(pipe, rec):
     """Rank 0 of the sharded instances' world under the fake group, or a group of one for FSDP2
-    offload, with FSDP2's storage resizes and offload copies made as on CUDA; none otherwise."""
+    offload, with FSDP2's storage resizes and offload copies made as on CUDA, and DeepSpeed on
+    its CUDA code path where an instance is an engine (`trace_zero.deepspeed_on_cuda`); none
+    otherwise."""
     from .trace_dist import _FsdpCuda, fake_world
+    from .trace_zero import deepspeed_on_cuda
 
     world = pipe.world_size or (1 if any(i.host_fsdp for i in pipe.instances) else 0)
     if not world:
         yield
         return
-    with fake_world(world), _FsdpCuda(rec):
+    zero = [i.spec.parallel.strategy for i in pipe.instances if _is_engine(i)]
+    with deepspeed_on_cuda(rec, world, zero[0]) if zero else fake_world(world), _FsdpCuda(rec):
         yield
+
+
+def _is_engine(inst) -> bool:
+    return inst.spec.parallel is not None and inst.spec.parallel.strategy.startswith("zero")
 
 
 def _run(rec, pipe, engines: Engines, fields: list[dict], progress):
@@ -204,6 +215,16 @@ def _build(rec, inst, f) -> _Instance:
     first = len(rec.storages)
     if inst.host_fsdp:
         model = pipeline._fsdp2_offload(pipeline._build_on_cpu(spec, f))
+    elif _is_engine(inst):
+        # The engine's partitions are where DeepSpeed puts them (`offload_param`'s pinned on the host).
+        dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+        engine = distmod._build_zero(spec, _hf_config(spec, f), _auto_class(spec), dtype, torch.device("cpu"))
+        rec.classify(engine.module.parameters(), "parameter")
+        rec.classify(engine.module.buffers(), "buffer")
+        for name, module in engine.module.named_modules():
+            module._headroom_name = f"{inst.name}.{name}" if name else inst.name
+        engine.train() if spec.mode == "train" else engine.eval()
+        return _Instance(inst, engine, engine.module, None, params_on_device=True, engine=True)
     elif par is not None:  # FSDP2: the strategies the tracer cannot run are refused before
         dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
         model = distmod._build_fsdp(spec, _hf_config(spec, f), _auto_class(spec), dtype, torch.device("cpu"))
@@ -265,7 +286,11 @@ def _run_pass(rec, m: _Instance, inputs: dict, pd):
     spec = m.inst.spec
     ids = inputs[(spec.batch_size, spec.seq_len)]
     autocast = autocast_of(spec)
-    if pd.kind == "train":
+    if pd.kind == "train" and m.engine:
+        from .trace_zero import engine_step
+
+        engine_step(rec, spec, m.model, ids, autocast)
+    elif pd.kind == "train":
         par = spec.parallel
         trainable = [p for p in m.model.parameters() if p.requires_grad]
         train_step(

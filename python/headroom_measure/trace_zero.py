@@ -9,7 +9,9 @@ shared-memory comm op, no streams). The tracer installs `CUDA_Accelerator` inste
 the driver is answered here, none of it an allocation:
 - **Device.** `set_device`, `current_device` and `device_count` name device 0; the tensors are the
   tracer's fake CPU tensors that stand for CUDA ones, so `device_name` and `current_device_name`
-  say `cpu` (every `torch.device(...)` DeepSpeed builds from them is where the fake tensors live).
+  say `cpu` (every `torch.device(...)` DeepSpeed builds from them is where the fake tensors live),
+  as a string of its own type ([`DEVICE`]): the plain string `"cpu"` is DeepSpeed's name for
+  the host. `FloatTensor` and `ByteTensor` make their small tensors on the device.
 - **Streams and events.** Streams are `torch.cpu`'s, whose `stream(s)` context makes `s` current,
   and the recorder attributes each storage to the current stream (`trace_dist.Streams`), as CUDA's
   caching allocator takes `getCurrentCUDAStream()`; events and a stream's `synchronize` order
@@ -29,23 +31,49 @@ Host copies. The fake tensors stand for CUDA tensors but live on the CPU, where 
 tensor itself. ZeRO-1/2's optimizer copies each bit16 parameter to the host
 (`param.cpu_data = param.data.cpu()`), frees the device copy, calls `empty_cache()`, flattens the
 host copies and moves the flat buffer to the device (`stage_1_and_2.py`, `DeepSpeedZeroOptimizer.__init__`).
-The tracer makes those copies as CUDA makes them ([`_host_copies`]): `.cpu()` of a device tensor
-is a new host tensor (`kind: host`, out of the replay), what the flattening makes from the host
-copies (the padding, the flat buffer) is host, and `.to(device)` of a host tensor is a new device tensor.
+The tracer makes those copies as CUDA makes them ([`_host_copies`]): `.cpu()` and `.to("cpu")` of
+a device tensor are new host tensors (`kind: host`, out of the replay), what the flattening makes
+from the host copies (the padding, the flat buffer) is host, and `.to(device)` of a host tensor is a
+new device tensor. What a function makes on `"cpu"` (`torch.zeros(n, device="cpu")`) is host,
+and so is what an operator makes from host tensors only, as a CPU kernel's output is
+(`Recorder.host_follows_inputs`).
 
 ZeRO-3's checks that every rank recorded the same module and parameter order broadcast rank 0's
 lists and read them back; rank 0 of a fake world reads its own ([`_rank_checks`]).
 
 `offload_param` runs so (its partitions pinned on the host, each gather's `.to(device)` a device
-copy); `offload_optimizer` is refused ([`refuse_untraceable_zero`] says why).
+copy). So does `offload_optimizer`: DeepSpeed makes the fp32 master partitions, their gradient
+buffers and bf16 staging buffers on `"cpu"` and pins them, copies each reduced gradient (cast to
+fp32 on the device) into the host buffer, and after the host step copies the updated masters back
+into the bf16 device partition, through buffers this module sees as they are. The host step
+itself is DeepSpeedCPUAdam's C++ op, which DeepSpeed JIT-builds; it updates host tensors in place
+and asks the device for nothing, so the tracer gives it an op that does nothing ([`_HostAdam`]),
+and DeepSpeedCPUAdam's Python (its moments `zeros_like` the host masters) runs as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import os
 
 from .trace import TraceError
+
+
+class _DeviceName(str):
+    """The CUDA device's name as the fake accelerator gives it: `cpu`, where the fake tensors
+    live, told apart from the `"cpu"` DeepSpeed names the host with."""
+
+
+DEVICE = _DeviceName("cpu")
+
+
+def names_host(device) -> bool:
+    """Whether DeepSpeed names the host by `device`: the string `"cpu"` (`OffloadDeviceEnum.cpu`
+    included), not the accelerator's name. A `torch.device` is the fake tensors' own device,
+    which stands for CUDA's."""
+    return isinstance(device, str) and not isinstance(device, _DeviceName) and device == "cpu"
 
 class _Event:
     def __init__(self, *args, **kwargs):
@@ -98,10 +126,10 @@ def fake_cuda_accelerator(rec, total_memory: int):
             return 0
 
         def current_device_name(self):
-            return "cpu"
+            return DEVICE
 
         def device_name(self, device_index=None):
-            return "cpu"
+            return DEVICE
 
         def device(self, device_index=None):
             return contextlib.nullcontext()
@@ -147,6 +175,15 @@ def fake_cuda_accelerator(rec, total_memory: int):
             return total_memory
 
         available_memory = total_memory
+
+        # CUDA's small tensors of Python values (`FloatTensor([norm])`), made on the device.
+        @property
+        def FloatTensor(self):
+            return functools.partial(torch.tensor, dtype=torch.float, device=DEVICE)
+
+        @property
+        def ByteTensor(self):
+            return functools.partial(torch.tensor, dtype=torch.uint8, device=DEVICE)
 
         def is_bf16_supported(self):
             return True
@@ -235,8 +272,12 @@ def _rank_checks(stack: contextlib.ExitStack, rec) -> None:
 
 @contextlib.contextmanager
 def _host_copies(rec):
-    """`.cpu()` and `.to(device)` copy between host and device as on CUDA (the module doc)."""
+    """`.cpu()` and `.to(device)` copy between host and device as on CUDA, and what DeepSpeed makes
+    on the host is host memory (the module doc)."""
     import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from .trace_dist import patch
@@ -247,42 +288,129 @@ def _host_copies(rec):
     def cpu(tensor, *args, **kwargs):
         if is_host(rec, tensor):
             return real_cpu(tensor, *args, **kwargs)
-        copy = tensor.clone()
-        rec.classify([copy], "host")
-        return copy
+        return rec.copy_as(tensor, "host")
 
     def to(tensor, *args, **kwargs):
-        if not is_host(rec, tensor):
-            return real_to(tensor, *args, **kwargs)
-        if "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args):
-            return real_to(tensor.clone(), *args, **kwargs)  # to the device: a device copy
-        out = real_to(tensor, *args, **kwargs)  # a cast stays on the host
-        rec.classify([out], "host")
-        return out
+        target = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+        if is_host(rec, tensor) and target is not None and not names_host(target):
+            return real_to(rec.copy_as(tensor, "temporary"), *args, **kwargs)  # to the device: a device copy
+        if not is_host(rec, tensor) and names_host(target):
+            tensor = rec.copy_as(tensor, "host")  # to the host: a host copy
+        return real_to(tensor, *args, **kwargs)  # a cast stays where the tensor is
 
     def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False):
         first = len(rec.storages)
         out = real_flatten(self, tensor_list, alignment, use_cpu_data)
-        if use_cpu_data:  # the padding and the flat buffer are made on the host
+        if use_cpu_data:  # the padding (made on the host copies' `device`) and the flat buffer
             for storage in rec.storages[first:]:
                 storage["kind"] = "host"
         return out
+
+    class HostFactories(TorchFunctionMode):
+        """What a function makes on the device DeepSpeed names the host is host memory."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if any(names_host(a) for a in (*args, *kwargs.values())):
+                rec.classify([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], "host")
+            return out
 
     with contextlib.ExitStack() as stack:
         patch(stack, torch.Tensor, "cpu", cpu)
         patch(stack, torch.Tensor, "to", to)
         patch(stack, DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned", flatten_dense_tensors_aligned)
+        stack.enter_context(HostFactories())
+        # An operator on host tensors (the offloaded optimizer's masters and gradients) makes
+        # host tensors.
+        patch(stack, rec, "host_follows_inputs", True)
         yield
 
 
-def refuse_untraceable_zero(par) -> None:
-    """Refuse, by name, the DeepSpeed layouts the tracer cannot run."""
-    if par.offload_optimizer:
+class _HostAdam:
+    """DeepSpeedCPUAdam's C++ op (`CPUAdamBuilder().load()`), which DeepSpeed JIT-builds: its
+    `adam_update` steps the fp32 masters, gradients and moments in their host memory, in place,
+    which asks the GPU for nothing. DeepSpeedCPUAdam's own Python runs as it is: its moments are
+    made beside the host masters (`zeros_like(p)`), host memory."""
+
+    def load(self):
+        return self
+
+    def create_adam(self, *args):
+        pass
+
+    def adam_update(self, *args):
+        pass
+
+    def destroy_adam(self, *args):
+        pass
+
+
+def _host_adam(stack: contextlib.ExitStack) -> None:
+    """DeepSpeedCPUAdam steps through `_HostAdam`."""
+    from deepspeed.ops.adam import cpu_adam
+
+    from .trace_dist import patch
+
+    patch(stack, cpu_adam, "CPUAdamBuilder", _HostAdam)
+
+
+@contextlib.contextmanager
+def deepspeed_on_cuda(rec, world_size: int, strategy: str):
+    """Rank 0 of a fake world of `world_size` with DeepSpeed on its CUDA code path, as the module
+    doc says; `strategy` names the spec's in the message if DeepSpeed does not import."""
+    import torch
+
+    # What torchrun sets for rank 0, which the engine reads; DeepSpeed's modules that ask for
+    # the accelerator while they are imported get CUDA's.
+    for name, value in (("LOCAL_RANK", 0), ("RANK", 0), ("WORLD_SIZE", world_size)):
+        os.environ[name] = str(value)
+    os.environ["DS_ACCELERATOR"] = "cuda"
+    try:
+        from deepspeed import accelerator
+    except ImportError as err:
         raise TraceError(
-            f"`parallel.offload_optimizer: true` under {par.strategy}: DeepSpeedCPUAdam, the C++ op DeepSpeed "
-            "JIT-builds for the host step, reads the tensors' memory, which fake tensors do not have; the tracer "
-            "runs offload_params without it; `headroom estimate` models the optimizer offload natively"
-        )
+            f"`parallel.strategy: {strategy}` runs DeepSpeed, which does not import here ({err}); "
+            "install the version the run uses (`pip install deepspeed`)"
+        ) from None
+
+    from .trace_dist import Streams, fake_world
+
+    fake = fake_cuda_accelerator(rec, 80 * 2**30)
+    before = accelerator.get_accelerator()
+    accelerator.set_accelerator(fake)
+    try:
+        with fake_world(world_size), _host_copies(rec), contextlib.ExitStack() as stack:
+            stack.enter_context(torch.cpu.stream(fake.default_stream()))
+            streams = Streams()
+            rec.stream_of = streams.current
+            _record_streams(stack, rec, streams)
+            _rank_checks(stack, rec)
+            _host_adam(stack)
+            yield
+            # Engines nothing holds any more go while the group lives: their `destroy` asks it
+            # for the rank.
+            gc.collect()
+    finally:
+        accelerator.set_accelerator(before)
+
+
+def engine_step(rec, spec, engine, ids, autocast, mark=lambda part: None):
+    """One step of a DeepSpeed engine as the harnesses run it: `loss = engine(...)`,
+    `engine.backward(loss)`, `engine.step()` (which zeroes the gradients); `mark(part)` begins
+    the phase of each part."""
+    from . import measure as m
+
+    mark("forward")
+    start = len(rec.events)
+    loss = m._train_forward(spec, engine, ids, autocast)
+    rec.classify_phase("activation", start)
+    rec.classify([loss], "temporary")
+    mark("backward")
+    engine.backward(loss)
+    del loss
+    mark("optimizer")
+    engine.step()
 
 
 def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
@@ -290,64 +418,30 @@ def run_zero_loop(rec, spec, fields: dict, progress, steps: int):
     phase marked."""
     import torch
 
-    # What torchrun sets for rank 0, which the engine reads; DeepSpeed's modules that ask for
-    # the accelerator while they are imported get CUDA's.
-    for name, value in (("LOCAL_RANK", 0), ("RANK", 0), ("WORLD_SIZE", spec.parallel.world_size)):
-        os.environ[name] = str(value)
-    os.environ["DS_ACCELERATOR"] = "cuda"
-    try:
-        from deepspeed import accelerator
-    except ImportError as err:
-        raise TraceError(
-            f"`parallel.strategy: {spec.parallel.strategy}` runs DeepSpeed, which does not import here ({err}); "
-            "install the version the run uses (`pip install deepspeed`)"
-        ) from None
-
     from . import dist as d
     from . import measure as m
     from .trace import _ModuleNames, autocast_of
-    from .trace_dist import Streams, fake_world
 
     par = spec.parallel
-    fake = fake_cuda_accelerator(rec, 80 * 2**30)
-    before = accelerator.get_accelerator()
-    accelerator.set_accelerator(fake)
     device = torch.device("cpu")
-    try:
-        with fake_world(par.world_size), _host_copies(rec), contextlib.ExitStack() as stack:
-            stack.enter_context(torch.cpu.stream(fake.default_stream()))
-            streams = Streams()
-            rec.stream_of = streams.current
-            _record_streams(stack, rec, streams)
-            _rank_checks(stack, rec)
-            rec.phase("load")
-            cfg = m._hf_config(spec, fields)
-            cls = m._auto_class(spec)
-            dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
-            engine = d._build_zero(spec, cfg, cls, dtype, device)
-            _ModuleNames.current.name(engine.module)
-            rec.classify(engine.module.parameters(), "parameter")
-            rec.classify(engine.module.buffers(), "buffer")
-            engine.train()
-            ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
-            rec.classify([ids], "input")
+    with deepspeed_on_cuda(rec, par.world_size, par.strategy):
+        rec.phase("load")
+        cfg = m._hf_config(spec, fields)
+        cls = m._auto_class(spec)
+        dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+        engine = d._build_zero(spec, cfg, cls, dtype, device)
+        _ModuleNames.current.name(engine.module)
+        rec.classify(engine.module.parameters(), "parameter")
+        rec.classify(engine.module.buffers(), "buffer")
+        engine.train()
+        ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
+        rec.classify([ids], "input")
 
-            # `measure_dist`'s autocast, which DeepSpeed's engine turns off inside its forward.
-            autocast = autocast_of(spec)
+        # `measure_dist`'s autocast, which DeepSpeed's engine turns off inside its forward.
+        autocast = autocast_of(spec)
 
-            for step in range(1, steps + 1):
-                if progress:
-                    progress(step, steps)
-                rec.phase(f"step {step} forward")
-                start = len(rec.events)
-                loss = m._train_forward(spec, engine, ids, autocast)
-                rec.classify_phase("activation", start)
-                rec.classify([loss], "temporary")
-                rec.phase(f"step {step} backward")
-                engine.backward(loss)
-                del loss
-                rec.phase(f"step {step} optimizer")
-                engine.step()
-            del engine, ids
-    finally:
-        accelerator.set_accelerator(before)
+        for step in range(1, steps + 1):
+            if progress:
+                progress(step, steps)
+            engine_step(rec, spec, engine, ids, autocast, mark=lambda part: rec.phase(f"step {step} {part}"))
+        del engine, ids

@@ -44,12 +44,8 @@ def tiny_parameter_numels():
 class RefusalTest(unittest.TestCase):
     def test_strategies_the_tracer_cannot_run_are_refused_by_name(self):
         for parallel, key, reason in (
-            (
-                {"strategy": "zero3", "offload_optimizer": True},
-                "`parallel.offload_optimizer: true`",
-                "DeepSpeedCPUAdam",
-            ),
-            ({"strategy": "fsdp1", "offload_params": True}, "`parallel.offload_params: true`", "host copies"),
+            ({"strategy": "fsdp", "pp": 2}, "`parallel.pp: 2`", "pipeline schedules"),
+            ({"strategy": "fsdp", "cp": 2}, "`parallel.cp: 2`", "context parallelism"),
         ):
             spec = {**TINY, "parallel": {**parallel, "world_size": 2}}
             with tempfile.TemporaryDirectory() as tmp:
@@ -57,7 +53,7 @@ class RefusalTest(unittest.TestCase):
             self.assertEqual(out.returncode, 2, out.stderr)
             self.assertIn(key, out.stderr)
             self.assertIn(reason, out.stderr)
-            self.assertIn("the tracer runs", out.stderr)
+            self.assertIn("`headroom estimate` models", out.stderr)
             self.assertNotIn("Traceback", out.stderr)
 
     def test_megatron_is_refused_though_its_strategy_is_ddp(self):

@@ -2,6 +2,7 @@
 phase by phase, with the moves between host and device recorded as CUDA makes them, generation
 run to its length, and what cannot be traced refused by instance."""
 
+import importlib.util
 import json
 import tempfile
 import unittest
@@ -44,7 +45,7 @@ def tiny_model_bytes(dtype_bytes: int) -> int:
 class RefusalTest(unittest.TestCase):
     def test_an_instance_the_tracer_cannot_run_is_refused_by_name(self):
         # DDP and FSDP1 are traced in a run spec, not as a pipeline's instance.
-        for strategy in ("zero2", "ddp", "fsdp1"):
+        for strategy in ("ddp", "fsdp1"):
             raw = json.loads(json.dumps(PIPELINE))
             raw["instances"][0]["parallel"] = {"strategy": strategy, "world_size": 1}
             raw["instances"][0]["precision"] = "bf16"
@@ -63,6 +64,49 @@ class RefusalTest(unittest.TestCase):
         self.assertEqual(out.returncode, 2, out.stderr)
         self.assertIn("instances[0] (actor): bitsandbytes (`optimizer: adamw-8bit`", out.stderr)
         self.assertNotIn("Traceback", out.stderr)
+
+
+@unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")
+class DeepSpeedPipelineTest(unittest.TestCase):
+    """A ZeRO-2 policy beside a ZeRO-3 reference whose partitions live on the host (OpenRLHF's
+    DPO with `--ref_reward_offload`), each a DeepSpeed engine as the GPU harness builds it."""
+
+    @classmethod
+    def setUpClass(cls):
+        zero = {**TINY, "precision": "bf16"}
+        cls.doc = traced({
+            "instances": [
+                {"name": "policy", **zero, "parallel": {"strategy": "zero2", "world_size": 1}},
+                {"name": "reference", **zero, "mode": "forward",
+                 "parallel": {"strategy": "zero3", "world_size": 1, "offload_params": True}},
+            ],
+            "phases": [{"name": "ref_logprob", "run": ["reference"]}, {"name": "train", "run": ["policy"]}],
+            "iterations": 2,
+        })  # fmt: skip
+
+    def allocations(self, name, iteration):
+        phases = self.doc["phases"]
+        k = next(k for k, p in enumerate(phases) if (p["name"], p.get("iteration")) == (name, iteration))
+        end = phases[k + 1]["event"] if k + 1 < len(phases) else len(self.doc["events"])
+        return [self.doc["storages"][e[1]] for e in self.doc["events"][phases[k]["event"] : end] if e[0] == "alloc"]
+
+    def test_the_policy_flattens_its_parameters_on_the_host_and_moves_them_over(self):
+        loaded = self.allocations("load", 0)
+        flat = tiny_model_bytes(2)
+        self.assertIn(("host", flat), [(s["kind"], s["bytes"]) for s in loaded], "ZeRO-2 flattens on the host")
+        self.assertIn(("parameter", flat), [(s["kind"], s["bytes"]) for s in loaded], "then moves it over")
+
+    def test_the_reference_gathers_its_host_partitions_and_the_policy_steps_its_engine(self):
+        storages = self.doc["storages"]
+        pinned = sum(s["bytes"] for s in storages if s["kind"] == "host" and s["op"] == "aten.empty.memory_format")
+        self.assertGreaterEqual(pinned, tiny_model_bytes(2), "every bf16 partition of the reference on the host")
+        mlp = 2 * TINY["model_config"]["hidden_size"] * TINY["model_config"]["intermediate_size"]
+        gathered = [s for s in self.allocations("ref_logprob", 1) if s["bytes"] == mlp and s["kind"] != "host"]
+        self.assertGreaterEqual(len(gathered), 3 * TINY["model_config"]["num_hidden_layers"], "device copies")
+        # The engine's Adam states are made in the first train phase and kept.
+        first = [s for s in self.allocations("train", 0) if s["op"] == "aten.zeros_like.default"]
+        self.assertTrue(first)
+        self.assertFalse([s for s in self.allocations("train", 1) if s["op"] == "aten.zeros_like.default"])
 
 
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")

@@ -16,6 +16,23 @@ ZERO3 = {**TINY, "parallel": {"strategy": "zero3", "world_size": 2}}
 ZERO3_PARAM_OFFLOAD = {**TINY, "parallel": {"strategy": "zero3", "world_size": 1, "offload_params": True}}
 
 
+def padded_numel(world):
+    """TINY's parameters flattened and padded to `nccl_start_alignment_factor` (2) times `world`."""
+    layer, root = tiny_parameter_numels()
+    numel = TINY["model_config"]["num_hidden_layers"] * layer + root
+    return -(-numel // (2 * world)) * 2 * world
+
+
+def allocations(doc, phase_prefix):
+    """The storages allocated in the phases whose names start with `phase_prefix`."""
+    phases = doc["phases"]
+    out = []
+    for p, after in zip(phases, [*phases[1:], {"event": len(doc["events"])}]):
+        if p["name"].startswith(phase_prefix):
+            out += [doc["storages"][e[1]] for e in doc["events"][p["event"] : after["event"]] if e[0] == "alloc"]
+    return out
+
+
 @unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")
 class Zero2Test(unittest.TestCase):
     @classmethod
@@ -32,7 +49,7 @@ class Zero2Test(unittest.TestCase):
 
     def test_the_parameters_are_flattened_on_the_host_and_moved_to_the_device_once(self):
         storages = self.doc["storages"]
-        host = [s["bytes"] for s in storages if s["kind"] == "host"]
+        host = [s["bytes"] for s in allocations(self.doc, "load") if s["kind"] == "host"]
         # Each bf16 parameter's `.cpu()` copy, and the flat buffer made of them on the host.
         self.assertEqual(sum(host), 2 * self.numel + 2 * self.padded)
         load_end = next(p["event"] for p in self.doc["phases"] if p["name"] == "step 1 forward")
@@ -80,6 +97,11 @@ class Zero3Test(unittest.TestCase):
         used_on_default = {e[1] for e in events if e[0] == "record_stream" and e[2] == 0}
         self.assertLessEqual(set(gathered), used_on_default)
 
+    def test_each_storage_is_recorded_once_per_stream(self):
+        uses = [tuple(e[1:]) for e in self.doc["events"] if e[0] == "record_stream"]
+        self.assertTrue(uses)
+        self.assertEqual(len(uses), len(set(uses)))
+
     def test_a_stream_uses_a_storage_only_while_it_lives(self):
         live = set()
         for e in self.doc["events"]:
@@ -105,6 +127,49 @@ class Zero3ParamOffloadTest(unittest.TestCase):
         mlp = 2 * TINY["model_config"]["hidden_size"] * TINY["model_config"]["intermediate_size"]
         copies = [e[1] for e in forward if e[0] == "alloc" and storages[e[1]]["bytes"] == mlp]
         self.assertTrue(copies and all(storages[sid]["kind"] != "host" for sid in copies), "device copies")
+
+
+@unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")
+class OptimizerOffloadTest(unittest.TestCase):
+    """`offload_optimizer`: DeepSpeedCPUAdam's Python runs with its C++ step substituted
+    (`trace_zero._HostAdam`); the fp32 masters, their gradients and the moments live on the host."""
+
+    def check(self, doc, fp32_partition_bytes):
+        storages = doc["storages"]
+        host = Counter(s["bytes"] for s in storages if s["kind"] == "host")
+        # The master, its gradient buffer and DeepSpeedCPUAdam's two moments.
+        self.assertGreaterEqual(host[fp32_partition_bytes], 4)
+        device = [s for s in storages if s["kind"] != "host" and s["bytes"] == fp32_partition_bytes]
+        self.assertEqual(device, [], "no fp32 partition on the device")
+        # The step runs on the host: the device sees norms and (ZeRO-3) the persistent small
+        # parameters gathered again, never a master, gradient or moment.
+        stepped = [s["bytes"] for s in allocations(doc, "step 2 optimizer") if s["kind"] != "host"]
+        self.assertLess(max(stepped, default=0), fp32_partition_bytes // 4)
+        self.assertLess(sum(stepped), fp32_partition_bytes)
+
+    # A world of 4: at 2 an fp32 partition has the bytes of the whole bf16 model.
+    def test_zero2_keeps_the_fp32_partition_and_its_step_on_the_host(self):
+        world = 4
+        doc = traced({**TINY, "parallel": {"strategy": "zero2", "world_size": world, "offload_optimizer": True}})
+        padded = padded_numel(world)
+        self.check(doc, 4 * padded // world)
+        # The bf16 parameters stay on the device as one flat buffer; the device staging buffer of
+        # the largest parameter (`temp_grad_buffer_for_gpu_offload`) is made beside it.
+        loaded = allocations(doc, "load")
+        self.assertEqual([s["kind"] for s in loaded if s["bytes"] == 2 * padded], ["host", "parameter"])
+        largest = 2 * TINY["model_config"]["vocab_size"] * TINY["model_config"]["hidden_size"]
+        staging = [s for s in loaded if s["bytes"] == largest and s["op"] == "aten.zeros.default"]
+        self.assertEqual(sorted(s["kind"] for s in staging), ["host", "temporary"])
+
+    def test_zero3_keeps_the_fp32_partition_and_its_step_on_the_host(self):
+        world = 4
+        doc = traced({**TINY, "parallel": {"strategy": "zero3", "world_size": world, "offload_optimizer": True}})
+        layer, root = tiny_parameter_numels()
+        numel = TINY["model_config"]["num_hidden_layers"] * layer + root
+        # One sub-group: every parameter's partition, flat (ZeRO-3 pads each parameter to `world`).
+        fp32 = [s["bytes"] for s in doc["storages"] if s["kind"] == "host" and s["op"] == "aten._to_copy.default"]
+        self.assertTrue(fp32 and min(fp32) >= 4 * numel // world, fp32)
+        self.check(doc, max(fp32))
 
 
 if __name__ == "__main__":

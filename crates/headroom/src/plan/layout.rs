@@ -20,7 +20,7 @@
 //! included.
 //!
 //! Candidates whose rank is provably the same simulation are simulated once ([`RankMemo`]);
-//! the others run on every core. A candidate that runs out of memory stops there: the
+//! the others run on every core, pipelines (the longest simulations) first. A candidate that runs out of memory stops there: the
 //! search needs to know it does not fit, not its demand.
 
 pub mod megatron;
@@ -1128,6 +1128,40 @@ fn simulate(spec: &RunSpec, spec_dir: Option<&Path>, gpu: &Gpu) -> (Outcome, boo
     (outcome, unlimited)
 }
 
+/// `run` of every job on `available_parallelism()` scoped threads, each taking the next job
+/// from an atomic counter (no new dependency; rayon is not in the workspace); the results in
+/// the jobs' order. Jobs start by `cost`, the most costly first, so that the cores run out of
+/// work together: the last jobs taken are the shortest.
+fn on_every_core<J: Sync, R: Send>(
+    jobs: &[J],
+    cost: impl Fn(&J) -> u64,
+    run: impl Fn(&J) -> R + Sync,
+) -> Vec<R> {
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by_key(|&j| std::cmp::Reverse(cost(&jobs[j])));
+    let next = AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut done: Vec<(usize, R)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads.min(jobs.len()))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    while let Some(&j) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        done.push((j, run(&jobs[j])));
+                    }
+                    done
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a search thread panicked"))
+            .collect()
+    });
+    done.sort_unstable_by_key(|(j, _)| *j);
+    done.into_iter().map(|(_, r)| r).collect()
+}
+
 /// Search the layouts of `setup` over its GPUs, with a memo of its own.
 pub fn search(setup: &Setup) -> Result<LayoutSearch> {
     search_with(setup, &RankMemo::default())
@@ -1171,21 +1205,19 @@ pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
     }
     DONE.store(0, Ordering::Relaxed);
     TOTAL.store(todo.len(), Ordering::Relaxed);
-    let next = AtomicUsize::new(0);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    std::thread::scope(|scope| {
-        for _ in 0..threads.min(todo.len()) {
-            scope.spawn(|| {
-                loop {
-                    let n = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&i) = todo.get(n) else { break };
-                    let (outcome, unlimited) = simulate(&specs[i], setup.spec_dir, &gpu);
-                    memo.record(keys[i].clone(), &specs[i], &gpu, outcome, unlimited);
-                    DONE.fetch_add(1, Ordering::Relaxed);
-                }
-            });
-        }
-    });
+    let outcomes = on_every_core(
+        &todo,
+        // A pipeline's rank runs each of its micro-batches, another rank one.
+        |&i| all[i].pipelined(),
+        |&i| {
+            let ran = simulate(&specs[i], setup.spec_dir, &gpu);
+            DONE.fetch_add(1, Ordering::Relaxed);
+            ran
+        },
+    );
+    for (&i, (outcome, unlimited)) in todo.iter().zip(outcomes) {
+        memo.record(keys[i].clone(), &specs[i], &gpu, outcome, unlimited);
+    }
     let mut evaluated = Vec::with_capacity(all.len());
     for (candidate, key) in all.into_iter().zip(&keys) {
         let outcome = memo.get(key).expect("simulated above");
@@ -1252,22 +1284,23 @@ pub fn rank_order(gpu: &Gpu, a: &Evaluated, b: &Evaluated) -> std::cmp::Ordering
 }
 
 /// When nothing fits: each layout at micro-batch 1 with recomputation (its least memory)
-/// estimated without a limit, and the one that needs least.
+/// estimated without a limit, on every core, and the one that needs least (the first of
+/// those that need as little).
 fn closest(setup: &Setup, ctx: &Context, global: u64) -> Result<Option<(Candidate, Estimate)>> {
     let gpu = gpu_for(setup);
-    let mut best: Option<(Candidate, Estimate)> = None;
-    for c in candidates(ctx, global)
+    let layouts: Vec<Candidate> = candidates(ctx, global)
         .into_iter()
         .filter(|c| c.recompute && c.micro_batch == 1 && !over_budget(ctx, c))
-    {
-        let Ok(spec) = c.spec(&setup.spec).rechecked() else {
-            continue;
-        };
-        let Ok((est, _)) =
-            estimate::estimate_with_trace(&spec, setup.spec_dir, &gpu, Limit::None, false)
-        else {
-            continue;
-        };
+        .collect();
+    let demands = on_every_core(&layouts, Candidate::pipelined, |c| {
+        let spec = c.spec(&setup.spec).rechecked().ok()?;
+        estimate::estimate_with_trace(&spec, setup.spec_dir, &gpu, Limit::None, false)
+            .ok()
+            .map(|(est, _)| est)
+    });
+    let mut best: Option<(Candidate, Estimate)> = None;
+    for (c, est) in layouts.into_iter().zip(demands) {
+        let Some(est) = est else { continue };
         if best
             .as_ref()
             .is_none_or(|(_, b)| est.device_bytes() < b.device_bytes())
@@ -1672,5 +1705,27 @@ mod tests {
             "equally fast: less device memory first; accumulation not simulated after whole \
              steps"
         );
+    }
+
+    /// Every job runs once, and the results come back in the jobs' order whatever thread ran
+    /// them.
+    #[test]
+    fn jobs_run_once_each_and_answer_in_order() {
+        let jobs: Vec<u64> = (0..200).map(|j| (j * 37) % 11).collect();
+        let started = Mutex::new(Vec::new());
+        let results = on_every_core(
+            &jobs,
+            |&cost| cost,
+            |&cost| {
+                started.lock().expect("not poisoned").push(cost);
+                cost * 2
+            },
+        );
+        assert_eq!(results, jobs.iter().map(|c| c * 2).collect::<Vec<_>>());
+        let mut started = started.into_inner().expect("not poisoned");
+        let mut all = jobs.clone();
+        started.sort_unstable();
+        all.sort_unstable();
+        assert_eq!(started, all);
     }
 }

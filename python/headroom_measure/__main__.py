@@ -109,13 +109,14 @@ def cmd_trace(args) -> int:
             fields = specmod.resolve_model_config(spec, load_catalog(args.catalog))
     except (specmod.SpecError, OSError, json.JSONDecodeError) as err:
         return _fail(str(err))
-    from .trace import TraceError, refuse_untraceable, trace
+    from .trace import TraceError, refuse_rank, refuse_untraceable, trace
 
     try:
         refuse_untraceable(spec)
+        refuse_rank(spec.base if isinstance(spec, trainers.TrainerSpec) else spec, args.rank)
     except TraceError as err:
         return _fail(str(err))
-    return _run_tracer(lambda progress: trace(spec, fields, args.out, progress=progress), "step")
+    return _run_tracer(lambda progress: trace(spec, fields, args.out, progress=progress, rank=args.rank), "step")
 
 
 def _run_tracer(run, unit: str) -> int:
@@ -385,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     trc.add_argument("--spec-json", help="the spec inline, as JSON")
     trc.add_argument("--out", required=True, help="the trace file to write (.json or .json.gz)")
     trc.add_argument("--catalog")
+    trc.add_argument(
+        "--rank", type=int, default=0, help="the rank of a sharded spec's world to trace (a pipeline's stages differ)"
+    )
     batch = sub.add_parser("batch", help="measure many specs, a fresh process each")
     batch.add_argument("specs")
     batch.add_argument("--out", required=True)

@@ -343,7 +343,12 @@ class _SdpaPatch:
         import torch.nn.functional as F
 
         self._real = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = cuda_sdpa
+
+        def scaled_dot_product_attention(*args, **kwargs):
+            return cuda_sdpa(*args, **kwargs)
+
+        # Named as torch's: context parallelism patches `F.<its __name__>` with the ring.
+        F.scaled_dot_product_attention = scaled_dot_product_attention
         return self
 
     def __exit__(self, *exc):

@@ -106,8 +106,10 @@ def _fully_shard_stage(chunk, units: str, kwargs: dict, first: bool, last: bool)
     fully_shard(chunk, **root_kwargs)
 
 
-def build(spec, cfg, cls, dtype, device, rank: int):
+def build(spec, cfg, cls, dtype, device, rank: int, cuda_autocast: bool | None = None):
     """The rank's stages and a callable running one schedule step; see the module docstring.
+    `cuda_autocast`: the step runs under CUDA's autocast (by default when `device` is a GPU; the
+    tracer emulates it on the CPU), so the last stage's logits are in the autocast dtype.
     Returns (chunks, step, counts)."""
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -122,7 +124,9 @@ def build(spec, cfg, cls, dtype, device, rank: int):
         raise SpecError(f"`parallel.layers_per_stage`: {split} must hold the model's {cfg.num_hidden_layers} layers")
     mb = spec.batch_size // par.microbatches
     act_dtype = dtype
-    out_dtype = torch.bfloat16 if spec.precision in ("bf16", "amp-bf16") and device.type == "cuda" else dtype
+    if cuda_autocast is None:
+        cuda_autocast = device.type == "cuda"
+    out_dtype = torch.bfloat16 if spec.precision in ("bf16", "amp-bf16") and cuda_autocast else dtype
     dp = par.world_size // par.pp
     mesh = fsdp_kwargs = None
     if par.strategy == "fsdp":

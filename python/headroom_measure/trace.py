@@ -87,6 +87,9 @@ class Recorder:
         # on host tensors, turns it on (`trace_zero.py`).
         self.host_follows_inputs = False
         self.stream_uses: set[tuple[int, int]] = set()  # (storage, stream) pairs recorded
+        # Storages a caller keeps while the engine sums into gradients (a pipeline stage's
+        # received output gradients): the engine never holds their last reference.
+        self.kept: set[int] = set()
 
     # -- what the step loop calls ------------------------------------------------------------
 
@@ -196,6 +199,8 @@ class Recorder:
                     out = recorder.answers.dispatch(recorder, func, args, kwargs)
                 if out is NotImplemented and func is bincount:
                     out = recorder.bounds.bincount(recorder, args, kwargs)
+                if out is NotImplemented and func is embedding_backward:
+                    out = embedding_dense_backward(recorder, func, args, kwargs)
                 if out is NotImplemented:
                     out = func(*args, **(kwargs or {}))
                 recorder._after(func, args, kwargs, out)
@@ -206,6 +211,7 @@ class Recorder:
 
         local_scalar = torch.ops.aten._local_scalar_dense.default
         bincount = torch.ops.aten.bincount.default
+        embedding_backward = torch.ops.aten.embedding_dense_backward.default
 
         return Mode()
 
@@ -234,6 +240,8 @@ class Recorder:
         if self.accumulating and func is torch.ops.aten.add.Tensor and self._accumulate_in_place(args, out):
             return
         first = len(self.storages)
+        if func is torch.ops.aten.index_put.default and self._index_backward_in_place(args, out):
+            return
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._maybe_alloc(t, str(func))
@@ -265,24 +273,47 @@ class Recorder:
         self.events.append(["gemm", bias_epilogue, thread])
 
     def _accumulate_in_place(self, args, out) -> bool:
-        """The autograd engine sums two gradients of one input in place into the first when it
-        holds the only reference to it (`InputBuffer::accumulate`); fake tensors are tensor
-        subclasses, which it always sums out of place. Where the real engine would have summed in
-        place, the sum's storage takes over the first's id and nothing is allocated or freed."""
+        """The autograd engine sums two gradients of one input in place (`InputBuffer::accumulate`):
+        into the first when it holds the only reference to it and its layout is dense and
+        non-overlapping (`can_accumulate_inplace`), else into the second when that one can be;
+        fake tensors are tensor subclasses, which it always sums out of place. Where the real
+        engine would have summed in place, the sum's storage takes over that gradient's id and
+        nothing is allocated or freed."""
+        import torch
+        from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+        if not isinstance(out, torch.Tensor):
+            return False
+        for grad in args[:2]:
+            if not isinstance(grad, torch.Tensor):
+                return False
+            key = grad.untyped_storage()._cdata
+            sid = self.live.get(key)
+            if (
+                sid is not None
+                and key not in self.kept
+                and grad.shape == out.shape
+                and grad.dtype == out.dtype
+                and is_non_overlapping_and_dense_or_false(grad)
+                and torch._C._storage_Use_Count(key) <= 2  # the fake tensor and its meta tensor
+            ):
+                del self.live[key]
+                self.adopt(out.untyped_storage(), sid)
+                return True
+        return False
+
+    def _index_backward_in_place(self, args, out) -> bool:
+        """`IndexBackward0` (`index_backward`) scatters the gradient into `grad.new_zeros(...)`
+        in place (`index_put_`), but out of place (`index_put`) for tensor subclasses, which
+        fake tensors are: the result takes over the zeros' storage, as on the GPU."""
         import torch
 
-        old = args[0]
-        if not (isinstance(old, torch.Tensor) and isinstance(out, torch.Tensor)):
+        node = torch._C._current_autograd_node()
+        if node is None or node.name() != "IndexBackward0" or not isinstance(out, torch.Tensor):
             return False
-        key = old.untyped_storage()._cdata
+        key = args[0].untyped_storage()._cdata
         sid = self.live.get(key)
-        if (
-            sid is None
-            or old.shape != out.shape
-            or old.dtype != out.dtype
-            or not old.is_contiguous()
-            or torch._C._storage_Use_Count(key) > 2  # the fake tensor and its meta tensor
-        ):
+        if sid is None:
             return False
         del self.live[key]
         self.adopt(out.untyped_storage(), sid)
@@ -359,11 +390,15 @@ class Recorder:
             self.events.append(["reduce", int(outputs), int(inputs)])
 
     def _attention_backward(self, kernel: str, args):
-        # (grad_out, query, key, ...): query (b, heads, s, head_dim), key (b, kv_heads, s, d)
+        # (grad_out, query, key, ...): query (b, heads, s, head_dim), key (b, kv_heads, s_k, d); a
+        # ring attention step attends half its queries to a whole chunk of keys (s_k > s).
         q, k = args[1], args[2]
         b, heads, s, head_dim = (int(x) for x in q.shape)
         gqa = int(k.shape[1]) != heads
-        self.events.append(["attention_backward", kernel, b, heads, s, head_dim, gqa, q.element_size()])
+        event = ["attention_backward", kernel, b, heads, s, head_dim, gqa, q.element_size()]
+        if int(k.shape[2]) != s:
+            event.append(int(k.shape[2]))
+        self.events.append(event)
 
 
 class IndexBounds:
@@ -414,15 +449,61 @@ class IndexBounds:
         return out
 
 
-def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
+def embedding_dense_backward(rec: Recorder, func, args, kwargs):
+    """`embedding_dense_backward_cuda` (`Embedding.cu`, `EmbeddingBackwardKernel.cu`) past 3072
+    indices, with the buffers it allocates inside itself: the indices sorted (`sorted_indices`,
+    `orig_indices`, an `arange` freed at once), the gradient (`zeros`), then per segment of equal
+    index its offsets, its partial segments of `NROWS_PER_THREAD` (10) rows and a buffer of every
+    partial segment's sums in the accumulation dtype (fp32 for 16-bit gradients), freed in
+    reverse as their scopes end (as `sim/engine/backward.rs` models it; cub's scratch left out).
+    `NotImplemented` up to 3072 indices, where one kernel accumulates into the gradient."""
+    import torch
+
+    kwargs = kwargs or {}
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args), **kwargs)
+    grad, indices, num_weights = bound["grad_output"], bound["indices"], int(bound["num_weights"])
+    n = indices.numel()
+    if n <= 3072:
+        return NotImplemented
+    width = grad.numel() // n
+    max_segments = min(n, num_weights)
+    max_partial = n // 10 + max_segments
+    acc = torch.float32 if grad.dtype in (torch.bfloat16, torch.float16) else grad.dtype
+
+    def buffer(numel, dtype, what):
+        t = torch.empty(numel, dtype=dtype, device=grad.device)
+        rec._maybe_alloc(t, f"embedding_dense_backward: {what}")
+        return t
+
+    index = indices.dtype
+    held = [buffer(n, index, "sorted indices"), buffer(n, index, "original positions")]
+    arange = buffer(n, index, "arange")
+    del arange
+    out = func(*args, **kwargs)
+    rec._maybe_alloc(out, str(func))
+    for numel, dtype, what in (
+        (n, index, "segment offsets"), (1, torch.int64, "segment count"), (max_segments, index, "partials per segment"),
+        (max_segments, index, "partials per segment offset"), (1, torch.int64, "partial segment count"),
+        (max_partial, index, "partial segment offsets"), (max_partial * width, acc, "partial segment sums"),
+    ):  # fmt: skip
+        held.append(buffer(numel, dtype, what))
+    while held:
+        held.pop()
+    return out
+
+
+def trace(spec, fields: dict, out_path: str, progress=None, rank: int = 0) -> dict:
     """Run the spec's steps under fake tensors and write the trace to `out_path`. `spec` is a run
     spec (`spec.Spec`: the measuring loop's three steps) or a trainer spec
-    (`trainers.TrainerSpec`: the real `Trainer` or TRL trainer's `max_steps`)."""
+    (`trainers.TrainerSpec`: the real `Trainer` or TRL trainer's `max_steps`). A sharded spec runs
+    as rank `rank` of its world (a pipeline's stages differ by rank)."""
     from .trainers import TrainerSpec
 
     trainer_spec = spec if isinstance(spec, TrainerSpec) else None
     run_spec = trainer_spec.base if trainer_spec else spec
     refuse_untraceable(spec)
+    refuse_rank(run_spec, rank)
     t0 = time.time()
     if trainer_spec:
         # Libraries that make tensors when imported make real ones, outside the fake mode.
@@ -438,13 +519,20 @@ def trace(spec, fields: dict, out_path: str, progress=None) -> dict:
         elif run_spec.parallel is not None:
             from .trace_dist import run_dist_loop
 
-            run_dist_loop(rec, run_spec, fields, progress, STEPS)
+            run_dist_loop(rec, run_spec, fields, progress, STEPS, rank)
         else:
             _run_loop(rec, run_spec, fields, progress)
     spec_json = spec.to_json()
     if run_spec.model_config and "model_config" not in spec_json:
         spec_json["model_config"] = dict(run_spec.model_config)
-    return write_trace(rec, spec_json, t0, out_path)
+    return write_trace(rec, spec_json, t0, out_path, rank=rank if run_spec.parallel is not None else None)
+
+
+def refuse_rank(spec: Spec, rank: int):
+    """A rank other than 0 is one of the spec's world, and only a sharded run has one."""
+    world = spec.parallel.world_size if spec.parallel is not None else 1
+    if rank and not 0 <= rank < world:
+        raise TraceError(f"`--rank {rank}`: the spec's world has ranks 0 to {world - 1}")
 
 
 @contextlib.contextmanager
@@ -492,9 +580,12 @@ def autocast_of(spec: Spec):
     return autocast
 
 
-def write_trace(rec: Recorder, spec_json: dict, t0: float, out_path: str, engines: list | None = None) -> dict:
+def write_trace(
+    rec: Recorder, spec_json: dict, t0: float, out_path: str, engines: list | None = None, rank: int | None = None
+) -> dict:
     """The trace file of what `rec` recorded (docs/trace-format.md), `spec_json` the spec as
-    run, its wall time counted from `t0`; a pipeline's rollout `engines`, if it has any."""
+    run, its wall time counted from `t0`; a pipeline's rollout `engines`, if it has any; the
+    `rank` of its world a sharded run ran as."""
     from . import measure as m
 
     for s in rec.storages:
@@ -504,7 +595,8 @@ def write_trace(rec: Recorder, spec_json: dict, t0: float, out_path: str, engine
         "version": 1,  # as held here; the file is written compact, as version 2
         "spec": spec_json,
         "env": {**m._versions(), "device": "cpu (fake tensors, CUDA emulated)",
-            "scalar_reads": rec.scalar_reads, "wall_s": round(time.time() - t0, 2)},
+            "scalar_reads": rec.scalar_reads, "wall_s": round(time.time() - t0, 2),
+            **({"rank": rank} if rank is not None else {})},
         "phases": rec.phases,
         "storages": rec.storages,
         "events": rec.events,
@@ -612,29 +704,31 @@ def _run_loop(rec: Recorder, spec: Spec, fields: dict, progress):
 
 def train_step(
     rec: Recorder, spec: Spec, model, ids, autocast, optimizer, trainable, mark=None, sharded=False, host_step=False,
-    loss_context=contextlib.nullcontext,
+    loss_context=contextlib.nullcontext, passes=contextlib.nullcontext,
 ):
     """One step of the measuring loop (forward, backward, `optimizer.step()`, `zero_grad`), its
     storages classified; `mark(part)` begins the phase of each part (`forward`, `backward`,
     `optimizer`). `sharded`: FSDP2's or tensor parallelism's backward, whose gradients FSDP2
     reduces itself. `host_step`: the shards, their gradients and the step live on the host
-    (CPU offload)."""
+    (CPU offload). `passes()`: a context around forward and backward together (context
+    parallelism's)."""
     from . import measure as m
 
     mark = mark or (lambda part: None)
-    mark("forward")
-    start = len(rec.events)
-    with loss_context():
-        loss = m._train_forward(spec, model, ids, autocast)
-    rec.classify_phase("activation", start)
-    rec.classify([loss], "temporary")
-    mark("backward")
-    if not sharded:
-        rec.watch_accumulation(loss.grad_fn)
-    with loss_context():
-        loss.backward()
-    rec.accumulating = False
-    del loss
+    with passes():
+        mark("forward")
+        start = len(rec.events)
+        with loss_context():
+            loss = m._train_forward(spec, model, ids, autocast)
+        rec.classify_phase("activation", start)
+        rec.classify([loss], "temporary")
+        mark("backward")
+        if not sharded:
+            rec.watch_accumulation(loss.grad_fn)
+        with loss_context():
+            loss.backward()
+        rec.accumulating = False
+        del loss
     rec.classify([p.grad for p in trainable if p.grad is not None], "host" if host_step else "gradient")
     if optimizer is None:
         model.zero_grad(set_to_none=True)

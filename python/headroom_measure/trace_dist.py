@@ -1,7 +1,17 @@
-"""Trace a sharded run as rank 0 of its world: FSDP2 (`fully_shard`) and torchtitan's tensor
-parallelism, built by the measuring harness's own code (`dist.py`), under torch's `fake` process
-group on the CPU, inside the tracer's `FakeTensorMode` (`trace.py`). DDP and FSDP1 run in the
-same world, as `trace_ddp.py` and `trace_fsdp1.py` run them.
+"""Trace a sharded run as one rank of its world (rank 0, or the one `--rank` names): FSDP2
+(`fully_shard`), torchtitan's tensor parallelism, torch.distributed.pipelining's schedules
+(`pp.py`, alone or under FSDP2), context parallelism's ring attention and transformers' expert
+parallelism, built and stepped by the measuring harness's own code (`dist.py`), under torch's
+`fake` process group on the CPU, inside the tracer's `FakeTensorMode` (`trace.py`). DDP and FSDP1
+run in the same world, as `trace_ddp.py` and `trace_fsdp1.py` run them.
+
+A pipeline rank builds its stages from real meta tensors (`to_empty` then makes the device ones, as
+on the GPU), its `PipelineStage`s allocate their receive buffers when the schedule first runs, and
+the fake group's `isend`/`irecv` complete at once, as in the measured fake-group rows. Context
+parallelism's `context_parallel` patches `F.scaled_dot_product_attention` by its name with the
+ring, which the tracer's CUDA attention keeps (`cuda_emulation.py`); the ring's all-gather and
+all-to-all allocate their outputs, and each step's flash kernels run on fake tensors, the
+backward's marker naming its key rows (`trace.py`).
 
 The fake group makes every collective a no-op while FSDP2 allocates its all-gather and
 reduce-scatter buffers at their full size, as the measured fake-group rows do. What the CPU path
@@ -42,16 +52,10 @@ def refuse_untraceable_parallel(par) -> None:
         )
     if par.strategy not in TRACEABLE:
         raise TraceError(
-            f"`parallel.strategy: {par.strategy}`: the tracer runs ddp, fsdp1, fsdp (FSDP2), zero1, zero2, zero3 "
-            "and tensor parallelism (strategy none or fsdp with tp > 1); `headroom estimate` models "
+            f"`parallel.strategy: {par.strategy}`: the tracer runs ddp, fsdp1, fsdp (FSDP2), zero1, zero2, zero3, "
+            "and tensor, pipeline, context and expert parallelism (strategy none or fsdp); `headroom estimate` models "
             f"{par.strategy} natively"
         )
-    for key, degree, what in (("pp", par.pp, "pipeline schedules"), ("cp", par.cp, "context parallelism's ring")):
-        if degree > 1:
-            raise TraceError(
-                f"`parallel.{key}: {degree}`: the tracer does not run {what} yet; it runs DDP, FSDP1, FSDP2 "
-                f"and tensor parallelism; `headroom estimate` models {what} natively"
-            )
 
 
 class Streams:
@@ -79,15 +83,15 @@ class Streams:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int):
-    """Rank 0 of a world of `world_size` under torch's `fake` process group, as `measure_dist`
-    and `measure_pipeline` start it on the GPU (`HEADROOM_FAKE_WORLD`)."""
+def fake_world(world_size: int, rank: int = 0):
+    """Rank `rank` of a world of `world_size` under torch's `fake` process group, as `measure_dist`
+    and `measure_pipeline` start it on the GPU (`HEADROOM_FAKE_WORLD`, `HEADROOM_FAKE_RANK`)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import torch.distributed._tools.fake_collectives  # noqa: F401 - collectives on fake tensors
 
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield
     finally:
@@ -199,16 +203,16 @@ class _FsdpCuda:
         return self._stack.__exit__(*exc)
 
 
-def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
-    """`measure_dist`'s load and steps on rank 0 of a fake world (dist.py), every phase marked;
-    DDP's C++ as `trace_ddp.py` runs it."""
+def run_dist_loop(rec, spec, fields: dict, progress, steps: int, rank: int = 0):
+    """`measure_dist`'s load and steps on rank `rank` of a fake world (dist.py), every phase
+    marked; DDP's C++ as `trace_ddp.py` runs it, a pipeline's schedule as `run_pipeline_steps`."""
     import torch
 
     from . import dist as d
     from . import measure as m
     from .trace import _ModuleNames, autocast_of, train_step
     from .trace_ddp import DdpOnFakeTensors, build_ddp
-    from .trace_fsdp1 import Fsdp1OnFakeTensors, build_fsdp1
+    from .trace_fsdp1 import Fsdp1OnFakeTensors, _MetaOutsideFake, build_fsdp1
 
     par = spec.parallel
     rec.stream_of = Streams().current
@@ -216,13 +220,22 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
     ddp = par.strategy == "ddp"
     wrappers = {"ddp": lambda: DdpOnFakeTensors(rec), "fsdp1": lambda: Fsdp1OnFakeTensors(rec, par.offload_params)}
     wrapper = wrappers.get(par.strategy, contextlib.nullcontext)
-    with fake_world(par.world_size), _FsdpCuda(rec), wrapper():
+    with fake_world(par.world_size, rank), _FsdpCuda(rec), wrapper():
         rec.phase("load")
         cfg = m._hf_config(spec, fields)
         cls = m._auto_class(spec)
         dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
-        if par.tp > 1:
-            model, _ = d._build_torchtitan(spec, cfg, cls, dtype, device)
+        cp_mesh = pipeline_step = None
+        if par.pp > 1:
+            from . import pp
+
+            # Stages built from real meta tensors, which `to_empty` replaces as on the GPU.
+            chunks, pipeline_step, _ = pp.build(spec, cfg, _MetaOutsideFake(cls), dtype, device, rank, cuda_autocast=True)
+            model = torch.nn.ModuleList(chunks)
+        elif par.tp > 1 or par.cp > 1:
+            model, cp_mesh = d._build_torchtitan(spec, cfg, cls, dtype, device)
+        elif par.ep > 1:
+            model, _ = d._build_ep(spec, cfg, _MetaOutsideFake(cls), dtype, device)
         elif ddp:
             model = build_ddp(rec, spec, cfg, cls, dtype, device)
         elif par.strategy == "fsdp1":
@@ -233,7 +246,8 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
         params = list(model.parameters())
         rec.classify(params, "host" if par.offload_params else "parameter")
         rec.classify(model.buffers(), "buffer")
-        optimizer = m._optimizer(spec, [p for p in params if p.requires_grad])
+        trainable = [p for p in params if p.requires_grad]
+        optimizer = m._optimizer(spec, trainable)
         model.train()
         ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
         rec.classify([ids], "input")
@@ -249,8 +263,66 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int):
         for step in range(1, steps + 1):
             if progress:
                 progress(step, steps)
+            mark = lambda part: rec.phase(f"step {step} {part}")  # noqa: E731
+            if pipeline_step is not None:
+                run_pipeline_step(
+                    rec, pipeline_step, ids, autocast, loss_context, optimizer, trainable, mark,
+                    sharded=par.strategy == "fsdp",
+                )  # fmt: skip
+                continue
+            inputs, passes = ids, contextlib.nullcontext
+            if cp_mesh is not None:
+                # The step's fresh batch, which `context_parallel` shards in place (dist.py).
+                inputs = ids.clone()
+                rec.classify([inputs], "input")
+                passes = lambda: d._context_parallel(cp_mesh, inputs)  # noqa: E731
             train_step(
-                rec, spec, model, ids, autocast, optimizer, params, sharded=not ddp, host_step=par.offload_params,
-                loss_context=loss_context, mark=lambda part: rec.phase(f"step {step} {part}"),
+                rec, spec, model, inputs, autocast, optimizer, trainable, sharded=not (ddp or par.ep > 1),
+                host_step=par.offload_params, loss_context=loss_context, passes=passes, mark=mark,
             )  # fmt: skip
-        del model, optimizer, params, ids
+            del inputs, passes
+        del model, optimizer, params, trainable, ids
+
+
+def run_pipeline_step(rec, pipeline_step, ids, autocast, loss_context, optimizer, trainable, mark, sharded: bool):
+    """One step of `measure_dist`'s pipeline loop: `schedule.step` (every micro-batch's forward
+    and backward, in the schedule's order) under autocast, then `optimizer.step()` and `zero_grad`.
+    Each stage backward (`stage_backward`, the last stage's loss included) is watched for the
+    autograd engine's in-place sums, as a single-GPU backward is (`train_step`), but for the
+    received output gradients, which the stage keeps; under FSDP2 FSDP2 reduces the gradients
+    itself."""
+    import torch
+    from torch.distributed.pipelining import stage as stage_module
+    from torch.utils._pytree import tree_leaves
+
+    from .trace import _classify_optimizer_state
+
+    real = stage_module.stage_backward
+
+    def stage_backward(stage_output, output_grads, input_values, *args, **kwargs):
+        if not sharded:
+            for t in tree_leaves(stage_output):
+                if getattr(t, "grad_fn", None) is not None:
+                    rec.watch_accumulation(t.grad_fn)
+        # The stage keeps the gradients it received (its receive buffers): never summed into.
+        kept = {t.untyped_storage()._cdata for t in tree_leaves(output_grads) if isinstance(t, torch.Tensor)}
+        rec.kept |= kept
+        try:
+            return real(stage_output, output_grads, input_values, *args, **kwargs)
+        finally:
+            rec.accumulating = False
+            rec.kept -= kept
+
+    mark("schedule")
+    stage_module.stage_backward = stage_backward
+    try:
+        with autocast(), loss_context():
+            losses = pipeline_step(ids)
+    finally:
+        stage_module.stage_backward = real
+    del losses
+    rec.classify([p.grad for p in trainable if p.grad is not None], "gradient")
+    mark("optimizer")
+    optimizer.step()
+    _classify_optimizer_state(rec, optimizer)
+    optimizer.zero_grad(set_to_none=True)

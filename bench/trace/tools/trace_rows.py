@@ -4,7 +4,7 @@
 
 Each row's spec (a pipeline row's pipeline) is traced with `python -m headroom_measure trace` (the catalog resolves model
 names) into OUT_DIR/<row id with / as __>.json.gz; rows the tracer refuses (4-bit, the eager
-experts loop, parallel specs) are listed with the reason. Prints one line per row.
+experts loop, ...) are listed with the reason. A row of one rank of a fake world is traced as that rank. Prints one line per row.
 """
 
 import argparse
@@ -23,9 +23,12 @@ def trace_one(row, out_dir: Path):
     name = row["id"].replace("/", "__")
     out = out_dir / f"{name}.json.gz"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    ranks = row.get("measured", {}).get("ranks") or []
+    # A row of one rank of a fake world is traced as that rank (a pipeline's stages differ).
+    rank = ["--rank", str(ranks[0]["rank"])] if len(ranks) == 1 and ranks[0].get("rank") else []
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "headroom_measure", "trace", "--spec-json", json.dumps(row.get("spec") or row["pipeline"]), "--out", str(out)],
+        [sys.executable, "-m", "headroom_measure", "trace", "--spec-json", json.dumps(row.get("spec") or row["pipeline"]), "--out", str(out), *rank],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     message = proc.stderr.strip().splitlines()[-1] if proc.returncode else ""

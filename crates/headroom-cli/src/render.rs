@@ -558,7 +558,10 @@ pub fn trace(
         })
     );
     if let Some(world) = trace.spec["parallel"]["world_size"].as_u64() {
-        out += &format!("rank 0 of a world of {world}, traced under torch's fake process group\n");
+        let rank = trace.env.get("rank").and_then(|r| r.as_u64()).unwrap_or(0);
+        out += &format!(
+            "rank {rank} of a world of {world}, traced under torch's fake process group\n"
+        );
     }
     if let Some(file) = file {
         out += &format!("trace file: {file}\n");

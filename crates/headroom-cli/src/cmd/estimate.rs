@@ -55,6 +55,7 @@ fn unmodelled(args: &Args, err: headroom::Error) -> CliResult {
             python: args.python.clone(),
             gpu: args.gpu.clone(),
             json: args.json,
+            rank: None,
             save: None,
             alloc_conf: None,
         });

@@ -39,6 +39,9 @@ pub struct Args {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Trace this rank of a sharded spec's world (default 0): a pipeline's stages differ by rank.
+    #[arg(long, value_name = "N", conflicts_with = "from")]
+    pub rank: Option<u64>,
     /// Keep the trace in this file (.json, or .json.gz compressed), for --from or `headroom replay`.
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
@@ -123,6 +126,12 @@ fn traced(spec: &Path, args: &Args) -> CliResult<Trace> {
         .arg(harness_spec.to_string())
         .arg("--out")
         .arg(&out)
+        .args(
+            args.rank
+                .map(|r| ["--rank".to_string(), r.to_string()])
+                .into_iter()
+                .flatten(),
+        )
         .env("PYTHONPATH", crate::cmd::measure::python_path(dir.path()))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

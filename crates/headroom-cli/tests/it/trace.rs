@@ -317,6 +317,15 @@ fn a_sharded_trace_says_which_rank_it_is() {
     );
     let tiny = stdout(&headroom(&["trace", "--from", TINY]));
     assert!(!tiny.contains("rank 0"), "{tiny}");
+    let last_stage = stdout(&headroom(&[
+        "trace",
+        "--from",
+        "bench/trace/pp/pp__l8b-L8__bs8__s2048__gc__bf16__pp4-1f1b-mb8__rank3.json.gz",
+    ]));
+    assert!(
+        last_stage.contains("rank 3 of a world of 4, traced under torch's fake process group"),
+        "{last_stage}"
+    );
 }
 
 /// A stand-in for Python that records how it was called and runs `body` (`$out`: the file
@@ -520,7 +529,9 @@ fn estimate_with_trace_runs_the_tracer() {
 /// the same way on DeepSpeed's CUDA code path (parameter and optimizer offload included), against
 /// the 2-rank NCCL rows, the one-GPU rows of
 /// `bench/distributed/h200x1*` and the fake-group rows of `bench/scale` and `bench/moe`;
-/// `bitsandbytes` are the H200 rows of bitsandbytes' 8-bit AdamW. A row with each rank's phases is held to its steps' peak, as the
+/// `bitsandbytes` are the H200 rows of bitsandbytes' 8-bit AdamW; `pp`,
+/// `cp` and `ep` are torch's pipeline schedules, its ring attention and transformers' expert
+/// parallelism, each traced as the rank of the fake world its row measured. A row with each rank's phases is held to its steps' peak, as the
 /// trace's peak leaves the load out (`headroom validate` does the same). One row's reserved
 /// memory is held to 12% instead: its recorded snapshot replays to the trace's reserved bytes
 /// exactly once the driver's segment addresses are left out, so the miss is the allocator's
@@ -533,7 +544,8 @@ fn saved_traces_match_their_measurements() {
     const FSDP1: usize = 13;
     const ZERO: usize = 34;
     const BITSANDBYTES: usize = 5;
-    const CORPORA: [(&str, &str); 21] = [
+    const PP_CP_EP: usize = 26 + 12 + 12;
+    const CORPORA: [(&str, &str); 28] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -609,11 +621,21 @@ fn saved_traces_match_their_measurements() {
             "bench/moe/dist-rows-h100-torch2.11-fake8.jsonl",
             "bench/trace/zero",
         ),
+        ("bench/pp/rows-h100-torch2.11.jsonl", "bench/trace/pp"),
+        ("bench/pp/rows-fsdp-h100-torch2.11.jsonl", "bench/trace/pp"),
+        (
+            "bench/pp/rows-fsdp-call2-h100-torch2.11.jsonl",
+            "bench/trace/pp",
+        ),
+        ("bench/cp/rows-h100-torch2.11.jsonl", "bench/trace/cp"),
+        ("bench/cp/rows-call2-h100-torch2.11.jsonl", "bench/trace/cp"),
+        ("bench/ep/rows-h100-torch2.11.jsonl", "bench/trace/ep"),
+        ("bench/ep/rows-call2-h100-torch2.11.jsonl", "bench/trace/ep"),
     ];
     let repo = crate::common::repo();
     let (mut checked, mut unseen, mut trainers, mut sharded, mut ddp, mut fsdp1, mut zero) =
         (0, 0, 0, 0, 0, 0, 0);
-    let mut bitsandbytes = 0;
+    let (mut bitsandbytes, mut pp_cp_ep) = (0, 0);
     for (rows, traces) in CORPORA {
         let rows = std::fs::read_to_string(repo.join(rows)).expect("rows");
         for line in rows.lines().filter(|l| !l.trim().is_empty()) {
@@ -661,6 +683,7 @@ fn saved_traces_match_their_measurements() {
             fsdp1 += usize::from(traces.ends_with("fsdp1"));
             zero += usize::from(traces.ends_with("zero"));
             bitsandbytes += usize::from(traces.ends_with("bitsandbytes"));
+            pp_cp_ep += usize::from(["pp", "cp", "ep"].iter().any(|d| traces.ends_with(d)));
         }
     }
     assert_eq!(
@@ -672,17 +695,19 @@ fn saved_traces_match_their_measurements() {
             ddp,
             fsdp1,
             zero,
-            bitsandbytes
+            bitsandbytes,
+            pp_cp_ep
         ),
         (
-            106 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES,
+            106 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES + PP_CP_EP,
             4,
             56,
             SHARDED,
             DDP,
             FSDP1,
             ZERO,
-            BITSANDBYTES
+            BITSANDBYTES,
+            PP_CP_EP
         )
     );
 }

@@ -138,7 +138,7 @@ pub enum Event {
     /// `["reduce", outputs, inputs]`: `outputs` sums of `inputs` values each, over a tensor's
     /// outer dimensions.
     Reduce { outputs: u64, inputs: u64 },
-    /// `["attention_backward", kernel, batch, heads, seq, head_dim, gqa, dtype_bytes]`.
+    /// `["attention_backward", kernel, batch, heads, seq, head_dim, gqa, dtype_bytes(, key_seq)]`.
     AttentionBackward(Box<AttentionBackward>),
     /// `["engine", index, awake]`: rollout engine `index` wakes (after `empty_cache()`) or
     /// goes to sleep.
@@ -170,6 +170,8 @@ pub struct AttentionBackward {
     pub gqa: bool,
     /// Bytes of an element of q, k and v.
     pub dtype_bytes: u64,
+    /// The key's rows: `seq` but where a ring attention step attends part of the queries.
+    pub key_seq: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

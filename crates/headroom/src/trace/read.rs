@@ -759,8 +759,9 @@ const EVENTS: [(&str, usize, usize, &str); 8] = [
     (
         "attention_backward",
         7,
-        7,
-        "[\"attention_backward\", kernel, batch, heads, seq, head_dim, gqa, dtype_bytes]",
+        8,
+        "[\"attention_backward\", kernel, batch, heads, seq, head_dim, gqa, dtype_bytes] or \
+         [..., dtype_bytes, key_seq]",
     ),
     ("engine", 2, 2, "[\"engine\", index, awake]"),
     (
@@ -982,6 +983,15 @@ fn attention<E: de::Error>(args: &[Scalar]) -> Result<AttentionBackward, E> {
         Scalar::Unsigned(n @ (1 | 2 | 4 | 8)) => n,
         ref other => return Err(refuse("dtype_bytes ", other, "use 1, 2, 4 or 8")),
     };
+    let key_seq = match args.get(7) {
+        Some(arg) => within(
+            "key_seq",
+            arg,
+            MAX_POSITIONS,
+            "headroom::limits::MAX_POSITIONS",
+        )?,
+        None => seq,
+    };
     Ok(AttentionBackward {
         kernel,
         batch,
@@ -990,6 +1000,7 @@ fn attention<E: de::Error>(args: &[Scalar]) -> Result<AttentionBackward, E> {
         head_dim,
         gqa,
         dtype_bytes,
+        key_seq,
     })
 }
 

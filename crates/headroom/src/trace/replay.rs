@@ -434,7 +434,7 @@ impl<'t> Replay<'t> {
         };
         match a.kernel {
             AttentionKernel::Flash | AttentionKernel::Cudnn => {
-                let bytes = shape.fused_backward_workspace(a.gqa, a.dtype_bytes);
+                let bytes = shape.fused_backward_workspace_over(a.key_seq, a.gqa, a.dtype_bytes);
                 let workspace = self.kernel_buffer(bytes, "attention backward workspace")?;
                 self.free(workspace);
             }
@@ -745,6 +745,31 @@ mod tests {
             assert_eq!(flash(gqa), peak_of(&[Ok(workspace)]));
         }
         assert!(flash(true) > flash(false));
+        // A ring attention step: half the queries against a whole chunk of keys, whose rows
+        // size the expanded dk and dv under grouped-query attention.
+        let ring = trace(
+            &[],
+            json!([[
+                "attention_backward",
+                "flash",
+                2,
+                16,
+                1000,
+                128,
+                true,
+                2,
+                2000
+            ]]),
+            &[],
+        );
+        assert_eq!(
+            replay(&ring, &h100(), Limit::None).peak_allocated_bytes,
+            peak_of(&[Ok(shape.fused_backward_workspace_over(2000, true, 2))])
+        );
+        assert!(
+            shape.fused_backward_workspace_over(2000, true, 2)
+                > shape.fused_backward_workspace(true, 2)
+        );
         let t = trace(
             &[],
             json!([[

@@ -315,17 +315,28 @@ impl QueryShape {
         self.batch * self.heads * self.seq * self.head_dim
     }
 
-    /// The one workspace of the flash and cuDNN backward: `softmax_d` (fp32 per row, rows
-    /// rounded to 128), an fp32 `dq_accum` (head dim rounded to 32) and 256 bytes; under
-    /// grouped-query attention also dk and dv expanded to the query's heads, in the inputs'
-    /// dtype of `dtype_bytes`.
+    /// The one workspace of the flash and cuDNN backward over as many key rows as query rows.
     pub(crate) fn fused_backward_workspace(&self, gqa: bool, dtype_bytes: u64) -> u64 {
+        self.fused_backward_workspace_over(self.seq, gqa, dtype_bytes)
+    }
+
+    /// The one workspace of the flash and cuDNN backward against `key_rows` key rows (a ring
+    /// attention step attends part of its queries to a whole chunk): `softmax_d` (fp32 per query
+    /// row, rows rounded to 128), an fp32 `dq_accum` (head dim rounded to 32) and 256 bytes;
+    /// under grouped-query attention also dk and dv expanded to the query's heads
+    /// (`key_rows` each), in the inputs' dtype of `dtype_bytes`.
+    pub(crate) fn fused_backward_workspace_over(
+        &self,
+        key_rows: u64,
+        gqa: bool,
+        dtype_bytes: u64,
+    ) -> u64 {
         let round = |x: u64, m: u64| x.div_ceil(m) * m;
         let (b, h) = (self.batch, self.heads);
         let (s_round, d_round) = (round(self.seq, 128), round(self.head_dim, 32));
         let mut workspace = b * h * s_round * 4 + b * s_round * h * d_round * 4 + 256;
         if gqa {
-            workspace += 2 * b * self.seq * h * self.head_dim * dtype_bytes;
+            workspace += 2 * b * key_rows * h * self.head_dim * dtype_bytes;
         }
         workspace
     }
@@ -477,8 +488,7 @@ pub(crate) fn ring(t: &mut Tracer, hd: Heads, q: T, k: T, v: T, batch: Batch, cp
             seq: rows,
             ..QueryShape::of(hd, batch)
         };
-        let expanded = 2 * batch.b * batch.s * hd.heads * hd.qk_dim * dtype.bytes();
-        shape.fused_backward_workspace(false, dtype.bytes()) + if gqa { expanded } else { 0 }
+        shape.fused_backward_workspace_over(batch.s, gqa, dtype.bytes())
     };
     let ring = Ring {
         cp,

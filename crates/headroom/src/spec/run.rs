@@ -398,11 +398,13 @@ pub struct MixedPrecision {
 
 impl Parallel {
     /// Whether ranks hold different amounts: DeepSpeed ZeRO cuts its flat buffer into
-    /// partitions at different parameters, so estimates simulate the first and the last rank
-    /// and report the one that needs more. FSDP2 and DDP ranks are alike (measured to the byte).
+    /// partitions at different parameters, and context parallelism's ring runs different steps
+    /// on each rank (bench/nccl-x2), so estimates simulate the first and the last rank and
+    /// report the one that needs more. FSDP2 and DDP ranks are alike (measured to the byte).
     pub fn ranks_differ(&self) -> bool {
         matches!(self.strategy, Strategy::Zero1 | Strategy::Zero2) && self.world_size > 1
             || self.pipeline.pp > 1
+            || self.tensor.cp > 1
     }
 }
 

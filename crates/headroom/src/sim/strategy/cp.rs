@@ -1,7 +1,8 @@
 //! Context parallelism as torchtitan applies it (torch 2.11's
 //! `torch.distributed.tensor.experimental.context_parallel`), on one rank of the
-//! context-parallel group (the ranks differ only in their ring's steps: rank 0 and the last
-//! are the extremes, see `engine::ring_attention`). The data-parallel strategy it wraps (FSDP2 over
+//! context-parallel group (the ranks differ only in their ring's steps: rank 0 runs only
+//! partial ones, the last rank only full ones, the ranks between both kinds; see
+//! `engine::ring_attention`). The data-parallel strategy it wraps (FSDP2 over
 //! `dp × cp` ranks, torchtitan's `dp_shard_cp` mesh, or tensor parallelism over that) runs
 //! its hooks as it does without it.
 //!

@@ -278,13 +278,15 @@ pub fn load_rows(path: &Path) -> Result<Vec<Row>> {
         };
         let gpu_name = v["env"]["gpu"].as_str().unwrap_or("NVIDIA H200");
         let gpu = gpu::from_device_name(gpu_name).map_err(|e| at(format!("row {id}: {e}")))?;
-        // A pipeline's ranks hold different stages: a record of every rank (real NCCL) is one
-        // row per rank, each against the estimate of its own stage.
-        let pipeline_ranks = m["ranks"]
-            .as_array()
-            .filter(|r| r.len() > 1)
-            .filter(|_| spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1));
-        if let Some(ranks) = pipeline_ranks {
+        // A pipeline's ranks hold different stages, context parallelism's run different ring
+        // steps: a record of every rank (real NCCL) is one row per rank, each against the
+        // estimate of its own rank.
+        let distinct_ranks = m["ranks"].as_array().filter(|r| r.len() > 1).filter(|_| {
+            spec.parallel
+                .as_ref()
+                .is_some_and(|p| p.pipeline.pp > 1 || p.tensor.cp > 1)
+        });
+        if let Some(ranks) = distinct_ranks {
             for r in ranks {
                 let rank = r["rank"]
                     .as_u64()

@@ -398,11 +398,25 @@ pub struct MixedPrecision {
 
 impl Parallel {
     /// Whether ranks hold different amounts: DeepSpeed ZeRO cuts its flat buffer into
-    /// partitions at different parameters, so estimates simulate the first and the last rank
-    /// and report the one that needs more. FSDP2 and DDP ranks are alike (measured to the byte).
+    /// partitions at different parameters, and context parallelism's ring runs different steps
+    /// on each rank (bench/nccl-x2), so estimates simulate the last rank and
+    /// [`Parallel::other_ranks`] and report the one that needs most. FSDP2 and DDP ranks are
+    /// alike (measured to the byte).
     pub fn ranks_differ(&self) -> bool {
         matches!(self.strategy, Strategy::Zero1 | Strategy::Zero2) && self.world_size > 1
             || self.pipeline.pp > 1
+            || self.tensor.cp > 1
+    }
+
+    /// The ranks an estimate simulates besides the last, where ranks differ outside pipelines:
+    /// rank 0; and, with a ring of 3 or more, its second rank (global rank `tp`), which runs
+    /// both kinds of ring step and so may need more than either end (`engine::ring_attention`).
+    pub fn other_ranks(&self) -> Vec<u64> {
+        let mut ranks = vec![0];
+        if self.tensor.cp > 2 {
+            ranks.push(self.tensor.tp);
+        }
+        ranks
     }
 }
 

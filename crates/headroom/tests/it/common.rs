@@ -17,10 +17,10 @@ pub fn rel(estimated: u64, measured: u64) -> f64 {
     (estimated as f64 - measured as f64) / measured as f64
 }
 
-/// The estimate of a measured sharded row (rank 0 of its world), after checking it: every
-/// forward, backward and optimizer peak of every step within `phase_limit`, the run's reserved
-/// peak within `reserved_limit` (relative errors), and the model's whole parameter count.
-/// Returns it and the phases checked.
+/// The estimate of a measured sharded row (one rank of its world, rank 0 for most) for the rank
+/// it recorded, after checking it: every forward, backward and optimizer peak of every step
+/// within `phase_limit`, the run's reserved peak within `reserved_limit` (relative errors), and
+/// the model's whole parameter count. Returns it and the phases checked.
 pub fn check_every_phase(
     row: &Value,
     phase_limit: f64,
@@ -30,8 +30,9 @@ pub fn check_every_phase(
     let spec = headroom::spec::RunSpec::from_value(&row["spec"]).expect(id);
     let gpu =
         headroom::gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
-    let est = headroom::estimate::estimate(&spec, None, &gpu).expect(id);
     let rank = &row["measured"]["ranks"][0];
+    let recorded = rank["rank"].as_u64().expect("rank");
+    let est = headroom::estimate::estimate_rank(&spec, None, &gpu, recorded).expect(id);
     let checked = check_phases(
         id,
         &est,

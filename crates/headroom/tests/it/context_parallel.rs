@@ -1,6 +1,7 @@
 //! Context-parallel estimates (torchtitan's: ring attention over SDPA, FSDP2 over dp × cp,
 //! optionally tensor parallelism) against bench/cp: rank 0 of worlds of 4 to 32 under torch's
-//! fake process group on one H100, 16k to 128k tokens; and the spec's checks of the layout.
+//! fake process group on one H100, 16k to 128k tokens; both ranks of cp 2 on real NCCL
+//! (bench/nccl-x2); and the spec's checks of the layout.
 
 use headroom::gpu;
 use headroom::spec::RunSpec;
@@ -25,6 +26,59 @@ fn every_phase_of_every_context_parallel_row() {
         .map(|row| common::check_every_phase(row, 0.002, 0.08).1)
         .sum();
     assert!(checked >= 108, "{checked} phases checked");
+}
+
+/// Both ranks of cp 2 under FSDP2 on real NCCL over 2 H200s, each against the estimate of its
+/// own rank: every phase of every step within 1e-5 (NCCL's work objects, 66 KB at most) and the
+/// reserved peak to the byte. Without checkpointing the ranks differ by one saved head-major
+/// copy of the attention output per layer (rank 0's `torch.cat` makes it, rank 1's full steps
+/// keep the flash output's layout), so the two estimates must differ too.
+#[test]
+fn each_rank_of_a_real_ring_as_measured() {
+    let rows = common::jsonl(&[include_str!(
+        "../../../../bench/nccl-x2/rows-nccl-h200x2-torch2.11.jsonl"
+    )]);
+    let mut checked = 0;
+    for row in rows.iter().filter(|r| r["spec"]["parallel"]["cp"] == 2) {
+        let id = row["id"].as_str().expect("id");
+        let spec = RunSpec::from_value(&row["spec"]).expect(id);
+        let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
+        let mut peaks = Vec::new();
+        for measured in row["measured"]["ranks"].as_array().expect("ranks") {
+            let rank = measured["rank"].as_u64().expect("rank");
+            let est = headroom::estimate::estimate_rank(&spec, None, &gpu, rank).expect(id);
+            for (step, record) in measured["steps"]
+                .as_array()
+                .expect("steps")
+                .iter()
+                .enumerate()
+            {
+                for (key, name) in [("fwd_peak", "forward"), ("bwd_peak", "backward")] {
+                    let phase = est
+                        .phases
+                        .iter()
+                        .find(|p| p.step == step as u32 + 1 && p.phase == name)
+                        .expect("phase");
+                    let err = common::rel(phase.peak_allocated, record[key].as_u64().expect(key));
+                    assert!(
+                        err.abs() < 1e-5,
+                        "{id} rank {rank} step {step} {name}: {err:+e}"
+                    );
+                    checked += 1;
+                }
+            }
+            assert_eq!(
+                est.peak_reserved_bytes,
+                measured["peak_reserved_bytes"].as_u64().expect("reserved"),
+                "{id} rank {rank}"
+            );
+            peaks.push(est.peak_allocated_bytes);
+        }
+        if row["spec"]["gradient_checkpointing"] == false {
+            assert!(peaks[0] > peaks[1], "{id}: {peaks:?}");
+        }
+    }
+    assert_eq!(checked, 2 * 2 * 3 * 2);
 }
 
 fn spec(seq_len: u64, parallel: Value) -> Value {

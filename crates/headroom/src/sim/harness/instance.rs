@@ -52,7 +52,8 @@ impl Instance {
     /// Build the model of `spec` as the harness does: the weights (loaded 4-bit, or created
     /// from the config on the GPU, on the host, or on the meta device and sharded), then
     /// `prepare_model_for_kbit_training`, peft, checkpointing and DDP, as rank `rank` sees
-    /// it (where ranks differ: DeepSpeed ZeRO's partitions); `None`: the last rank.
+    /// it (where ranks differ: DeepSpeed ZeRO's partitions, context parallelism's ring steps);
+    /// `None`: the last rank.
     pub(crate) fn build(
         t: &mut Tracer,
         spec: &RunSpec,
@@ -274,8 +275,15 @@ impl Instance {
         }
         // A context-parallel rank runs its `seq_len / cp` tokens of every sequence.
         let cp = parallel.map_or(1, |p| p.tensor.cp);
-        if cp > 1 {
-            wrapper = Strategy::Context(Box::new(ContextParallel { cp, data: wrapper }));
+        if let Some(p) = parallel.filter(|_| cp > 1) {
+            // torchtitan's mesh (dp_replicate, dp_shard, cp, tp), row-major: a global rank's
+            // place in its context-parallel group.
+            let global = rank.unwrap_or(p.world_size - 1).min(p.world_size - 1);
+            wrapper = Strategy::Context(Box::new(ContextParallel {
+                cp,
+                rank: global / p.tensor.tp % cp,
+                data: wrapper,
+            }));
         }
         model.strategy = RefCell::new(wrapper);
         Instance {

@@ -15,10 +15,10 @@ use crate::spec::{Framework, Home, Mode, Optimizer, Parallel, RunSpec, TrainerKi
 
 /// Simulate the run of `spec` on `arch` as `options` say.
 ///
-/// DeepSpeed ZeRO's ranks hold different partitions (see `strategy::zero`): the first and
-/// the last rank are simulated, and the one that needs more reported (an out-of-memory error
-/// first, then the larger reserved and allocated peaks). Without a limit another rank may
-/// need more, so such a run that runs out stops there.
+/// Where ranks differ (DeepSpeed ZeRO's partitions, see `strategy::zero`; context parallelism's
+/// ring steps) the last rank and [`Parallel::other_ranks`] are simulated, and the one that needs
+/// most reported (an out-of-memory error first, then the larger reserved and allocated peaks).
+/// Without a limit another rank may need more, so such a run that runs out stops there.
 pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
     let pipelined = spec.parallel.as_ref().is_some_and(|p| p.pipeline.pp > 1);
     if spec
@@ -62,10 +62,6 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
         rank: spec.parallel.as_ref().map_or(0, |p| p.world_size - 1),
         ..last
     };
-    if options.first_oom_ends_run && (last.oom.is_some() || last.refused.is_some()) {
-        return last;
-    }
-    let first = run(Some(0));
     let need = |s: &Simulation| {
         (
             s.refused.is_some(),
@@ -74,13 +70,23 @@ pub fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simul
             s.peak.allocated,
         )
     };
-    // The run is the one without a limit only where both ranks' are.
-    let unlimited = first.unlimited && last.unlimited;
-    let worst = if need(&first) > need(&last) {
-        first
-    } else {
-        last
-    };
+    let ran_out = |s: &Simulation| s.oom.is_some() || s.refused.is_some();
+    // The run is the one without a limit only where every rank's is.
+    let mut unlimited = last.unlimited;
+    let mut worst = last;
+    for rank in spec.parallel.as_ref().map_or(vec![], Parallel::other_ranks) {
+        if options.first_oom_ends_run && ran_out(&worst) {
+            break;
+        }
+        let sim = Simulation {
+            rank,
+            ..run(Some(rank))
+        };
+        unlimited &= sim.unlimited;
+        if need(&sim) > need(&worst) {
+            worst = sim;
+        }
+    }
     Simulation { unlimited, ..worst }
 }
 

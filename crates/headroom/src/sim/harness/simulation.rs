@@ -34,7 +34,8 @@ pub struct Options {
     /// Take a step that provably repeats the previous one from it instead of simulating it
     /// again (see `sim::memo`); tests turn it off to check that.
     pub repeat_steps: bool,
-    /// Where ranks differ, simulate this one instead of the worst of the first and last.
+    /// Where ranks differ, simulate this one instead of the worst of those an estimate picks
+    /// (`run::simulate`).
     pub only_rank: Option<u64>,
     /// A rank that runs out of memory ends the run: the ranks after it are not simulated, and
     /// the error reported is its own rather than the worst rank's (for a caller that only

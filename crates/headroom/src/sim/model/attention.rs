@@ -474,33 +474,52 @@ fn sdpa(
     out
 }
 
-/// `sdpa_attention_forward` under context parallelism over `cp` ranks: SDPA's flash kernel with
-/// `enable_gqa` as [`sdpa`] picks it, run as torch's ring (`Tracer::ring_attention`) on this
-/// rank's `batch.s` rows; the output comes back head-major, so `.transpose(1, 2).contiguous()`
-/// copies it. The flash backward's workspace is sized by the query rows of each step (all of
-/// them at step 0, the second half after) and, under grouped-query attention, by the key rows
-/// (always the whole chunk).
-pub(crate) fn ring(t: &mut Tracer, hd: Heads, q: T, k: T, v: T, batch: Batch, cp: u64) -> T {
+/// `sdpa_attention_forward` under context parallelism over `cp` ranks, on rank `rank`: SDPA's
+/// flash kernel with `enable_gqa` as [`sdpa`] picks it, run as torch's ring
+/// (`Tracer::ring_attention`) on this rank's `batch.s` rows; the output comes back head-major
+/// where a partial step's `torch.cat` made it so, and `.transpose(1, 2).contiguous()` copies
+/// it; the last rank runs only full steps, and its output is already sequence-major. The flash
+/// backward's workspace is sized by the query rows of each step (all of them at step 0 and in a
+/// full step, the second half in a partial one) and, under grouped-query attention, by the key
+/// rows (half the chunk in a full step).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ring(
+    t: &mut Tracer,
+    hd: Heads,
+    q: T,
+    k: T,
+    v: T,
+    batch: Batch,
+    cp: u64,
+    rank: u64,
+) -> T {
     let dtype = t.dtype(q);
     let gqa = hd.heads != hd.kv_heads;
-    let workspace = |rows: u64| {
+    let workspace = |rows: u64, key_rows: u64| {
         let shape = QueryShape {
             seq: rows,
             ..QueryShape::of(hd, batch)
         };
-        shape.fused_backward_workspace_over(batch.s, gqa, dtype.bytes())
+        shape.fused_backward_workspace_over(key_rows, gqa, dtype.bytes())
     };
     let ring = Ring {
         cp,
+        rank,
         batch: batch.b,
         heads: hd.heads,
         kv_heads: hd.kv_heads,
         seq: batch.s,
         head_dim: hd.qk_dim,
-        workspace_full: workspace(batch.s),
-        workspace_partial: workspace(batch.s / 2),
+        workspace_full: workspace(batch.s, batch.s),
+        workspace_partial: workspace(batch.s / 2, batch.s),
+        workspace_half_keys: workspace(batch.s, batch.s / 2),
     };
     let out = t.ring_attention(ring, q, k, v);
+    if ring.only_full_steps() {
+        // The merger's output kept the flash kernel's sequence-major layout through every
+        // full step's elementwise merge: the transpose is contiguous already, a view.
+        return out;
+    }
     let copy = t.contiguous_copy(out);
     t.drop(out);
     copy

@@ -1051,9 +1051,13 @@ impl Model {
             cache.borrow_mut().push(entry);
         }
         let sinks = layer.sinks.map(|p| t.param(p));
-        let cp = self.strategy.borrow().context_parallel().map(|c| c.cp);
+        let cp = self
+            .strategy
+            .borrow()
+            .context_parallel()
+            .map(|c| (c.cp, c.rank));
         let out = match cp {
-            Some(cp) => attention::ring(t, Heads::of(a), q, k, v, batch, cp),
+            Some((cp, rank)) => attention::ring(t, Heads::of(a), q, k, v, batch, cp, rank),
             None => attention::attention(
                 t,
                 a,

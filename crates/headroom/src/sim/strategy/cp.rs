@@ -1,6 +1,8 @@
 //! Context parallelism as torchtitan applies it (torch 2.11's
-//! `torch.distributed.tensor.experimental.context_parallel`), as rank 0 of the
-//! context-parallel group sees it. The data-parallel strategy it wraps (FSDP2 over
+//! `torch.distributed.tensor.experimental.context_parallel`), on one rank of the
+//! context-parallel group (the ranks differ only in their ring's steps: rank 0 runs only
+//! partial ones, the last rank only full ones, the ranks between both kinds; see
+//! `engine::ring_attention`). The data-parallel strategy it wraps (FSDP2 over
 //! `dp × cp` ranks, torchtitan's `dp_shard_cp` mesh, or tensor parallelism over that) runs
 //! its hooks as it does without it.
 //!
@@ -22,6 +24,8 @@ use super::Strategy;
 pub(crate) struct ContextParallel {
     /// Ranks of the context-parallel group.
     pub(crate) cp: u64,
+    /// This rank's place in it.
+    pub(crate) rank: u64,
     /// The strategy of the other mesh dimensions.
     pub(crate) data: Strategy,
 }

@@ -237,13 +237,14 @@ pub(crate) enum Bwd {
     },
 }
 
-/// One layer's ring attention (`ring_attention`) on this rank: its local queries (`batch`,
-/// `heads`, `seq`, `head_dim`) and keys and values of `kv_heads`, and what the flash backward
-/// allocates beside the gradients for a full step and for a partial one (half the queries,
-/// all keys).
+/// One layer's ring attention (`ring_attention`) on context-parallel rank `rank`: its local
+/// queries (`batch`, `heads`, `seq`, `head_dim`) and keys and values of `kv_heads`, and what
+/// the flash backward allocates beside the gradients for step 0 (all queries, all keys), a
+/// partial step (half the queries, all keys) and a full one (all queries, half the keys).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Ring {
     pub cp: u64,
+    pub rank: u64,
     pub batch: u64,
     pub heads: u64,
     pub kv_heads: u64,
@@ -251,6 +252,7 @@ pub(crate) struct Ring {
     pub head_dim: u64,
     pub workspace_full: u64,
     pub workspace_partial: u64,
+    pub workspace_half_keys: u64,
 }
 
 /// What the backward of TRL's chunked log-prob function needs to know

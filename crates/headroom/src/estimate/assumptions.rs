@@ -151,7 +151,7 @@ impl Assumptions {
                         "measuring harness's"
                     }
                 ),
-                Some(modelled) if version.is(modelled) => continue,
+                Some(_) if library.models(version) => continue,
                 Some(modelled) => format!(
                     "{} {version} is not modelled; the estimate follows {} {}",
                     library.key(),

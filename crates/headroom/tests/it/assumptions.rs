@@ -127,6 +127,23 @@ fn warnings_appear_exactly_where_something_is_carried_over() {
             .to_string(),
         "4.46"
     );
+
+    // 4.49 to 4.52 share 4.51's code (bench/transformers-older): followed without a warning;
+    // 4.48 still computes the loss on shifted logits, which is not modelled.
+    for (given, warnings) in [
+        ("4.50", vec![]),
+        ("4.52.4", vec![]),
+        (
+            "4.48.3",
+            vec!["transformers 4.48.3 is not modelled; the estimate follows transformers 5.17.0"],
+        ),
+    ] {
+        let run = spec(&format!(
+            "{{model: qwen2.5-0.5b, batch_size: 1, seq_len: 256, versions: {{transformers: \"{given}\"}}}}"
+        ));
+        let est = estimate::estimate(&run, None, &Gpu::default()).unwrap();
+        assert_eq!(est.assumptions.warnings, warnings, "{given}");
+    }
 }
 
 /// A pipeline's versions hold for its instances unless one gives its own; each version not

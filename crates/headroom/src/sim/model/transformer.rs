@@ -232,6 +232,9 @@ pub(crate) struct Model {
     /// are repeated and each layer saves an additive bias; 5.x returns `None` there. Its
     /// `position_ids` are a view of `cache_position`, alive until the forward returns.
     pub transformers_4_57: bool,
+    /// The modeling code is transformers 4.49 to 4.52's: SDPA gets keys and values repeated
+    /// to every query head and contiguous copies of its inputs (`Heads::contiguous_inputs`).
+    pub sdpa_contiguous_inputs: bool,
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
@@ -443,6 +446,7 @@ impl Model {
             inputs_require_grads: false,
             strategy: RefCell::new(Strategy::Local),
             transformers_4_57: false,
+            sdpa_contiguous_inputs: false,
             kv_cache: None,
             adapters_disabled: false,
             liger: liger::Kernels::default(),
@@ -1057,7 +1061,10 @@ impl Model {
             None => attention::attention(
                 t,
                 a,
-                Heads::of(a),
+                Heads {
+                    contiguous_inputs: self.sdpa_contiguous_inputs,
+                    ..Heads::of(a)
+                },
                 self.attention,
                 q,
                 k,

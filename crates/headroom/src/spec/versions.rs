@@ -104,19 +104,22 @@ impl Library {
 
     /// Older releases the simulator also translates, where they allocate differently from
     /// [`Library::modelled`] (bench/transformers-4.57: 4.57 materialises the causal mask;
-    /// bench/transformers-older: 4.51 repeats keys and values for SDPA).
+    /// bench/transformers-older: 4.46 and 4.51 repeat keys and values for SDPA, 4.46 copies
+    /// the shifted logits in its loss).
     pub fn also_modelled(self) -> &'static [Version] {
         match self {
-            Library::Transformers => &[TRANSFORMERS_4_51, TRANSFORMERS_4_57],
+            Library::Transformers => &[TRANSFORMERS_4_46, TRANSFORMERS_4_51, TRANSFORMERS_4_57],
             _ => &[],
         }
     }
 
     /// The minor releases whose code allocates as the measured release `release` does, as
-    /// read in their source (bench/transformers-older/README.md): 4.49 to 4.52 share 4.51's
-    /// `sdpa_attention_forward`, loss and `_update_causal_mask`.
+    /// read in their source (bench/transformers-older/README.md): 4.47 keeps 4.46's attention
+    /// classes and loss; 4.49 to 4.52 share 4.51's `sdpa_attention_forward`, loss and
+    /// `_update_causal_mask`.
     fn same_code(self, release: Version) -> std::ops::RangeInclusive<u32> {
         match (self, release) {
+            (Library::Transformers, TRANSFORMERS_4_46) => 46..=47,
             (Library::Transformers, TRANSFORMERS_4_51) => 49..=52,
             _ => release.minor..=release.minor,
         }
@@ -155,6 +158,9 @@ impl Library {
         }
     }
 }
+
+/// transformers 4.46.3, measured in bench/transformers-older (4.47 alike).
+pub const TRANSFORMERS_4_46: Version = Version::new(4, 46, 3);
 
 /// transformers 4.51.3, measured in bench/transformers-older (4.49 to 4.52 alike).
 pub const TRANSFORMERS_4_51: Version = Version::new(4, 51, 3);
@@ -274,7 +280,15 @@ mod tests {
         assert_eq!(t.followed(Some(v("4.57.0"))), Some(TRANSFORMERS_4_57));
         assert!(!t.models(v("4.57.0")));
         assert!(t.models(v("4.57.1")));
-        for given in ["4.48.3", "4.53", "4.46"] {
+        for given in ["4.46", "4.47.1"] {
+            assert_eq!(
+                t.followed(Some(v(given))),
+                Some(TRANSFORMERS_4_46),
+                "{given}"
+            );
+            assert!(t.models(v(given)), "{given}");
+        }
+        for given in ["4.45", "4.48.3", "4.53"] {
             assert_eq!(t.followed(Some(v(given))), t.modelled(), "{given}");
             assert!(!t.models(v(given)), "{given}");
         }

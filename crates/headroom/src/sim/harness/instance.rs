@@ -134,6 +134,7 @@ impl Instance {
         let transformers = spec.versions.followed(spec::Library::Transformers);
         model.transformers_4_57 = transformers == Some(spec::TRANSFORMERS_4_57);
         model.sdpa_contiguous_inputs = transformers == Some(spec::TRANSFORMERS_4_51);
+        model.shifts_logits = transformers == Some(spec::TRANSFORMERS_4_46);
         let on_gpu = home == Home::Gpu
             && !offloaded_unsharded
             && !matches!(

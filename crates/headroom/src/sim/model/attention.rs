@@ -251,8 +251,10 @@ pub(crate) struct Heads {
     /// The query is a contiguous head-major tensor (MLA concatenates it): fused kernels then
     /// write their output head-major too, and `.transpose(1, 2).contiguous()` copies it.
     pub head_major_query: bool,
-    /// transformers 4.49 to 4.52's `sdpa_attention_forward`: keys and values go through
-    /// `repeat_kv` whatever the mask (no `enable_gqa`), and query, key and value through
+    /// transformers before 4.53: keys and values go through `repeat_kv` whatever the mask
+    /// (no `enable_gqa`).
+    pub repeated_inputs: bool,
+    /// transformers 4.49 to 4.52's `sdpa_attention_forward`: query, key and value go through
     /// `.contiguous()`; the query's copy is head-major, so is the kernel's output.
     pub contiguous_inputs: bool,
 }
@@ -266,6 +268,7 @@ impl Heads {
                 qk_dim: mla.qk_head_dim(),
                 v_dim: mla.v_head_dim,
                 head_major_query: true,
+                repeated_inputs: false,
                 contiguous_inputs: false,
             },
             None => Heads {
@@ -274,6 +277,7 @@ impl Heads {
                 qk_dim: a.head_dim,
                 v_dim: a.head_dim,
                 head_major_query: false,
+                repeated_inputs: false,
                 contiguous_inputs: false,
             },
         }
@@ -415,7 +419,7 @@ fn sdpa(
     dropout: bool,
 ) -> T {
     let groups = hd.heads / hd.kv_heads;
-    let enable_gqa = !hd.contiguous_inputs && groups > 1 && mask.is_none() && hd.qk_dim <= 256;
+    let enable_gqa = !hd.repeated_inputs && groups > 1 && mask.is_none() && hd.qk_dim <= 256;
     let (k, v) = if enable_gqa {
         (t.share(k), t.share(v))
     } else {

@@ -235,6 +235,10 @@ pub(crate) struct Model {
     /// The modeling code is transformers 4.49 to 4.52's: SDPA gets keys and values repeated
     /// to every query head and contiguous copies of its inputs (`Heads::contiguous_inputs`).
     pub sdpa_contiguous_inputs: bool,
+    /// The modeling code is transformers 4.46-4.47's: SDPA gets keys and values repeated to
+    /// every query head (`Heads::repeated_inputs`), and the loss copies the shifted logits
+    /// (`heads::shifted_logits_loss`).
+    pub shifts_logits: bool,
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
@@ -447,6 +451,7 @@ impl Model {
             strategy: RefCell::new(Strategy::Local),
             transformers_4_57: false,
             sdpa_contiguous_inputs: false,
+            shifts_logits: false,
             kv_cache: None,
             adapters_disabled: false,
             liger: liger::Kernels::default(),
@@ -1062,6 +1067,7 @@ impl Model {
                 t,
                 a,
                 Heads {
+                    repeated_inputs: self.sdpa_contiguous_inputs || self.shifts_logits,
                     contiguous_inputs: self.sdpa_contiguous_inputs,
                     ..Heads::of(a)
                 },

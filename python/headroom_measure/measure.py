@@ -98,6 +98,16 @@ def lora_targets_in_use(model) -> dict | None:
     }
 
 
+def dtype_kwarg(dtype) -> dict:
+    """The keyword that sets the dtype of `from_config` / `from_pretrained`: `dtype` from
+    transformers 4.56 on, `torch_dtype` before (older releases pass an unknown `dtype` on to the
+    model's `__init__`, which refuses it)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
 def _auto_class(spec: Spec):
     import transformers
 
@@ -115,7 +125,7 @@ def _build(spec: Spec, cfg, device: str = "cuda"):
         from transformers import BitsAndBytesConfig
 
         with torch.device("cuda"):
-            model = cls.from_config(cfg, dtype=torch.bfloat16, attn_implementation=spec.attention)
+            model = cls.from_config(cfg, **dtype_kwarg(torch.bfloat16), attn_implementation=spec.attention)
         tmp = tempfile.mkdtemp(prefix="headroom-ckpt-")
         model.save_pretrained(tmp)
         del model
@@ -130,7 +140,7 @@ def _build(spec: Spec, cfg, device: str = "cuda"):
         model = cls.from_pretrained(
             tmp,
             quantization_config=bnb,
-            dtype=torch.bfloat16,
+            **dtype_kwarg(torch.bfloat16),
             device_map={"": 0},
             attn_implementation=spec.attention,
             **_experts_kwargs(spec),
@@ -139,7 +149,7 @@ def _build(spec: Spec, cfg, device: str = "cuda"):
         return model
     dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
     with torch.device(device):
-        return cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
+        return cls.from_config(cfg, **dtype_kwarg(dtype), attn_implementation=spec.attention)
 
 
 def _prepare(spec: Spec, model):

@@ -661,3 +661,65 @@ fn transformers_4_57_builds_the_causal_mask_as_the_h100_run_did() {
     ];
     assert_eq!(simulated, recorded);
 }
+
+/// transformers 4.49 to 4.52 hand SDPA keys and values repeated to every query head and
+/// contiguous inputs (`sdpa_attention_forward`: `repeat_kv`, then `.contiguous()`), so the
+/// flash kernel writes its output head-major and `.transpose(1, 2).contiguous()` copies it:
+/// per layer and forward, two `repeat_kv` copies, the query's copy and the output's, none of
+/// which 5.17 makes; 4.46-4.47 repeat too, and shift the logits rather than the labels
+/// (bench/transformers-older, qwen2.5-0.5b measured within 0.01% under both).
+#[test]
+fn transformers_4_46_and_4_51_repeat_keys_and_values_for_sdpa() {
+    let dir = tempfile::tempdir().unwrap();
+    let count = |release: &str| {
+        let spec = dir.path().join(format!("q05-{release}.json"));
+        std::fs::write(
+            &spec,
+            format!(
+                r#"{{"model": "qwen2.5-0.5b", "precision": "bf16", "optimizer": "adamw",
+                "batch_size": 2, "seq_len": 512, "attention": "sdpa",
+                "versions": {{"transformers": "{release}"}}}}"#
+            ),
+        )
+        .unwrap();
+        let timeline = dir.path().join(format!("timeline-{release}.jsonl"));
+        stdout(&headroom(&[
+            "estimate",
+            spec.to_str().unwrap(),
+            "--timeline",
+            timeline.to_str().unwrap(),
+        ]));
+        let events: Vec<Value> = std::fs::read_to_string(&timeline)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let allocs = |label: &str, bytes: i64| {
+            events
+                .iter()
+                .filter(|e| e["alloc"] == true && e["label"] == label && e["bytes"] == bytes)
+                .count()
+        };
+        // (b, heads, s, head_dim) in bf16: 2 * 14 * 512 * 64 * 2 bytes.
+        let per_head_major = 2 * 14 * 512 * 64 * 2;
+        let vocab = 151_936;
+        (
+            allocs("repeat_kv", per_head_major),
+            allocs("x.contiguous()", per_head_major),
+            allocs("x.contiguous()", 2 * 511 * vocab * 4),
+            allocs("grad of slice (zeros + copy)", 2 * 512 * vocab * 4),
+        )
+    };
+    // 24 layers, 3 steps: 2 repeats and 2 copies (query and output) per layer and forward.
+    assert_eq!(count("4.51.3"), (2 * 24 * 3, 2 * 24 * 3, 0, 0));
+    // 4.46's `Qwen2SdpaAttention` repeats without copying; its loss copies the shifted fp32
+    // logits, (b, s - 1, vocab), and backward scatters their gradient into (b, s, vocab).
+    let vocab = 151_936;
+    assert_eq!(
+        count("4.46.3"),
+        (2 * 24 * 3, 0, 3, 3),
+        "shifted logits of {} bytes",
+        2 * 511 * vocab * 4
+    );
+    assert_eq!(count("5.17"), (0, 0, 0, 0));
+}

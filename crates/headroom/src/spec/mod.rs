@@ -38,7 +38,9 @@ pub(crate) use run::{
 pub use trainer::{
     Colocated, DpoSpec, GrpoSpec, ReferencePrecision, TrainerKind, TrainerSpec, Vllm,
 };
-pub use versions::{Library, TRANSFORMERS_4_57, Version, Versions};
+pub use versions::{
+    Library, TRANSFORMERS_4_46, TRANSFORMERS_4_51, TRANSFORMERS_4_57, Version, Versions,
+};
 
 use crate::error::Result;
 

@@ -103,24 +103,46 @@ impl Library {
     }
 
     /// Older releases the simulator also translates, where they allocate differently from
-    /// [`Library::modelled`] (bench/transformers-4.57: 4.57 materialises the causal mask).
+    /// [`Library::modelled`] (bench/transformers-4.57: 4.57 materialises the causal mask;
+    /// bench/transformers-older: 4.46 and 4.51 repeat keys and values for SDPA, 4.46 copies
+    /// the shifted logits in its loss).
     pub fn also_modelled(self) -> &'static [Version] {
         match self {
-            Library::Transformers => &[TRANSFORMERS_4_57],
+            Library::Transformers => &[TRANSFORMERS_4_46, TRANSFORMERS_4_51, TRANSFORMERS_4_57],
             _ => &[],
         }
     }
 
-    /// The release an estimate follows when a spec gives `given`: the modelled release of
-    /// the same major.minor, else [`Library::modelled`].
+    /// The minor releases whose code allocates as the measured release `release` does, as
+    /// read in their source (bench/transformers-older/README.md): 4.47 keeps 4.46's attention
+    /// classes and loss; 4.49 to 4.52 share 4.51's `sdpa_attention_forward`, loss and
+    /// `_update_causal_mask`.
+    fn same_code(self, release: Version) -> std::ops::RangeInclusive<u32> {
+        match (self, release) {
+            (Library::Transformers, TRANSFORMERS_4_46) => 46..=47,
+            (Library::Transformers, TRANSFORMERS_4_51) => 49..=52,
+            _ => release.minor..=release.minor,
+        }
+    }
+
+    /// The release an estimate follows when a spec gives `given`: the modelled release whose
+    /// minor releases hold `given`, else [`Library::modelled`].
     pub fn followed(self, given: Option<Version>) -> Option<Version> {
-        let same_minor =
-            |m: &&Version| given.is_some_and(|g| (g.major, g.minor) == (m.major, m.minor));
+        let holds = |m: &&Version| {
+            given.is_some_and(|g| g.major == m.major && self.same_code(**m).contains(&g.minor))
+        };
         self.also_modelled()
             .iter()
-            .find(same_minor)
+            .find(holds)
             .copied()
             .or(self.modelled())
+    }
+
+    /// Whether an estimate of a run on `given` follows what that release allocates: `given`
+    /// names the release followed, or is one of the minor releases sharing its code.
+    pub fn models(self, given: Version) -> bool {
+        self.followed(Some(given))
+            .is_some_and(|followed| given.is(followed) || self.same_code(followed).count() > 1)
     }
 
     /// The release the simulator translates, as the measuring machines ran it
@@ -136,6 +158,12 @@ impl Library {
         }
     }
 }
+
+/// transformers 4.46.3, measured in bench/transformers-older (4.47 alike).
+pub const TRANSFORMERS_4_46: Version = Version::new(4, 46, 3);
+
+/// transformers 4.51.3, measured in bench/transformers-older (4.49 to 4.52 alike).
+pub const TRANSFORMERS_4_51: Version = Version::new(4, 51, 3);
 
 /// transformers 4.57.1, measured in bench/transformers-4.57.
 pub const TRANSFORMERS_4_57: Version = Version::new(4, 57, 1);
@@ -235,6 +263,35 @@ mod tests {
         assert_eq!(v.given(Library::Peft).unwrap().to_string(), "0.21");
         assert_eq!(v.given(Library::Deepspeed), None);
         assert_eq!(Versions::from_value(None).unwrap(), Versions::default());
+    }
+
+    #[test]
+    fn releases_sharing_modelled_code_follow_the_measured_one() {
+        let v = |s: &str| Version::parse(s).unwrap();
+        let t = Library::Transformers;
+        for given in ["4.49", "4.50.3", "4.51.3", "4.52.4"] {
+            assert_eq!(
+                t.followed(Some(v(given))),
+                Some(TRANSFORMERS_4_51),
+                "{given}"
+            );
+            assert!(t.models(v(given)), "{given}");
+        }
+        assert_eq!(t.followed(Some(v("4.57.0"))), Some(TRANSFORMERS_4_57));
+        assert!(!t.models(v("4.57.0")));
+        assert!(t.models(v("4.57.1")));
+        for given in ["4.46", "4.47.1"] {
+            assert_eq!(
+                t.followed(Some(v(given))),
+                Some(TRANSFORMERS_4_46),
+                "{given}"
+            );
+            assert!(t.models(v(given)), "{given}");
+        }
+        for given in ["4.45", "4.48.3", "4.53"] {
+            assert_eq!(t.followed(Some(v(given))), t.modelled(), "{given}");
+            assert!(!t.models(v(given)), "{given}");
+        }
     }
 
     #[test]

@@ -132,16 +132,19 @@ impl Instance {
         } else {
             (first..t.params.len()).map(|p| t.numel(t.param(p))).sum()
         };
-        let transformers_4_57 =
-            spec.versions.followed(spec::Library::Transformers) == Some(spec::TRANSFORMERS_4_57);
-        model.transformers_4_57 = transformers_4_57;
+        let transformers = spec.versions.followed(spec::Library::Transformers);
+        model.transformers_4_57 = transformers == Some(spec::TRANSFORMERS_4_57);
+        model.sdpa_contiguous_inputs = transformers == Some(spec::TRANSFORMERS_4_51);
+        model.shifts_logits = transformers == Some(spec::TRANSFORMERS_4_46);
         let on_gpu = home == Home::Gpu
             && !offloaded_unsharded
             && !matches!(
                 strategy,
                 Some(spec::Strategy::Fsdp | spec::Strategy::Fsdp1 | spec::Strategy::Zero3)
             );
-        if transformers_4_57 && arch.family == crate::arch::Family::Gpt2 && on_gpu {
+        // 4.x's `GPT2Attention` registers a causal `bias` buffer; 5.x does not.
+        let transformers_4 = transformers.is_some_and(|v| v.major == 4);
+        if transformers_4 && arch.family == crate::arch::Family::Gpt2 && on_gpu {
             Model::gpt2_causal_buffers(t, arch);
         }
         let mut wrapper = Strategy::Local;

@@ -251,6 +251,12 @@ pub(crate) struct Heads {
     /// The query is a contiguous head-major tensor (MLA concatenates it): fused kernels then
     /// write their output head-major too, and `.transpose(1, 2).contiguous()` copies it.
     pub head_major_query: bool,
+    /// transformers before 4.53: keys and values go through `repeat_kv` whatever the mask
+    /// (no `enable_gqa`).
+    pub repeated_inputs: bool,
+    /// transformers 4.49 to 4.52's `sdpa_attention_forward`: query, key and value go through
+    /// `.contiguous()`; the query's copy is head-major, so is the kernel's output.
+    pub contiguous_inputs: bool,
 }
 
 impl Heads {
@@ -262,6 +268,8 @@ impl Heads {
                 qk_dim: mla.qk_head_dim(),
                 v_dim: mla.v_head_dim,
                 head_major_query: true,
+                repeated_inputs: false,
+                contiguous_inputs: false,
             },
             None => Heads {
                 heads: a.heads,
@@ -269,6 +277,8 @@ impl Heads {
                 qk_dim: a.head_dim,
                 v_dim: a.head_dim,
                 head_major_query: false,
+                repeated_inputs: false,
+                contiguous_inputs: false,
             },
         }
     }
@@ -420,7 +430,7 @@ fn sdpa(
     dropout: bool,
 ) -> T {
     let groups = hd.heads / hd.kv_heads;
-    let enable_gqa = groups > 1 && mask.is_none() && hd.qk_dim <= 256;
+    let enable_gqa = !hd.repeated_inputs && groups > 1 && mask.is_none() && hd.qk_dim <= 256;
     let (k, v) = if enable_gqa {
         (t.share(k), t.share(v))
     } else {
@@ -429,10 +439,30 @@ fn sdpa(
             repeat_kv(t, v, groups, hd.kv_heads),
         )
     };
+    let (q, k, v) = if hd.contiguous_inputs {
+        // `repeat_kv`'s copy is contiguous already; the rotated query, and keys and values
+        // left as views (one group, or one head), are copied.
+        let copied = |t: &mut Tracer, x: T, already: bool| {
+            let out = if already {
+                t.share(x)
+            } else {
+                t.contiguous_copy(x)
+            };
+            t.drop(x);
+            out
+        };
+        let q = t.share(q);
+        let q = copied(t, q, hd.head_major_query);
+        let repeated = groups > 1 && hd.kv_heads > 1;
+        (q, copied(t, k, repeated), copied(t, v, repeated))
+    } else {
+        (t.share(q), k, v)
+    };
+    let head_major = hd.head_major_query || hd.contiguous_inputs;
     let v_c = t.autocast_input(v);
     let k_c = t.autocast_input(k);
     let q_c = t.autocast_input(q);
-    t.drop_all(&[k, v]);
+    t.drop_all(&[q, k, v]);
     let dtype = t.dtype(q_c);
     // `convert_boolean_attn_mask`: a boolean mask becomes an additive one, (b, 1, s, s).
     let bias = mask.map(|_| {
@@ -450,7 +480,7 @@ fn sdpa(
     let out = match kernel {
         Kernel::Flash | Kernel::Cudnn => {
             let out = fused(t, hd, kernel, q_c, k_c, v_c, bias, batch, enable_gqa);
-            if hd.head_major_query {
+            if head_major {
                 let copy = t.contiguous_copy(out);
                 t.drop(out);
                 copy

@@ -3,6 +3,7 @@
 
 use super::Batch;
 use super::transformer::Model;
+use crate::arch::Family;
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{Bwd, T, Tracer};
@@ -68,6 +69,9 @@ fn causal_lm_loss(t: &mut Tracer, model: &Model, hidden: T, batch: Batch) -> (T,
 
 /// `ForCausalLMLoss(logits, labels)`: fp32 logits, shifted labels, cross entropy.
 pub(crate) fn for_causal_lm_loss(t: &mut Tracer, model: &Model, logits: T, batch: Batch) -> T {
+    if model.shifts_logits && model.strategy.borrow().tensor_parallel().is_none() {
+        return shifted_logits_loss(t, model, logits, batch);
+    }
     let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
     let logits32 = t.to(logits, DType::F32);
     t.component = Component::Inputs;
@@ -93,6 +97,41 @@ pub(crate) fn for_causal_lm_loss(t: &mut Tracer, model: &Model, logits: T, batch
     drop(strategy);
     t.drop(log_probs);
     t.drop_all(&[logits32, padded, shift]);
+    t.component = outer;
+    loss
+}
+
+/// transformers 4.46-4.47's loss, which shifts the logits rather than the labels:
+/// `ForCausalLMLoss` upcasts them, then copies `logits[..., :-1, :].contiguous()` (an fp32
+/// copy beside the upcast one; backward scatters its gradient into zeros of the full size).
+/// GPT-2's own loss makes the same copy without the upcast, and `CrossEntropyLoss` runs on
+/// the activation dtype.
+fn shifted_logits_loss(t: &mut Tracer, model: &Model, logits: T, batch: Batch) -> T {
+    let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
+    let rows = batch.b * (batch.s - 1);
+    let upcast = model.arch.family != Family::Gpt2;
+    let source = if upcast {
+        t.to(logits, DType::F32)
+    } else {
+        t.share(logits)
+    };
+    let sliced = t.slice(source, rows * model.arch.vocab);
+    let shifted = t.contiguous_copy(sliced);
+    t.drop(sliced);
+    t.component = Component::Inputs;
+    let labels = t.empty(rows, DType::I64, "labels[..., 1:].contiguous()");
+    t.component = Component::LogitsAndLoss;
+    // `cross_entropy_loss` calls `log_softmax(x, dtype=x.dtype)`, which autocast runs as
+    // it is; autocast casts `nll_loss`'s input to fp32.
+    let log_probs = t.log_softmax(shifted);
+    let nll_input = match t.autocast_dtype() {
+        Some(_) => t.to(log_probs, DType::F32),
+        None => t.share(log_probs),
+    };
+    let loss = t.nll_loss(nll_input, labels);
+    t.drop(nll_input);
+    // The function's locals (the upcast logits, their shifted copy) live until it returns.
+    t.drop_all(&[log_probs, labels, shifted, source]);
     t.component = outer;
     loss
 }

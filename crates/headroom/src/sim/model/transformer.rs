@@ -232,6 +232,13 @@ pub(crate) struct Model {
     /// are repeated and each layer saves an additive bias; 5.x returns `None` there. Its
     /// `position_ids` are a view of `cache_position`, alive until the forward returns.
     pub transformers_4_57: bool,
+    /// The modeling code is transformers 4.49 to 4.52's: SDPA gets keys and values repeated
+    /// to every query head and contiguous copies of its inputs (`Heads::contiguous_inputs`).
+    pub sdpa_contiguous_inputs: bool,
+    /// The modeling code is transformers 4.46-4.47's: SDPA gets keys and values repeated to
+    /// every query head (`Heads::repeated_inputs`), and the loss copies the shifted logits
+    /// (`heads::shifted_logits_loss`).
+    pub shifts_logits: bool,
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
@@ -443,6 +450,8 @@ impl Model {
             inputs_require_grads: false,
             strategy: RefCell::new(Strategy::Local),
             transformers_4_57: false,
+            sdpa_contiguous_inputs: false,
+            shifts_logits: false,
             kv_cache: None,
             adapters_disabled: false,
             liger: liger::Kernels::default(),
@@ -1061,7 +1070,11 @@ impl Model {
             None => attention::attention(
                 t,
                 a,
-                Heads::of(a),
+                Heads {
+                    repeated_inputs: self.sdpa_contiguous_inputs || self.shifts_logits,
+                    contiguous_inputs: self.sdpa_contiguous_inputs,
+                    ..Heads::of(a)
+                },
                 self.attention,
                 q,
                 k,

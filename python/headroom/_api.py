@@ -200,11 +200,12 @@ def snapshot(path: PathLike) -> dict:
     return _call(_native.snapshot, os.fspath(path))
 
 
-def replay(path: PathLike, alloc_conf: Optional[str] = None) -> dict:
-    """`headroom replay FILE [--alloc-conf STR] --json`: a snapshot's (or a `headroom trace`
-    file's) allocations through the allocator simulator, under its own or another allocator
-    setting (`"expandable_segments:True"`)."""
-    return _call(_native.replay, os.fspath(path), alloc_conf)
+def replay(path: PathLike, alloc_conf: Optional[str] = None, ignore_addresses: bool = False) -> dict:
+    """`headroom replay FILE [--alloc-conf STR] [--ignore-addresses] --json`: a snapshot's (or a
+    `headroom trace` file's) allocations through the allocator simulator, under its own or
+    another allocator setting (`"expandable_segments:True"`); `ignore_addresses` places new
+    segments as an estimate does instead of at the snapshot's recorded addresses."""
+    return _call(_native.replay, os.fspath(path), alloc_conf, ignore_addresses)
 
 
 def gpu_of_device(device_name: str) -> str:

@@ -67,6 +67,10 @@ def test_snapshot_and_replay_are_the_clis():
     assert headroom.replay(snap) == cli_json("replay", str(snap))
     what_if = headroom.replay(snap, alloc_conf="expandable_segments:True")
     assert what_if == cli_json("replay", str(snap), "--alloc-conf", "expandable_segments:True")
+    ddp = REPO / "bench/distributed/h200x2/ddp-q15.pickle.gz"
+    placed = headroom.replay(ddp, ignore_addresses=True)
+    assert placed["ignore_addresses"] is True
+    assert placed == cli_json("replay", str(ddp), "--ignore-addresses")
 
 
 def test_a_bad_field_is_a_spec_error_with_field_value_and_allowed():

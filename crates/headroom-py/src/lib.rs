@@ -159,16 +159,22 @@ fn snapshot(py: Python<'_>, file: PathBuf) -> PyResult<String> {
     })
 }
 
-/// `headroom replay FILE [--alloc-conf STR] --json`.
+/// `headroom replay FILE [--alloc-conf STR] [--ignore-addresses] --json`.
 #[pyfunction]
-#[pyo3(signature = (file, alloc_conf=None))]
-fn replay(py: Python<'_>, file: PathBuf, alloc_conf: Option<String>) -> PyResult<String> {
+#[pyo3(signature = (file, alloc_conf=None, ignore_addresses=false))]
+fn replay(
+    py: Python<'_>,
+    file: PathBuf,
+    alloc_conf: Option<String>,
+    ignore_addresses: bool,
+) -> PyResult<String> {
     run(py, || {
         cmd::replay::json(&cmd::replay::Args {
             file,
             json: true,
             alloc_conf,
             plot: None,
+            ignore_addresses,
         })
     })
 }

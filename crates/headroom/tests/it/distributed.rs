@@ -345,3 +345,68 @@ fn native_events(spec: &RunSpec) -> Vec<headroom::sim::SimulatedEvent> {
     .expect("estimate");
     events
 }
+
+/// DeepSpeed 0.18.2 makes Qwen3-MoE's sparse MoE block a ZeRO-3 leaf module
+/// (`leaf_module_config.py`), as the trace of
+/// `moe-dist/qwen3-30b-a3b/L8/zero3/bf16/bs2/s2048/gc/w8`
+/// (bench/trace/zero, replayed within 0.001% of the measured peak) records it: step 1 gathers
+/// the router and both expert stacks in one flat buffer at the block (1,208,483,840 bytes);
+/// from step 2 a prefetch bucket stops at the experts, which come before the router, so the
+/// first flat buffer is the attention's and `gate_up_proj` (843,055,104) and every later one
+/// the router's with the next layer's (843,579,392); the blocks' gradients are reduced by
+/// their backward hook, in the trace's buckets; and the attention weights the forward
+/// gathers stay gathered until their backward (a linear's release sees no parameter of a
+/// later leaf), which puts rank 0's peak where the measurement has it.
+#[test]
+fn zero3_moe_blocks_are_leaves_as_deepspeed_makes_them() {
+    let rows = common::jsonl(&[include_str!(
+        "../../../../bench/moe/dist-rows-h100-torch2.11-fake8.jsonl"
+    )]);
+    let row = rows
+        .iter()
+        .find(|r| r["id"] == "moe-dist/qwen3-30b-a3b/L8/zero3/bf16/bs2/s2048/gc/w8")
+        .expect("the ZeRO-3 row");
+    let spec = RunSpec::from_value(&row["spec"]).expect("spec");
+    let events = native_events(&spec);
+    let allocated = |label: &str| -> Vec<u64> {
+        events
+            .iter()
+            .filter(|e| e.alloc && e.label.starts_with(label))
+            .map(|e| e.bytes)
+            .collect()
+    };
+    let gathers = allocated("ZeRO-3 all_gather");
+    let (mib, kib) = (1 << 20, 1 << 10);
+    let step1_layer0 = [16 * mib, 4 * kib, 1_208_483_840, 4 * kib, 16 * mib];
+    assert!(
+        gathers.windows(5).any(|w| w == step1_layer0),
+        "step 1's block gather: {:?}",
+        &gathers[..20]
+    );
+    let step2 = [
+        622_329_856,
+        843_055_104,
+        402_653_184,
+        843_579_392,
+        402_653_184,
+        843_579_392,
+    ];
+    assert!(
+        gathers.windows(6).any(|w| w == step2),
+        "step 2's prefetches: {gathers:?}"
+    );
+    let mut buckets = vec![622_333_952];
+    buckets.extend([440_934_912; 8]);
+    assert_eq!(
+        allocated("reduce_scatter_coalesced flat")[9..18],
+        buckets[..],
+        "step 2's reduce-scatter buckets"
+    );
+    let gpu = gpu::from_device_name(row["env"]["gpu"].as_str().expect("gpu")).expect("gpu");
+    let est = headroom::estimate::estimate_rank(&spec, None, &gpu, 0).expect("estimate");
+    let measured =
+        headroom::validate::ranks_steps_peak(row["measured"]["ranks"].as_array().expect("ranks"))
+            .expect("steps");
+    let err = rel(est.peak_allocated_bytes, measured);
+    assert!(err.abs() < 0.0005, "peak allocated {err:+.5}");
+}

@@ -137,7 +137,11 @@ impl Model {
         self.module_pre_forward(t, ModuleKey::Params(router.weight), &params, true);
         let routed = match moe.router {
             Router::Softmax | Router::SoftmaxFp32 => {
-                let logits = t.linear(x, router.weight, None, e, false);
+                // `hidden_states.reshape(-1, self.hidden_dim)`: the input's gradient reaches
+                // the block after the router weight's `AccumulateGrad` (and its hooks).
+                let flat = t.reshape(x, "hidden_states.reshape(-1, hidden_dim)");
+                let logits = t.linear(flat, router.weight, None, e, false);
+                t.drop(flat);
                 let logits_dtype = t.dtype(logits);
                 let probs = t.softmax_f32(logits);
                 self.keep_router_logits(t, logits);

@@ -431,3 +431,34 @@ fn zero3_moe_blocks_are_leaves_as_deepspeed_makes_them() {
     let err = rank0_peak_error(&row, &spec, &gpu);
     assert!(err.abs() < 0.0005, "peak allocated {err:+.5}");
 }
+
+/// On one rank too, a leaf MoE block's gradients wait for its backward hook: the layer's
+/// `down_proj` gradient (402,653,184 bytes) is still held when `gate_up_proj`'s
+/// (805,306,368) is made, where a parameter's own gradient hook would have copied it into
+/// the bucket and freed it first.
+#[test]
+fn zero3_one_rank_holds_a_leaf_blocks_gradients_until_its_hook() {
+    let (mut row, _, _) = moe_dist_row("moe-dist/qwen3-30b-a3b/L8/zero3/bf16/bs2/s2048/gc/w8");
+    row["spec"]["parallel"]["world_size"] = 1.into();
+    row["spec"]["parallel"]["shard_size"] = 1.into();
+    row["spec"]["model_config"]["num_hidden_layers"] = 2.into();
+    let spec = RunSpec::from_value(&row["spec"]).expect("spec");
+    let events = native_events(&spec);
+    let grad = "grad of expert weights (_grouped_mm)";
+    let down = events
+        .iter()
+        .position(|e| e.alloc && e.label == grad && e.bytes == 402_653_184)
+        .expect("a down_proj gradient");
+    let gate_up = down
+        + events[down..]
+            .iter()
+            .position(|e| e.alloc && e.label == grad && e.bytes == 805_306_368)
+            .expect("its gate_up_proj gradient");
+    let address = events[down].address;
+    assert!(
+        !events[down..gate_up]
+            .iter()
+            .any(|e| !e.alloc && e.address == address),
+        "down_proj's gradient was freed before gate_up_proj's was made"
+    );
+}

@@ -137,7 +137,7 @@ impl Tracer {
                     out.push(needs(i).map(|_| self.share(g)));
                 }
             }
-            Bwd::AddScalar | Bwd::Clone | Bwd::HeadSplit { copy: false } => {
+            Bwd::AddScalar | Bwd::Clone | Bwd::View | Bwd::HeadSplit { copy: false } => {
                 out.push(Some(self.share(g)))
             }
             Bwd::HeadSplit { copy: true } => out.push(Some(

@@ -58,6 +58,15 @@ impl Tracer {
         out
     }
 
+    /// `x.view(...)` or `x.reshape(...)` of a contiguous tensor: it allocates nothing, and its
+    /// `ViewBackward0` passes the gradient on only when the engine runs it (after any
+    /// `AccumulateGrad` made ready beside it).
+    pub(crate) fn reshape(&mut self, x: T, label: &'static str) -> T {
+        let out = self.view(x, self.numel(x), label);
+        self.record(Bwd::View, &[Some(x)], &[out], &[]);
+        out
+    }
+
     pub(crate) fn add_scalar(&mut self, x: T) -> T {
         let out = self.empty(self.numel(x), self.dtype(x), "x + scalar");
         self.record(Bwd::AddScalar, &[Some(x)], &[out], &[]);

@@ -29,6 +29,55 @@ impl Model {
         self.arch.moe.as_ref().expect("an MoE family")
     }
 
+    /// The parameters of decoder layer `index`'s sparse MoE block where DeepSpeed makes the
+    /// block a ZeRO-3 leaf module: the classes of `leaf_module_config.py`'s
+    /// `DEFAULT_LEAF_MODULE_CLASSES` (Mixtral's, Qwen2-MoE's and Qwen3-MoE's
+    /// `*SparseMoeBlock`), which `engine._configure_distributed_model` flags whatever the
+    /// stage; only ZeRO-3's hooks read the flag.
+    pub(crate) fn zero3_leaf_block(&self, index: usize) -> Option<Vec<ParamId>> {
+        let moe = self.arch.moe.as_ref()?;
+        let leaf = matches!(
+            self.arch.family,
+            Family::Mixtral | Family::Qwen2Moe | Family::Qwen3Moe
+        );
+        if !leaf || !moe.routes(index as u64) {
+            return None;
+        }
+        let layer = &self.layers[index];
+        let router = layer.router.expect("router");
+        let experts = layer.experts.expect("experts");
+        let loras = [experts.gate_up_lora, experts.down_lora]
+            .into_iter()
+            .flatten()
+            .flat_map(|l| [l.a, l.b]);
+        let shared = [
+            layer.shared_gate,
+            layer.shared_up,
+            layer.shared_down,
+            layer.shared_expert_gate,
+        ]
+        .into_iter()
+        .flatten()
+        .flat_map(|l| {
+            [
+                Some(l.weight),
+                l.bias,
+                l.lora.map(|a| a.a),
+                l.lora.map(|a| a.b),
+            ]
+            .into_iter()
+            .flatten()
+        });
+        Some(
+            std::iter::once(router.weight)
+                .chain(router.bias)
+                .chain(experts.params())
+                .chain(loras)
+                .chain(shared)
+                .collect(),
+        )
+    }
+
     /// The sparse MoE block of decoder layer `index` on the post-attention norm's output `x`.
     pub(crate) fn moe_block(&self, t: &mut Tracer, index: usize, x: T) -> T {
         let layer = &self.layers[index];
@@ -88,7 +137,11 @@ impl Model {
         self.module_pre_forward(t, ModuleKey::Params(router.weight), &params, true);
         let routed = match moe.router {
             Router::Softmax | Router::SoftmaxFp32 => {
-                let logits = t.linear(x, router.weight, None, e, false);
+                // `hidden_states.reshape(-1, self.hidden_dim)`: the input's gradient reaches
+                // the block after the router weight's `AccumulateGrad` (and its hooks).
+                let flat = t.reshape(x, "hidden_states.reshape(-1, hidden_dim)");
+                let logits = t.linear(flat, router.weight, None, e, false);
+                t.drop(flat);
                 let logits_dtype = t.dtype(logits);
                 let probs = t.softmax_f32(logits);
                 self.keep_router_logits(t, logits);

@@ -901,12 +901,15 @@ impl Model {
             Some(norm) => self.hooked_norm(t, h2, norm),
             None => t.share(h2),
         };
-        self.module_pre_forward(t, ModuleKey::Mlp(index), &[], true);
         let routes = self
             .arch
             .moe
             .as_ref()
             .is_some_and(|m| m.routes(index as u64));
+        match self.zero3_leaf_block(index) {
+            Some(params) => self.module_pre_forward(t, ModuleKey::MoeLeaf(index), &params, true),
+            None => self.module_pre_forward(t, ModuleKey::Mlp(index), &[], true),
+        }
         let block = self.block_input(t, x);
         let mut m = if routes {
             self.moe_block(t, index, block)

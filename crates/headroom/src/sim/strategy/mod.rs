@@ -97,6 +97,10 @@ pub(crate) enum ModuleKey {
     Layer(usize),
     Attention(usize),
     Mlp(usize),
+    /// A sparse MoE block DeepSpeed makes a ZeRO-3 leaf (`z3_leaf_module`): its hooks fetch
+    /// and release every parameter beneath it, the modules beneath it have none, and its
+    /// parameters' gradients are reduced by its full backward hook.
+    MoeLeaf(usize),
     Activation(usize),
 }
 
@@ -210,10 +214,8 @@ impl Strategy {
         if let Some(data) = self.wrapped_mut() {
             return data.module_pre_forward(t, module, params, input_grad);
         }
-        if let Strategy::Zero3(zero3) = self
-            && let Some(g) = zero3.gathers.as_mut()
-        {
-            g.pre_forward(t, module, params, input_grad);
+        if let Strategy::Zero3(zero3) = self {
+            zero3.gathers.pre_forward(t, module, params, input_grad);
         }
     }
 
@@ -222,10 +224,8 @@ impl Strategy {
         if let Some(data) = self.wrapped_mut() {
             return data.module_post_forward(t);
         }
-        if let Strategy::Zero3(zero3) = self
-            && let Some(g) = zero3.gathers.as_mut()
-        {
-            g.post_forward(t);
+        if let Strategy::Zero3(zero3) = self {
+            zero3.gathers.post_forward(t);
         }
     }
 
@@ -234,10 +234,8 @@ impl Strategy {
         if let Some(data) = self.wrapped_mut() {
             return data.recompute_ends(t);
         }
-        if let Strategy::Zero3(zero3) = self
-            && let Some(g) = zero3.gathers.as_mut()
-        {
-            g.recompute_ends(t);
+        if let Strategy::Zero3(zero3) = self {
+            zero3.gathers.recompute_ends(t);
         }
     }
 
@@ -246,10 +244,8 @@ impl Strategy {
         if let Some(data) = self.wrapped_mut() {
             return data.backward_begins();
         }
-        if let Strategy::Zero3(zero3) = self
-            && let Some(g) = zero3.gathers.as_mut()
-        {
-            g.backward_begins();
+        if let Strategy::Zero3(zero3) = self {
+            zero3.gathers.backward_begins();
         }
     }
 
@@ -261,11 +257,7 @@ impl Strategy {
         match self {
             Strategy::Fsdp(fsdp) => fsdp.pre_backward(t, unit),
             Strategy::Fsdp1(fsdp1) => fsdp1.pre_backward(t, unit),
-            Strategy::Zero3(zero3) => {
-                if let Some(g) = zero3.gathers.as_mut() {
-                    g.unit_backward_begins(t, unit);
-                }
-            }
+            Strategy::Zero3(zero3) => zero3.gathers.unit_backward_begins(t, unit),
             _ => {}
         }
     }
@@ -278,11 +270,7 @@ impl Strategy {
         match self {
             Strategy::Fsdp(fsdp) => fsdp.unit_backward_done(t, unit),
             Strategy::Fsdp1(fsdp1) => fsdp1.post_backward(t, unit),
-            Strategy::Zero3(zero3) => {
-                if let Some(g) = zero3.gathers.as_mut() {
-                    g.unit_backward_done(t, unit);
-                }
-            }
+            Strategy::Zero3(zero3) => zero3.unit_backward_done(t, unit),
             _ => {}
         }
     }

@@ -64,6 +64,18 @@
 //!   parameters again at its end (a flat buffer each, default stream). The gradients are
 //!   whole-size; the IPG bucket and `reduce_scatter_coalesced` are as above.
 //!
+//! - MoE leaf modules (checked against the trace of
+//!   `moe-dist/qwen3-30b-a3b/L8/zero3/bf16/bs2/s2048/gc/w8`, bench/trace/zero): DeepSpeed
+//!   0.18.2 flags Mixtral's, Qwen2-MoE's and Qwen3-MoE's sparse MoE blocks as leaves
+//!   (`leaf_module_config.py`), on one rank too. A leaf's hooks fetch and release every
+//!   parameter beneath it (in `ds_id` order: the experts before the router, so a prefetch
+//!   bucket stops at the experts); the modules beneath it have no hooks. Its parameters have
+//!   no gradient hooks: its full backward hook reduces them all once its input's gradient
+//!   is made, before its post-backward release. `__params_to_release` reads the later
+//!   modules with the released module's `recurse`: a linear's release sees no parameter of
+//!   a later MoE block, so under the 1e9-element reuse distance the attention weights the
+//!   forward gathers stay gathered until their backward.
+//!
 //! - `offload_param` (checked against `h200x1/zero3-offload-params-q15-4l-nogc-w1-rank0.pickle.gz`,
 //!   with frames): `zero.Init` makes each partition on the host (the whole parameter is still
 //!   made and freed on the GPU), engine construction keeps them there (no flat buffer, no
@@ -123,9 +135,10 @@ pub(crate) struct Zero3 {
     /// The parameters whose gradients the IPG bucket holds, and their elements.
     bucket: Vec<usize>,
     bucket_elements: u64,
-    /// The per-module gathers of several ranks (or of `offload_param`); `None` on one rank,
-    /// where a gather only hands each parameter its partition.
-    pub(crate) gathers: Option<Gathers>,
+    /// The per-module gathers (on one rank without `offload_param` a gather only hands each
+    /// parameter its partition, but the hooks still run: a leaf module's gradients wait for
+    /// its backward).
+    pub(crate) gathers: Gathers,
 }
 
 impl Zero3 {
@@ -265,8 +278,7 @@ impl Zero3 {
             masters,
             bucket: Vec::new(),
             bucket_elements: 0,
-            gathers: (world > 1 || offload_params)
-                .then(|| Gathers::new(t, trainable, world, offload_params)),
+            gathers: Gathers::new(t, trainable, world, offload_params),
         }
     }
 
@@ -301,8 +313,7 @@ impl Zero3 {
             optimizers: Vec::new(),
             bucket: Vec::new(),
             bucket_elements: 0,
-            gathers: (world > 1 || parallel.offload_params)
-                .then(|| Gathers::new(t, params, world, parallel.offload_params)),
+            gathers: Gathers::new(t, params, world, parallel.offload_params),
         }
     }
 
@@ -311,7 +322,7 @@ impl Zero3 {
     /// the bf16 partitions too.
     pub(crate) fn host_bytes(&self) -> u64 {
         let partitions = self.partitions.iter().sum::<u64>();
-        let params = if self.gathers.as_ref().is_some_and(|g| g.offload) {
+        let params = if self.gathers.offload {
             self.dtype.bytes() * partitions
         } else {
             0
@@ -322,9 +333,35 @@ impl Zero3 {
         params + (4 * 4 + self.dtype.bytes()) * partitions
     }
 
-    /// The gradient hook (`reduce_partition_and_remove_grads` →
-    /// `reduce_independent_p_g_buckets_and_remove_grads`).
+    /// The gradient hook (`reduce_partition_and_remove_grads`); a leaf module's parameters
+    /// have none (their gradients wait for [`Self::unit_backward_done`]).
     pub(crate) fn grad_hook(&mut self, t: &mut Tracer, param: ParamId) {
+        if self.gathers.in_leaf(param) {
+            return;
+        }
+        self.reduce_ready(t, param);
+    }
+
+    /// Module `unit`'s backward has run: a leaf's full backward hook
+    /// (`reduce_leaf_module_grads`: each parameter's gradient, zeros where it has none, into
+    /// the bucket), then its post-backward hook.
+    pub(crate) fn unit_backward_done(&mut self, t: &mut Tracer, unit: u32) {
+        for param in self.gathers.leaf_params(unit) {
+            if t.params[param].grad.is_none() {
+                let p = t.param(param);
+                let outer = std::mem::replace(&mut t.component, Component::Gradients);
+                let zeros = t.empty(t.numel(p), t.dtype(p), "torch.zeros_like(param) (leaf)");
+                t.component = outer;
+                t.params[param].grad = Some(zeros);
+            }
+            self.reduce_ready(t, param);
+        }
+        self.gathers.unit_backward_done(t, unit);
+    }
+
+    /// `reduce_independent_p_g_buckets_and_remove_grads`: the bucket reduced first where the
+    /// gradient would overflow it, then the gradient copied in.
+    fn reduce_ready(&mut self, t: &mut Tracer, param: ParamId) {
         let Some(index) = self.params.iter().position(|&p| p == param) else {
             return;
         };
@@ -405,13 +442,9 @@ impl Zero3 {
 
     /// `engine.step()`: the gradient norm, then per sub-group the fp32 gradient and AdamW.
     pub(crate) fn step(&mut self, t: &mut Tracer) {
-        if let Some(g) = self.gathers.as_mut() {
-            g.release_all(t);
-        }
+        self.gathers.release_all(t);
         self.step_sub_groups(t);
-        if let Some(g) = self.gathers.as_mut() {
-            g.gather_persistent(t);
-        }
+        self.gathers.gather_persistent(t);
     }
 
     fn step_sub_groups(&mut self, t: &mut Tracer) {

@@ -53,6 +53,11 @@ struct ModuleRec {
     parent: Option<u32>,
     /// Whether its input requires grad: only then does its post-backward hook run.
     post_backward: bool,
+    /// A ZeRO-3 leaf (`ModuleKey::MoeLeaf`): its parameters are every one beneath it, and
+    /// it holds none of its own.
+    leaf: bool,
+    /// The modules whose forward it called.
+    children: Vec<u32>,
 }
 
 pub(crate) struct Gathers {
@@ -75,9 +80,18 @@ pub(crate) struct Gathers {
     modules: Vec<ModuleRec>,
     keys: HashMap<ModuleKey, u32>,
     stack: Vec<u32>,
+    /// Inside a leaf module: 1 for the leaf itself, plus the modules entered beneath it,
+    /// which have no hooks.
+    leaf_depth: u32,
+    /// Per parameter, whether a leaf module holds it (its gradient waits for the leaf's
+    /// backward hook).
+    in_leaf: Vec<bool>,
     entered: Vec<bool>,
     mode: TraceMode,
     order: Vec<u32>,
+    /// Per module, once the trace is complete, every parameter beneath it (its own and its
+    /// children's, recursively), each once as `iter_params(recurse=True)` yields them.
+    subtree: Vec<Vec<usize>>,
     param_order: Vec<(usize, u64)>,
     queue: VecDeque<(usize, u64)>,
     most_recent: Vec<i64>,
@@ -106,9 +120,12 @@ impl Gathers {
             modules: Vec::new(),
             keys: HashMap::new(),
             stack: Vec::new(),
+            leaf_depth: 0,
+            in_leaf: vec![false; n],
             entered: Vec::new(),
             mode: TraceMode::Invalid,
             order: Vec::new(),
+            subtree: Vec::new(),
             param_order: Vec::new(),
             queue: VecDeque::new(),
             most_recent: vec![i64::MIN; n],
@@ -128,11 +145,23 @@ impl Gathers {
             .collect();
         own.sort_unstable();
         own.dedup();
+        let leaf = matches!(key, ModuleKey::MoeLeaf(_));
+        if leaf {
+            for &p in &own {
+                self.in_leaf[p] = true;
+            }
+        }
         let id = self.modules.len() as u32;
+        let parent = self.stack.last().copied();
+        if let Some(parent) = parent {
+            self.modules[parent as usize].children.push(id);
+        }
         self.modules.push(ModuleRec {
             params: own,
-            parent: self.stack.last().copied(),
+            parent,
             post_backward: input_grad,
+            leaf,
+            children: Vec::new(),
         });
         self.keys.insert(key, id);
         id
@@ -140,7 +169,8 @@ impl Gathers {
 
     /// A module's forward pre-hook (`_pre_forward_module_hook`); the root's first resets the
     /// step (`_start_of_forward_hook`). A recomputation that has every tensor it needs has
-    /// stopped: nothing after it runs.
+    /// stopped: nothing after it runs. The modules beneath a leaf have no hooks
+    /// (`_register_deepspeed_module` stops at it).
     pub(crate) fn pre_forward(
         &mut self,
         t: &mut Tracer,
@@ -151,6 +181,10 @@ impl Gathers {
         if t.recompute_done() {
             return;
         }
+        if self.leaf_depth > 0 {
+            self.leaf_depth += 1;
+            return;
+        }
         if key == ModuleKey::Root {
             self.reset_step(t);
         }
@@ -158,6 +192,9 @@ impl Gathers {
         self.stack.push(m);
         t.unit = Some(m);
         self.fetch(t, m);
+        if self.modules[m as usize].leaf {
+            self.leaf_depth = 1;
+        }
     }
 
     /// A module's forward post-hook: its parameters released.
@@ -165,6 +202,11 @@ impl Gathers {
         if t.recompute_done() {
             return;
         }
+        if self.leaf_depth > 1 {
+            self.leaf_depth -= 1;
+            return;
+        }
+        self.leaf_depth = 0;
         let Some(m) = self.stack.pop() else {
             return;
         };
@@ -175,6 +217,7 @@ impl Gathers {
     /// The end of a recomputation (stopped early inside a module whose post-hooks never ran).
     pub(crate) fn recompute_ends(&mut self, t: &mut Tracer) {
         self.stack.clear();
+        self.leaf_depth = 0;
         t.unit = None;
     }
 
@@ -198,6 +241,22 @@ impl Gathers {
         for &u in chain.iter().rev() {
             self.fetch(t, u);
         }
+    }
+
+    /// Whether `param`'s gradient waits for its leaf module's backward hook instead of
+    /// being reduced as `AccumulateGrad` stores it.
+    pub(crate) fn in_leaf(&self, param: ParamId) -> bool {
+        self.index.get(&param).is_some_and(|&p| self.in_leaf[p])
+    }
+
+    /// The parameters of module `unit` where it is a leaf, in `model.parameters()` order:
+    /// those its full backward hook reduces (`reduce_leaf_module_grads`).
+    pub(crate) fn leaf_params(&self, unit: u32) -> Vec<ParamId> {
+        let m = &self.modules[unit as usize];
+        if !m.leaf {
+            return Vec::new();
+        }
+        m.params.iter().map(|&p| self.params[p]).collect()
     }
 
     /// Module `unit`'s backward has run: its post-backward hook (only where its input
@@ -231,6 +290,9 @@ impl Gathers {
                             .iter()
                             .map(move |&p| (p, step as u64))
                     })
+                    .collect();
+                self.subtree = (0..self.modules.len() as u32)
+                    .map(|m| self.subtree_of(m))
                     .collect();
                 self.mode = TraceMode::Complete;
             }
@@ -312,15 +374,16 @@ impl Gathers {
         let h = self.handles.len();
         let handle = if self.world == 1 {
             // `_no_gather_coalesced`: each parameter becomes `ds_tensor.to(device)`, a copy
-            // of its host partition.
+            // of its host partition, or the partition itself where it is on the GPU.
             t.component = Component::Weights;
             for &p in &params {
-                let copy = t.empty(
-                    self.numels[p],
-                    self.dtype,
-                    "ZeRO-3 parameter copied to the GPU (offload_param)",
-                );
-                self.gathered[p] = Some(copy);
+                self.gathered[p] = self.offload.then(|| {
+                    t.empty(
+                        self.numels[p],
+                        self.dtype,
+                        "ZeRO-3 parameter copied to the GPU (offload_param)",
+                    )
+                });
             }
             Handle {
                 flat: None,
@@ -421,9 +484,24 @@ impl Gathers {
         }
     }
 
+    /// Every parameter beneath module `m`, sorted.
+    fn subtree_of(&self, m: u32) -> Vec<usize> {
+        let rec = &self.modules[m as usize];
+        let mut all = rec.params.clone();
+        for &c in &rec.children {
+            all.extend(self.subtree_of(c));
+        }
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
     /// `release_sub_module`: while the trace is recorded every parameter of the module goes;
     /// once complete, only those not used again within `max_reuse_distance` elements of the
-    /// module order, not prefetched for a later use, and not persistent.
+    /// module order, not prefetched for a later use, and not persistent. The later modules'
+    /// parameters are read as `__params_to_release` reads them, with `recurse` set by the
+    /// module released: a leaf sees every parameter beneath each later module, any other
+    /// module only each later module's own, none of a leaf's.
     fn release(&mut self, t: &mut Tracer, m: u32) {
         let params = self.modules[m as usize].params.clone();
         if params.is_empty() {
@@ -433,12 +511,20 @@ impl Gathers {
         if self.mode == TraceMode::Complete {
             let step = self.step_id as i64;
             release.retain(|&p| !self.persist[p] && self.most_recent[p] <= step);
+            let leaf = self.modules[m as usize].leaf;
             let mut traversed = 0;
             for &later in &self.order[(self.step_id as usize).min(self.order.len())..] {
                 if traversed >= MAX_REUSE_DISTANCE || release.is_empty() {
                     break;
                 }
-                for &p in &self.modules[later as usize].params {
+                let seen: &[usize] = if leaf {
+                    &self.subtree[later as usize]
+                } else if self.modules[later as usize].leaf {
+                    &[]
+                } else {
+                    &self.modules[later as usize].params
+                };
+                for &p in seen {
                     release.retain(|&r| r != p);
                     traversed += self.numels[p];
                 }

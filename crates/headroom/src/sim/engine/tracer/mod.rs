@@ -91,6 +91,9 @@ pub(crate) enum Bwd {
     Split,
     /// `.contiguous()` of a non-contiguous tensor: a copy.
     Clone,
+    /// `x.view(...)` or `x.reshape(...)` of a contiguous tensor (`ViewBackward0`): the
+    /// gradient passes through, one node later.
+    View,
     /// `.view(b, s, heads, d).transpose(1, 2)` of a projection's output. Backward reshapes the
     /// gradient back; that copies when the gradient arrives head-major (after rotary
     /// embeddings or eager attention), not when it comes from flash attention.

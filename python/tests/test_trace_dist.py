@@ -42,20 +42,6 @@ def tiny_parameter_numels():
 
 
 class RefusalTest(unittest.TestCase):
-    def test_strategies_the_tracer_cannot_run_are_refused_by_name(self):
-        for parallel, key, reason in (
-            ({"strategy": "fsdp", "pp": 2}, "`parallel.pp: 2`", "pipeline schedules"),
-            ({"strategy": "fsdp", "cp": 2}, "`parallel.cp: 2`", "context parallelism"),
-        ):
-            spec = {**TINY, "parallel": {**parallel, "world_size": 2}}
-            with tempfile.TemporaryDirectory() as tmp:
-                out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
-            self.assertEqual(out.returncode, 2, out.stderr)
-            self.assertIn(key, out.stderr)
-            self.assertIn(reason, out.stderr)
-            self.assertIn("`headroom estimate` models", out.stderr)
-            self.assertNotIn("Traceback", out.stderr)
-
     def test_megatron_is_refused_though_its_strategy_is_ddp(self):
         spec = {**TINY, "parallel": {"strategy": "ddp", "world_size": 2, "framework": "megatron"}}
         with tempfile.TemporaryDirectory() as tmp:

@@ -723,3 +723,29 @@ fn transformers_4_46_and_4_51_repeat_keys_and_values_for_sdpa() {
     );
     assert_eq!(count("5.17"), (0, 0, 0, 0));
 }
+
+/// transformers 4.46-4.47 copy the shifted fp32 logits in their loss, modelled on one head; over
+/// a vocabulary-parallel head the estimate refuses the release by name (4.51 runs).
+#[test]
+fn tensor_parallelism_under_transformers_4_46_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = |version: &str| {
+        let path = dir.path().join(format!("tp-{version}.yaml"));
+        std::fs::write(
+            &path,
+            format!(
+                "model: qwen2.5-7b\nprecision: bf16\nbatch_size: 1\nseq_len: 1024\n\
+                 parallel: {{strategy: none, world_size: 2, tp: 2, sequence_parallel: true}}\n\
+                 versions: {{transformers: \"{version}\"}}\n"
+            ),
+        )
+        .unwrap();
+        path.display().to_string()
+    };
+    let err = bad_input(&["estimate", &spec("4.46.3")]);
+    assert!(
+        err.contains("transformers 4.46-4.47 with parallel.tp 2"),
+        "{err}"
+    );
+    stdout(&headroom(&["estimate", &spec("4.51.3")]));
+}

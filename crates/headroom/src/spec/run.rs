@@ -939,6 +939,19 @@ impl RunSpec {
                 "a `mode: forward` pass has no optimizer; use optimizer: none or leave it out",
             ));
         }
+        let tp = self.parallel.as_ref().map_or(1, |p| p.tensor.tp);
+        if tp > 1
+            && self.versions.followed(super::Library::Transformers)
+                == Some(super::TRANSFORMERS_4_46)
+        {
+            return Err(Error::Unsupported {
+                what: format!("transformers 4.46-4.47 with parallel.tp {tp}"),
+                supported: "4.46-4.47 without tensor parallelism (their loss copies the shifted \
+                            fp32 logits, which is not modelled over a vocabulary-parallel head), \
+                            or tensor parallelism with transformers 4.49 and later"
+                    .into(),
+            });
+        }
         Ok(())
     }
 

@@ -69,7 +69,7 @@ fn causal_lm_loss(t: &mut Tracer, model: &Model, hidden: T, batch: Batch) -> (T,
 
 /// `ForCausalLMLoss(logits, labels)`: fp32 logits, shifted labels, cross entropy.
 pub(crate) fn for_causal_lm_loss(t: &mut Tracer, model: &Model, logits: T, batch: Batch) -> T {
-    if model.shifts_logits && model.strategy.borrow().tensor_parallel().is_none() {
+    if model.shifts_logits {
         return shifted_logits_loss(t, model, logits, batch);
     }
     let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);

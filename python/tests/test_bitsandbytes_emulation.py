@@ -6,17 +6,7 @@ import unittest
 from .test_trace import has_torch
 
 
-def has_bitsandbytes() -> bool:
-    if not has_torch():
-        return False
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@unittest.skipUnless(has_bitsandbytes(), "torch, transformers and bitsandbytes are not installed")
+@unittest.skipUnless(has_torch("bitsandbytes"), "torch, transformers and bitsandbytes are not installed")
 class Optimizer8bitTest(unittest.TestCase):
     def step(self):
         """Two steps of `AdamW8bit` over a large and a small bf16 parameter, recorded: the

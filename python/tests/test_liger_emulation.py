@@ -7,18 +7,7 @@ import unittest
 from .test_trace import has_torch
 
 
-def has_liger() -> bool:
-    if not has_torch():
-        return False
-    try:
-        import liger_kernel  # noqa: F401
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@unittest.skipUnless(has_liger(), "torch, transformers and liger-kernel are not installed")
+@unittest.skipUnless(has_torch("liger_kernel", "triton"), "torch, transformers and liger-kernel are not installed")
 class LigerOnTheGpuTest(unittest.TestCase):
     ROWS, WIDTH = 64, 32
 

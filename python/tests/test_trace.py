@@ -26,10 +26,13 @@ def run(*args, env_extra=None):
     return subprocess.run([sys.executable, "-m", "headroom_measure", *args], capture_output=True, text=True, env=env)
 
 
-def has_torch() -> bool:
+def has_torch(*also: str) -> bool:
+    """Whether torch, transformers and the modules named in `also` import."""
+    import importlib
+
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        for module in ("torch", "transformers", *also):
+            importlib.import_module(module)
     except ImportError:
         return False
     return True

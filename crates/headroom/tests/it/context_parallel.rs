@@ -81,6 +81,38 @@ fn each_rank_of_a_real_ring_as_measured() {
     assert_eq!(checked, 2 * 2 * 3 * 2);
 }
 
+/// Every rank of cp 4 (rank R of a fake world of 4 on one H200, predicted before measuring):
+/// ranks 1 and 2 run both kinds of ring step and reserve more than either end, rank 3 saves no
+/// head-major copy. Each rank's estimate is its measurement to the byte, and the estimate of the
+/// run (the worst rank) is the middle ranks' reserved peak: simulating only the ends misses it.
+#[test]
+fn the_middle_ranks_of_a_ring_of_four_reserve_most() {
+    let rows = common::jsonl(&[include_str!(
+        "../../../../bench/nccl-x2/rows-cp4-ranks-fake-h200-torch2.11.jsonl"
+    )]);
+    assert_eq!(rows.len(), 4);
+    let mut reserved = Vec::new();
+    for row in &rows {
+        let (id, est, measured) = common::estimate_measured_rank(row);
+        assert_eq!(
+            est.peak_allocated_bytes,
+            row["measured"]["peak_allocated_bytes"].as_u64().unwrap(),
+            "{id}"
+        );
+        assert_eq!(
+            est.peak_reserved_bytes,
+            measured["peak_reserved_bytes"].as_u64().unwrap(),
+            "{id}"
+        );
+        reserved.push(est.peak_reserved_bytes);
+    }
+    assert!(reserved[1] > reserved[0].max(reserved[3]), "{reserved:?}");
+    let spec = RunSpec::from_value(&rows[0]["spec"]).expect("spec");
+    let run = headroom::estimate::estimate(&spec, None, &gpu::find("h200").expect("gpu"))
+        .expect("estimate");
+    assert_eq!(run.peak_reserved_bytes, reserved[1]);
+}
+
 fn spec(seq_len: u64, parallel: Value) -> Value {
     json!({
         "model": "llama-3.1-8b",

@@ -608,21 +608,11 @@ fn seed004_zero2_fits_where_ddp_does_not() {
     assert!(host > 10 << 30, "{host}");
 }
 
-/// transformers 4.57 builds its causal mask from positions to mask as the H100 run did: the
-/// requests from `cache_position` to the rotary table's first, as
-/// bench/transformers-4.57/snapshots/q05-bf16-bs4-s2048-tf4.57.pickle.gz recorded them (its
-/// events 307-346: `find_packed_sequence_indices`, then `sdpa_mask_recent_torch`'s vmapped
-/// `and_masks(causal, packed)`, then the packed mask freed as `create_causal_mask` returns).
-#[test]
-fn transformers_4_57_builds_the_causal_mask_as_the_h100_run_did() {
+/// The events `estimate --timeline` writes for the spec `json`.
+fn timeline_of(json: &str) -> Vec<Value> {
     let dir = tempfile::tempdir().unwrap();
-    let spec = dir.path().join("q05.json");
-    std::fs::write(
-        &spec,
-        r#"{"model": "qwen2.5-0.5b", "precision": "bf16", "optimizer": "adamw", "batch_size": 4,
-            "seq_len": 2048, "attention": "sdpa", "versions": {"transformers": "4.57"}}"#,
-    )
-    .unwrap();
+    let spec = dir.path().join("spec.json");
+    std::fs::write(&spec, json).unwrap();
     let timeline = dir.path().join("timeline.jsonl");
     stdout(&headroom(&[
         "estimate",
@@ -630,11 +620,24 @@ fn transformers_4_57_builds_the_causal_mask_as_the_h100_run_did() {
         "--timeline",
         timeline.to_str().unwrap(),
     ]));
-    let events: Vec<Value> = std::fs::read_to_string(&timeline)
+    std::fs::read_to_string(&timeline)
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+        .collect()
+}
+
+/// transformers 4.57 builds its causal mask from positions to mask as the H100 run did: the
+/// requests from `cache_position` to the rotary table's first, as
+/// bench/transformers-4.57/snapshots/q05-bf16-bs4-s2048-tf4.57.pickle.gz recorded them (its
+/// events 307-346: `find_packed_sequence_indices`, then `sdpa_mask_recent_torch`'s vmapped
+/// `and_masks(causal, packed)`, then the packed mask freed as `create_causal_mask` returns).
+#[test]
+fn transformers_4_57_builds_the_causal_mask_as_the_h100_run_did() {
+    let events = timeline_of(
+        r#"{"model": "qwen2.5-0.5b", "precision": "bf16", "optimizer": "adamw", "batch_size": 4,
+            "seq_len": 2048, "attention": "sdpa", "versions": {"transformers": "4.57"}}"#,
+    );
     let start = events
         .iter()
         .position(|e| e["label"] == "cache_position")
@@ -670,30 +673,12 @@ fn transformers_4_57_builds_the_causal_mask_as_the_h100_run_did() {
 /// (bench/transformers-older, qwen2.5-0.5b measured within 0.01% under both).
 #[test]
 fn transformers_4_46_and_4_51_repeat_keys_and_values_for_sdpa() {
-    let dir = tempfile::tempdir().unwrap();
     let count = |release: &str| {
-        let spec = dir.path().join(format!("q05-{release}.json"));
-        std::fs::write(
-            &spec,
-            format!(
-                r#"{{"model": "qwen2.5-0.5b", "precision": "bf16", "optimizer": "adamw",
+        let events = timeline_of(&format!(
+            r#"{{"model": "qwen2.5-0.5b", "precision": "bf16", "optimizer": "adamw",
                 "batch_size": 2, "seq_len": 512, "attention": "sdpa",
                 "versions": {{"transformers": "{release}"}}}}"#
-            ),
-        )
-        .unwrap();
-        let timeline = dir.path().join(format!("timeline-{release}.jsonl"));
-        stdout(&headroom(&[
-            "estimate",
-            spec.to_str().unwrap(),
-            "--timeline",
-            timeline.to_str().unwrap(),
-        ]));
-        let events: Vec<Value> = std::fs::read_to_string(&timeline)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        ));
         let allocs = |label: &str, bytes: i64| {
             events
                 .iter()

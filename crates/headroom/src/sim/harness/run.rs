@@ -309,19 +309,11 @@ mod tests {
                 simulate(&spec, &arch, &options)
             };
             let unlimited = run(None, false);
-            // Also on a device just large enough, one between that and the allocated peak
-            // (cache flushes), and one short of the allocated peak (an OOM).
-            let reserved = unlimited.peak_reserved;
-            let allocated = unlimited.peak.allocated;
-            let capacities = [
-                None,
-                Some(reserved),
-                // Short by a byte of the unlimited run's reserved peak: the step that reaches
-                // it (often the last) flushes the cache, or runs out.
-                Some(reserved - 1),
-                Some(allocated + (reserved - allocated) / 2),
-                Some(allocated - 1),
-            ];
+            // Also on a device just large enough, and on the devices around its peaks.
+            let capacities = unlimited
+                .devices_around()
+                .into_iter()
+                .chain([Some(unlimited.peak_reserved)]);
             for capacity in capacities {
                 let (fast, slow) = (run(capacity, true), run(capacity, false));
                 assert_same_numbers(&fast, &slow, &value.to_string());

@@ -5,9 +5,16 @@
 //! unless told otherwise, reads bodies within the library's limits, and answers bad input
 //! with 400 and the error the command would print, its field, value and what is allowed.
 
-use std::io::Read;
+use std::convert::Infallible;
 use std::net::IpAddr;
 use std::path::Path;
+
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response};
+use hyper_util::rt::TokioIo;
 
 use headroom::diagnose::{self, Inputs, OomLog};
 use headroom::gpu::{self, Gpu};
@@ -20,7 +27,6 @@ use headroom::spec::{self, Document};
 use headroom_snapshot::report::SnapshotJson;
 use headroom_snapshot::{SummaryOptions, summarize};
 use serde_json::{Value, json};
-use tiny_http::{Header, Method, Request, Response, Server};
 
 use crate::error::{CliError, CliResult};
 
@@ -36,9 +42,6 @@ pub struct Args {
 
 /// The page, with its script and style: nothing is fetched from elsewhere.
 const PAGE: &str = include_str!("serve.html");
-
-/// Requests answered at once; a `fit` takes seconds, so an estimate need not wait for it.
-const WORKERS: usize = 4;
 
 /// The largest snapshot accepted over HTTP: a real step's trace is tens of MiB compressed.
 pub const MAX_SNAPSHOT_UPLOAD_BYTES: u64 = 256 << 20;
@@ -91,21 +94,37 @@ pub const EXAMPLES: &[(&str, &str)] = &[
     example!("seed004-safe-mm-dpo.yaml"),
 ];
 
+/// Serves until killed. Connections are tasks on tokio's runtime, so a browser's idle
+/// keep-alive connections hold no thread; each request's work (a `fit` takes seconds) runs on
+/// the blocking pool, so an estimate need not wait for a fit.
 pub fn run(args: Args) -> CliResult {
-    let server = Server::http((args.bind, args.port))
-        .map_err(|e| CliError::input(format!("--port {}: cannot listen: {e}", args.port)))?;
-    // Tests and scripts read the address from this line.
-    println!("headroom serve: http://{}/", server.server_addr());
-    std::thread::scope(|scope| {
-        for _ in 0..WORKERS {
-            scope.spawn(|| {
-                while let Ok(request) = server.recv() {
-                    respond(request);
-                }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_io()
+        .build()
+        .map_err(|e| CliError::input(format!("cannot start the server: {e}")))?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind((args.bind, args.port))
+            .await
+            .map_err(|e| CliError::input(format!("--port {}: cannot listen: {e}", args.port)))?;
+        let address = listener
+            .local_addr()
+            .map_err(|e| CliError::input(format!("--port {}: {e}", args.port)))?;
+        // Tests and scripts read the address from this line.
+        println!("headroom serve: http://{address}/");
+        loop {
+            // A failed accept (the client left, or no file descriptors for now) drops that
+            // connection only.
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                // A client that went away is no error of ours.
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service_fn(respond))
+                    .await;
             });
         }
-    });
-    Ok(())
+    })
 }
 
 /// An answer: its status, content type and body.
@@ -171,10 +190,13 @@ impl From<CliError> for Answer {
 
 type Answered = Result<Answer, Answer>;
 
-fn respond(mut request: Request) {
-    let url = request.url().to_string();
-    let (path, query) = url.split_once('?').unwrap_or((&url, ""));
-    let query: Vec<(String, String)> = query
+async fn respond(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let (parts, body) = request.into_parts();
+    let path = parts.uri.path().to_string();
+    let query: Vec<(String, String)> = parts
+        .uri
+        .query()
+        .unwrap_or("")
         .split('&')
         .filter(|p| !p.is_empty())
         .map(|p| {
@@ -182,35 +204,33 @@ fn respond(mut request: Request) {
             (decode(k), decode(v))
         })
         .collect();
-    let method = request.method().clone();
-    // The library is total; a panic would be a bug, answered as one rather than dropped.
-    let answer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        route(&method, path, &query, &mut request)
-    }))
-    .unwrap_or_else(|_| {
-        Err(Answer::error(
-            500,
-            "internal error (a bug: please report the input)".into(),
-            json!({}),
-        ))
-    })
-    .unwrap_or_else(|e| e);
-    let header = Header::from_bytes("Content-Type", answer.content_type).expect("a valid header");
+    let answer = match read_body(&parts, body, &path).await {
+        Ok(body) => {
+            let method = parts.method;
+            tokio::task::spawn_blocking(move || route(&method, &path, &query, &body))
+                .await
+                // The library is total; a panic would be a bug, answered as one rather than
+                // dropped.
+                .unwrap_or_else(|_| {
+                    Err(Answer::error(
+                        500,
+                        "internal error (a bug: please report the input)".into(),
+                        json!({}),
+                    ))
+                })
+                .unwrap_or_else(|e| e)
+        }
+        Err(answer) => answer,
+    };
     // Every answer is whole in memory: sent with its length, never chunked.
-    let response = Response::from_data(answer.body)
-        .with_status_code(answer.status)
-        .with_header(header)
-        .with_chunked_threshold(usize::MAX);
-    // A client that went away is no error of ours.
-    let _ = request.respond(response);
+    Ok(Response::builder()
+        .status(answer.status)
+        .header("Content-Type", answer.content_type)
+        .body(Full::new(Bytes::from(answer.body)))
+        .expect("a status and header of our own are valid"))
 }
 
-fn route(
-    method: &Method,
-    path: &str,
-    query: &[(String, String)],
-    request: &mut Request,
-) -> Answered {
+fn route(method: &Method, path: &str, query: &[(String, String)], body: &[u8]) -> Answered {
     let param = |key: &str| {
         query
             .iter()
@@ -230,20 +250,20 @@ fn route(
         }
     };
     match (method, path) {
-        (Method::Get, "/" | "/index.html") => Ok(Answer {
+        (&Method::GET, "/" | "/index.html") => Ok(Answer {
             status: 200,
             content_type: "text/html; charset=utf-8",
             body: PAGE.as_bytes().to_vec(),
         }),
-        (Method::Get, "/api/examples") => {
+        (&Method::GET, "/api/examples") => {
             let list: Vec<Value> = EXAMPLES
                 .iter()
                 .map(|(name, text)| json!({ "name": name, "text": text }))
                 .collect();
             Ok(Answer::json(to_json(&list)))
         }
-        (Method::Post, "/api/estimate") => {
-            let text = body_text(request, MAX_FILE_BYTES, "spec")?;
+        (&Method::POST, "/api/estimate") => {
+            let text = body_text(body, "spec")?;
             let document = spec::from_text(&text, Path::new("spec"))?;
             let (gpu, given) = find_gpu(param("gpu"))?;
             let title = picture.then(|| param("title").unwrap_or("spec").to_string());
@@ -254,8 +274,8 @@ fn route(
                 Answer::json(answer)
             })
         }
-        (Method::Post, "/api/fit") => {
-            let text = body_text(request, MAX_FILE_BYTES, "spec")?;
+        (&Method::POST, "/api/fit") => {
+            let text = body_text(body, "spec")?;
             let spec = match spec::from_text(&text, Path::new("spec"))? {
                 Document::Run(spec) => *spec,
                 Document::Pipeline(_) => {
@@ -292,8 +312,8 @@ fn route(
                 Answer::json(to_json(&FitJson::new(&setup, &report)))
             })
         }
-        (Method::Post, "/api/diagnose") => {
-            let text = body_text(request, MAX_OOM_LOG_BYTES, "log")?;
+        (&Method::POST, "/api/diagnose") => {
+            let text = body_text(body, "log")?;
             let inputs = Inputs {
                 oom: Some(OomLog {
                     source: "the pasted message".into(),
@@ -305,10 +325,9 @@ fn route(
             let diagnosis = diagnose::run(&inputs)?;
             Ok(Answer::json(to_json(&DiagnoseJson::new(&diagnosis))))
         }
-        (Method::Post, "/api/snapshot") => {
-            let bytes = body(request, MAX_SNAPSHOT_UPLOAD_BYTES, "snapshot")?;
+        (&Method::POST, "/api/snapshot") => {
             let name = param("name").unwrap_or("snapshot").to_string();
-            let snapshot = headroom_snapshot::from_bytes(&bytes)
+            let snapshot = headroom_snapshot::from_bytes(body)
                 .map_err(|e| Answer::error(400, format!("{name}: {e}"), json!({})))?;
             let summary = summarize(&snapshot, SummaryOptions::default());
             if picture {
@@ -353,8 +372,26 @@ fn find_gpu(name: Option<&str>) -> Result<(Gpu, bool), Answer> {
     })
 }
 
-/// The request's body, refused past `limit` bytes (`what` names it in the error).
-fn body(request: &mut Request, limit: u64, what: &str) -> Result<Vec<u8>, Answer> {
+/// The most bytes a POST to `path` may carry, and what its body is (named in errors).
+fn body_limit(path: &str) -> Option<(u64, &'static str)> {
+    match path {
+        "/api/estimate" | "/api/fit" => Some((MAX_FILE_BYTES, "spec")),
+        "/api/diagnose" => Some((MAX_OOM_LOG_BYTES, "log")),
+        "/api/snapshot" => Some((MAX_SNAPSHOT_UPLOAD_BYTES, "snapshot")),
+        _ => None,
+    }
+}
+
+/// A POST's body, read whole before the request is routed and refused past the path's limit;
+/// empty for every other request.
+async fn read_body(
+    parts: &hyper::http::request::Parts,
+    body: Incoming,
+    path: &str,
+) -> Result<Vec<u8>, Answer> {
+    let Some((limit, what)) = body_limit(path).filter(|_| parts.method == Method::POST) else {
+        return Ok(Vec::new());
+    };
     let too_large = || {
         Answer::error(
             413,
@@ -362,28 +399,31 @@ fn body(request: &mut Request, limit: u64, what: &str) -> Result<Vec<u8>, Answer
             json!({ "field": what, "allowed": format!("at most {limit} bytes") }),
         )
     };
-    if request.body_length().is_some_and(|n| n as u64 > limit) {
+    let declared = parts
+        .headers
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
         return Err(too_large());
     }
-    let mut bytes = Vec::new();
-    request
-        .as_reader()
-        .take(limit + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| Answer::error(400, format!("cannot read the {what}: {e}"), json!({})))?;
-    if bytes.len() as u64 > limit {
-        return Err(too_large());
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes().to_vec()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(e) => Err(Answer::error(
+            400,
+            format!("cannot read the {what}: {e}"),
+            json!({}),
+        )),
     }
-    Ok(bytes)
 }
 
 /// The body as text: UTF-8, or any encoding a paste comes in for an OOM log.
-fn body_text(request: &mut Request, limit: u64, what: &str) -> Result<String, Answer> {
-    let bytes = body(request, limit, what)?;
+fn body_text(bytes: &[u8], what: &str) -> Result<String, Answer> {
     if what == "log" {
-        return Ok(diagnose::decode_log(&bytes));
+        return Ok(diagnose::decode_log(bytes));
     }
-    String::from_utf8(bytes).map_err(|e| {
+    String::from_utf8(bytes.to_vec()).map_err(|e| {
         Answer::error(
             400,
             format!(

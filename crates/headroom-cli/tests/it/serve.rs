@@ -207,6 +207,76 @@ fn garbage_too_much_and_wrong_methods_get_a_status_and_the_server_stays_up() {
     assert!(!page.contains("http://") && !page.contains("//cdn"));
 }
 
+/// Reads one answer of a kept-alive connection: its head, then `Content-Length` bytes.
+fn read_answer(stream: &mut TcpStream) -> u16 {
+    let mut reader = BufReader::new(stream);
+    let mut status = String::new();
+    reader.read_line(&mut status).expect("a status line");
+    let mut length = 0;
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("a header");
+        if line == "\r\n" {
+            break;
+        }
+        if let Some(n) = line.to_ascii_lowercase().strip_prefix("content-length: ") {
+            length = n.trim().parse().expect("a length");
+        }
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).expect("the body");
+    status
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status")
+}
+
+#[test]
+fn idle_connections_and_clients_that_leave_hold_no_request_up() {
+    let server = Served::start();
+    // A browser opens several connections at once and keeps them open between requests:
+    // more of them than a small pool has threads, each answered once and left idle.
+    let mut idle: Vec<TcpStream> = (0..12)
+        .map(|_| TcpStream::connect(&server.addr).expect("connects"))
+        .collect();
+    for stream in &mut idle {
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(60)))
+            .unwrap();
+        let head = format!(
+            "GET /api/examples HTTP/1.1\r\nHost: {}\r\n\r\n",
+            server.addr
+        );
+        stream.write_all(head.as_bytes()).unwrap();
+    }
+    for stream in &mut idle {
+        assert_eq!(read_answer(stream), 200);
+    }
+    // Clients that leave mid-request or before reading their answer.
+    for head in [
+        "POST /api/estimate HTTP/1.1\r\nContent-Length: 100\r\n\r\nmodel:",
+        "GET /api/examples HTTP/1.1\r\n\r\n",
+    ] {
+        let mut stream = TcpStream::connect(&server.addr).expect("connects");
+        stream.write_all(head.as_bytes()).unwrap();
+    }
+    // A new request is answered at once all the same.
+    let (sent, answered) = std::sync::mpsc::channel();
+    let addr = server.addr.clone();
+    std::thread::spawn(move || {
+        let mut stream = TcpStream::connect(&addr).expect("connects");
+        let head = format!("GET /api/examples HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+        stream.write_all(head.as_bytes()).unwrap();
+        let _ = sent.send(read_answer(&mut stream));
+    });
+    let status = answered
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("an answer within a minute, with idle connections open");
+    assert_eq!(status, 200);
+    drop(idle);
+}
+
 #[test]
 fn examples_snapshots_oom_messages_and_fit_answer_as_their_commands() {
     let server = Served::start();

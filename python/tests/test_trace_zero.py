@@ -5,14 +5,13 @@ are gathered whole on the all-gather stream and used on the default one (`record
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import unittest
 from collections import Counter
 
-from .test_trace import PYTHON_DIR, TINY, has_torch
+from .test_trace import TINY, has_torch, python_env
 from .test_trace_dist import tiny_parameter_numels, traced
 
 WORLD = 4
@@ -133,11 +132,10 @@ def traced_with_deepspeeds_rank_views(spec):
         "import sys; from headroom_measure import __main__, trace_zero_ranks; "
         "trace_zero_ranks.without_rank_views = lambda stack: None; sys.exit(__main__.main(sys.argv[1:]))"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
             [sys.executable, "-c", script, "trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json.gz"],
-            capture_output=True, text=True, env=env,
+            capture_output=True, text=True, env=python_env(),
         )  # fmt: skip
         if out.returncode:
             raise AssertionError(out.stderr)

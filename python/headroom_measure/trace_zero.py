@@ -374,6 +374,7 @@ def deepspeed_on_cuda(rec, world_size: int, strategy: str):
             "install the version the run uses (`pip install deepspeed`)"
         ) from None
 
+    from . import trace_zero_ranks
     from .trace_dist import Streams, fake_world
 
     fake = fake_cuda_accelerator(rec, 80 * 2**30)
@@ -387,6 +388,7 @@ def deepspeed_on_cuda(rec, world_size: int, strategy: str):
             _record_streams(stack, rec, streams)
             _rank_checks(stack, rec)
             _host_adam(stack)
+            trace_zero_ranks.without_rank_views(stack)
             yield
             # Engines nothing holds any more go while the group lives: their `destroy` asks it
             # for the rank.

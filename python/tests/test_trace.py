@@ -20,9 +20,15 @@ TINY = {
 }  # fmt: skip
 
 
-def run(*args, env_extra=None):
+def python_env(env_extra=None) -> dict:
+    """This environment with `headroom_measure` importable."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]))
     env.update(env_extra or {})
+    return env
+
+
+def run(*args, env_extra=None):
+    env = python_env(env_extra)
     return subprocess.run([sys.executable, "-m", "headroom_measure", *args], capture_output=True, text=True, env=env)
 
 

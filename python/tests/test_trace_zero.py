@@ -4,15 +4,26 @@ as on CUDA, and the fp32 partition is rank 0's share of it; under ZeRO-3 each mo
 are gathered whole on the all-gather stream and used on the default one (`record_stream`)."""
 
 import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
 import unittest
 from collections import Counter
 
-from .test_trace import TINY, has_torch
+from .test_trace import TINY, has_torch, python_env
 from .test_trace_dist import tiny_parameter_numels, traced
 
 WORLD = 4
 ZERO2 = {**TINY, "parallel": {"strategy": "zero2", "world_size": WORLD}}
 ZERO3 = {**TINY, "parallel": {"strategy": "zero3", "world_size": 2}}
+# Qwen2's q, k and v biases (256 and 128 long) are no multiple of 48: the reduce-scatter pads the
+# last ranks' chunks, the gathers' last pieces are short, and a module's parameters gather together.
+ZERO3_UNEVEN = {
+    **TINY,
+    "model_config": {**TINY["model_config"], "model_type": "qwen2"},
+    "parallel": {"strategy": "zero3", "world_size": 48},
+}  # fmt: skip
 ZERO3_PARAM_OFFLOAD = {**TINY, "parallel": {"strategy": "zero3", "world_size": 1, "offload_params": True}}
 
 
@@ -111,6 +122,39 @@ class Zero3Test(unittest.TestCase):
                 live.discard(e[1])
             elif e[0] == "record_stream":
                 self.assertIn(e[1], live)
+
+
+def traced_with_deepspeeds_rank_views(spec):
+    """`traced(spec)` with DeepSpeed's own per-rank loops, `trace_zero_ranks` left out."""
+    from headroom_measure.trace import read_trace
+
+    script = (
+        "import sys; from headroom_measure import __main__, trace_zero_ranks; "
+        "trace_zero_ranks.without_rank_views = lambda stack: None; sys.exit(__main__.main(sys.argv[1:]))"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(
+            [sys.executable, "-c", script, "trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json.gz"],
+            capture_output=True, text=True, env=python_env(),
+        )  # fmt: skip
+        if out.returncode:
+            raise AssertionError(out.stderr)
+        return read_trace(f"{tmp}/t.json.gz")
+
+
+@unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")
+class RankViewsTest(unittest.TestCase):
+    def test_leaving_out_the_per_rank_views_changes_no_event(self):
+        doc, reference = traced(ZERO3_UNEVEN), traced_with_deepspeeds_rank_views(ZERO3_UNEVEN)
+        for key in ("phases", "storages", "events"):
+            self.assertEqual(doc[key], reference[key], key)
+        # The reduce-scatter pads short chunks, which the comparison covers: each 128-long k or v
+        # bias gradient (2 layers, 2 each) in chunks of 3 leaves rank 42 one element short (2
+        # bytes) and ranks 43 to 47 three (6 bytes).
+        backward = allocations(doc, "step 2 backward")
+        padding = Counter(s["bytes"] for s in backward if s["op"] == "aten.empty.memory_format")
+        self.assertGreaterEqual(padding[2], 2 * 2)
+        self.assertGreaterEqual(padding[6], 2 * 2 * 5)
 
 
 @unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")

@@ -542,7 +542,7 @@ fn saved_traces_match_their_measurements() {
     const SHARDED: usize = 56;
     const DDP: usize = 4;
     const FSDP1: usize = 13;
-    const ZERO: usize = 34;
+    const ZERO: usize = 36;
     const BITSANDBYTES: usize = 5;
     const PP_CP_EP: usize = 26 + 12 + 12;
     const CORPORA: [(&str, &str); 28] = [

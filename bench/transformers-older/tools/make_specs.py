@@ -1,6 +1,8 @@
-"""Write specs.jsonl: the matrix measured under each older transformers release. The spec has no
-`versions` key (the harness refuses none but reads none); rows get it after measuring."""
+"""Write specs-<release>.jsonl for the releases named (all by default): the matrix measured under
+each older transformers release. The spec has no `versions` key (the harness refuses none but
+reads none); rows get it after measuring."""
 import json
+import sys
 
 from headroom_measure import spec as specmod
 from headroom_measure.measure import default_id
@@ -17,8 +19,11 @@ MATRIX = [
     ("gemma-2-2b", 2, 2048, {"gradient_checkpointing": True}),
     ("phi-3-mini", 2, 2048, {"gradient_checkpointing": True}),
 ]
-# The releases and the rows each runs (indices into MATRIX).
-RELEASES = {"4.46.3": range(len(MATRIX)), "4.51.3": range(len(MATRIX)), "4.55.4": [0, 3]}
+# The releases and the rows each runs (indices into MATRIX): device call 1 ran 4.46.3 and 4.51.3
+# (4.55.4's batch never started), call 2 one release of each range modelled after it.
+CALL2 = [0, 2, 3, 5]
+RELEASES = {"4.46.3": range(len(MATRIX)), "4.51.3": range(len(MATRIX)), "4.48.3": CALL2,
+            "4.53.3": CALL2, "4.55.4": CALL2, "4.56.2": CALL2}
 
 
 def name(model, b, s, extra):
@@ -31,7 +36,8 @@ def name(model, b, s, extra):
     return "-".join(parts)
 
 
-for release, rows in RELEASES.items():
+for release in sys.argv[1:] or RELEASES:
+    rows = RELEASES[release]
     with open(f"specs-{release}.jsonl", "w") as out:
         for i in rows:
             model, b, s, extra = MATRIX[i]

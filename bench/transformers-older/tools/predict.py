@@ -1,13 +1,15 @@
-"""Estimate every spec line with `headroom estimate --json`, the release given as `versions`,
-and write hint_bytes (reserved x 1.1) into the spec files plus predictions-<label>.jsonl."""
+"""Estimate every spec line of the releases named with `headroom estimate --json`, the release
+given as `versions`, and write hint_bytes (reserved x 1.1) into the spec files plus
+predictions-<label>.jsonl.
+    python3 tools/predict.py HEADROOM LABEL RELEASE..."""
 import json
 import subprocess
 import sys
 import tempfile
 
-headroom, label = sys.argv[1], sys.argv[2]
+headroom, label, releases = sys.argv[1], sys.argv[2], sys.argv[3:]
 out = open(f"predictions-{label}.jsonl", "w")
-for release in ("4.46.3", "4.51.3", "4.55.4"):
+for release in releases:
     path = f"specs-{release}.jsonl"
     lines = [json.loads(x) for x in open(path)]
     for line in lines:

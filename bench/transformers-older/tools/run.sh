@@ -16,7 +16,9 @@ run() {
   PYTHONPATH=$D/python:/tmp/site-$1 timeout 500 python3 -m headroom_measure batch $D/specs-$1.jsonl \
     --out $OUT/rows-$1.jsonl --jobs $2 --budget-gib $3 --snapshot-dir $OUT/snap --catalog crates/headroom/data/models.json
 }
-run 4.46.3 2 66 & run 4.51.3 2 66 & wait
+# Wait on the batches by id: a bare `wait` also waits for the log's tee above, which never ends
+# (this is where call 1 hung: the 4.55.4 batch below never started).
+run 4.46.3 2 66 & a=$!; run 4.51.3 2 66 & b=$!; wait $a $b
 run 4.55.4 2 130
 gzip -9 $OUT/snap/*.pickle 2>/dev/null
 ls -la $OUT $OUT/snap

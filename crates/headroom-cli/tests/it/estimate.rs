@@ -709,7 +709,7 @@ fn transformers_4_46_and_4_51_repeat_keys_and_values_for_sdpa() {
     assert_eq!(count("5.17"), (0, 0, 0, 0));
 }
 
-/// transformers 4.46-4.47 copy the shifted fp32 logits in their loss, modelled on one head; over
+/// transformers 4.46-4.48 copy the shifted fp32 logits in their loss, modelled on one head; over
 /// a vocabulary-parallel head the estimate refuses the release by name (4.51 runs).
 #[test]
 fn tensor_parallelism_under_transformers_4_46_is_refused_by_name() {
@@ -727,10 +727,12 @@ fn tensor_parallelism_under_transformers_4_46_is_refused_by_name() {
         .unwrap();
         path.display().to_string()
     };
-    let err = bad_input(&["estimate", &spec("4.46.3")]);
-    assert!(
-        err.contains("transformers 4.46-4.47 with parallel.tp 2"),
-        "{err}"
-    );
+    for release in ["4.46.3", "4.48.3"] {
+        let err = bad_input(&["estimate", &spec(release)]);
+        assert!(
+            err.contains("transformers 4.46-4.48 with parallel.tp 2"),
+            "{err}"
+        );
+    }
     stdout(&headroom(&["estimate", &spec("4.51.3")]));
 }

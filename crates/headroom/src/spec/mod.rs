@@ -39,7 +39,8 @@ pub use trainer::{
     Colocated, DpoSpec, GrpoSpec, ReferencePrecision, TrainerKind, TrainerSpec, Vllm,
 };
 pub use versions::{
-    Library, TRANSFORMERS_4_46, TRANSFORMERS_4_51, TRANSFORMERS_4_57, Version, Versions,
+    Library, TRANSFORMERS_4_46, TRANSFORMERS_4_48, TRANSFORMERS_4_51, TRANSFORMERS_4_53,
+    TRANSFORMERS_4_55, TRANSFORMERS_4_56, TRANSFORMERS_4_57, Version, Versions,
 };
 
 use crate::error::Result;

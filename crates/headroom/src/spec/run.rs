@@ -940,13 +940,16 @@ impl RunSpec {
             ));
         }
         let tp = self.parallel.as_ref().map_or(1, |p| p.tensor.tp);
+        let followed = self.versions.followed(super::Library::Transformers);
         if tp > 1
-            && self.versions.followed(super::Library::Transformers)
-                == Some(super::TRANSFORMERS_4_46)
+            && matches!(
+                followed,
+                Some(super::TRANSFORMERS_4_46 | super::TRANSFORMERS_4_48)
+            )
         {
             return Err(Error::Unsupported {
-                what: format!("transformers 4.46-4.47 with parallel.tp {tp}"),
-                supported: "4.46-4.47 without tensor parallelism (their loss copies the shifted \
+                what: format!("transformers 4.46-4.48 with parallel.tp {tp}"),
+                supported: "4.46-4.48 without tensor parallelism (their loss copies the shifted \
                             fp32 logits, which is not modelled over a vocabulary-parallel head), \
                             or tensor parallelism with transformers 4.49 and later"
                     .into(),

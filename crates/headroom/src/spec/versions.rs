@@ -103,12 +103,19 @@ impl Library {
     }
 
     /// Older releases the simulator also translates, where they allocate differently from
-    /// [`Library::modelled`] (bench/transformers-4.57: 4.57 materialises the causal mask;
-    /// bench/transformers-older: 4.46 and 4.51 repeat keys and values for SDPA, 4.46 copies
-    /// the shifted logits in its loss).
+    /// [`Library::modelled`] (`sim::model::release` says how; bench/transformers-older and
+    /// bench/transformers-4.57 measure each).
     pub fn also_modelled(self) -> &'static [Version] {
         match self {
-            Library::Transformers => &[TRANSFORMERS_4_46, TRANSFORMERS_4_51, TRANSFORMERS_4_57],
+            Library::Transformers => &[
+                TRANSFORMERS_4_46,
+                TRANSFORMERS_4_48,
+                TRANSFORMERS_4_51,
+                TRANSFORMERS_4_53,
+                TRANSFORMERS_4_55,
+                TRANSFORMERS_4_56,
+                TRANSFORMERS_4_57,
+            ],
             _ => &[],
         }
     }
@@ -116,11 +123,12 @@ impl Library {
     /// The minor releases whose code allocates as the measured release `release` does, as
     /// read in their source (bench/transformers-older/README.md): 4.47 keeps 4.46's attention
     /// classes and loss; 4.49 to 4.52 share 4.51's `sdpa_attention_forward`, loss and
-    /// `_update_causal_mask`.
+    /// `_update_causal_mask`; 4.54 has 4.55's `sdpa_attention_forward` and masks.
     fn same_code(self, release: Version) -> std::ops::RangeInclusive<u32> {
         match (self, release) {
             (Library::Transformers, TRANSFORMERS_4_46) => 46..=47,
             (Library::Transformers, TRANSFORMERS_4_51) => 49..=52,
+            (Library::Transformers, TRANSFORMERS_4_55) => 54..=55,
             _ => release.minor..=release.minor,
         }
     }
@@ -162,8 +170,20 @@ impl Library {
 /// transformers 4.46.3, measured in bench/transformers-older (4.47 alike).
 pub const TRANSFORMERS_4_46: Version = Version::new(4, 46, 3);
 
+/// transformers 4.48.3, measured in bench/transformers-older.
+pub const TRANSFORMERS_4_48: Version = Version::new(4, 48, 3);
+
 /// transformers 4.51.3, measured in bench/transformers-older (4.49 to 4.52 alike).
 pub const TRANSFORMERS_4_51: Version = Version::new(4, 51, 3);
+
+/// transformers 4.53.3, measured in bench/transformers-older.
+pub const TRANSFORMERS_4_53: Version = Version::new(4, 53, 3);
+
+/// transformers 4.55.4, measured in bench/transformers-older (4.54 alike).
+pub const TRANSFORMERS_4_55: Version = Version::new(4, 55, 4);
+
+/// transformers 4.56.2, measured in bench/transformers-older.
+pub const TRANSFORMERS_4_56: Version = Version::new(4, 56, 2);
 
 /// transformers 4.57.1, measured in bench/transformers-4.57.
 pub const TRANSFORMERS_4_57: Version = Version::new(4, 57, 1);
@@ -288,7 +308,27 @@ mod tests {
             );
             assert!(t.models(v(given)), "{given}");
         }
-        for given in ["4.45", "4.48.3", "4.53"] {
+        for given in ["4.54.1", "4.55"] {
+            assert_eq!(
+                t.followed(Some(v(given))),
+                Some(TRANSFORMERS_4_55),
+                "{given}"
+            );
+            assert!(t.models(v(given)), "{given}");
+        }
+        for (given, followed) in [
+            ("4.48", TRANSFORMERS_4_48),
+            ("4.53.3", TRANSFORMERS_4_53),
+            ("4.56.2", TRANSFORMERS_4_56),
+        ] {
+            assert_eq!(t.followed(Some(v(given))), Some(followed), "{given}");
+            assert!(t.models(v(given)), "{given}");
+        }
+        // A patch not read follows its minor release's, with a warning.
+        for given in ["4.48.0", "4.53.1", "4.56.0"] {
+            assert!(!t.models(v(given)), "{given}");
+        }
+        for given in ["4.45", "4.58"] {
             assert_eq!(t.followed(Some(v(given))), t.modelled(), "{given}");
             assert!(!t.models(v(given)), "{given}");
         }

@@ -128,16 +128,20 @@ fn warnings_appear_exactly_where_something_is_carried_over() {
         "4.45"
     );
 
-    // 4.46-4.47 and 4.49-4.52 share the code of 4.46.3 and 4.51.3 (bench/transformers-older):
-    // followed without a warning; 4.48 mixes them (4.51's SDPA inputs, 4.46's shifted
-    // logits) and is not modelled.
+    // 4.46-4.47, 4.49-4.52 and 4.54-4.55 share the code of 4.46.3, 4.51.3 and 4.55.4, and
+    // 4.48.3, 4.53.3 and 4.56.2 are measured (bench/transformers-older): followed without a
+    // warning; a patch of those three not read is named with the one followed.
     for (given, warnings) in [
         ("4.47", vec![]),
+        ("4.48.3", vec![]),
         ("4.50", vec![]),
         ("4.52.4", vec![]),
+        ("4.53.3", vec![]),
+        ("4.54.1", vec![]),
+        ("4.56.2", vec![]),
         (
-            "4.48.3",
-            vec!["transformers 4.48.3 is not modelled; the estimate follows transformers 5.17.0"],
+            "4.56.0",
+            vec!["transformers 4.56.0 is not modelled; the estimate follows transformers 4.56.2"],
         ),
     ] {
         let run = spec(&format!(

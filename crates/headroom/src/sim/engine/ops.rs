@@ -375,8 +375,9 @@ impl Tracer {
         out
     }
 
-    /// `nll_loss(log_probs, target, reduction="mean")`: a scalar; saves the target (and the
-    /// total weight).
+    /// `nll_loss(log_probs, target, reduction="mean")`: a scalar; `NllLossBackward0` saves its
+    /// input (`self_`), the target and the total weight. The input outlives the forward where
+    /// nothing else saves it: autocast's fp32 cast of bf16 log-probs, say.
     pub(crate) fn nll_loss(&mut self, log_probs: T, target: T) -> T {
         let out = self.empty(1, self.dtype(log_probs), "nll_loss");
         let total_weight = self.empty(1, self.dtype(log_probs), "nll_loss total_weight");
@@ -384,7 +385,7 @@ impl Tracer {
             Bwd::NllLoss,
             &[Some(log_probs)],
             &[out],
-            &[target, total_weight],
+            &[log_probs, target, total_weight],
         );
         self.drop(total_weight);
         out

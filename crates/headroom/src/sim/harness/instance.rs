@@ -11,6 +11,7 @@ use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{BackwardHooks, ParamId, T, Tracer};
 use crate::sim::model::heads::{lm_head, logprob_forward, train_forward};
+use crate::sim::model::release::ReleaseCode;
 use crate::sim::model::transformer::{ExpertLora, LoraAdapter, Model};
 use crate::sim::model::{AttentionImpl, Batch};
 use crate::sim::model::{liger, load, quant, trl};
@@ -133,9 +134,7 @@ impl Instance {
             (first..t.params.len()).map(|p| t.numel(t.param(p))).sum()
         };
         let transformers = spec.versions.followed(spec::Library::Transformers);
-        model.transformers_4_57 = transformers == Some(spec::TRANSFORMERS_4_57);
-        model.sdpa_contiguous_inputs = transformers == Some(spec::TRANSFORMERS_4_51);
-        model.shifts_logits = transformers == Some(spec::TRANSFORMERS_4_46);
+        model.release = ReleaseCode::of(transformers, arch.family);
         let on_gpu = home == Home::Gpu
             && !offloaded_unsharded
             && !matches!(

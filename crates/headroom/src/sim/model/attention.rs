@@ -41,8 +41,8 @@ pub(crate) struct Masks {
 
 impl Masks {
     /// Build the masks `Qwen2Model.forward` and siblings pass to their layers; `packed_4_57`:
-    /// transformers 4.57's path without an `attention_mask` (see
-    /// `Model::transformers_4_57`), where the packed-sequence mask joins the mask
+    /// transformers 4.53-4.57's path without an `attention_mask` (see
+    /// `ReleaseCode::materialises_causal_mask`), where the packed-sequence mask joins the mask
     /// function and SDPA gets a (b, 1, s, s) mask even where `is_causal` would do.
     pub(crate) fn create(
         t: &mut Tracer,
@@ -251,11 +251,11 @@ pub(crate) struct Heads {
     /// The query is a contiguous head-major tensor (MLA concatenates it): fused kernels then
     /// write their output head-major too, and `.transpose(1, 2).contiguous()` copies it.
     pub head_major_query: bool,
-    /// transformers before 4.53: keys and values go through `repeat_kv` whatever the mask
+    /// transformers before 4.54: keys and values go through `repeat_kv` whatever the mask
     /// (no `enable_gqa`).
     pub repeated_inputs: bool,
-    /// transformers 4.49 to 4.52's `sdpa_attention_forward`: query, key and value go through
-    /// `.contiguous()`; the query's copy is head-major, so is the kernel's output.
+    /// transformers 4.48 to 4.55's `sdpa_attention_forward`: query, key and value go through
+    /// `.contiguous()`; the query's copy is head-major, so is a fused kernel's output.
     pub contiguous_inputs: bool,
 }
 

@@ -3,7 +3,6 @@
 
 use super::Batch;
 use super::transformer::Model;
-use crate::arch::Family;
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{Bwd, T, Tracer};
@@ -69,7 +68,7 @@ fn causal_lm_loss(t: &mut Tracer, model: &Model, hidden: T, batch: Batch) -> (T,
 
 /// `ForCausalLMLoss(logits, labels)`: fp32 logits, shifted labels, cross entropy.
 pub(crate) fn for_causal_lm_loss(t: &mut Tracer, model: &Model, logits: T, batch: Batch) -> T {
-    if model.shifts_logits {
+    if model.release.shifts_logits {
         return shifted_logits_loss(t, model, logits, batch);
     }
     let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
@@ -101,15 +100,15 @@ pub(crate) fn for_causal_lm_loss(t: &mut Tracer, model: &Model, logits: T, batch
     loss
 }
 
-/// transformers 4.46-4.47's loss, which shifts the logits rather than the labels:
+/// transformers 4.46-4.48's loss, which shifts the logits rather than the labels:
 /// `ForCausalLMLoss` upcasts them, then copies `logits[..., :-1, :].contiguous()` (an fp32
 /// copy beside the upcast one; backward scatters its gradient into zeros of the full size).
-/// GPT-2's own loss makes the same copy without the upcast, and `CrossEntropyLoss` runs on
-/// the activation dtype.
+/// GPT-2's own loss (4.46-4.47) makes the same copy without the upcast, and
+/// `CrossEntropyLoss` runs on the activation dtype.
 fn shifted_logits_loss(t: &mut Tracer, model: &Model, logits: T, batch: Batch) -> T {
     let outer = std::mem::replace(&mut t.component, Component::LogitsAndLoss);
     let rows = batch.b * (batch.s - 1);
-    let upcast = model.arch.family != Family::Gpt2;
+    let upcast = !model.release.gpt2_own_loss;
     let source = if upcast {
         t.to(logits, DType::F32)
     } else {

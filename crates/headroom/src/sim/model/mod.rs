@@ -3,7 +3,7 @@
 //! attention kernels and masks, [`mla`] DeepSeek's latent attention, [`moe`] routed experts ([`moe_ep`] under expert parallelism), [`heads`] the output heads and losses, [`liger`]
 //! liger-kernel's replacements for some of them, [`load`]
 //! `from_pretrained`, [`quant`] the bitsandbytes 4-bit weights and peft's k-bit preparation, [`trl`] TRL's fused LM head
-//! and its trainers' losses.
+//! and its trainers' losses; [`release`] what an older transformers release's code does differently.
 
 pub(crate) mod attention;
 pub(crate) mod heads;
@@ -16,6 +16,7 @@ pub(crate) mod mla;
 pub(crate) mod moe;
 pub(crate) mod moe_ep;
 pub(crate) mod quant;
+pub(crate) mod release;
 pub(crate) mod transformer;
 pub(crate) mod trl;
 

@@ -5,6 +5,7 @@
 use std::cell::RefCell;
 
 use super::attention::{self, Heads, Masks};
+use super::release::ReleaseCode;
 use super::{AttentionImpl, Batch, liger};
 use crate::arch::{Architecture, Family, Head, Module, NormKind, Param};
 use crate::dtype::DType;
@@ -226,19 +227,8 @@ pub(crate) struct Model {
     pub inputs_require_grads: bool,
     /// The parallel strategy wrapping it, whose hooks run in forward and backward.
     pub strategy: RefCell<Strategy>,
-    /// The modeling code is transformers 4.57's: it materialises the (b, 1, s, s) causal
-    /// mask even when no `attention_mask` is passed (its `find_packed_sequence_indices` always
-    /// returns a tensor, which turns off `allow_is_causal_skip`), so SDPA gets a mask: K and V
-    /// are repeated and each layer saves an additive bias; 5.x returns `None` there. Its
-    /// `position_ids` are a view of `cache_position`, alive until the forward returns.
-    pub transformers_4_57: bool,
-    /// The modeling code is transformers 4.49 to 4.52's: SDPA gets keys and values repeated
-    /// to every query head and contiguous copies of its inputs (`Heads::contiguous_inputs`).
-    pub sdpa_contiguous_inputs: bool,
-    /// The modeling code is transformers 4.46-4.47's: SDPA gets keys and values repeated to
-    /// every query head (`Heads::repeated_inputs`), and the loss copies the shifted logits
-    /// (`heads::shifted_logits_loss`).
-    pub shifts_logits: bool,
+    /// What the followed transformers release's code does differently from 5.17's.
+    pub release: ReleaseCode,
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
@@ -449,9 +439,7 @@ impl Model {
             checkpointing: false,
             inputs_require_grads: false,
             strategy: RefCell::new(Strategy::Local),
-            transformers_4_57: false,
-            sdpa_contiguous_inputs: false,
-            shifts_logits: false,
+            release: ReleaseCode::default(),
             kv_cache: None,
             adapters_disabled: false,
             liger: liger::Kernels::default(),
@@ -608,7 +596,7 @@ impl Model {
     /// layers, then the final norm (`final_norm`) or the hidden states as they are.
     fn layers_from(&self, t: &mut Tracer, inputs_embeds: T, batch: Batch, final_norm: bool) -> T {
         let a = &self.arch;
-        let position_ids = if self.transformers_4_57 {
+        let position_ids = if self.release.materialises_causal_mask {
             // `cache_position = arange(past, past + s)`; `position_ids =
             // cache_position.unsqueeze(0)`.
             t.empty(batch.s, DType::I64, "cache_position")
@@ -633,7 +621,7 @@ impl Model {
             None => t.share(inputs_embeds),
         };
         // A generating model passes an `attention_mask` and a cache: no packed-sequence check.
-        let packed_4_57 = self.transformers_4_57 && self.kv_cache.is_none();
+        let packed_4_57 = self.release.materialises_causal_mask && self.kv_cache.is_none();
         let masks = Masks::create(
             t,
             a,
@@ -1074,8 +1062,8 @@ impl Model {
                 t,
                 a,
                 Heads {
-                    repeated_inputs: self.sdpa_contiguous_inputs || self.shifts_logits,
-                    contiguous_inputs: self.sdpa_contiguous_inputs,
+                    repeated_inputs: self.release.sdpa_repeats_kv,
+                    contiguous_inputs: self.release.sdpa_contiguous_inputs,
                     ..Heads::of(a)
                 },
                 self.attention,

@@ -1596,6 +1596,22 @@ mod tests {
         assert!(!t.state_is(pass(&states), &[ids], &start));
     }
 
+    /// `NllLossBackward0` keeps its input: an fp32 cast of the log-probs that nothing else
+    /// saves (autocast's, before `nll_loss`) outlives the forward that drops it.
+    #[test]
+    fn nll_loss_keeps_its_input_for_backward() {
+        let mut t = tracer();
+        let ids = model(&mut t);
+        let w = t.param(0);
+        let log_probs = t.to(w, DType::BF16);
+        let before = t.mem.allocated();
+        let cast = t.to(log_probs, DType::F32);
+        let loss = t.nll_loss(cast, ids);
+        t.drop(cast);
+        assert!(t.mem.allocated() >= before + 4 * (1 << 20));
+        t.drop(loss);
+    }
+
     /// Stored gradients come back on the allocations a replay makes, as the same tensors.
     #[test]
     fn stored_gradients_are_restored_on_replayed_allocations() {

@@ -39,15 +39,22 @@
 //! the workspaces' (which only a flag not yet set makes), and ends as step 1's did: the
 //! requests are made again and the gradients stored on what they allocate. Step 1's pass
 //! must end in the state it started from apart from its gradients and workspaces, each
-//! gradient a plain tensor allocated by a recorded request. Step 2's own record (for step 3)
-//! then starts with those requests, kept rather than recorded again.
+//! gradient a plain tensor allocated by a recorded request, or a view of one that only
+//! gradients hold (FSDP2's sharded gradients, views of the reduce-scatter output). Step 2's own
+//! record (for step 3) then starts with those requests, kept rather than recorded again.
+//!
+//! A strategy's state is no part of the pass's compared state either: a pass is recorded, and
+//! made again, only where every strategy is at rest where step 1's pass starts, where it ends
+//! and where step 2's starts, so both passes start in the one strategy state the
+//! configuration fixes. A pipeline rank's pass is its schedule, recorded from after step 1
+//! made the receive buffers (which the schedule reads, as roots, and does not make again).
 
 use std::ops::Range;
 
 use headroom_alloc::{Checkpoint, Decision};
 
 use super::engine::memory::{PhasePeak, Request};
-use super::engine::tracer::{Scope, StoredGrad, T, Tracer, TracerState};
+use super::engine::tracer::{Scope, StoredGrads, T, Tracer, TracerState};
 
 /// A step's phases by name, with the range of its requests each made.
 pub(crate) type Script = Vec<(&'static str, Range<usize>)>;
@@ -114,6 +121,10 @@ struct StepRecord {
     script: Script,
 }
 
+/// The phases of a recorded training pass: each one's name (`None`: requests made between
+/// measured phases) and where its requests end.
+pub(crate) type PassScript = Vec<(Option<&'static str>, usize)>;
+
 /// Step 1's training pass (forward and backward), recorded so that step 2's can be made from
 /// its requests.
 pub(crate) struct PassRecord {
@@ -122,11 +133,11 @@ pub(crate) struct PassRecord {
     persistent: usize,
     /// The cuBLAS and cuBLASLt workspace flags it left.
     workspaces: ([bool; 2], [bool; 2]),
-    /// What it asked of the device (workspaces left out), and where the backward's begin.
+    /// What it asked of the device (workspaces left out), phase by phase.
     requests: Vec<Request>,
-    backward: usize,
+    script: PassScript,
     /// The gradients it stored.
-    grads: Vec<StoredGrad>,
+    grads: StoredGrads,
 }
 
 /// A training pass being recorded: the state it started from, as a pass reads it.
@@ -255,26 +266,29 @@ impl Memo {
     }
 
     /// Step 1's training pass, where this pass provably makes its requests: no gradient is
-    /// stored, the workspace flags are those it left, and the state it reads (the inputs
-    /// `ids`, and not the optimizer's `aside`) is the one it started from.
+    /// stored, the workspace flags are those it left, every strategy is at rest (`at_rest`, as
+    /// it was where step 1's pass started and ended), and the state it reads (the caller's
+    /// `roots`, and not the optimizer's `aside`) is the one it started from.
     pub(crate) fn pass_to_replay(
         &mut self,
         t: &mut Tracer,
-        ids: T,
+        roots: &[T],
         aside: &[T],
+        at_rest: bool,
     ) -> Option<PassRecord> {
         self.first_pass.take().filter(|pass| {
             let scope = Scope::Pass {
                 persistent: pass.persistent,
                 aside,
             };
-            no_grads(t)
+            at_rest
+                && no_grads(t)
                 && (t.cublas_workspace, t.cublaslt_workspace) == pass.workspaces
-                && t.state_is(scope, &[ids], &pass.start)
+                && t.state_is(scope, roots, &pass.start)
         })
     }
 
-    /// Makes step 1's pass requests again as this step's forward and backward phases, and
+    /// Makes step 1's pass requests again, phase by phase as its script lays them out, and
     /// stores its gradients on what they allocate. Returns whether the run stopped.
     pub(crate) fn replay_pass(
         &mut self,
@@ -286,23 +300,29 @@ impl Memo {
         let mut allocations = Vec::with_capacity(pass.requests.len());
         // Step 1's requests are this step's: a record of this step starts with them.
         let kept = t.mem.record_is_empty();
-        let (forward, backward) = pass.requests.split_at(pass.backward);
-        for (name, requests) in [("forward", forward), ("backward", backward)] {
-            phase(t, name, &mut |t| {
+        let mut done = 0;
+        for &(name, end) in &pass.script {
+            let requests = &pass.requests[done..end];
+            done = end;
+            let mut replay = |t: &mut Tracer| {
                 if kept {
                     t.mem.replay_as_recorded(requests, &mut allocations)
                 } else {
                     t.mem.replay(requests, &mut allocations)
                 }
-            });
+            };
+            match name {
+                Some(name) => phase(t, name, &mut replay),
+                None => replay(t),
+            }
             if t.mem.stopped() {
                 return true;
             }
         }
         t.restore_grads(&pass.grads, &allocations);
         if kept && let Some(record) = self.previous.as_mut() {
-            for g in &pass.grads {
-                t.mem.adopt(g.malloc(), &allocations[g.malloc() as usize]);
+            for malloc in pass.grads.mallocs() {
+                t.mem.adopt(malloc, &allocations[malloc as usize]);
             }
             record.prefix = pass.requests;
         }
@@ -310,39 +330,55 @@ impl Memo {
         false
     }
 
-    /// Before step `step`'s training pass is simulated: step 1 records it for step 2.
-    pub(crate) fn begin_pass(&mut self, t: &mut Tracer, step: u32, ids: T) -> Option<PassStart> {
+    /// Before step `step`'s training pass is simulated, from the state the caller holds as
+    /// `roots`: step 1 records it for step 2, where every strategy is at rest (`at_rest`).
+    pub(crate) fn begin_pass(
+        &mut self,
+        t: &mut Tracer,
+        step: u32,
+        roots: &[T],
+        at_rest: bool,
+    ) -> Option<PassStart> {
         let persistent = t.persistent_count();
         let scope = Scope::Pass {
             persistent,
             aside: &[],
         };
-        (self.passes && step == 1 && no_grads(t)).then(|| {
+        (self.passes && step == 1 && at_rest && no_grads(t)).then(|| {
             t.mem.record_requests();
             PassStart {
-                state: t.state(scope, &[ids]),
+                state: t.state(scope, roots),
                 persistent,
             }
         })
     }
 
-    /// After a recorded pass, whose backward's requests began at `backward`: kept for step
-    /// 2 where it ended as it started, gradients apart.
-    pub(crate) fn end_pass(&mut self, t: &mut Tracer, start: PassStart, backward: usize, ids: T) {
+    /// After a recorded pass, whose phases' requests ended where `script` says (the last
+    /// entry ending where the pass did): kept for step 2 where it ended as it started,
+    /// gradients apart, with every strategy at rest (`at_rest`).
+    pub(crate) fn end_pass(
+        &mut self,
+        t: &mut Tracer,
+        start: PassStart,
+        script: PassScript,
+        roots: &[T],
+        at_rest: bool,
+    ) {
         let scope = Scope::Pass {
             persistent: start.persistent,
             aside: &[],
         };
         let grads = t.stored_grads();
-        let ends_as_started = t.state_is(scope, &[ids], &start.state);
+        let ends_as_started = at_rest && t.state_is(scope, roots, &start.state);
         let requests = t.mem.take_requests();
         if let (Some(grads), Some(requests), true) = (grads, requests, ends_as_started) {
+            debug_assert_eq!(script.last().map(|p| p.1), Some(requests.len()));
             self.first_pass = Some(PassRecord {
                 start: start.state,
                 persistent: start.persistent,
                 workspaces: (t.cublas_workspace, t.cublaslt_workspace),
                 requests,
-                backward,
+                script,
                 grads,
             });
         }

@@ -117,14 +117,13 @@ fn simulate_rank(
     let mut phases = vec![t.mem.phase_peak()];
     // A strategy's own state (FSDP2's units and buffers) is compared only where it is at
     // rest (`Strategy::at_rest`); the other strategies' never is, and their runs simulate
-    // every step. Step 2's pass is made from step 1's only without `parallel`: the pass's
-    // record does not compare a strategy's state. Step 1 of training creates
+    // every step. Step 2's pass is made from step 1's likewise only where the strategy is at
+    // rest where each pass starts and where step 1's ends. Step 1 of training creates
     // the optimizer's states, so step 2 never starts where step 1 did: not worth comparing
     // (not comparing only means simulating).
-    let local = spec.parallel.is_none();
     let mut memo = Memo::new(
         repeat_steps,
-        repeat_steps && local && train && has_optimizer,
+        repeat_steps && train && has_optimizer,
         !train || !has_optimizer,
     );
     for step in 1..=STEPS {
@@ -146,12 +145,12 @@ fn simulate_rank(
             continue;
         }
         let aside: Vec<T> = instance.optimizer.tensors().collect();
-        if let Some(pass) = memo.pass_to_replay(&mut t, ids, &aside) {
+        if let Some(pass) = memo.pass_to_replay(&mut t, &[ids], &aside, at_rest) {
             if memo.replay_pass(&mut t, pass, &mut phase) {
                 break;
             }
         } else {
-            let start = memo.begin_pass(&mut t, step, ids);
+            let start = memo.begin_pass(&mut t, step, &[ids], at_rest);
             let mut loss: Option<T> = None;
             let mut sharded = None;
             phase(&mut t, "forward", &mut |t| {
@@ -162,17 +161,20 @@ fn simulate_rank(
             if t.mem.stopped() {
                 break;
             }
-            let backward = t.mem.requests_recorded();
+            let mut pass_script = vec![(Some("forward"), t.mem.requests_recorded())];
             let loss = loss.expect("the forward phase produced a loss");
             phase(&mut t, "backward", &mut |t| instance.backward(t, loss));
             if t.mem.stopped() {
                 break;
             }
+            pass_script.push((Some("backward"), t.mem.requests_recorded()));
             if let Some(sharded) = sharded {
                 sharded.release(&mut t);
+                pass_script.push((None, t.mem.requests_recorded()));
             }
             if let Some(start) = start {
-                memo.end_pass(&mut t, start, backward, ids);
+                let at_rest = instance.model.strategy.borrow().at_rest();
+                memo.end_pass(&mut t, start, pass_script, &[ids], at_rest);
             }
         }
         if has_optimizer {
@@ -413,6 +415,7 @@ mod tests {
                    "parallel": {"strategy": "fsdp", "world_size": 8}}),
         ];
         let (mut repeated, mut replayed, mut ooms) = (0, 0, 0);
+        let (mut passes, mut passes_in_ooms) = (0, 0);
         for value in specs {
             let (spec, arch) = spec_and_arch(&value);
             let run = |capacity, repeat_steps| {
@@ -425,6 +428,8 @@ mod tests {
                 assert_eq!(fast.oom, slow.oom, "{value}");
                 repeated += fast.repeated_steps;
                 replayed += fast.replayed_steps;
+                passes += fast.replayed_passes;
+                passes_in_ooms += u32::from(slow.oom.is_some()) * fast.replayed_passes;
                 ooms += u32::from(slow.oom.is_some());
             }
             let unlimited = run(None, true);
@@ -432,7 +437,21 @@ mod tests {
                 unlimited.repeated_steps + unlimited.replayed_steps > 0,
                 "{value}: no step taken from the one before"
             );
+            // Step 2's pass is made from step 1's requests: FSDP2's sharded gradients, views
+            // of the reduce-scatter output, stored again on what they allocate. Not under
+            // sequence parallelism: step 1's last row-parallel output leaves the tracer
+            // recording DTensors, which step 1's pass did not start with.
+            let sequence_parallel = value["parallel"]["sequence_parallel"] == true;
+            assert_eq!(
+                unlimited.replayed_passes > 0,
+                !sequence_parallel,
+                "{value}: step 2's pass made from step 1's requests"
+            );
         }
+        assert!(
+            passes >= 15 && passes_in_ooms >= 3,
+            "{passes} passes from step 1's requests, {passes_in_ooms} in runs out of memory"
+        );
         // Step 3 is taken whole or made from step 2's requests, in every spec and on devices
         // of every size.
         assert!(

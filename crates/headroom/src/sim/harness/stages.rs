@@ -265,42 +265,70 @@ fn simulate_rank(
     let mut phases = vec![t.mem.phase_peak()];
     let order = rank_order(pipeline.schedule, pp, pipeline.vpp, microbatches, pp_rank);
     // Step 1 makes the receive buffers and the optimizer's states: step 2 never starts where
-    // it did (not comparing only means simulating).
-    let mut memo = Memo::new(repeat_steps, false, false);
+    // it did (not comparing only means simulating). Its schedule, which reads neither, is
+    // made from step 1's requests where it provably repeats step 1's (`sim::memo`): the
+    // schedule recorded from after the receive buffers are made, the losses' release with it.
+    let mut memo = Memo::new(repeat_steps, repeat_steps, false);
+    let at_rest = |stages: &[Stage]| stages.iter().all(|s| s.model.strategy.borrow().at_rest());
+    // What a schedule reads besides the parameters: the inputs and the gradient receive
+    // buffers (the activation receive buffers are leaves, among the parameters).
+    let pass_roots = |stages: &[Stage]| -> Vec<T> {
+        [ids]
+            .into_iter()
+            .chain(stages.iter().flat_map(|s| s.output_grads.iter().copied()))
+            .collect()
+    };
     for step in 1..=STEPS {
         if t.mem.stopped() {
             break;
         }
-        let roots: Vec<T> = optimizer
-            .tensors()
-            .chain([ids])
-            .chain(stages.iter().flat_map(|s| s.output_grads.iter().copied()))
-            .collect();
-        let at_rest = stages.iter().all(|s| s.model.strategy.borrow().at_rest());
-        if memo.take_step(&mut t, step, STEPS, &roots, at_rest, &mut phases) {
+        let roots: Vec<T> = optimizer.tensors().chain(pass_roots(&stages)).collect();
+        if memo.take_step(&mut t, step, STEPS, &roots, at_rest(&stages), &mut phases) {
             continue;
         }
         let mut script: Script = Vec::new();
         let mut phase = |t: &mut Tracer, name: &'static str, f: &mut dyn FnMut(&mut Tracer)| {
             measured_phase(t, step, name, &mut script, &mut phases, f)
         };
-        let mut losses = Vec::new();
-        phase(&mut t, "schedule", &mut |t| {
-            if step == 1 {
-                initialize(
-                    t,
-                    &mut stages,
-                    microbatches,
-                    batch,
-                    arch.hidden,
-                    compute_dtype,
+        let aside: Vec<T> = optimizer.tensors().collect();
+        if let Some(pass) =
+            memo.pass_to_replay(&mut t, &pass_roots(&stages), &aside, at_rest(&stages))
+        {
+            if memo.replay_pass(&mut t, pass, &mut phase) {
+                break;
+            }
+        } else {
+            let mut losses = Vec::new();
+            let mut start = None;
+            phase(&mut t, "schedule", &mut |t| {
+                if step == 1 {
+                    initialize(
+                        t,
+                        &mut stages,
+                        microbatches,
+                        batch,
+                        arch.hidden,
+                        compute_dtype,
+                    );
+                }
+                start = memo.begin_pass(t, step, &pass_roots(&stages), at_rest(&stages));
+                losses = run_schedule(t, &stages, &order, pipeline, ids, batch, autocast);
+            });
+            let mut pass_script = vec![(Some("schedule"), t.mem.requests_recorded())];
+            t.drop_all(&losses);
+            if t.mem.stopped() {
+                break;
+            }
+            if let Some(start) = start {
+                pass_script.push((None, t.mem.requests_recorded()));
+                memo.end_pass(
+                    &mut t,
+                    start,
+                    pass_script,
+                    &pass_roots(&stages),
+                    at_rest(&stages),
                 );
             }
-            losses = run_schedule(t, &stages, &order, pipeline, ids, batch, autocast);
-        });
-        t.drop_all(&losses);
-        if t.mem.stopped() {
-            break;
         }
         phase(&mut t, "optimizer", &mut |t| optimizer.step(t, &trainable));
         for &p in &trainable {
@@ -338,7 +366,7 @@ fn simulate_rank(
         timeline: t.mem.take_timeline(),
         repeated_steps: memo.repeated_steps,
         replayed_steps: memo.replayed_steps,
-        replayed_passes: 0,
+        replayed_passes: memo.replayed_passes,
         unlimited: !t.mem.stopped() && t.mem.unlimited(),
     }
 }
@@ -640,7 +668,7 @@ mod tests {
                 true,
             ),
         ];
-        let (mut repeated, mut ooms) = (0, 0);
+        let (mut repeated, mut ooms, mut passes) = (0, 0, 0);
         for value in specs {
             let spec = RunSpec::from_value(&value).expect("valid spec");
             let model = spec.resolve_model(None).expect("known model");
@@ -667,6 +695,7 @@ mod tests {
                     assert_eq!(fast.oom, slow.oom, "{context}");
                     assert_eq!(fast.unlimited, slow.unlimited, "{context}");
                     repeated += fast.repeated_steps + fast.replayed_steps;
+                    passes += fast.replayed_passes;
                     ooms += u32::from(slow.oom.is_some());
                 }
             }
@@ -675,7 +704,13 @@ mod tests {
                 unlimited.repeated_steps + unlimited.replayed_steps > 0,
                 "{value}: step 3 simulated again"
             );
+            // The reported rank's step 2 schedule is made from step 1's requests.
+            assert!(
+                unlimited.replayed_passes > 0,
+                "{value}: step 2's schedule simulated"
+            );
         }
+        assert!(passes >= 8, "{passes} schedules from step 1's requests");
         assert!(repeated >= 8, "{repeated} steps taken from the one before");
         assert!(ooms >= 4, "{ooms} runs out of memory");
     }

@@ -20,7 +20,7 @@ use super::component::Component;
 use super::memory::{Allocation, Memory};
 use crate::dtype::DType;
 use crate::gpu::Workspaces;
-pub(crate) use state::{Scope, StoredGrad, TracerState};
+pub(crate) use state::{Scope, StoredGrads, TracerState};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct T(u32);
@@ -1647,6 +1647,56 @@ mod tests {
         let held = t.share(g);
         assert!(t.stored_grads().is_none());
         t.drop(held);
+    }
+
+    /// Gradients that are views of one recorded allocation (FSDP2's sharded gradients, views of
+    /// the reduce-scatter output) come back as views of one tensor on the replayed allocation,
+    /// which goes only when the last of them does; an owner held by anything but gradients
+    /// is not restorable.
+    #[test]
+    fn gradient_views_are_restored_on_replayed_allocations() {
+        let mut t = tracer();
+        model(&mut t);
+        t.mem.record_requests();
+        let output = t.empty_as(
+            (1 << 20) + (1 << 10),
+            DType::F32,
+            Component::Gradients,
+            "reduce-scatter output",
+        );
+        for (param, numel) in [(0, 1 << 20), (1, 1 << 10)] {
+            let view = t.view(output, numel, "sharded grad");
+            t.params[param].grad = Some(view);
+        }
+        let held = t.share(output);
+        assert!(t.stored_grads().is_none(), "the output has another holder");
+        t.drop(held);
+        t.drop(output);
+        let grads = t.stored_grads().expect("views of a recorded allocation");
+        let requests = t.mem.take_requests().expect("a complete record");
+        let live = t.mem.live();
+        for param in [0, 1] {
+            let g = t.params[param].grad.take().expect("stored");
+            t.drop(g);
+        }
+        assert!(t.mem.live()[Component::Gradients.index()] < live[Component::Gradients.index()]);
+
+        let mut allocations = Vec::new();
+        t.mem.replay(&requests, &mut allocations);
+        t.restore_grads(&grads, &allocations);
+        assert_eq!(t.mem.live(), live);
+        let (g0, g1) = (t.params[0].grad.unwrap(), t.params[1].grad.unwrap());
+        assert_eq!((t.numel(g0), t.numel(g1)), (1 << 20, 1 << 10));
+        let base = t.rec(g0).base.expect("a view");
+        assert_eq!(t.rec(g1).base, Some(base));
+        assert_eq!(t.tensor_refs(base), 2);
+        // The allocation goes with the last view.
+        t.params[0].grad = None;
+        t.drop(g0);
+        assert_eq!(t.mem.live(), live);
+        t.params[1].grad = None;
+        t.drop(g1);
+        assert!(t.mem.live()[Component::Gradients.index()] < live[Component::Gradients.index()]);
     }
 
     /// What the process makes once is left out of a record; a free of it is then a request

@@ -71,18 +71,28 @@ pub(crate) enum Scope<'a> {
     Pass { persistent: usize, aside: &'a [T] },
 }
 
-/// A gradient a training pass stored, to be stored again by a pass made from its requests
-/// (see `sim::memo`): its record, and the `Malloc` of the recorded requests that allocated it.
-pub(crate) struct StoredGrad {
-    param: ParamId,
-    rec: TensorRec,
-    malloc: u32,
+/// The gradients a training pass stored, to be stored again by a pass made from its requests
+/// (see `sim::memo`): each a plain tensor of its own, or a view of a plain tensor that only
+/// gradients view (FSDP2's sharded gradients, views of the reduce-scatter output).
+pub(crate) struct StoredGrads {
+    /// The tensors that own the gradients' storage, each with the `Malloc` of the recorded
+    /// requests that allocated it.
+    owners: Vec<(TensorRec, u32)>,
+    grads: Vec<StoredGrad>,
 }
 
-impl StoredGrad {
-    /// The index of the `Malloc` that allocated it.
-    pub(crate) fn malloc(&self) -> u32 {
-        self.malloc
+/// One stored gradient: its parameter, its owner (an index of `owners`), and its own record
+/// where it is a view of the owner (`None`: it is the owner).
+struct StoredGrad {
+    param: ParamId,
+    owner: usize,
+    view: Option<TensorRec>,
+}
+
+impl StoredGrads {
+    /// The `Malloc`s of the recorded requests whose allocations hold the gradients.
+    pub(crate) fn mallocs(&self) -> impl Iterator<Item = u32> + '_ {
+        self.owners.iter().map(|&(_, malloc)| malloc)
     }
 }
 
@@ -236,36 +246,79 @@ impl Tracer {
         self.canonical = canonical;
     }
 
-    /// The gradients stored so far, each with the `Malloc` of the requests being recorded
-    /// that allocated it; `None` unless every one is a plain tensor of its own (one
-    /// reference, no base, no `grad_fn`) allocated by a recorded request.
-    pub(crate) fn stored_grads(&self) -> Option<Vec<StoredGrad>> {
-        let mut grads = Vec::new();
+    /// The gradients stored so far, each owner with the `Malloc` of the requests being
+    /// recorded that allocated it; `None` unless every gradient has one reference and no
+    /// `grad_fn`, and is a plain tensor allocated by a recorded request or a view of one that
+    /// nothing but gradients holds.
+    pub(crate) fn stored_grads(&self) -> Option<StoredGrads> {
+        let plain =
+            |rec: &TensorRec| rec.base.is_none() && rec.grad_fn.is_none() && rec.param.is_none();
+        let mut owner_ids: Vec<T> = Vec::new();
+        // How many references each owner must have: those of the gradients alone.
+        let mut holders: Vec<u32> = Vec::new();
+        let mut stored = StoredGrads {
+            owners: Vec::new(),
+            grads: Vec::new(),
+        };
         for (param, p) in self.params.iter().enumerate() {
             let Some(g) = p.grad else { continue };
             let rec = self.rec(g);
-            if rec.refs != 1 || rec.base.is_some() || rec.grad_fn.is_some() || rec.param.is_some() {
+            if rec.refs != 1 || rec.grad_fn.is_some() || rec.param.is_some() {
                 return None;
             }
-            let malloc = self.mem.recorded_malloc(rec.allocation.as_ref()?)?;
-            grads.push(StoredGrad {
+            let (owner, view) = match rec.base {
+                None => (g, None),
+                Some(base) => (base, Some(rec.clone())),
+            };
+            let index = match owner_ids.iter().position(|&o| o == owner) {
+                Some(index) => index,
+                None => {
+                    let owner_rec = self.rec(owner);
+                    if !plain(owner_rec) {
+                        return None;
+                    }
+                    let malloc = self.mem.recorded_malloc(owner_rec.allocation.as_ref()?)?;
+                    owner_ids.push(owner);
+                    holders.push(0);
+                    stored.owners.push((owner_rec.clone(), malloc));
+                    owner_ids.len() - 1
+                }
+            };
+            holders[index] += 1;
+            stored.grads.push(StoredGrad {
                 param,
-                rec: rec.clone(),
-                malloc,
+                owner: index,
+                view,
             });
         }
-        Some(grads)
+        let held_by_grads_alone = owner_ids
+            .iter()
+            .zip(&holders)
+            .all(|(&o, &n)| self.rec(o).refs == n);
+        held_by_grads_alone.then_some(stored)
     }
 
-    /// Stores `grads` again, on `allocations` (by the index of the `Malloc` that made each, as
-    /// a replay of the recorded requests returns them).
-    pub(crate) fn restore_grads(&mut self, grads: &[StoredGrad], allocations: &[Allocation]) {
-        for g in grads {
-            let rec = TensorRec {
-                allocation: Some(allocations[g.malloc as usize]),
-                ..g.rec.clone()
+    /// Stores `grads` again, on `allocations` (by the index of the `Malloc` that made each
+    /// owner, as a replay of the recorded requests returns them).
+    pub(crate) fn restore_grads(&mut self, grads: &StoredGrads, allocations: &[Allocation]) {
+        let owners: Vec<T> = grads
+            .owners
+            .iter()
+            .map(|(rec, malloc)| {
+                self.new_tensor(TensorRec {
+                    allocation: Some(allocations[*malloc as usize]),
+                    ..rec.clone()
+                })
+            })
+            .collect();
+        for g in &grads.grads {
+            let t = match &g.view {
+                None => owners[g.owner],
+                Some(rec) => self.new_tensor(TensorRec {
+                    base: Some(owners[g.owner]),
+                    ..rec.clone()
+                }),
             };
-            let t = self.new_tensor(rec);
             self.store_param_grad(g.param, t);
         }
     }

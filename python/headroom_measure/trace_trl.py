@@ -173,8 +173,10 @@ class MaskAnswers:
             else:
                 indices.append(i)
         out = func(args[0], indices, *args[2:], **(kwargs or {}))
-        # The output is allocated while the index tensor is alive.
-        rec._maybe_alloc(out, str(func))
+        # The output is allocated while the index tensor is alive; `index_backward`'s scatter
+        # writes into its zeros instead (`Recorder._index_backward_in_place`).
+        if not (func is torch.ops.aten.index_put.default and rec._index_backward_in_place(args, out)):
+            rec._maybe_alloc(out, str(func))
         return out
 
 

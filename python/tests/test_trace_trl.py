@@ -108,6 +108,26 @@ class MaskAnswersTest(unittest.TestCase):
         # the index tensor lives until the gather has allocated its output
         self.assertLess(events.index(["alloc", out]), events.index(["free", nonzero[0]]))
 
+    def test_a_boolean_indexs_gradient_is_scattered_into_its_zeros(self):
+        """`IndexBackward0` of a boolean index: `new_zeros` of the input's shape, then the
+        gradient put into it in place (out of place only for tensor subclasses)."""
+        from headroom_measure.trace_trl import MaskAnswers
+
+        answers = MaskAnswers()
+        answers.learn((3, 7), 12)
+        full = 3 * 7 * 16 * 2
+
+        def body(torch):
+            hidden = torch.empty(3, 7, 16, dtype=torch.bfloat16, requires_grad=True)
+            hidden[torch.empty(3, 7, dtype=torch.bool)].sum().backward()
+            return hidden.grad
+
+        rec, shape = self.recorded(answers, body)
+        self.assertEqual(shape, (3, 7, 16))
+        ops = [s["op"] for s in rec.storages if s["bytes"] == full]
+        self.assertIn("aten.new_zeros.default", ops)
+        self.assertNotIn("aten.index_put.default", ops)
+
     def test_masked_select_and_index_put_take_the_same_answer(self):
         from headroom_measure.trace_trl import MaskAnswers
 

@@ -38,6 +38,7 @@ def nf4_config():
 def build_nf4(rec, spec, cfg):
     """The nf4 model `measure._build` makes, made on the tracer's fake device and recorded by `rec`."""
     import torch
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import dot_natural_key, set_param_for_module
     from transformers.integrations.bitsandbytes import Bnb4bitQuantize
     from transformers.modeling_utils import expand_device_map, get_total_byte_count
@@ -45,7 +46,15 @@ def build_nf4(rec, spec, cfg):
     from transformers.utils.loading_report import LoadStateDictInfo
 
     from . import measure as m
+    from .trace import TraceError
 
+    if get_checkpoint_conversion_mapping(cfg.model_type) is not None:
+        raise TraceError(
+            f"`quantization: nf4` of a {cfg.model_type} model: transformers saves its checkpoint under other names "
+            "than its parameters' (unfused experts, renamed modules) and converts them while loading, which the "
+            "tracer's load does not run; nf4 is traced for model types loaded by name (llama, mistral, qwen2, "
+            "qwen3, gemma, phi3, ...), and `headroom estimate` models 4-bit runs natively"
+        )
     cls = m._auto_class(spec)
     dtype = m.dtype_kwarg(torch.bfloat16)
     source = cls.from_config(cfg, **dtype, attn_implementation=spec.attention)

@@ -60,5 +60,15 @@ class Nf4TraceTest(unittest.TestCase):
         # embedding, layer 0's input norm, then its down_proj, quantized there (absmax, packed data).
         self.assertEqual(allocs[1:7], [2 * v * h, 2 * v * h, 2 * h, 2 * h * i, h * i // 64 * 4, h * i // 2])
 
+    def test_a_model_whose_checkpoint_is_converted_on_load_is_refused_by_name(self):
+        config = {**TINY["model_config"], "model_type": "qwen3_moe", "moe_intermediate_size": 64, "num_experts": 4,
+                  "num_experts_per_tok": 2}  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            out = run("trace", "--spec-json", json.dumps({**NF4, "model_config": config}), "--out", f"{tmp}/t.json")
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("`quantization: nf4` of a qwen3_moe model", out.stderr)
+        self.assertIn("llama, mistral, qwen2", out.stderr)
+
+
 if __name__ == "__main__":
     unittest.main()

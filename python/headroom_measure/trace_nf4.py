@@ -6,8 +6,9 @@ checkpoint of fake tensors has no bytes to save, so the tracer builds and frees 
 the harness does, keeps the names and shapes its checkpoint would hold, and loads them as
 transformers 5's loader does, with transformers' own pieces: the meta model with its linears
 replaced by `Linear4bit` (`Bnb4BitHfQuantizer.preprocess_model`), `caching_allocator_warmup`'s
-one allocation of `get_total_byte_count` bytes (nothing is cached to subtract after the emptied
-cache), then each checkpoint tensor in `dot_natural_key` order copied to the device in bf16 and,
+one allocation of `get_total_byte_count` bytes (the cache emptied, the warm-up subtracts what is
+reserved but unused: on the GPU the 2 MiB segment of the harness's first `torch.zeros(1)`, which
+no trace records, so here nothing), then each checkpoint tensor in `dot_natural_key` order copied to the device in bf16 and,
 for a 4-bit weight, quantized there by `Bnb4bitQuantize` (bitsandbytes' `Params4bit._quantize`,
 `bitsandbytes_emulation.py`) before the copy dies; `set_param_for_module` puts each on its module.
 The non-persistent buffers (rotary frequencies) come to the device last, the weights are tied and

@@ -23,12 +23,20 @@ import weakref
 from .spec import Spec
 
 STEPS = 3
-KERNEL_MARKERS_GEMM = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_grouped_mm", "_addmm_activation"}
+# `linear` reaches the recorder whole only below autograd (a `PYTHON_KERNELS` kernel's `F.linear`),
+# where CUDA runs it as `addmm` with its bias (flattening the leading dimensions) or `mm` without.
+KERNEL_MARKERS_GEMM = {
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_grouped_mm", "_addmm_activation", "linear",
+}  # fmt: skip
 ATTENTION_BACKWARD = {
     "_scaled_dot_product_flash_attention_backward": "flash",
     "_scaled_dot_product_cudnn_attention_backward": "cudnn",
     "_scaled_dot_product_efficient_attention_backward": "efficient",
 }
+# Operators whose CUDA kernels are Python (a library's wrapper around its C launch), by operator,
+# run by the recorder with itself active, so that what they allocate inside is recorded; the
+# emulations fill it for the life of their `with` block (`bitsandbytes_emulation.py`).
+PYTHON_KERNELS: dict = {}
 
 
 class TraceError(RuntimeError):
@@ -41,14 +49,6 @@ def refuse_untraceable(spec):
 
     if isinstance(spec, TrainerSpec):
         spec = spec.base
-    if spec.quantization:
-        raise TraceError(
-            f"`quantization: {spec.quantization}`: bitsandbytes' 4-bit weights are `Params4bit`, a tensor subclass "
-            "made with `Tensor._make_subclass`, which cannot wrap a fake tensor, and the model is loaded by "
-            "`from_pretrained` (transformers' allocator warm-up, then each weight copied to the device in bf16 and "
-            "quantized there), which the tracer does not emulate yet (bitsandbytes' own kernels run: `adamw-8bit` is "
-            "traced); `headroom estimate` models 4-bit runs natively"
-        )
     if spec.experts_implementation == "eager":
         raise TraceError(
             "`experts_implementation: eager`: the per-expert loop's shapes are the numbers of tokens the router "
@@ -201,6 +201,9 @@ class Recorder:
                     out = recorder.bounds.bincount(recorder, args, kwargs)
                 if out is NotImplemented and func is embedding_backward:
                     out = embedding_dense_backward(recorder, func, args, kwargs)
+                if out is NotImplemented and func in PYTHON_KERNELS:
+                    with self:
+                        return PYTHON_KERNELS[func](*args, **(kwargs or {}))
                 if out is NotImplemented:
                     out = func(*args, **(kwargs or {}))
                 recorder._after(func, args, kwargs, out)
@@ -250,7 +253,8 @@ class Recorder:
                 s["kind"] = "host"
         self.bounds.after(self, func, args, kwargs, out)
         if name in KERNEL_MARKERS_GEMM:
-            self.gemm(name == "addmm" and isinstance(args[0], torch.Tensor) and args[0].dim() == 1)
+            bias = {"addmm": args[0], "linear": args[2] if len(args) > 2 else (kwargs or {}).get("bias")}.get(name)
+            self.gemm(isinstance(bias, torch.Tensor) and bias.dim() == 1)
         elif name == "sum" and func._overloadname == "dim_IntList":
             self._outer_sum(args)
         elif name in ATTENTION_BACKWARD:
@@ -677,8 +681,13 @@ def _run_loop(rec: Recorder, spec: Spec, fields: dict, progress):
 
     rec.phase("load")
     cfg = m._hf_config(spec, fields)
-    model = m._build(spec, cfg, device="cpu")
-    model = m._prepare(spec, model)
+    if spec.quantization:
+        from .trace_nf4 import build_nf4, prepared, quant_states
+
+        model = prepared(rec, spec, build_nf4(rec, spec, cfg))
+        rec.classify(quant_states(model), "parameter")
+    else:
+        model = m._prepare(spec, m._build(spec, cfg, device="cpu"))
     _ModuleNames.current.name(model)
     rec.classify(model.parameters(), "parameter")
     rec.classify(model.buffers(), "buffer")

@@ -57,13 +57,6 @@ class TraceCliTest(unittest.TestCase):
             self.assertNotIn("Traceback", out.stderr)
             self.assertFalse(Path(f"{tmp}/t.json").exists())
 
-    def test_quantized_spec_is_refused_by_name(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = run("trace", "--spec-json", json.dumps({**TINY, "quantization": "nf4"}), "--out", f"{tmp}/t.json")
-            self.assertEqual(out.returncode, 2, out.stderr)
-            self.assertIn("`quantization: nf4`", out.stderr)
-            self.assertIn("from_pretrained", out.stderr)
-
     def test_the_eager_experts_loop_is_refused_by_name(self):
         with tempfile.TemporaryDirectory() as tmp:
             config = {**TINY["model_config"], "model_type": "qwen3_moe", "moe_intermediate_size": 64,

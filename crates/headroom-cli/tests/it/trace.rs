@@ -529,7 +529,8 @@ fn estimate_with_trace_runs_the_tracer() {
 /// the same way on DeepSpeed's CUDA code path (parameter and optimizer offload included), against
 /// the 2-rank NCCL rows, the one-GPU rows of
 /// `bench/distributed/h200x1*` and the fake-group rows of `bench/scale` and `bench/moe`;
-/// `bitsandbytes` are the H200 rows of bitsandbytes' 8-bit AdamW; `pp`,
+/// `bitsandbytes` are the H200 rows of bitsandbytes' 8-bit AdamW; `nf4` the QLoRA rows (4-bit base
+/// weights loaded and quantized on the device, LoRA over them), on the H200 and the H100; `pp`,
 /// `cp` and `ep` are torch's pipeline schedules, its ring attention and transformers' expert
 /// parallelism, each traced as the rank of the fake world its row measured. A row with each rank's phases is held to its steps' peak, as the
 /// trace's peak leaves the load out (`headroom validate` does the same). One row's reserved
@@ -544,8 +545,9 @@ fn saved_traces_match_their_measurements() {
     const FSDP1: usize = 13;
     const ZERO: usize = 36;
     const BITSANDBYTES: usize = 5;
+    const NF4: usize = 12;
     const PP_CP_EP: usize = 26 + 12 + 12;
-    const CORPORA: [(&str, &str); 28] = [
+    const CORPORA: [(&str, &str); 32] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -631,11 +633,18 @@ fn saved_traces_match_their_measurements() {
         ("bench/cp/rows-call2-h100-torch2.11.jsonl", "bench/trace/cp"),
         ("bench/ep/rows-h100-torch2.11.jsonl", "bench/trace/ep"),
         ("bench/ep/rows-call2-h100-torch2.11.jsonl", "bench/trace/ep"),
+        ("bench/calibration/h200-torch2.11.jsonl", "bench/trace/nf4"),
+        (
+            "bench/shared/calibration/h200-torch2.11.jsonl",
+            "bench/trace/nf4",
+        ),
+        ("bench/calibration/h100-torch2.11.jsonl", "bench/trace/nf4"),
+        ("bench/snapshots/runs.jsonl", "bench/trace/nf4"),
     ];
     let repo = crate::common::repo();
     let (mut checked, mut unseen, mut trainers, mut sharded, mut ddp, mut fsdp1, mut zero) =
         (0, 0, 0, 0, 0, 0, 0);
-    let (mut bitsandbytes, mut pp_cp_ep) = (0, 0);
+    let (mut bitsandbytes, mut pp_cp_ep, mut nf4) = (0, 0, 0);
     for (rows, traces) in CORPORA {
         let rows = std::fs::read_to_string(repo.join(rows)).expect("rows");
         for line in rows.lines().filter(|l| !l.trim().is_empty()) {
@@ -683,6 +692,7 @@ fn saved_traces_match_their_measurements() {
             fsdp1 += usize::from(traces.ends_with("fsdp1"));
             zero += usize::from(traces.ends_with("zero"));
             bitsandbytes += usize::from(traces.ends_with("bitsandbytes"));
+            nf4 += usize::from(traces.ends_with("nf4"));
             pp_cp_ep += usize::from(["pp", "cp", "ep"].iter().any(|d| traces.ends_with(d)));
         }
     }
@@ -696,10 +706,11 @@ fn saved_traces_match_their_measurements() {
             fsdp1,
             zero,
             bitsandbytes,
-            pp_cp_ep
+            pp_cp_ep,
+            nf4
         ),
         (
-            106 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES + PP_CP_EP,
+            106 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES + PP_CP_EP + NF4,
             4,
             56,
             SHARDED,
@@ -707,7 +718,8 @@ fn saved_traces_match_their_measurements() {
             FSDP1,
             ZERO,
             BITSANDBYTES,
-            PP_CP_EP
+            PP_CP_EP,
+            NF4
         )
     );
 }

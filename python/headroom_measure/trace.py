@@ -102,6 +102,10 @@ class Recorder:
     def empty_cache(self):
         self.events.append(["empty_cache"])
 
+    def caching_allocator_warmup(self, weight_bytes: int):
+        """transformers' loader reserving `weight_bytes` at once (`trace_load.py`)."""
+        self.events.append(["caching_allocator_warmup", weight_bytes])
+
     @contextlib.contextmanager
     def reading(self, values):
         """The scalar reads made inside return `values`, in order: what the real run reads back
@@ -791,7 +795,7 @@ def _run_trainer(rec: Recorder, ts, fields: dict, progress):
                 _classify_optimizer_state(rec, trainer_box[0].optimizer)
                 rec.phase(f"step {state.global_step + 1} zero_grad")
 
-        with _BuildOnTheDevice(ts), contextlib.ExitStack() as building:
+        with _BuildOnTheDevice(rec, ts), contextlib.ExitStack() as building:
             if ts.trainer == "trl-dpo" and ts.precompute_ref_log_probs:
                 building.enter_context(trace_trl.PrecomputedReference(rec))
             trainer = trainers.build_trainer(ts, fields, ckpt, tokenizer, [Phases()], device="cpu")
@@ -833,21 +837,26 @@ def _import_trainer_modules(ts):
 
 
 class _BuildOnTheDevice:
-    """TRL's `create_model_from_path` as the tracer needs it: the model built from the saved
-    config (`from_config`, the dtype and attention `model_init_kwargs` give, `num_labels` for a
-    reward head) where it would load the checkpoint."""
+    """TRL's `create_model_from_path` as the tracer needs it: the model of the saved config (the
+    dtype and attention `model_init_kwargs` give, `num_labels` for a reward head) built on `meta`
+    and loaded onto the device as `from_pretrained` loads the checkpoint (`trace_load.py`)."""
 
     MODULES = (
         "trl.trainer.utils", "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.grpo_trainer",
         "trl.trainer.reward_trainer",
     )
 
-    def __init__(self, ts):
+    def __init__(self, rec, ts):
+        self.rec = rec
         self.ts = ts
         self.saved = []
 
     def __enter__(self):
         import importlib
+
+        from .trace_load import checkpoint_of, load_on_device
+
+        rec = self.rec
 
         def create_model_from_path(model_id, architecture=None, **kwargs):
             import torch
@@ -860,7 +869,10 @@ class _BuildOnTheDevice:
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
             arch = architecture or AutoModelForCausalLM
             extra = {"attn_implementation": kwargs["attn_implementation"]} if "attn_implementation" in kwargs else {}
-            return arch.from_config(config, dtype=dtype, **extra)
+            with torch.device("meta"):
+                model = arch.from_config(config, dtype=dtype, **extra)
+            load_on_device(rec, model, checkpoint_of(model))
+            return model.eval()
 
         for name in self.MODULES:
             module = importlib.import_module(name)

@@ -4,15 +4,12 @@ The harness builds the random model in bf16 on the device, saves it, deletes it 
 cache, then loads it back with `from_pretrained(quantization_config=nf4, device_map={"": 0})`. A
 checkpoint of fake tensors has no bytes to save, so the tracer builds and frees the bf16 model as
 the harness does, keeps the names and shapes its checkpoint would hold, and loads them as
-transformers 5's loader does, with transformers' own pieces: the meta model with its linears
-replaced by `Linear4bit` (`Bnb4BitHfQuantizer.preprocess_model`), `caching_allocator_warmup`'s
-one allocation of `get_total_byte_count` bytes (the cache emptied, the warm-up subtracts what is
-reserved but unused: on the GPU the 2 MiB segment of the harness's first `torch.zeros(1)`, which
-no trace records, so here nothing), then each checkpoint tensor in `dot_natural_key` order copied to the device in bf16 and,
-for a 4-bit weight, quantized there by `Bnb4bitQuantize` (bitsandbytes' `Params4bit._quantize`,
-`bitsandbytes_emulation.py`) before the copy dies; `set_param_for_module` puts each on its module.
-The non-persistent buffers (rotary frequencies) come to the device last, the weights are tied and
-`postprocess_model` marks the model loaded in 4 bits, as `_finalize_model_loading` does.
+transformers 5's loader does (`trace_load.py`) into the meta model with its linears replaced by
+`Linear4bit` (`Bnb4BitHfQuantizer.preprocess_model`): each checkpoint tensor copied to the device
+in bf16 and, for a 4-bit weight, quantized there by `Bnb4bitQuantize` (bitsandbytes'
+`Params4bit._quantize`, `bitsandbytes_emulation.py`) before the copy dies; `postprocess_model`
+marks the model loaded in 4 bits. The warm-up subtracts what the allocator holds unused: on the
+GPU the 2 MiB segment of the harness's first `torch.zeros(1)`, which no trace records.
 
 peft's `prepare_model_for_kbit_training` empties the CUDA cache after its fp32 casts where CUDA is
 available, which the CPU it runs on is not: the tracer records that `empty_cache` (`prepared`).
@@ -40,14 +37,12 @@ def build_nf4(rec, spec, cfg):
     """The nf4 model `measure._build` makes, made on the tracer's fake device and recorded by `rec`."""
     import torch
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import dot_natural_key, set_param_for_module
     from transformers.integrations.bitsandbytes import Bnb4bitQuantize
-    from transformers.modeling_utils import expand_device_map, get_total_byte_count
     from transformers.quantizers import AutoHfQuantizer
-    from transformers.utils.loading_report import LoadStateDictInfo
 
     from . import measure as m
     from .trace import TraceError
+    from .trace_load import checkpoint_of, load_on_device
 
     if get_checkpoint_conversion_mapping(cfg.model_type) is not None:
         raise TraceError(
@@ -59,8 +54,7 @@ def build_nf4(rec, spec, cfg):
     cls = m._auto_class(spec)
     dtype = m.dtype_kwarg(torch.bfloat16)
     source = cls.from_config(cfg, **dtype, attn_implementation=spec.attention)
-    tied = set(source.all_tied_weights_keys)
-    checkpoint = {name: tuple(t.shape) for name, t in source.state_dict().items() if name not in tied}
+    checkpoint = {name: (shape, torch.bfloat16) for name, (shape, _) in checkpoint_of(source).items()}
     del source
     gc.collect()
     rec.empty_cache()
@@ -68,29 +62,15 @@ def build_nf4(rec, spec, cfg):
     quantizer = AutoHfQuantizer.from_config(nf4_config(), pre_quantized=False)
     with torch.device("meta"):
         model = cls.from_config(cfg, **dtype, attn_implementation=spec.attention, **m._experts_kwargs(spec))
-    device_map = {"": 0}
-    quantizer.preprocess_model(model, device_map=device_map, dtype=torch.bfloat16)
-    expanded = expand_device_map(device_map, list(model.state_dict().keys()))
-    byte_count = get_total_byte_count(model, {k: torch.device("cuda", 0) for k in expanded}, quantizer)
-    warmup = torch.empty(int(sum(byte_count.values()) // 2), dtype=torch.float16)
-    del warmup
-
-    info = LoadStateDictInfo(
-        missing_keys=set(), error_msgs=[], unexpected_keys=set(), mismatched_keys=set(), conversion_errors={},
-        skipped_pp_keys=set(),
-    )  # fmt: skip
+    quantizer.preprocess_model(model, device_map={"": 0}, dtype=torch.bfloat16)
     quantize = Bnb4bitQuantize(quantizer)
-    for name in sorted(checkpoint, key=dot_natural_key):
-        value = torch.empty(checkpoint[name], dtype=torch.bfloat16)  # the device copy of the host tensor
+
+    def convert(name, value):
         if quantizer.param_needs_quantization(model, name):
-            value = quantize.convert({name: [value]}, full_layer_name=name, model=model)[name]
-        set_param_for_module(model, name, value, info, quantizer)
-        del value
-    for module in model.modules():
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.device.type == "meta":
-                module._buffers[name] = torch.empty_like(buffer, device="cpu")
-    model.tie_weights()
+            return quantize.convert({name: [value]}, full_layer_name=name, model=model)[name]
+        return value
+
+    load_on_device(rec, model, checkpoint, quantizer, convert)
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
     return model

@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 21] = [
+const HARNESS: [(&str, &str); 24] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -83,6 +83,18 @@ const HARNESS: [(&str, &str); 21] = [
     (
         "trace_trl.py",
         include_str!("../../../../python/headroom_measure/trace_trl.py"),
+    ),
+    (
+        "trace_load.py",
+        include_str!("../../../../python/headroom_measure/trace_load.py"),
+    ),
+    (
+        "trace_nf4.py",
+        include_str!("../../../../python/headroom_measure/trace_nf4.py"),
+    ),
+    (
+        "trace_zero_ranks.py",
+        include_str!("../../../../python/headroom_measure/trace_zero_ranks.py"),
     ),
     (
         "trace_decode.py",

@@ -129,6 +129,10 @@ pub enum Event {
     Free(u32),
     /// `["empty_cache"]`.
     EmptyCache,
+    /// `["caching_allocator_warmup", weight_bytes]`: transformers' loader reserves the weights'
+    /// bytes in one allocation, less what the allocator holds unused at that moment, which
+    /// only the replay knows.
+    CachingAllocatorWarmup { weight_bytes: u64 },
     /// `["gemm", bias_epilogue]` or `["gemm", bias_epilogue, thread]`: a cuBLAS GEMM ran,
     /// on `thread` when the tracer says which.
     Gemm {

@@ -745,10 +745,16 @@ impl<'de> Deserialize<'de> for Scalar {
 }
 
 /// The events the format has: name, fewest and most arguments, and how they are written.
-const EVENTS: [(&str, usize, usize, &str); 8] = [
+const EVENTS: [(&str, usize, usize, &str); 9] = [
     ("alloc", 1, 1, "[\"alloc\", storage]"),
     ("free", 1, 1, "[\"free\", storage]"),
     ("empty_cache", 0, 0, "[\"empty_cache\"]"),
+    (
+        "caching_allocator_warmup",
+        1,
+        1,
+        "[\"caching_allocator_warmup\", weight_bytes]",
+    ),
     (
         "gemm",
         1,
@@ -838,6 +844,9 @@ fn event<E: de::Error>(name: &str, args: &[Scalar]) -> Result<Event, E> {
         "alloc" => Event::Alloc(storage(&args[0])?),
         "free" => Event::Free(storage(&args[0])?),
         "empty_cache" => Event::EmptyCache,
+        "caching_allocator_warmup" => Event::CachingAllocatorWarmup {
+            weight_bytes: storage_bytes("weight_bytes", &args[0])?,
+        },
         "gemm" => Event::Gemm {
             bias_epilogue: flag("bias_epilogue", &args[0])?,
             thread: args.get(1).map(thread).transpose()?,
@@ -928,6 +937,20 @@ fn elements<E: de::Error>(what: &str, arg: &Scalar) -> Result<u64, E> {
             format!(
                 "use an integer from 0 to {MAX_TRACE_ELEMENTS} (elements of a tensor, \
                  headroom::limits::MAX_TRACE_ELEMENTS)"
+            ),
+        )),
+    }
+}
+
+fn storage_bytes<E: de::Error>(what: &str, arg: &Scalar) -> Result<u64, E> {
+    match *arg {
+        Scalar::Unsigned(n) if n <= MAX_TRACE_STORAGE_BYTES => Ok(n),
+        _ => Err(refuse(
+            &format!("{what} "),
+            arg,
+            format!(
+                "use an integer from 0 to {MAX_TRACE_STORAGE_BYTES} (bytes, \
+                 headroom::limits::MAX_TRACE_STORAGE_BYTES)"
             ),
         )),
     }

@@ -26,6 +26,7 @@ use crate::estimate::Limit;
 use crate::gpu::{Gpu, Workspaces};
 use crate::sim::engine::ops::OuterReduction;
 use crate::sim::model::attention::QueryShape;
+use crate::sim::model::load::caching_allocator_warmup_bytes;
 
 /// The peaks of one phase, as `max_memory_allocated()` and `max_memory_reserved()` read them
 /// after `reset_peak_memory_stats()` at its start.
@@ -336,6 +337,19 @@ impl<'t> Replay<'t> {
             Event::EmptyCache => {
                 self.pending.clear();
                 self.allocator.empty_cache();
+            }
+            Event::CachingAllocatorWarmup { weight_bytes } => {
+                let stats = self.allocator.stats();
+                let unused = stats.reserved_bytes.all.current - stats.allocated_bytes.all.current;
+                let bytes = caching_allocator_warmup_bytes(weight_bytes, unused.max(0) as u64);
+                let holder = holder_of(StorageKind::Parameter);
+                let warmup = self.malloc(
+                    bytes,
+                    0,
+                    holder,
+                    Request::Kernel("caching_allocator_warmup"),
+                )?;
+                self.free(warmup);
             }
             Event::Gemm {
                 bias_epilogue,
@@ -831,6 +845,38 @@ mod tests {
         };
         assert_eq!(reserved_after(false), 100 * MIB + 2 * MIB);
         assert_eq!(reserved_after(true), 2 * MIB);
+    }
+
+    #[test]
+    fn the_loaders_warmup_reserves_the_weights_less_the_cached_bytes() {
+        // A 100 MiB block cached, then two 300 MiB weights loaded after the warm-up.
+        let storages = [
+            (100 * MIB, "temporary"),
+            (300 * MIB, "parameter"),
+            (300 * MIB, "parameter"),
+        ];
+        let reserved = |cached: bool| {
+            let mut events = Vec::new();
+            if cached {
+                events.extend([json!(["alloc", 0]), json!(["free", 0])]);
+            }
+            events.extend([
+                json!(["caching_allocator_warmup", 600 * MIB]),
+                json!(["alloc", 1]),
+                json!(["alloc", 2]),
+            ]);
+            let t = trace(
+                &storages,
+                Value::Array(events),
+                &[("load", 0), ("step 1 forward", 0)],
+            );
+            replay(&t, &h100(), Limit::None).phases[1].peak_reserved
+        };
+        // Both weights carved from the warm-up's one segment.
+        assert_eq!(reserved(false), 600 * MIB);
+        // transformers asks for 500 MiB, counting on the cached 100 MiB, which a 300 MiB weight
+        // cannot use: the second weight takes a segment of its own.
+        assert_eq!(reserved(true), 100 * MIB + 500 * MIB + 300 * MIB);
     }
 
     #[test]

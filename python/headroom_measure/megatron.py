@@ -33,9 +33,9 @@ Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `
 An MoE model (`qwen3_moe`) gets `get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)`: every layer's MLP
 is an `MoELayer` (`TopKRouter`, `MoEAlltoAllTokenDispatcher`, `SequentialMLP` over the E / ep local experts),
 `TransformerConfig(num_moe_experts, moe_router_topk, moe_ffn_hidden_size, moe_token_dispatcher_type="alltoall",
-moe_router_pre_softmax=not norm_topk_prob, expert_model_parallel_size=ep)` and Megatron's other MoE defaults (no
+moe_router_pre_softmax=not norm_topk_prob, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)` and Megatron's other MoE defaults (no
 auxiliary or z-loss, no capacity factor, router in the activations' dtype), and
-`initialize_model_parallel(expert_model_parallel_size=ep)`. Routing is data-dependent, so the harness makes it the
+`initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)`. Routing is data-dependent, so the harness makes it the
 balanced routing headroom assumes, in place and without changing what Megatron allocates ([`balanced_routing`]):
 - `topk_routing_with_score_function` runs as it is; its boolean `routing_map` is then overwritten in place
   (`copy_` under `no_grad`) with a fixed map sending token i to experts (i*k + j) mod E, j < k, made once per shape
@@ -66,7 +66,8 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 MEGATRON_KEYS = (
     "distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers",
-    "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size", "overlap_p2p_comm",
+    "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "overlap_p2p_comm",
 )
 # initialize_model_parallel's other sizes: measured at 1 only
 UNMEASURED_SIZES = ("pipeline_model_parallel_size", "context_parallel_size")
@@ -89,8 +90,12 @@ def megatron_options(spec: Spec) -> dict:
     ep = raw.get("expert_model_parallel_size", 1)
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise SpecError(f"`megatron.expert_model_parallel_size`: {ep!r} is not allowed; use an integer >= 1")
+    etp = raw.get("expert_tensor_parallel_size", 1)
+    if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+        raise SpecError(f"`megatron.expert_tensor_parallel_size`: {etp!r} is not allowed; use an integer >= 1")
     out = {
         "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": etp,
         "distributed_optimizer": raw.get("distributed_optimizer", False),
         "recompute_granularity": raw.get("recompute_granularity"),
         "recompute_method": raw.get("recompute_method"),
@@ -158,6 +163,7 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
             moe_grouped_gemm=False,
             moe_router_pre_softmax=not fields.get("norm_topk_prob", True),
             expert_model_parallel_size=options["expert_model_parallel_size"],
+            expert_tensor_parallel_size=options["expert_tensor_parallel_size"],
         )
     return TransformerConfig(
         **moe,
@@ -390,6 +396,7 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tp,
         expert_model_parallel_size=options["expert_model_parallel_size"],
+        expert_tensor_parallel_size=options["expert_tensor_parallel_size"],
         create_gloo_process_groups=False,
     )
     model_parallel_cuda_manual_seed(1234)
@@ -397,13 +404,14 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
     ddp_model, optimizer = build(spec, fields, options)
     ddp_model.train()
     load = load_record()
-    # The global count: a tensor-parallel weight is 1/tp of its layer on every rank, an expert's 1/ep of the
-    # experts (its `allreduce` is False with ep > 1); norms are replicated.
-    ep = options["expert_model_parallel_size"]
+    # The global count: a tensor-parallel weight is 1/tp of its layer on every rank, an expert's 1/etp of its
+    # expert and 1/ep of the experts (its `allreduce` is False with ep or etp > 1); norms are replicated.
+    ep, etp = options["expert_model_parallel_size"], options["expert_tensor_parallel_size"]
 
     def global_numel(p):
-        n = p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1)
-        return n * (ep if not getattr(p, "allreduce", True) else 1)
+        if not getattr(p, "allreduce", True):
+            return p.numel() * ep * (etp if getattr(p, "tensor_model_parallel", False) else 1)
+        return p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1)
 
     params = sum(global_numel(p) for p in ddp_model.parameters())
 

@@ -30,12 +30,14 @@ class MegatronSpecTest(unittest.TestCase):
         self.assertEqual((spec.parallel.framework, spec.parallel.tp, spec.parallel.shard_size), ("megatron", 2, 4))
         self.assertEqual(
             megatron_options(spec),
-            {"expert_model_parallel_size": 1, "distributed_optimizer": True, "recompute_granularity": "full",
+            {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1, "distributed_optimizer": True, "recompute_granularity": "full",
              "recompute_method": "uniform", "recompute_num_layers": 1, "overlap_p2p_comm": None},
         )  # fmt: skip
         self.assertEqual(megatron_options(specmod.parse(raw()))["recompute_granularity"], None)
         ep = megatron_options(specmod.parse(raw(megatron={"expert_model_parallel_size": 8})))
         self.assertEqual(ep["expert_model_parallel_size"], 8)
+        etp = megatron_options(specmod.parse(raw(megatron={"expert_tensor_parallel_size": 4})))
+        self.assertEqual(etp["expert_tensor_parallel_size"], 4)
         interleaved = {"strategy": "ddp", "world_size": 4, "tp": 1, "framework": "megatron", "pp": 2, "vpp": 2,
                        "schedule": "interleaved-1f1b", "microbatches": 2}  # fmt: skip
         overlap = megatron_options(specmod.parse(raw(parallel=interleaved, megatron={"overlap_p2p_comm": True})))
@@ -55,6 +57,7 @@ class MegatronSpecTest(unittest.TestCase):
             (raw(megatron={"pipeline_model_parallel_size": 2}), "megatron.pipeline_model_parallel_size"),
             (raw(megatron={"foo": 1}), "megatron.foo"),
             (raw(megatron={"expert_model_parallel_size": 0}), "megatron.expert_model_parallel_size"),
+            (raw(megatron={"expert_tensor_parallel_size": 0}), "megatron.expert_tensor_parallel_size"),
             (raw(megatron={"context_parallel_size": 2}), "megatron.context_parallel_size"),
             (raw(megatron={"distributed_optimizer": "yes"}), "megatron.distributed_optimizer"),
             (raw(megatron={"overlap_p2p_comm": "yes"}), "megatron.overlap_p2p_comm"),

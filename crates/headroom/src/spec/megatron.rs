@@ -1,8 +1,9 @@
 //! `megatron:`, the settings of a run under `parallel.framework: megatron` that change memory:
 //! Megatron-core's `DistributedOptimizer` (`use_distributed_optimizer`) and activation
 //! recomputation (`recompute_granularity`, `recompute_method`, `recompute_num_layers` of
-//! `TransformerConfig`), expert parallelism (`expert_model_parallel_size`) and the interleaved
-//! schedule's `overlap_p2p_comm`, read here;
+//! `TransformerConfig`), expert parallelism (`expert_model_parallel_size`), expert tensor
+//! parallelism (`expert_tensor_parallel_size`) and the interleaved schedule's
+//! `overlap_p2p_comm`, read here;
 //! `RunSpec::check_megatron` and [`check_moe`] say what of Megatron is modelled and refuse the
 //! rest by name.
 
@@ -38,7 +39,6 @@ const UNMODELLED_SIZES: &[(&str, &str)] = &[
         "pipeline parallelism: set parallel.pp",
     ),
     ("context_parallel_size", "context parallelism"),
-    ("expert_tensor_parallel_size", "expert tensor parallelism"),
 ];
 
 /// Megatron-core's memory settings.
@@ -51,6 +51,10 @@ pub struct Megatron {
     /// `expert_model_parallel_size`: each rank holds `num_experts / ep` experts of every MoE
     /// layer, whose gradients are reduced over the `world / ep` expert-data-parallel ranks.
     pub expert_parallel: u64,
+    /// `expert_tensor_parallel_size`: each expert's `linear_fc1` and `linear_fc2` split over
+    /// `etp` ranks, which all-gather their tokens before the experts and reduce-scatter the
+    /// outputs after. Unset, Megatron takes the tensor-parallel size, which is 1 with MoE.
+    pub expert_tensor_parallel: u64,
     /// `transformer_impl: transformer_engine`: the run uses Transformer Engine's layer spec,
     /// which is not modelled; the estimate is the local spec's and says so.
     pub transformer_engine: bool,
@@ -68,6 +72,7 @@ impl Default for Megatron {
             distributed_optimizer: false,
             recompute: Recompute::None,
             expert_parallel: 1,
+            expert_tensor_parallel: 1,
             transformer_engine: false,
             optimizer_cpu_offload: false,
             overlap_p2p_comm: None,
@@ -98,6 +103,15 @@ pub enum RecomputeMethod {
 }
 
 impl Megatron {
+    /// The experts' data-parallel ranks, `stage_ranks / (ep × etp)`, when their parameters
+    /// are reduced apart from the dense ones (`allreduce` false: `use_expert_pgs` of the
+    /// parallel linears, with `ep > 1` or `etp` other than `tp`, which is 1 with MoE); `None`
+    /// when they share the dense buffer.
+    pub fn expert_data_parallel(&self, stage_ranks: u64) -> Option<u64> {
+        let (ep, etp) = (self.expert_parallel, self.expert_tensor_parallel);
+        (ep > 1 || etp > 1).then(|| stage_ranks / (ep * etp))
+    }
+
     /// Whether the interleaved schedule of `vpp` chunks a rank overlaps its p2p communication.
     pub fn overlaps_p2p(&self, vpp: u64) -> bool {
         vpp > 1 && self.overlap_p2p_comm.unwrap_or(true)
@@ -139,14 +153,15 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         if positive(obj, key, 1).map_err(field)? > 1 {
             return Err(Error::Unsupported {
                 what: format!("megatron.{key} {} ({what})", obj[key]),
-                supported: "Megatron-core with tensor and data parallelism (pipeline, context \
-                            and expert parallel sizes 1)"
+                supported: "Megatron-core with tensor, expert and data parallelism (pipeline \
+                            and context parallel sizes 1)"
                     .into(),
             });
         }
     }
     let distributed_optimizer = boolean(obj, "distributed_optimizer").map_err(field)?;
     let expert_parallel = positive(obj, "expert_model_parallel_size", 1).map_err(field)?;
+    let expert_tensor_parallel = positive(obj, "expert_tensor_parallel_size", 1).map_err(field)?;
     let transformer_engine = choice(
         obj,
         "transformer_impl",
@@ -222,6 +237,7 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         distributed_optimizer,
         recompute,
         expert_parallel,
+        expert_tensor_parallel,
         transformer_engine,
         optimizer_cpu_offload,
         overlap_p2p_comm,
@@ -233,21 +249,28 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
 /// `BaseMoELayer`, `MoELayer.forward`): Qwen3-MoE's softmax router renormalised over the top k
 /// (`moe_router_pre_softmax` false), every layer routed, no shared expert; `ep` dividing the
 /// experts and the world; no tensor parallelism (`MoELayer` refuses it in training without
-/// sequence parallelism, which the local layer spec's torch norm refuses).
+/// sequence parallelism, which the local layer spec's torch norm refuses); `etp` dividing the
+/// experts' width (`ColumnParallelLinear`'s `divide`) and `ep × etp` the ranks.
 pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture) -> Result<()> {
     // A pipeline stage's ranks: expert parallelism divides them (`RankGenerator`'s expert layout).
     let (world, tp) = spec
         .parallel
         .as_ref()
         .map_or((1, 1), |p| (p.world_size / p.pipeline.pp, p.tensor.tp));
-    let ep = megatron.expert_parallel;
+    let (ep, etp) = (megatron.expert_parallel, megatron.expert_tensor_parallel);
     let Some(moe) = &arch.moe else {
-        if ep > 1 {
-            return Err(Error::field(
-                "megatron.expert_model_parallel_size",
-                ep,
-                "use 1 with a dense model (Megatron needs num_moe_experts for expert parallelism)",
-            ));
+        for (key, size) in [
+            ("expert_model_parallel_size", ep),
+            ("expert_tensor_parallel_size", etp),
+        ] {
+            if size > 1 {
+                return Err(Error::field(
+                    format!("megatron.{key}"),
+                    size,
+                    "use 1 with a dense model (Megatron needs num_moe_experts for expert \
+                     parallelism)",
+                ));
+            }
         }
         return Ok(());
     };
@@ -272,7 +295,8 @@ pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture
             supported: "tp 1 with MoE models: Megatron's MoELayer refuses tensor parallelism \
                         without sequence parallelism in training, and the local layer spec's \
                         torch norm refuses sequence parallelism (Transformer Engine is not \
-                        modelled); use megatron.expert_model_parallel_size"
+                        modelled); use megatron.expert_model_parallel_size or \
+                        expert_tensor_parallel_size"
                 .into(),
         });
     }
@@ -289,14 +313,36 @@ pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture
             format!("a divisor of num_experts ({})", moe.experts),
         ));
     }
-    if !world.is_multiple_of(ep * tp) {
+    if !moe.intermediate.is_multiple_of(etp) {
+        return Err(Error::field(
+            "megatron.expert_tensor_parallel_size",
+            etp,
+            format!(
+                "a divisor of moe_intermediate_size ({}): each expert's linear_fc1 and \
+                 linear_fc2 are split over the expert-tensor-parallel ranks",
+                moe.intermediate
+            ),
+        ));
+    }
+    if !world.is_multiple_of(etp) {
+        return Err(Error::field(
+            "megatron.expert_tensor_parallel_size",
+            etp,
+            format!(
+                "a divisor of parallel.world_size / pp ({world}): the expert-data-parallel \
+                 ranks are world_size / (pp * ep * expert_tensor_parallel_size)"
+            ),
+        ));
+    }
+    if !world.is_multiple_of(ep * etp) {
         return Err(Error::field(
             "megatron.expert_model_parallel_size",
             ep,
             format!(
-                "a divisor of parallel.world_size / (pp * tp) ({}): the expert-data-parallel \
-                 ranks are world_size / (pp * ep * expert_tensor_parallel_size)",
-                world / tp
+                "a divisor of parallel.world_size / (pp * expert_tensor_parallel_size) ({}): \
+                 the expert-data-parallel ranks are world_size / (pp * ep * \
+                 expert_tensor_parallel_size)",
+                world / etp
             ),
         ));
     }
@@ -346,8 +392,15 @@ mod tests {
         assert!(err(json!({"distributed_optimizer": "yes"})).contains("true or false"));
         let pp = err(json!({"pipeline_model_parallel_size": 2}));
         assert!(pp.contains("pipeline parallelism"), "{pp}");
+        assert_eq!(
+            parse_megatron(&json!({"expert_tensor_parallel_size": 4}))
+                .unwrap()
+                .expert_tensor_parallel,
+            4
+        );
         assert!(
-            err(json!({"expert_tensor_parallel_size": 2})).contains("expert tensor parallelism")
+            err(json!({"expert_tensor_parallel_size": 0}))
+                .contains("megatron.expert_tensor_parallel_size")
         );
         assert!(err(json!({"transformer_impl": "te"})).contains("local, transformer_engine"));
         let te = parse_megatron(&json!({"transformer_impl": "transformer_engine",

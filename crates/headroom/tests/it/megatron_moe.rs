@@ -23,6 +23,48 @@ fn every_phase_of_every_megatron_moe_row() {
     assert_eq!(checked, 10 * 9, "every phase of the ten rows");
 }
 
+/// The expert-tensor-parallel rows (bench/megatron-etp, rank 0 of a fake world of 8 on an
+/// H200): every phase within 1%, the reserved peak within 5%.
+#[test]
+fn every_phase_of_every_expert_tensor_parallel_row() {
+    let mut checked = 0;
+    for row in common::jsonl(&[include_str!(
+        "../../../../bench/megatron-etp/rows-h200-torch2.11.jsonl"
+    )]) {
+        let (_, phases) = common::check_every_phase(&row, 0.01, 0.05);
+        checked += phases;
+    }
+    assert_eq!(checked, 6 * 9, "every phase of the six rows");
+}
+
+/// Expert tensor parallelism splits each expert's weights over `etp` ranks and shards the
+/// experts' main parameters over `world / (ep × etp)` expert-data-parallel ranks: the load
+/// phase's bytes as Megatron's formulas give them.
+#[test]
+fn expert_tensor_parallelism_splits_each_expert() {
+    let (h, v, layers) = (2048u64, 151_936u64, 2u64);
+    let attention = (32 + 2 * 4) * 128 * h + h * 32 * 128 + 2 * 128 + 2 * h;
+    let dense = 2 * v * h + h + layers * (attention + 128 * h);
+    let expert = 3 * 768 * h;
+    for (world, ep, etp) in [(8, 1, 2), (8, 2, 4), (16, 4, 2)] {
+        let local_experts = layers * (128 / ep) * expert / etp;
+        let est = estimate(&spec(
+            layers,
+            world,
+            1,
+            json!({"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
+                "distributed_optimizer": true}),
+        ));
+        let sharded = (dense + local_experts) * (2 + 4)
+            + 4 * (dense / world + local_experts / (world / (ep * etp)));
+        let got = est.weights_loaded_bytes;
+        assert!(
+            got.abs_diff(sharded) < 64 << 20,
+            "world {world}, ep {ep}, etp {etp}: {got} vs {sharded}"
+        );
+    }
+}
+
 /// Qwen3-30B-A3B's widths cut to `layers` layers.
 fn spec(layers: u64, world: u64, tp: u64, megatron: Value) -> Value {
     json!({
@@ -110,7 +152,7 @@ fn bad_expert_layouts_are_refused_by_name() {
         &[
             "megatron.expert_model_parallel_size",
             "8",
-            "world_size / (pp * tp) (4)",
+            "world_size / (pp * expert_tensor_parallel_size) (4)",
         ],
     );
     refused(
@@ -118,8 +160,37 @@ fn bad_expert_layouts_are_refused_by_name() {
         &["parallel.tp 2", "sequence parallelism"],
     );
     refused(
-        spec(2, 8, 1, json!({"expert_tensor_parallel_size": 2})),
-        &["expert_tensor_parallel_size", "expert tensor parallelism"],
+        spec(2, 8, 1, json!({"expert_tensor_parallel_size": 5})),
+        &[
+            "megatron.expert_tensor_parallel_size",
+            "5",
+            "a divisor of moe_intermediate_size (768)",
+        ],
+    );
+    refused(
+        spec(2, 8, 1, json!({"expert_tensor_parallel_size": 16})),
+        &[
+            "megatron.expert_tensor_parallel_size",
+            "16",
+            "world_size / pp (8)",
+        ],
+    );
+    refused(
+        spec(
+            2,
+            8,
+            1,
+            json!({"expert_model_parallel_size": 4, "expert_tensor_parallel_size": 4}),
+        ),
+        &[
+            "megatron.expert_model_parallel_size",
+            "4",
+            "world_size / (pp * expert_tensor_parallel_size) (2)",
+        ],
+    );
+    refused(
+        spec(2, 8, 2, json!({"expert_tensor_parallel_size": 2})),
+        &["parallel.tp 2", "sequence parallelism"],
     );
     let mut routed = spec(2, 8, 1, json!({}));
     routed["routing"] = json!({"max_tokens_per_expert_factor": 2.0});

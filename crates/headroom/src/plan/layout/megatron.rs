@@ -372,6 +372,9 @@ pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
     if m.expert_parallel > 1 {
         megatron["expert_model_parallel_size"] = m.expert_parallel.into();
     }
+    if m.expert_tensor_parallel > 1 {
+        megatron["expert_tensor_parallel_size"] = m.expert_tensor_parallel.into();
+    }
     if m.transformer_engine {
         megatron["transformer_impl"] = "transformer_engine".into();
     }

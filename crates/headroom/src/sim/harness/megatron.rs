@@ -139,7 +139,10 @@ pub(super) fn load(
     let ddp = MegatronDdp::wrap(
         t,
         &params,
-        (dp, megatron.expert_parallel),
+        (
+            dp,
+            megatron.expert_data_parallel(parallel.world_size / parallel.pipeline.pp),
+        ),
         megatron.distributed_optimizer,
     );
     *chunks[0].strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));

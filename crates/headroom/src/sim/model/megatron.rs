@@ -160,6 +160,7 @@ impl GptModel {
             top_k: moe.top_k,
             width: moe.intermediate,
             ep: megatron.expert_parallel,
+            etp: megatron.expert_tensor_parallel,
         });
         let widths = Widths {
             hidden: arch.hidden,

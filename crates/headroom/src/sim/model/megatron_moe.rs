@@ -3,7 +3,9 @@
 //! ranks runs it (`transformer/moe/moe_layer.py`, `router.py`, `token_dispatcher.py`
 //! (`MoEAlltoAllTokenDispatcher`), `experts.py` (`SequentialMLP`), `moe_utils.py`). Megatron's
 //! defaults otherwise: no auxiliary or z-loss, no capacity factor, the router in the activations'
-//! dtype, no shared expert, tensor and expert-tensor parallelism 1.
+//! dtype, no shared expert, tensor parallelism 1. Expert tensor parallelism (`etp`) splits each
+//! expert's `linear_fc1` (column-parallel) and `linear_fc2` (row-parallel, its reduction left to
+//! the dispatcher: `explicit_expert_comm`) over the `etp` ranks of the `expt_tp` group.
 //!
 //! Routing is data-dependent; the model assumes it balanced: token `i` of a rank's `n` goes to
 //! experts `(i·k + j) mod E`, `j < k`, so every expert receives `n·k / E` tokens of every rank
@@ -23,10 +25,18 @@
 //!   layer's next forward.
 //! - with `ep > 1`, `_AllToAll` of the tokens and of the probabilities into new tensors of the
 //!   rows this rank receives; the permuted tokens stay referenced until the layer returns.
+//! - `dispatch_postprocess`: with `etp > 1`, `gather_from_sequence_parallel_region` of the
+//!   tokens and of the probabilities over the `expt_tp` group (`torch.empty` of the `etp` ranks'
+//!   rows, nothing saved; backward reduce-scatters the gradient into a new tensor of the rows
+//!   this rank sent).
 //! - with more than one local expert, `sort_chunks_by_idxs` (`split` then `cat`: a copy) of
-//!   the tokens and probabilities by local expert, and back after the experts.
+//!   the tokens and probabilities by local expert (the gathered ones go when it returns), and
+//!   back after the experts.
 //! - `SequentialMLP`: each local expert's `MLP` on its `split` rows, the probabilities applied
 //!   after the activation (`per_token_scale`), then `torch.cat` of the outputs.
+//! - `combine_preprocess`: with `etp > 1`, `reduce_scatter_to_sequence_parallel_region` of the
+//!   experts' output (already bf16, the probabilities' dtype) into a new tensor of this rank's
+//!   rows (backward all-gathers the gradient).
 //! - `_AllToAll` back (`ep > 1`), then `unpermute`: `zeros([n, h]).scatter_add_(0, idx, tokens)`.
 
 use std::cell::RefCell;
@@ -53,12 +63,19 @@ pub(crate) struct Experts {
     pub width: u64,
     /// `expert_model_parallel_size`.
     pub ep: u64,
+    /// `expert_tensor_parallel_size`.
+    pub etp: u64,
 }
 
 impl Experts {
     /// Experts on each rank (`num_local_experts`); rank 0 holds experts `0..local`.
     pub fn local(&self) -> u64 {
         self.count / self.ep
+    }
+
+    /// Each expert's `moe_ffn_hidden_size` on this rank (`divide(ffn, etp)`).
+    pub fn local_width(&self) -> u64 {
+        self.width / self.etp
     }
 
     /// Tokens each expert receives from one rank of `tokens` under the balanced routing.
@@ -70,12 +87,22 @@ impl Experts {
             .collect()
     }
 
-    /// Rows rank 0's local experts receive from the `ep` identical ranks (`tokens_per_expert`).
+    /// Rows rank 0's local experts receive from the `ep` identical ranks through the
+    /// all-to-all.
     pub fn received(&self, tokens: u64) -> Vec<u64> {
         self.per_expert(tokens)
             .into_iter()
             .take(self.local() as usize)
             .map(|rows| rows * self.ep)
+            .collect()
+    }
+
+    /// Rows each local expert runs on (`tokens_per_expert`): what the `etp` identical ranks of
+    /// the `expt_tp` group received, all-gathered.
+    pub fn gathered(&self, tokens: u64) -> Vec<u64> {
+        self.received(tokens)
+            .into_iter()
+            .map(|rows| rows * self.etp)
             .collect()
     }
 }
@@ -107,21 +134,17 @@ impl MoeLayer {
         experts: Experts,
     ) -> Self {
         let router = param(t, experts.count * hidden, DType::BF16, ROUTER_WEIGHT);
+        let width = experts.local_width();
         let experts = (0..experts.local())
             .map(|_| {
                 (
                     param(
                         t,
-                        2 * experts.width * hidden,
+                        2 * width * hidden,
                         DType::BF16,
                         "experts.linear_fc1.weight",
                     ),
-                    param(
-                        t,
-                        hidden * experts.width,
-                        DType::BF16,
-                        "experts.linear_fc2.weight",
-                    ),
+                    param(t, hidden * width, DType::BF16, "experts.linear_fc2.weight"),
                 )
             })
             .collect();
@@ -218,7 +241,8 @@ impl MoeLayer {
         (routed, map)
     }
 
-    /// `routed_experts_compute`: sort by local expert, `SequentialMLP`, sort back.
+    /// `routed_experts_compute`: gather over the expert-tensor-parallel ranks, sort by local
+    /// expert, `SequentialMLP`, sort back, reduce-scatter.
     fn experts_compute(
         &self,
         t: &mut Tracer,
@@ -228,16 +252,25 @@ impl MoeLayer {
         spec: Experts,
         n: u64,
     ) -> T {
-        let sorted = self.experts.len() > 1;
-        let (tokens, probs) = if sorted {
-            (sort_chunks(t, tokens), sort_chunks(t, probs))
+        let rows = spec.gathered(n);
+        let (tokens, probs) = if spec.etp > 1 {
+            let total: u64 = rows.iter().sum();
+            (gather(t, tokens, total * hidden), gather(t, probs, total))
         } else {
             (t.share(tokens), t.share(probs))
         };
-        let rows = spec.received(n);
+        let sorted = self.experts.len() > 1;
+        let (tokens, probs) = if sorted {
+            let out = (sort_chunks(t, tokens), sort_chunks(t, probs));
+            t.drop_all(&[tokens, probs]);
+            out
+        } else {
+            (tokens, probs)
+        };
+        let width = spec.local_width();
         let output = if self.experts.len() == 1 {
             let (fc1, fc2) = self.experts[0];
-            mlp(t, fc1, fc2, spec.width, hidden, tokens, Some(probs))
+            mlp(t, fc1, fc2, width, hidden, tokens, Some(probs))
         } else {
             let token_parts = split(t, tokens, &rows, hidden);
             let prob_parts = split(t, probs, &rows, 1);
@@ -245,7 +278,7 @@ impl MoeLayer {
                 .experts
                 .iter()
                 .zip(token_parts.iter().zip(&prob_parts))
-                .map(|(&(fc1, fc2), (&x, &p))| mlp(t, fc1, fc2, spec.width, hidden, x, Some(p)))
+                .map(|(&(fc1, fc2), (&x, &p))| mlp(t, fc1, fc2, width, hidden, x, Some(p)))
                 .collect();
             let total = rows.iter().sum::<u64>() * hidden;
             let out = t.empty(total, DType::BF16, "cat(expert outputs)");
@@ -256,14 +289,20 @@ impl MoeLayer {
             t.drop_all(&prob_parts);
             out
         };
-        let out = if sorted {
-            let back = sort_chunks(t, output);
-            t.drop(output);
-            back
+        // `combine_preprocess`; the experts' input and output stay referenced until
+        // `routed_experts_compute` returns.
+        let back = if sorted {
+            sort_chunks(t, output)
         } else {
-            output
+            t.share(output)
         };
-        t.drop_all(&[tokens, probs]);
+        let out = if spec.etp > 1 {
+            let received: u64 = spec.received(n).iter().sum();
+            reduce_scatter(t, back, received * hidden)
+        } else {
+            t.share(back)
+        };
+        t.drop_all(&[back, output, tokens, probs]);
         out
     }
 }
@@ -295,6 +334,22 @@ fn permute(t: &mut Tracer, x: T, probs: T, n: u64, hidden: u64, spec: Experts) -
 /// `_AllToAll.forward`: a new tensor of the `numel` elements this rank receives.
 fn all_to_all(t: &mut Tracer, x: T, numel: u64) -> T {
     let out = t.empty(numel, t.dtype(x), "all_to_all output");
+    t.record(Bwd::GatherBack, &[Some(x)], &[out], &[]);
+    out
+}
+
+/// `gather_from_sequence_parallel_region` over the expert-tensor-parallel ranks
+/// (`_gather_along_first_dim` with split sizes): a new tensor of the `numel` elements gathered.
+fn gather(t: &mut Tracer, x: T, numel: u64) -> T {
+    let out = t.empty(numel, t.dtype(x), "all_gather over expt_tp");
+    t.record(Bwd::GatherBack, &[Some(x)], &[out], &[]);
+    out
+}
+
+/// `reduce_scatter_to_sequence_parallel_region` over the expert-tensor-parallel ranks: a new
+/// tensor of this rank's `numel` elements.
+fn reduce_scatter(t: &mut Tracer, x: T, numel: u64) -> T {
+    let out = t.empty(numel, t.dtype(x), "reduce_scatter over expt_tp");
     t.record(Bwd::GatherBack, &[Some(x)], &[out], &[]);
     out
 }
@@ -357,6 +412,7 @@ mod tests {
         top_k: 8,
         width: 768,
         ep: 1,
+        etp: 1,
     };
 
     /// Every expert receives `n·k / E` tokens; the remainder goes one each to the first experts,
@@ -391,5 +447,21 @@ mod tests {
             assert_eq!(received.iter().sum::<u64>(), 2048 * 8, "ep {ep}");
             assert!(received.iter().all(|&r| r == 2048 * 8 * ep / 128));
         }
+    }
+
+    /// With expert tensor parallelism each local expert runs on the rows its `etp` ranks
+    /// received, at `1 / etp` of its width.
+    #[test]
+    fn expert_tensor_parallel_ranks_gather_their_rows() {
+        let spec = Experts {
+            ep: 2,
+            etp: 4,
+            ..QWEN3_30B
+        };
+        assert_eq!(spec.local_width(), 192);
+        let (received, gathered) = (spec.received(2048), spec.gathered(2048));
+        assert_eq!(received.iter().sum::<u64>(), 2048 * 8);
+        assert_eq!(gathered.iter().sum::<u64>(), 4 * 2048 * 8);
+        assert_eq!(gathered.len(), received.len());
     }
 }

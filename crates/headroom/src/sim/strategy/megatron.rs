@@ -21,9 +21,10 @@
 //!   until the norm is summed), the clip (`dst.copy_(src * clip_coeff)`: a temporary the size
 //!   of each gradient in turn), AdamW, then `model_param.copy_(main_param)` in place.
 //!
-//! - Expert parallelism (`ep > 1`): the local experts' parameters (`allreduce` false) get a
-//!   buffer of their own, made after the dense one and sharded over the `dp / ep`
-//!   expert-data-parallel ranks, and an optimizer of their own after the dense one's
+//! - Expert parallelism (`ep > 1`) or expert tensor parallelism (`etp > 1`): the local experts'
+//!   parameters (`allreduce` false) get a buffer of their own, made after the dense one and
+//!   sharded over the `world / (pp × ep × etp)` expert-data-parallel ranks, and an optimizer of
+//!   their own after the dense one's
 //!   (`get_megatron_optimizer` chains them: the norm and clip of every gradient, then each
 //!   optimizer's step).
 //!
@@ -129,18 +130,18 @@ impl MegatronDdp {
     /// `DistributedDataParallel(config, ddp_config, module)` over each model chunk's parameters
     /// in turn (one chunk, or one per virtual pipeline stage, each with its own buffers), then
     /// `get_megatron_optimizer` over all chunks: its main parameters, as rank 0 of `dp`
-    /// data-parallel ranks and `ep` expert-parallel ones builds them.
+    /// data-parallel ranks builds them, and of `expert_dp` expert-data-parallel ones where the
+    /// experts are reduced apart.
     pub(crate) fn wrap(
         t: &mut Tracer,
         chunks: &[ChunkParams],
-        (dp, ep): (u64, u64),
+        (dp, expert_dp): (u64, Option<u64>),
         distributed_optimizer: bool,
     ) -> Self {
-        // `group_params_for_buffers`: experts apart only when expert-parallel.
-        let groups: Vec<(Option<bool>, u64)> = if ep > 1 {
-            vec![(Some(false), dp), (Some(true), dp / ep)]
-        } else {
-            vec![(None, dp)]
+        // `group_params_for_buffers`: experts apart when their `allreduce` is false.
+        let groups: Vec<(Option<bool>, u64)> = match expert_dp {
+            Some(expert_dp) => vec![(Some(false), dp), (Some(true), expert_dp)],
+            None => vec![(None, dp)],
         };
         let mut laid_out: Vec<Vec<(Vec<usize>, BufferLayout)>> = vec![Vec::new(); groups.len()];
         for chunk in chunks {

@@ -356,7 +356,9 @@ impl Model {
         let summed = t.view_sum(reordered, tokens * h);
         let out = t.to(summed, t.dtype(r.x));
         // The function's locals go at its return, in the order they were first bound.
-        t.drop_all(&[ids_g, perm, selected, w_g, as_int, counts, offsets, sentinel]);
+        t.drop_all(&[
+            ids_g, perm, selected, w_g, as_int, counts, offsets, sentinel,
+        ]);
         if let Some(bias) = down_bias {
             t.drop(bias);
         }

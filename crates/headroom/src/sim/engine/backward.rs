@@ -140,6 +140,9 @@ impl Tracer {
             Bwd::AddScalar | Bwd::Clone | Bwd::View | Bwd::HeadSplit { copy: false } => {
                 out.push(Some(self.share(g)))
             }
+            Bwd::ViewOfSummed => out.push(Some(
+                self.like_grad(g, "grad of view (reshape of the sum's expand: copy)"),
+            )),
             Bwd::HeadSplit { copy: true } => out.push(Some(
                 self.like_grad(g, "grad reshaped to (b, s, heads*d) (copy)"),
             )),

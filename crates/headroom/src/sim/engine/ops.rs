@@ -43,6 +43,28 @@ impl Tracer {
         out
     }
 
+    /// `x /= other` (broadcast): in place, so `x` keeps its dtype. Where autograd records it,
+    /// `DivBackward0` needs the original `x` for `other`'s gradient, so the op clones `x` first
+    /// and saves the clone. Returns `x` as the op left it.
+    pub(crate) fn div_in_place(&mut self, x: T, other: T) -> T {
+        let records = self.grad_enabled() && (self.requires_grad(x) || self.requires_grad(other));
+        let original = records.then(|| {
+            self.empty(
+                self.numel(x),
+                self.dtype(x),
+                "x.clone() (div_'s original self)",
+            )
+        });
+        let out = self.view(x, self.numel(x), "x /= other (in place)");
+        let saved: smallvec::SmallVec<[T; 2]> = std::iter::once(other).chain(original).collect();
+        self.record(Bwd::Mul, &[Some(x), Some(other)], &[out], &saved);
+        if let Some(original) = original {
+            self.drop(original);
+        }
+        self.drop(x);
+        out
+    }
+
     /// `x * scalar` (or `x / scalar`, or a 0-dim tensor that does not promote).
     pub(crate) fn mul_scalar(&mut self, x: T) -> T {
         let out = self.empty(self.numel(x), self.dtype(x), "x * scalar");

@@ -72,12 +72,35 @@ impl Tracer {
     /// `sum` with `dtype=float32` (its `fp32_set_opt_dtype` policy): half inputs give an fp32
     /// result.
     pub(crate) fn sum_dim(&mut self, x: T, out_numel: u64) -> T {
-        let dtype = match self.autocast_dtype() {
+        let out = self.empty(out_numel, self.sum_dtype(x), "x.sum(dim)");
+        self.record(Bwd::SumDim, &[Some(x)], &[out], &[]);
+        out
+    }
+
+    /// The dtype of `x.sum(dim)`.
+    fn sum_dtype(&self, x: T) -> DType {
+        match self.autocast_dtype() {
             Some(_) if self.dtype(x).is_half() => DType::F32,
             _ => self.dtype(x),
+        }
+    }
+
+    /// `x.view(tokens, k, rest).sum(dim=1)`, `out_numel` sums of `k` rows each. The sum's
+    /// gradient is an expand (stride 0 over `k`); where autocast summed half values in fp32,
+    /// `validate_outputs` casts it back into a new contiguous tensor that the view's backward
+    /// reshapes as it is, and otherwise the view's backward copies it (`Bwd::ViewOfSummed`, a
+    /// node that saves nothing: under checkpointing the copy is made before the region is
+    /// recomputed and lives through it).
+    pub(crate) fn view_sum(&mut self, x: T, out_numel: u64) -> T {
+        let viewed = self.view(x, self.numel(x), "view(tokens, k, rest)");
+        let op = if self.sum_dtype(x) == self.dtype(x) {
+            Bwd::ViewOfSummed
+        } else {
+            Bwd::View
         };
-        let out = self.empty(out_numel, dtype, "x.sum(dim)");
-        self.record(Bwd::SumDim, &[Some(x)], &[out], &[]);
+        self.record(op, &[Some(x)], &[viewed], &[]);
+        let out = self.sum_dim(viewed, out_numel);
+        self.drop(viewed);
         out
     }
 
@@ -146,5 +169,60 @@ impl Tracer {
             &[lhs, rhs],
         );
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use headroom_alloc::{AllocatorConfig, CachingAllocator};
+
+    use super::super::memory::{Keep, Memory};
+    use super::super::tracer::{BackwardHooks, T, Tracer};
+    use crate::dtype::DType;
+
+    struct NoCheckpoints;
+
+    impl BackwardHooks for NoCheckpoints {
+        fn recompute(&mut self, _: &mut Tracer, _: u32) {
+            unreachable!("no checkpointed region")
+        }
+    }
+
+    /// The bytes of every gradient-sized allocation the backward of `x.view(tokens, k,
+    /// hidden).sum(dim=1)` makes, `x` a (tokens * k, hidden) bf16 leaf, under `autocast`.
+    fn backward_allocations(autocast: Option<DType>) -> Vec<u64> {
+        let (tokens, k, hidden) = (64, 4, 256);
+        let memory = Memory::new(
+            CachingAllocator::new(AllocatorConfig::default(), None),
+            Keep {
+                trace: true,
+                timeline: false,
+            },
+        );
+        let mut t = Tracer::new(memory, crate::gpu::Gpu::default().workspaces());
+        let p = t.parameter(tokens * k * hidden, DType::BF16, true, "x");
+        let x: T = t.param(p);
+        let outer = t.enter_autocast(autocast);
+        let summed = t.view_sum(x, tokens * hidden);
+        let loss = t.sum_dim(summed, 1);
+        t.exit_autocast(outer);
+        t.drop(summed);
+        let start = t.mem.trace_len();
+        t.backward(loss, &mut NoCheckpoints);
+        let x_bytes = tokens * k * hidden * 2;
+        t.mem.take_trace()[start..]
+            .iter()
+            .filter(|e| e.alloc && e.bytes == x_bytes)
+            .map(|e| e.bytes)
+            .collect()
+    }
+
+    /// The sum's gradient is an expand over `k`: the view's backward copies it into the
+    /// input's gradient; where autocast summed in fp32, the cast back to bf16 is that copy
+    /// and the view passes it on.
+    #[test]
+    fn a_view_summed_over_k_copies_its_gradient_once() {
+        assert_eq!(backward_allocations(None).len(), 1);
+        assert_eq!(backward_allocations(Some(DType::BF16)).len(), 1);
     }
 }

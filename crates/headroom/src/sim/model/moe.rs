@@ -148,7 +148,7 @@ impl Model {
                 let (values, idx) = t.topk(probs, tokens * k);
                 t.drop(probs);
                 let values = if moe.norm_topk_prob {
-                    renormalise(t, values, tokens)
+                    renormalise(t, values, tokens, false)
                 } else {
                     values
                 };
@@ -190,7 +190,7 @@ impl Model {
                     let chosen = t.gather(scores, idx);
                     t.drop(scores);
                     let chosen = if moe.norm_topk_prob {
-                        renormalise(t, chosen, tokens)
+                        renormalise(t, chosen, tokens, true)
                     } else {
                         chosen
                     };
@@ -294,7 +294,9 @@ impl Model {
     }
 
     /// `grouped_mm_experts_forward`: sort the (token, expert) pairs by expert, gather their
-    /// rows, two grouped GEMMs around the gate, weight, restore the order, sum over k.
+    /// rows, two grouped GEMMs around the gate, weight, restore the order, sum over k. The
+    /// function's locals (the gathered rows, the sorted weights, the last `proj_out`, the
+    /// down projection's gathered bias) live to its return.
     fn grouped_mm_experts(&self, t: &mut Tracer, ex: &Experts, r: &Routed, tokens: u64) -> T {
         let moe = self.moe_config();
         let (h, i, e) = (self.arch.hidden, moe.intermediate, moe.local_experts());
@@ -302,6 +304,7 @@ impl Model {
         let (ids_g, perm) = t.sort(r.idx);
         let rows = t.empty(s, DType::I64, "perm // top_k");
         let selected = t.index_rows(r.x, rows, s * h, "hidden_states[perm // top_k]");
+        t.drop(rows);
         let w_g = t.index_rows(r.w, perm, s, "top_k_weights[perm]");
         let as_int = t.empty(s, DType::I32, "expert_ids_g.int()");
         let counts = t.empty(e, DType::I32, "histc");
@@ -311,51 +314,62 @@ impl Model {
             let b = t.param(b);
             t.index_rows(b, ids_g, s * 2 * i, "gate_up_proj_bias[expert_ids_g]")
         });
-        let masked = t.masked_fill_in_place(selected, sentinel);
-        t.drop(selected);
+        // `selected_hidden_states_g.masked_fill_(...)`: the local is the masked tensor now.
+        let selected = {
+            let masked = t.masked_fill_in_place(selected, sentinel);
+            t.drop(selected);
+            masked
+        };
         let w_gu = self.expert_weight(t, ex.gate_up, ex.gate_up_lora);
-        let mut proj = t.grouped_mm(masked, w_gu, s * 2 * i);
-        t.drop_all(&[masked, w_gu]);
+        let mut proj = t.grouped_mm(selected, w_gu, s * 2 * i);
+        t.drop(w_gu);
         if let Some(bias) = gate_up_bias {
             proj = add_in_place(t, proj, bias);
-            t.drop(bias);
         }
         let filled = t.masked_fill(proj, sentinel);
         t.drop(proj);
         let act = self.expert_gate(t, filled);
         t.drop(filled);
+        // `selected_biases` rebound: the gate-up projection's goes once the down one's is made.
         let down_bias = ex.down_bias.map(|b| {
             let b = t.param(b);
             t.index_rows(b, ids_g, s * h, "down_proj_bias[expert_ids_g]")
         });
+        if let Some(bias) = gate_up_bias {
+            t.drop(bias);
+        }
         let w_d = self.expert_weight(t, ex.down, ex.down_lora);
         let mut out = t.grouped_mm(act, w_d, s * h);
         t.drop_all(&[act, w_d]);
         if let Some(bias) = down_bias {
             out = add_in_place(t, out, bias);
-            t.drop(bias);
         }
-        let filled = t.masked_fill(out, sentinel);
+        let proj_out = t.masked_fill(out, sentinel);
         t.drop(out);
-        let weighted = t.mul(filled, w_g);
-        t.drop_all(&[filled, w_g]);
+        let weighted = t.mul(proj_out, w_g);
         let inv_perm = t.empty(s, DType::I64, "inv_perm");
         let arange = t.empty(s, DType::I64, "arange(S)");
         t.drop(arange);
         let reordered = t.index_rows(weighted, inv_perm, s * h, "weighted_out[inv_perm]");
         t.drop(weighted);
-        let summed = t.sum_dim(reordered, tokens * h);
+        // weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+        let summed = t.view_sum(reordered, tokens * h);
         let out = t.to(summed, t.dtype(r.x));
         // The function's locals go at its return, in the order they were first bound.
         t.drop_all(&[
-            ids_g, perm, as_int, counts, offsets, sentinel, reordered, inv_perm, summed,
+            ids_g, perm, selected, w_g, as_int, counts, offsets, sentinel,
         ]);
-        t.drop(rows);
+        if let Some(bias) = down_bias {
+            t.drop(bias);
+        }
+        t.drop_all(&[proj_out, reordered, inv_perm, summed]);
         out
     }
 
     /// `batched_mm_experts_forward`: each token repeated k times, each pair's expert weights
-    /// gathered (S copies of an expert's matrices), batched matmuls, weighted sum over k.
+    /// gathered (S copies of an expert's matrices), batched matmuls, weighted sum over k. The
+    /// function's locals (the repeated tokens, the clamped ids, the down projection's gathered
+    /// weights and bias, the last `proj_out` and `weighted_out`) live to its return.
     fn batched_mm_experts(&self, t: &mut Tracer, ex: &Experts, r: &Routed, tokens: u64) -> T {
         let moe = self.moe_config();
         let (h, i) = (self.arch.hidden, moe.intermediate);
@@ -364,35 +378,45 @@ impl Model {
         t.record(Bwd::Reduce, &[Some(r.x)], &[repeated], &[]);
         let ids = t.empty(s, DType::I64, "expert_ids.clamp()");
         let w_gu = self.expert_weight(t, ex.gate_up, ex.gate_up_lora);
-        let gathered = t.index_rows(w_gu, ids, s * 2 * i * h, "gate_up_proj[expert_ids]");
+        let gathered_gu = t.index_rows(w_gu, ids, s * 2 * i * h, "gate_up_proj[expert_ids]");
         t.drop(w_gu);
-        let mut proj = t.bmm(repeated, gathered, s * 2 * i);
-        t.drop_all(&[repeated, gathered]);
-        if let Some(b) = ex.gate_up_bias {
+        let gate_up_bias = ex.gate_up_bias.map(|b| {
             let b = t.param(b);
-            let bias = t.index_rows(b, ids, s * 2 * i, "gate_up_proj_bias[expert_ids]");
+            t.index_rows(b, ids, s * 2 * i, "gate_up_proj_bias[expert_ids]")
+        });
+        let mut proj = t.bmm(repeated, gathered_gu, s * 2 * i);
+        if let Some(bias) = gate_up_bias {
             proj = add_in_place(t, proj, bias);
-            t.drop(bias);
         }
         let act = self.expert_gate(t, proj);
         t.drop(proj);
+        // `selected_weights` and `selected_biases` rebound: each old one goes once its new
+        // one is made.
         let w_d = self.expert_weight(t, ex.down, ex.down_lora);
-        let gathered = t.index_rows(w_d, ids, s * h * i, "down_proj[expert_ids]");
-        t.drop(w_d);
-        let mut out = t.bmm(act, gathered, s * h);
-        t.drop_all(&[act, gathered]);
-        if let Some(b) = ex.down_bias {
+        let gathered_d = t.index_rows(w_d, ids, s * h * i, "down_proj[expert_ids]");
+        t.drop_all(&[w_d, gathered_gu]);
+        let down_bias = ex.down_bias.map(|b| {
             let b = t.param(b);
-            let bias = t.index_rows(b, ids, s * h, "down_proj_bias[expert_ids]");
-            out = add_in_place(t, out, bias);
+            t.index_rows(b, ids, s * h, "down_proj_bias[expert_ids]")
+        });
+        if let Some(bias) = gate_up_bias {
             t.drop(bias);
         }
+        let mut out = t.bmm(act, gathered_d, s * h);
+        t.drop(act);
+        if let Some(bias) = down_bias {
+            out = add_in_place(t, out, bias);
+        }
         let weighted = t.mul(out, r.w);
-        t.drop(out);
-        let summed = t.sum_dim(weighted, tokens * h);
-        t.drop(weighted);
+        // weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+        let summed = t.view_sum(weighted, tokens * h);
         let result = t.to(summed, t.dtype(r.x));
-        t.drop_all(&[summed, ids]);
+        // The function's locals go at its return, in the order they were first bound.
+        t.drop_all(&[repeated, ids, gathered_d]);
+        if let Some(bias) = down_bias {
+            t.drop(bias);
+        }
+        t.drop_all(&[out, weighted, summed]);
         result
     }
 
@@ -539,12 +563,20 @@ impl Model {
     }
 }
 
-/// `values /= values.sum(dim=-1, keepdim=True)`: in place, so autograd clones the original
-/// values for the division's backward.
-fn renormalise(t: &mut Tracer, values: T, tokens: u64) -> T {
+/// `values /= values.sum(dim=-1, keepdim=True)` over each token's `k` values (DeepSeek-V3
+/// adds `1e-20` to the sum first, `plus_eps`): in place, so the weights keep their dtype
+/// where autocast sums in fp32.
+fn renormalise(t: &mut Tracer, values: T, tokens: u64, plus_eps: bool) -> T {
     let sum = t.sum_dim(values, tokens);
-    let out = t.mul(values, sum);
-    t.drop_all(&[values, sum]);
+    let denominator = if plus_eps {
+        let d = t.add_scalar(sum);
+        t.drop(sum);
+        d
+    } else {
+        sum
+    };
+    let out = t.div_in_place(values, denominator);
+    t.drop(denominator);
     out
 }
 

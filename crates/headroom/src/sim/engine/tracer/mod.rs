@@ -94,6 +94,10 @@ pub(crate) enum Bwd {
     /// `x.view(...)` or `x.reshape(...)` of a contiguous tensor (`ViewBackward0`): the
     /// gradient passes through, one node later.
     View,
+    /// `x.view(...)` summed over a dimension the view split off (`x.view(tokens, top_k,
+    /// hidden).sum(dim=1)`): the sum's gradient arrives expanded (stride 0 over that
+    /// dimension), which `grad.reshape(x's sizes)` cannot view, so it copies.
+    ViewOfSummed,
     /// `.view(b, s, heads, d).transpose(1, 2)` of a projection's output. Backward reshapes the
     /// gradient back; that copies when the gradient arrives head-major (after rotary
     /// embeddings or eager attention), not when it comes from flash attention.

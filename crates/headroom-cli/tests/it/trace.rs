@@ -710,9 +710,9 @@ fn saved_traces_match_their_measurements() {
             nf4
         ),
         (
-            106 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES + PP_CP_EP + NF4,
+            107 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES + PP_CP_EP + NF4,
             4,
-            56,
+            57,
             SHARDED,
             DDP,
             FSDP1,

@@ -929,29 +929,31 @@ fn flag<E: de::Error>(what: &str, arg: &Scalar) -> Result<bool, E> {
 }
 
 fn elements<E: de::Error>(what: &str, arg: &Scalar) -> Result<u64, E> {
-    match *arg {
-        Scalar::Unsigned(n) if n <= MAX_TRACE_ELEMENTS => Ok(n),
-        _ => Err(refuse(
-            &format!("{what} "),
-            arg,
-            format!(
-                "use an integer from 0 to {MAX_TRACE_ELEMENTS} (elements of a tensor, \
-                 headroom::limits::MAX_TRACE_ELEMENTS)"
-            ),
-        )),
-    }
+    at_most(
+        what,
+        arg,
+        MAX_TRACE_ELEMENTS,
+        "elements of a tensor, headroom::limits::MAX_TRACE_ELEMENTS",
+    )
 }
 
 fn storage_bytes<E: de::Error>(what: &str, arg: &Scalar) -> Result<u64, E> {
+    at_most(
+        what,
+        arg,
+        MAX_TRACE_STORAGE_BYTES,
+        "bytes, headroom::limits::MAX_TRACE_STORAGE_BYTES",
+    )
+}
+
+/// An integer argument within `0..=max`; `why` says what it counts and names the limit.
+fn at_most<E: de::Error>(what: &str, arg: &Scalar, max: u64, why: &str) -> Result<u64, E> {
     match *arg {
-        Scalar::Unsigned(n) if n <= MAX_TRACE_STORAGE_BYTES => Ok(n),
+        Scalar::Unsigned(n) if n <= max => Ok(n),
         _ => Err(refuse(
             &format!("{what} "),
             arg,
-            format!(
-                "use an integer from 0 to {MAX_TRACE_STORAGE_BYTES} (bytes, \
-                 headroom::limits::MAX_TRACE_STORAGE_BYTES)"
-            ),
+            format!("use an integer from 0 to {max} ({why})"),
         )),
     }
 }

@@ -795,7 +795,7 @@ def _run_trainer(rec: Recorder, ts, fields: dict, progress):
                 _classify_optimizer_state(rec, trainer_box[0].optimizer)
                 rec.phase(f"step {state.global_step + 1} zero_grad")
 
-        with _BuildOnTheDevice(rec, ts), contextlib.ExitStack() as building:
+        with _LoadAsFromPretrained(rec), contextlib.ExitStack() as building:
             if ts.trainer == "trl-dpo" and ts.precompute_ref_log_probs:
                 building.enter_context(trace_trl.PrecomputedReference(rec))
             trainer = trainers.build_trainer(ts, fields, ckpt, tokenizer, [Phases()], device="cpu")
@@ -836,7 +836,7 @@ def _import_trainer_modules(ts):
         importlib.import_module(name)
 
 
-class _BuildOnTheDevice:
+class _LoadAsFromPretrained:
     """TRL's `create_model_from_path` as the tracer needs it: the model of the saved config (the
     dtype and attention `model_init_kwargs` give, `num_labels` for a reward head) built on `meta`
     and loaded onto the device as `from_pretrained` loads the checkpoint (`trace_load.py`)."""
@@ -846,9 +846,8 @@ class _BuildOnTheDevice:
         "trl.trainer.reward_trainer",
     )
 
-    def __init__(self, rec, ts):
+    def __init__(self, rec):
         self.rec = rec
-        self.ts = ts
         self.saved = []
 
     def __enter__(self):

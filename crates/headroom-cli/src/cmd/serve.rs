@@ -100,6 +100,7 @@ pub const EXAMPLES: &[(&str, &str)] = &[
 pub fn run(args: Args) -> CliResult {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_io()
+        .enable_time()
         .build()
         .map_err(|e| CliError::input(format!("cannot start the server: {e}")))?;
     runtime.block_on(async {
@@ -112,9 +113,10 @@ pub fn run(args: Args) -> CliResult {
         // Tests and scripts read the address from this line.
         println!("headroom serve: http://{address}/");
         loop {
-            // A failed accept (the client left, or no file descriptors for now) drops that
-            // connection only.
+            // A failed accept drops that connection only; out of file descriptors, it fails
+            // at once until one is closed, so the loop waits a moment rather than spin.
             let Ok((stream, _)) = listener.accept().await else {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 continue;
             };
             tokio::spawn(async move {

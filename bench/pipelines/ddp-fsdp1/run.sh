@@ -15,7 +15,7 @@ one() {  # ID WORLD [extra args]
   local id=$1 world=$2; shift 2
   local start=$SECONDS env=()
   [[ $world -gt 0 ]] && env=(HEADROOM_FAKE_WORLD=$world WORLD_SIZE=$world RANK=0 LOCAL_RANK=0)
-  env "${env[@]}" timeout 400 python3 -m headroom_measure pipeline "$here/$id.yaml" --id "$id" \
+  env "${env[@]}" timeout 180 python3 -m headroom_measure pipeline "$here/$id.yaml" --id "$id" \
     --out "$OUT/$id.jsonl" "$@" > "$OUT/$id.log" 2>&1
   echo "[$((SECONDS - start))s rc=$?] $id"
 }

@@ -145,10 +145,7 @@ class DeepSpeedPipelineTest(unittest.TestCase):
         })  # fmt: skip
 
     def allocations(self, name, iteration):
-        phases = self.doc["phases"]
-        k = next(k for k, p in enumerate(phases) if (p["name"], p.get("iteration")) == (name, iteration))
-        end = phases[k + 1]["event"] if k + 1 < len(phases) else len(self.doc["events"])
-        return [self.doc["storages"][e[1]] for e in self.doc["events"][phases[k]["event"] : end] if e[0] == "alloc"]
+        return phase_allocations(self.doc, name, iteration)
 
     def test_the_policy_flattens_its_parameters_on_the_host_and_moves_them_over(self):
         loaded = self.allocations("load", 0)

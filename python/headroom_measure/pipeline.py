@@ -30,7 +30,8 @@ Exactly what the harness does, in this order (the estimator's simulator copies i
 * Process: with a sharded instance (`parallel`: ddp, fsdp, fsdp1 or zero1-3) the pipeline runs under
   `torchrun --nproc-per-node world_size`, every rank running all of it: `torch.cuda.set_device(LOCAL_RANK)`,
   `dist.init_process_group("nccl", device_id=...)` as dist.py does. With `HEADROOM_FAKE_WORLD=W` (and
-  WORLD_SIZE=W) one process runs rank 0 of a world of W under torch's fake process group instead. Then `torch.zeros(1)` on the
+  WORLD_SIZE=W) one process runs rank 0 of a world of W under torch's fake process group instead
+  (a DDP instance's all-reduce hook then hands back the bucket itself: `_bucket_as_reduced`). Then `torch.zeros(1)` on the
   device; `cuda_context_bytes` is total - free after it. With --snapshot,
   `torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")` next
   (rank 0 only, or every rank when the path holds `{rank}`).
@@ -490,6 +491,18 @@ def _fsdp2_offload(model):
     return model
 
 
+def _bucket_as_reduced(state, bucket):
+    """DDP's all-reduce under the fake process group: the bucket, as NCCL leaves it reduced in
+    place. DDP's default hook takes the reduced bucket from the collective's future, which the
+    fake group's work leaves empty (the backward fails); this hook allocates nothing, as that one
+    does not."""
+    import torch
+
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
 class _Peaks:
     """Running maxima over windows of the allocator's peak counters (each window ends with
     `reset_peak_memory_stats()`)."""
@@ -619,6 +632,8 @@ def measure_pipeline(
                 engines.add(len(models))
             elif spec.parallel is not None:
                 model = distmod._build_ddp(spec, cfg, cls, dtype, device, local_rank)
+                if fake_world:
+                    model.register_comm_hook(None, _bucket_as_reduced)
                 module = model.module
             elif inst.home == "cpu":
                 model = _prepare(spec, _build_on_cpu(spec, f))

@@ -164,10 +164,11 @@ class Fsdp1OnFakeTensors:
 
         def use_low_precision_shard(handle):
             real_low(handle)
-            # `_mp_shard.copy_(_local_shard.to(device))`: the host shard's full-precision device
-            # copy, cast into the low-precision shard and dropped.
-            copy = rec.copy_as(handle.flat_param._local_shard, "temporary")
-            del copy
+            if handle._offload_params:  # a pipeline's other FSDP1 instances may keep theirs on the device
+                # `_mp_shard.copy_(_local_shard.to(device))`: the host shard's full-precision device
+                # copy, cast into the low-precision shard and dropped.
+                copy = rec.copy_as(handle.flat_param._local_shard, "temporary")
+                del copy
 
         def pin_memory(tensor, *args, **kwargs):
             rec.classify([tensor], "host")  # FSDP1 pins what it keeps on the host

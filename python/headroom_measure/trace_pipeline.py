@@ -1,8 +1,10 @@
 """Trace a pipeline (pipeline.py: several models in one process, phase by phase) under fake
 tensors on the CPU, as `measure_pipeline` runs it on the GPU: the instances built in list order
 by the same builders (the single-run harness's, dist.py's FSDP2 as rank 0 of the fake process
-group, FSDP2 `CPUOffloadPolicy` in a group of one, DeepSpeed engines as `trace_zero.py` runs
-them, each train pass `engine.backward` and `engine.step`), one `input_ids` per batch shape, then every
+group, DDP and FSDP1 likewise as `trace_ddp.py` and `trace_fsdp1.py` run them, an nf4 model as
+`trace_nf4.py` loads it, bitsandbytes as `bitsandbytes_emulation.py` runs it, FSDP2
+`CPUOffloadPolicy` in a group of one, DeepSpeed engines as `trace_zero.py` runs them, each train
+pass `engine.backward` and `engine.step`), one `input_ids` per batch shape, then every
 phase of every iteration with its moves and passes. Each trace phase is one measured record
 (`name`, `iteration`), beginning where the harness resets the peak counters.
 
@@ -41,18 +43,6 @@ def refuse_untraceable_pipeline(pipe) -> None:
     for k, inst in enumerate(pipe.instances):
         try:
             refuse_untraceable(inst.spec)
-            if inst.spec.optimizer == "adamw-8bit" or inst.spec.quantization:
-                raise TraceError(
-                    "bitsandbytes (`optimizer: adamw-8bit`, `quantization`) is traced in a run spec, not yet in a "
-                    "pipeline instance; `headroom estimate` models it natively"
-                )
-            strategy = inst.spec.parallel.strategy if inst.spec.parallel is not None else None
-            if strategy in ("ddp", "fsdp1"):
-                raise TraceError(
-                    f"`parallel.strategy: {strategy}`: the pipeline tracer builds fsdp (FSDP2) and DeepSpeed "
-                    f"(zero1, zero2, zero3) instances; {strategy} is traced in a run spec; `headroom estimate` models "
-                    f"{strategy} instances natively"
-                )
         except TraceError as err:
             raise TraceError(f"instances[{k}] ({inst.name}): {err}") from None
 
@@ -141,33 +131,56 @@ def trace_pipeline(pipe, engines: Engines, raw: dict, fields: list[dict], out_pa
     refuse_untraceable_pipeline(pipe)
     t0 = time.time()
     rec = Recorder()
-    with fake_cuda(rec):
+    with _kernel_libraries(pipe), fake_cuda(rec):
         rec.stream_of = Streams().current
         with _process_group(pipe, rec):
             _run(rec, pipe, engines, fields, progress)
     return write_trace(rec, raw, t0, out_path, engines.listed)
 
 
+def _kernel_libraries(pipe) -> contextlib.AbstractContextManager:
+    """bitsandbytes emulated as on the GPU (`trace._kernel_libraries`) when an instance calls it."""
+    from .trace import _kernel_libraries
+
+    bnb = [i.spec for i in pipe.instances if i.spec.optimizer == "adamw-8bit" or i.spec.quantization]
+    return _kernel_libraries(bnb[0]) if bnb else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _process_group(pipe, rec):
     """Rank 0 of the sharded instances' world under the fake group, or a group of one for FSDP2
-    offload, with FSDP2's storage resizes and offload copies made as on CUDA, and DeepSpeed on
-    its CUDA code path where an instance is an engine (`trace_zero.deepspeed_on_cuda`); none
-    otherwise."""
+    offload, with FSDP2's storage resizes and offload copies made as on CUDA, DeepSpeed on its
+    CUDA code path where an instance is an engine (`trace_zero.deepspeed_on_cuda`), and DDP's and
+    FSDP1's points of tensor memory put back where an instance is one (`trace_ddp.py`,
+    `trace_fsdp1.py`: FSDP1's offload copies only for its handles that offload); none otherwise."""
+    from .trace_ddp import DdpOnFakeTensors
     from .trace_dist import _FsdpCuda, fake_world
+    from .trace_fsdp1 import Fsdp1OnFakeTensors
     from .trace_zero import deepspeed_on_cuda
 
     world = pipe.world_size or (1 if any(i.host_fsdp for i in pipe.instances) else 0)
     if not world:
         yield
         return
-    zero = [i.spec.parallel.strategy for i in pipe.instances if _is_engine(i)]
-    with deepspeed_on_cuda(rec, world, zero[0]) if zero else fake_world(world), _FsdpCuda(rec):
+    zero = [_strategy(i) for i in pipe.instances if _is_engine(i)]
+    strategies = {_strategy(i) for i in pipe.instances}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(deepspeed_on_cuda(rec, world, zero[0]) if zero else fake_world(world))
+        stack.enter_context(_FsdpCuda(rec))
+        if "ddp" in strategies:
+            stack.enter_context(DdpOnFakeTensors(rec))
+        if "fsdp1" in strategies:
+            offload = any(i.spec.parallel.offload_params for i in pipe.instances if _strategy(i) == "fsdp1")
+            stack.enter_context(Fsdp1OnFakeTensors(rec, offload))
         yield
 
 
+def _strategy(inst) -> str | None:
+    return inst.spec.parallel.strategy if inst.spec.parallel is not None else None
+
+
 def _is_engine(inst) -> bool:
-    return inst.spec.parallel is not None and inst.spec.parallel.strategy.startswith("zero")
+    return (_strategy(inst) or "").startswith("zero")
 
 
 def _run(rec, pipe, engines: Engines, fields: list[dict], progress):
@@ -210,6 +223,10 @@ def _build(rec, inst, f) -> _Instance:
     from . import dist as distmod
     from . import pipeline
     from .measure import _auto_class, _build, _hf_config, _optimizer, _prepare
+    from .trace_ddp import build_ddp
+    from .trace_fsdp1 import build_fsdp1
+    from .trace_nf4 import build_nf4, prepared, quant_states
+
     spec = inst.spec
     par = spec.parallel
     first = len(rec.storages)
@@ -225,9 +242,15 @@ def _build(rec, inst, f) -> _Instance:
             module._headroom_name = f"{inst.name}.{name}" if name else inst.name
         engine.train() if spec.mode == "train" else engine.eval()
         return _Instance(inst, engine, engine.module, None, params_on_device=True, engine=True)
-    elif par is not None:  # FSDP2: the strategies the tracer cannot run are refused before
+    elif par is not None:  # the strategies the tracer cannot run are refused before
         dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
-        model = distmod._build_fsdp(spec, _hf_config(spec, f), _auto_class(spec), dtype, torch.device("cpu"))
+        builders = {"ddp": build_ddp, "fsdp1": build_fsdp1}
+        build = builders.get(par.strategy)
+        args = (spec, _hf_config(spec, f), _auto_class(spec), dtype, torch.device("cpu"))
+        model = build(rec, *args) if build else distmod._build_fsdp(*args)
+    elif spec.quantization:
+        model = prepared(rec, spec, build_nf4(rec, spec, _hf_config(spec, f)))
+        rec.classify(quant_states(model), "parameter")
     elif inst.home == "cpu":
         model = _prepare(spec, pipeline._build_on_cpu(spec, f))
     else:
@@ -295,7 +318,7 @@ def _run_pass(rec, m: _Instance, inputs: dict, pd):
         trainable = [p for p in m.model.parameters() if p.requires_grad]
         train_step(
             rec, spec, m.model, ids, autocast, m.optimizer, trainable,
-            sharded=par is not None, host_step=par is not None and par.offload_params,
+            sharded=par is not None and par.strategy != "ddp", host_step=par is not None and par.offload_params,
         )  # fmt: skip
     elif pd.kind == "forward":
         with torch.no_grad():

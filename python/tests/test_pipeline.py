@@ -196,6 +196,11 @@ class GeneralFormTest(unittest.TestCase):
             with self.subTest(file=f.name):
                 raw, pipe = load_pipeline(str(f))
                 self.assertEqual(pipe.world_size, 8)
+        worlds = {"verl-fsdp1-q7b-w8": 8, "dpo-ddp-q1.5b-w4": 4, "dpo-ddp-8bit-q1.5b-w2": 2, "dpo-qlora-q3b": 0}
+        for name, world in worlds.items():
+            with self.subTest(file=name):
+                raw, pipe = load_pipeline(str(REPO / "bench" / "pipelines" / "ddp-fsdp1" / f"{name}.yaml"))
+                self.assertEqual(pipe.world_size, world)
 
     def test_offload_items_move_parameters_optimizer_states_or_both(self):
         def phases(*items):
@@ -221,6 +226,35 @@ class GeneralFormTest(unittest.TestCase):
                 with self.assertRaises(SpecError) as ctx:
                     phases(item)
                 self.assertIn(words, str(ctx.exception))
+
+def has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+@unittest.skipUnless(has_torch(), "torch is not installed")
+class FakeGroupDdpTest(unittest.TestCase):
+    def test_ddp_steps_under_the_fake_group_with_the_bucket_as_its_reduction(self):
+        import torch
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from headroom_measure.pipeline import _bucket_as_reduced
+
+        dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+        self.addCleanup(dist.destroy_process_group)
+        plain = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        with self.assertRaises(RuntimeError):  # the fake group's work holds no reduced bucket
+            plain(torch.randn(2, 8)).sum().backward()
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        model.register_comm_hook(None, _bucket_as_reduced)
+        x = torch.randn(2, 8)
+        for _ in range(2):  # the second backward runs on the rebuilt buckets
+            model.zero_grad()
+            model(x).sum().backward()
+        expected = torch.ones(8, 1) * x.sum(0)  # each rank's own gradient: nothing is averaged
+        torch.testing.assert_close(model.module.weight.grad, expected)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import unittest
 from collections import Counter
 
 from .test_trace import TINY, has_torch, run
-from .test_trace_dist import traced
+from .test_trace_dist import tiny_parameter_numels, traced
 
 NEW_TOKENS = 8
 PIPELINE = {
@@ -44,26 +44,86 @@ def tiny_model_bytes(dtype_bytes: int) -> int:
 
 class RefusalTest(unittest.TestCase):
     def test_an_instance_the_tracer_cannot_run_is_refused_by_name(self):
-        # DDP and FSDP1 are traced in a run spec, not as a pipeline's instance.
-        for strategy in ("ddp", "fsdp1"):
-            raw = json.loads(json.dumps(PIPELINE))
-            raw["instances"][0]["parallel"] = {"strategy": strategy, "world_size": 1}
-            raw["instances"][0]["precision"] = "bf16"
-            with tempfile.TemporaryDirectory() as tmp:
-                out = run("trace", "--spec-json", json.dumps(raw), "--out", f"{tmp}/t.json")
-            self.assertEqual(out.returncode, 2, out.stderr)
-            self.assertIn(f"instances[0] (actor): `parallel.strategy: {strategy}`", out.stderr)
-            self.assertNotIn("Traceback", out.stderr)
-
-    def test_an_instance_with_bitsandbytes_is_refused_by_name(self):
-        # traced in a run spec (bitsandbytes_emulation.py), not yet as a pipeline's instance
         raw = json.loads(json.dumps(PIPELINE))
-        raw["instances"][0]["optimizer"] = "adamw-8bit"
+        raw["instances"][0]["parallel"] = {"strategy": "ddp", "world_size": 2, "framework": "megatron"}
+        raw["instances"][0]["precision"] = "bf16"
         with tempfile.TemporaryDirectory() as tmp:
             out = run("trace", "--spec-json", json.dumps(raw), "--out", f"{tmp}/t.json")
         self.assertEqual(out.returncode, 2, out.stderr)
-        self.assertIn("instances[0] (actor): bitsandbytes (`optimizer: adamw-8bit`", out.stderr)
+        self.assertIn("instances[0] (actor): `parallel.framework: megatron`", out.stderr)
         self.assertNotIn("Traceback", out.stderr)
+
+
+def phase_allocations(doc, name, iteration):
+    """The storages allocated in the phase `name` of `iteration`, in order."""
+    phases = doc["phases"]
+    k = next(k for k, p in enumerate(phases) if (p["name"], p.get("iteration")) == (name, iteration))
+    end = phases[k + 1]["event"] if k + 1 < len(phases) else len(doc["events"])
+    return [doc["storages"][e[1]] for e in doc["events"][phases[k]["event"] : end] if e[0] == "alloc"]
+
+
+@unittest.skipUnless(has_torch(), "torch and transformers are not installed")
+class DdpFsdp1PipelineTest(unittest.TestCase):
+    """verl's FSDP1 actor (fp32 under bf16 MixedPrecision) beside an FSDP1 reference under
+    CPUOffload, and a DDP policy, rank 0 of 2: each built as run specs trace them."""
+
+    @classmethod
+    def setUpClass(cls):
+        fsdp1 = {"strategy": "fsdp1", "world_size": 2}
+        cls.doc = traced({
+            "instances": [
+                {"name": "actor", **TINY, "precision": "fp32", "autocast": "bf16",
+                 "parallel": {**fsdp1, "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}},
+                {"name": "ref", **TINY, "mode": "forward", "parallel": {**fsdp1, "offload_params": True}},
+                {"name": "policy", **TINY, "parallel": {"strategy": "ddp", "world_size": 2}},
+            ],
+            "phases": [{"name": "ref_logprob", "run": ["ref"]}, {"name": "update_actor", "run": ["actor"]},
+                       {"name": "train", "run": ["policy"]}],
+            "iterations": 2,
+        })  # fmt: skip
+
+    def test_the_reference_shards_live_on_the_host_and_unshard_on_the_device(self):
+        layer, _ = tiny_parameter_numels()
+        shard = layer * 2 // 2  # a decoder layer's bf16 flat parameter over 2 ranks
+        loaded = phase_allocations(self.doc, "load", 0)
+        self.assertEqual([s["bytes"] for s in loaded if s["kind"] == "host" and s["op"] == "aten.clone.default"][:2], [shard] * 2)
+        unsharded = [s for s in phase_allocations(self.doc, "ref_logprob", 1) if s["op"] == "fsdp1 _alloc_storage"]
+        self.assertIn(2 * shard, [s["bytes"] for s in unsharded])
+        self.assertTrue(all(s["kind"] != "host" for s in unsharded))
+
+    def test_the_actor_casts_its_shards_on_the_device_without_a_host_copy(self):
+        # Offload's copies belong to the reference's handles: the actor's fp32 shards stay put.
+        layer, _ = tiny_parameter_numels()
+        fp32_shard = layer * 4 // 2
+        for it in (0, 1):
+            made = phase_allocations(self.doc, "update_actor", it)
+            self.assertIn(layer * 2 // 2, [s["bytes"] for s in made if s["op"] == "fsdp1 _alloc_storage"])
+            copies = [s for s in made if s["op"] == "aten.clone.default" and s["bytes"] == fp32_shard]
+            self.assertEqual(copies, [], f"update_actor {it}")
+
+    def test_the_ddp_policy_has_its_buckets_and_rebuilds_them_in_the_second_step(self):
+        model = tiny_model_bytes(2)
+        self.assertIn(("gradient", model), [(s["kind"], s["bytes"]) for s in phase_allocations(self.doc, "load", 0)])
+        rebuilt = [s["bytes"] for s in phase_allocations(self.doc, "train", 1)
+                   if s["kind"] == "gradient" and s["op"] == "aten.empty.memory_format"]  # fmt: skip
+        self.assertGreater(len(rebuilt), 1)
+        self.assertEqual(sum(rebuilt), model)
+
+
+@unittest.skipUnless(has_torch("bitsandbytes"), "torch, transformers and bitsandbytes are not installed")
+class BitsAndBytesPipelineTest(unittest.TestCase):
+    def test_an_8bit_adamw_instance_keeps_one_byte_states(self):
+        doc = traced({
+            "instances": [{"name": "policy", **TINY, "optimizer": "adamw-8bit"},
+                          {"name": "ref", **TINY, "mode": "forward"}],
+            "phases": [{"name": "ref_logprob", "run": ["ref"]}, {"name": "train", "run": ["policy"]}],
+            "iterations": 1,
+        })  # fmt: skip
+        h = TINY["model_config"]["hidden_size"]
+        states = [s["bytes"] for s in phase_allocations(doc, "train", 0) if s["kind"] == "optimizer_state"]
+        self.assertIn(h * h, states, "a q_proj's uint8 state")
+        # Two one-byte states per element and their block maxima, where AdamW's are two bf16 ones.
+        self.assertLess(sum(states), 3 * tiny_model_bytes(1))
 
 
 @unittest.skipUnless(has_torch() and importlib.util.find_spec("deepspeed"), "torch or deepspeed is not installed")
@@ -85,10 +145,7 @@ class DeepSpeedPipelineTest(unittest.TestCase):
         })  # fmt: skip
 
     def allocations(self, name, iteration):
-        phases = self.doc["phases"]
-        k = next(k for k, p in enumerate(phases) if (p["name"], p.get("iteration")) == (name, iteration))
-        end = phases[k + 1]["event"] if k + 1 < len(phases) else len(self.doc["events"])
-        return [self.doc["storages"][e[1]] for e in self.doc["events"][phases[k]["event"] : end] if e[0] == "alloc"]
+        return phase_allocations(self.doc, name, iteration)
 
     def test_the_policy_flattens_its_parameters_on_the_host_and_moves_them_over(self):
         loaded = self.allocations("load", 0)

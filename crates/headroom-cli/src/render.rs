@@ -372,6 +372,7 @@ pub fn pipeline(
                 "host ({}, {} rank{})",
                 match p.strategy {
                     Strategy::Zero3 => "ZeRO-3 offload_param",
+                    Strategy::Fsdp1 => "FSDP1 CPUOffload",
                     _ => "FSDP2 CPU offload",
                 },
                 p.world_size,

@@ -543,6 +543,27 @@ fn pipeline_estimate_per_phase() {
     );
 }
 
+/// Where each instance lives names the offload its strategy does: FSDP1's CPUOffload for verl's
+/// reference, and a DDP instance on the GPU over its ranks.
+#[test]
+fn pipeline_instances_say_how_they_are_offloaded() {
+    let text = stdout(&headroom(&[
+        "estimate",
+        "bench/pipelines/ddp-fsdp1/verl-fsdp1-q7b-w8.yaml",
+        "--gpu",
+        "h200",
+    ]));
+    assert!(text.contains("GPU, fsdp1 over 8 ranks"), "{text}");
+    assert!(text.contains("host (FSDP1 CPUOffload, 8 ranks)"), "{text}");
+    let text = stdout(&headroom(&[
+        "estimate",
+        "bench/pipelines/ddp-fsdp1/dpo-ddp-q1.5b-w4.yaml",
+        "--gpu",
+        "h200",
+    ]));
+    assert!(text.contains("GPU, ddp over 4 ranks"), "{text}");
+}
+
 #[cfg(unix)]
 #[test]
 fn a_reader_that_goes_away_ends_the_output_quietly() {

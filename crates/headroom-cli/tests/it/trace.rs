@@ -233,14 +233,15 @@ fn a_pipeline_goes_to_the_tracer_with_every_instances_model_config() {
 /// allocated bytes at the failure within 1%.
 #[test]
 fn saved_pipeline_traces_match_their_measured_phases() {
-    const PIPELINE_ROWS: usize = 17;
-    const PIPELINE_PHASES: usize = 109;
-    const ROWS: [&str; 5] = [
+    const PIPELINE_ROWS: usize = 21;
+    const PIPELINE_PHASES: usize = 137;
+    const ROWS: [&str; 6] = [
         "bench/pipelines/h100-torch2.11.jsonl",
         "bench/pipelines/h200-torch2.11.jsonl",
         "bench/pipelines/frameworks/h100-torch2.11-fake8.jsonl",
         "bench/nccl-x4/rows-fake-h100-torch2.11.jsonl",
         "bench/pipelines/zero/h200-torch2.11.jsonl",
+        "bench/pipelines/ddp-fsdp1/h200-torch2.11-fake.jsonl",
     ];
     let repo = crate::common::repo();
     let (mut rows_checked, mut phases_checked, mut ooms) = (0, 0, 0);

@@ -46,10 +46,10 @@ def build_nf4(rec, spec, cfg):
 
     if get_checkpoint_conversion_mapping(cfg.model_type) is not None:
         raise TraceError(
-            f"`quantization: nf4` of a {cfg.model_type} model: transformers saves its checkpoint under other names "
-            "than its parameters' (unfused experts, renamed modules) and converts them while loading, which the "
-            "tracer's load does not run; nf4 is traced for model types loaded by name (llama, mistral, qwen2, "
-            "qwen3, gemma, phi3, ...), and `headroom estimate` models 4-bit runs natively"
+            f"`quantization: nf4` of a {cfg.model_type} model: transformers converts its checkpoint while loading "
+            "(unfused experts, renamed modules), under on-the-fly quantization without its worker threads, and no "
+            "measured 4-bit run of such a model checks that load yet; nf4 is traced for model types loaded by name "
+            "(llama, mistral, qwen2, qwen3, gemma, phi3, ...), and `headroom estimate` models 4-bit runs natively"
         )
     cls = m._auto_class(spec)
     dtype = m.dtype_kwarg(torch.bfloat16)

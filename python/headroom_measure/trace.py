@@ -59,6 +59,14 @@ def refuse_untraceable(spec):
         from .trace_dist import refuse_untraceable_parallel
 
         refuse_untraceable_parallel(spec.parallel)
+        if spec.parallel.framework == "megatron":
+            from .megatron import megatron_options
+            from .spec import SpecError
+
+            try:
+                megatron_options(spec)
+            except SpecError as err:
+                raise TraceError(str(err)) from None
 
 
 class Recorder:
@@ -520,6 +528,10 @@ def trace(spec, fields: dict, out_path: str, progress=None, rank: int = 0) -> di
     with _kernel_libraries(run_spec, trainer_spec), fake_cuda(rec):
         if trainer_spec:
             _run_trainer(rec, trainer_spec, fields, progress)
+        elif run_spec.parallel is not None and run_spec.parallel.framework == "megatron":
+            from .trace_megatron import run_megatron_loop
+
+            run_megatron_loop(rec, run_spec, fields, progress, STEPS)
         elif run_spec.parallel is not None and run_spec.parallel.strategy.startswith("zero"):
             from .trace_zero import run_zero_loop
 
@@ -940,7 +952,7 @@ class _RealCodePaths:
 
     Also: `Module.to()` swaps each parameter with its converted self when the tensor is a
     subclass, and `swap_tensors` refuses a tensor that has a weak reference, which
-    `FakeTensorMode` keeps to every fake tensor; swapping a parameter with a parameter over the
+    `FakeTensorMode` keeps to every fake tensor (either side of the swap); swapping a parameter with a parameter over the
     same tensor (a conversion to the device and dtype it has) is a no-op, and is made one; any
     other conversion sets the parameter's data, as `Module.to()` does for a plain tensor."""
 
@@ -955,10 +967,12 @@ class _RealCodePaths:
         def swap(t1, t2):
             if _same_tensor(t1, t2):
                 return None
-            if weakref.getweakrefcount(t1):
+            if weakref.getweakrefcount(t1) or weakref.getweakrefcount(t2):
                 # What `Module.to()` does for a plain tensor: the parameter object stays, its
-                # data becomes the converted tensor.
+                # data becomes the converted tensor; a fake tensor's device is its own attribute.
                 t1.data = t2.data
+                if hasattr(t2, "fake_device"):
+                    t1.fake_device = t2.fake_device
                 return None
             return real_swap(t1, t2)
 

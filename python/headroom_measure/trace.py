@@ -60,13 +60,9 @@ def refuse_untraceable(spec):
 
         refuse_untraceable_parallel(spec.parallel)
         if spec.parallel.framework == "megatron":
-            from .megatron import megatron_options
-            from .spec import SpecError
+            from .trace_megatron import refuse_untraceable_megatron
 
-            try:
-                megatron_options(spec)
-            except SpecError as err:
-                raise TraceError(str(err)) from None
+            refuse_untraceable_megatron(spec)
 
 
 class Recorder:

@@ -30,8 +30,8 @@ checkpoints.
 
 An MoE model routes as the harness makes it route (`megatron.balanced_routing`): every expert receives
 tokens·k / E tokens. The dispatcher reads the token counts back to the host to split the tokens among the
-experts (`tokens_per_expert.tolist()`, the all-to-all's split sizes); those reads return the balanced counts
-([`_balanced_reads`]), which the GPU run reads too.
+experts (`maybe_move_tensor_to_cpu` of `tokens_per_expert` and the all-to-all's split sizes, then `.tolist()`);
+those copies hold the balanced counts ([`_balanced_counts`]), which the GPU run reads too.
 """
 
 from __future__ import annotations
@@ -52,6 +52,23 @@ def require_megatron() -> None:
             f"`parallel.framework: megatron` runs Megatron-core, which does not import here ({err}); "
             f"install the version the run uses (`{INSTALL}`, with `--no-deps` beside torch)"
         ) from None
+
+
+def refuse_untraceable_megatron(spec) -> None:
+    """The spec's `megatron` block checked as the harness checks it, and what the tracer does not run refused
+    by name: expert tensor parallelism, whose token counts the balanced reads do not give."""
+    from .megatron import megatron_options
+    from .spec import SpecError
+
+    try:
+        options = megatron_options(spec)
+    except SpecError as err:
+        raise TraceError(str(err)) from None
+    if options["expert_tensor_parallel_size"] != 1:
+        raise TraceError(
+            f"`megatron.expert_tensor_parallel_size: {options['expert_tensor_parallel_size']}`: the tracer runs "
+            "Megatron's experts with expert tensor parallelism 1; `headroom estimate` models it natively"
+        )
 
 
 class _Event:
@@ -158,37 +175,28 @@ def _identical_objects(object_list, obj, group=None):
     object_list[:] = [obj] * len(object_list)
 
 
-@contextlib.contextmanager
-def _balanced_reads(rec, spec, fields: dict, options: dict):
-    """The MoE dispatcher's reads of its token counts return the balanced routing's (the module doc): each of
-    the E / ep local experts receives tokens·k / E tokens from each of the ep ranks."""
+def _balanced_counts(tokens_times_topk: int):
+    """`maybe_move_tensor_to_cpu` of the dispatcher's token counts as the balanced routing makes them (the
+    module doc): the host copy of a count tensor, every entry equal, summing to the tokens·k each rank sends
+    and receives in a world of identical ranks (expert tensor parallelism 1). The copy is host memory, a
+    numpy array made outside the fake mode so that it keeps its values (the dispatcher and the experts read
+    them with `.tolist()` and `.ravel()`, which numpy has)."""
     import torch
-    from megatron.core.transformer.moe import token_dispatcher
 
-    from .trace_dist import patch
+    from .trace_dist import _outside_fake
 
-    experts, topk = fields["num_experts"], fields["num_experts_per_tok"]
-    ep = options["expert_model_parallel_size"]
-    share = spec.batch_size * spec.seq_len * topk // experts
-    real_tolist = torch.Tensor.tolist
+    @_outside_fake
+    def host_values(numel: int, shape, as_numpy: bool):
+        host = torch.full(shape, tokens_times_topk // numel, dtype=torch.long)
+        return host.numpy() if as_numpy else host
 
-    def tolist(t):
-        from torch._subclasses.fake_tensor import FakeTensor
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        # numpy: a host tensor would be made fake by the first operator that reads it.
+        return host_values(tensor.numel(), tuple(tensor.shape), True)
 
-        if not isinstance(t, FakeTensor):
-            return real_tolist(t)
-        # [local experts] or [ep, local experts]: each entry one rank's tokens for one expert; a rank's
-        # total over its local experts (the all-to-all's split sizes).
-        shape = list(t.shape)
-        if t.dim() == 1 and shape[0] == ep and ep > 1:
-            return [share * experts // ep] * ep
-        values = torch.full(shape, share, dtype=torch.long, device="meta")
-        return values.shape and [[share] * shape[-1]] * shape[0] if t.dim() == 2 else [share] * shape[0]
-
-    with contextlib.ExitStack() as stack:
-        patch(stack, torch.Tensor, "tolist", tolist)
-        del token_dispatcher
-        yield
+    return maybe_move_tensor_to_cpu
 
 
 def run_megatron_loop(rec, spec, fields: dict, progress, steps: int):
@@ -231,23 +239,23 @@ def run_megatron_loop(rec, spec, fields: dict, progress, steps: int):
                         spec.batch_size * spec.seq_len, fields["num_experts"], fields["num_experts_per_tok"]
                     )
                 rec.classify([fixed], "input")
-            reads = _balanced_reads(rec, spec, fields, options) if moe else contextlib.nullcontext()
-            with reads:
-                for step in range(1, steps + 1):
-                    if progress:
-                        progress(step, steps)
-                    start = [len(rec.events)]
+                tokens_times_topk = spec.batch_size * spec.seq_len * fields["num_experts_per_tok"]
+                patch(stack, token_dispatcher, "maybe_move_tensor_to_cpu", _balanced_counts(tokens_times_topk))
+            for step in range(1, steps + 1):
+                if progress:
+                    progress(step, steps)
+                start = [len(rec.events)]
 
-                    def mark(part, step=step, start=start):
-                        if part == "backward":
-                            rec.classify_phase("activation", start[0])
-                        if part == "end":
-                            _classify_optimizer_state(rec, optimizer_of(optimizer))
-                            return
-                        start[0] = len(rec.events)
-                        rec.phase(f"step {step} {part}")
+                def mark(part, step=step, start=start):
+                    if part == "backward":
+                        rec.classify_phase("activation", start[0])
+                    if part == "end":
+                        _classify_optimizer_state(rec, optimizer_of(optimizer))
+                        return
+                    start[0] = len(rec.events)
+                    rec.phase(f"step {step} {part}")
 
-                    mg.train_step(ddp_model, optimizer, batch, mark)
+                mg.train_step(ddp_model, optimizer, batch, mark)
             del ddp_model, optimizer, batch, fixed
         finally:
             parallel_state.destroy_model_parallel()
@@ -311,6 +319,9 @@ class _OnTheDevice:
         from torch.overrides import TorchFunctionMode
         from torch.utils._pytree import tree_leaves, tree_map
 
+        from megatron.core.tensor_parallel import random as mrandom
+
+        from .trace_dist import patch
         from .trace_zero import is_host, names_host
 
         rec = self.rec
@@ -358,7 +369,20 @@ class _OnTheDevice:
 
         self._mode = Mode()
         self._mode.__enter__()
+        # The autograd engine does not carry function modes into the backward, where Megatron's
+        # checkpointing (`CheckpointFunction`, full and selective recompute) runs the forward again.
+        checkpoint = mrandom.CheckpointFunction
+        real_backward = checkpoint.backward
+        mode = self._mode
+
+        def backward(ctx, *args):
+            with mode:
+                return real_backward(ctx, *args)
+
+        self._stack = contextlib.ExitStack()
+        patch(self._stack, checkpoint, "backward", staticmethod(backward))
         return self
 
     def __exit__(self, *exc):
+        self._stack.close()
         return self._mode.__exit__(*exc)

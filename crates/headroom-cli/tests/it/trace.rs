@@ -532,7 +532,9 @@ fn estimate_with_trace_runs_the_tracer() {
 /// `bitsandbytes` are the H200 rows of bitsandbytes' 8-bit AdamW; `nf4` the QLoRA rows (4-bit base
 /// weights loaded and quantized on the device, LoRA over them), on the H200 and the H100; `pp`,
 /// `cp` and `ep` are torch's pipeline schedules, its ring attention and transformers' expert
-/// parallelism, each traced as the rank of the fake world its row measured. A row with each rank's phases is held to its steps' peak, as the
+/// parallelism, each traced as the rank of the fake world its row measured; `megatron` are
+/// Megatron-core's GPTModel, DDP and (distributed) optimizer, dense and MoE, traced as rank 0 of the
+/// fake world their rows measured. A row with each rank's phases is held to its steps' peak, as the
 /// trace's peak leaves the load out (`headroom validate` does the same). One row's reserved
 /// memory is held to 12% instead: its recorded snapshot replays to the trace's reserved bytes
 /// exactly once the driver's segment addresses are left out, so the miss is the allocator's
@@ -547,7 +549,8 @@ fn saved_traces_match_their_measurements() {
     const BITSANDBYTES: usize = 5;
     const NF4: usize = 12;
     const PP_CP_EP: usize = 26 + 12 + 12;
-    const CORPORA: [(&str, &str); 32] = [
+    const MEGATRON: usize = 12 + 10;
+    const CORPORA: [(&str, &str); 34] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -640,11 +643,19 @@ fn saved_traces_match_their_measurements() {
         ),
         ("bench/calibration/h100-torch2.11.jsonl", "bench/trace/nf4"),
         ("bench/snapshots/runs.jsonl", "bench/trace/nf4"),
+        (
+            "bench/megatron/rows-call2-h100-torch2.11.jsonl",
+            "bench/trace/megatron",
+        ),
+        (
+            "bench/megatron-moe/rows-h100-torch2.11.jsonl",
+            "bench/trace/megatron-moe",
+        ),
     ];
     let repo = crate::common::repo();
     let (mut checked, mut unseen, mut trainers, mut sharded, mut ddp, mut fsdp1, mut zero) =
         (0, 0, 0, 0, 0, 0, 0);
-    let (mut bitsandbytes, mut pp_cp_ep, mut nf4) = (0, 0, 0);
+    let (mut bitsandbytes, mut pp_cp_ep, mut nf4, mut megatron) = (0, 0, 0, 0);
     for (rows, traces) in CORPORA {
         let rows = std::fs::read_to_string(repo.join(rows)).expect("rows");
         for line in rows.lines().filter(|l| !l.trim().is_empty()) {
@@ -694,6 +705,7 @@ fn saved_traces_match_their_measurements() {
             bitsandbytes += usize::from(traces.ends_with("bitsandbytes"));
             nf4 += usize::from(traces.ends_with("nf4"));
             pp_cp_ep += usize::from(["pp", "cp", "ep"].iter().any(|d| traces.ends_with(d)));
+            megatron += usize::from(traces.contains("megatron"));
         }
     }
     assert_eq!(
@@ -707,10 +719,11 @@ fn saved_traces_match_their_measurements() {
             zero,
             bitsandbytes,
             pp_cp_ep,
-            nf4
+            nf4,
+            megatron
         ),
         (
-            107 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES + PP_CP_EP + NF4,
+            107 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES + PP_CP_EP + NF4 + MEGATRON,
             4,
             57,
             SHARDED,
@@ -719,7 +732,8 @@ fn saved_traces_match_their_measurements() {
             ZERO,
             BITSANDBYTES,
             PP_CP_EP,
-            NF4
+            NF4,
+            MEGATRON
         )
     );
 }

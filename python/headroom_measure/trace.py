@@ -238,6 +238,9 @@ class Recorder:
         self.scalar_reads += 1
         if self.known_reads:
             return self.known_reads.pop(0)
+        if getattr(t, "constant", None) is not None:
+            # Made from Python values (`torch.tensor([mask_type])`): the fake mode keeps the real values.
+            return t.constant.item()
         known = self.answers.uniform(t) if self.answers is not None else None
         if known is not None:
             return known

@@ -71,23 +71,6 @@ def refuse_untraceable_megatron(spec) -> None:
         )
 
 
-class _Event:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
 @contextlib.contextmanager
 def cuda_answers(rec):
     """`torch.cuda`'s driver queries answered as the module doc says, for the life of the block."""
@@ -96,7 +79,7 @@ def cuda_answers(rec):
     from megatron.core.tensor_parallel import random as mrandom
 
     from .trace_dist import Streams, _outside_fake, patch
-    from .trace_zero import DEVICE
+    from .trace_zero import DEVICE, _Event
 
     class Stream(torch.cpu.Stream):
         """`torch.cpu`'s stream with CUDA's waits, which order nothing here."""
@@ -201,8 +184,6 @@ def _balanced_counts(tokens_times_topk: int):
 
 def run_megatron_loop(rec, spec, fields: dict, progress, steps: int):
     """`measure_megatron`'s build and steps on rank 0 of a fake world, every phase marked."""
-    import torch
-
     require_megatron()
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import router, token_dispatcher

@@ -139,6 +139,7 @@ class CudaEmulation:
         self._stack.enter_context(_SdpaPatch())
         self._stack.enter_context(_DropoutPatch())
         self._stack.enter_context(_GroupedMmPatch())
+        self._stack.enter_context(_RmsNormPatch())
         return self
 
     def __exit__(self, *exc):
@@ -380,6 +381,48 @@ class _DropoutPatch:
         import torch.nn.functional as F
 
         F.dropout = self._real
+        return False
+
+
+class _RmsNormPatch:
+    """`F.rms_norm` (`torch.nn.RMSNorm`) as `rms_norm_symint` runs it on a CUDA tensor: one fused kernel,
+    `_fused_rms_norm`, whose outputs are the normalized tensor (the input's dtype) and the per-row inverse
+    RMS (`rstd`, fp32, the normalized dimensions kept as 1s), both saved for its backward,
+    `_fused_rms_norm_backward`, which makes the input's and the weight's gradients in their dtypes. On the
+    CPU the op decomposes into fp32 temporaries of the whole input (the upcast, `pow`, `mul`) that CUDA never
+    makes."""
+
+    def __enter__(self):
+        import torch
+        import torch.nn.functional as F
+
+        self._real = F.rms_norm
+
+        class FusedRmsNorm(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, input, weight, dims: int):
+                out = torch.empty_like(input, memory_format=torch.contiguous_format)
+                rstd = input.new_empty((*input.shape[: input.dim() - dims], *([1] * dims)), dtype=torch.float32)
+                ctx.save_for_backward(input, weight, rstd)
+                return out
+
+            @staticmethod
+            def backward(ctx, grad):
+                input, weight, rstd = ctx.saved_tensors
+                grad_input = torch.empty_like(input, memory_format=torch.contiguous_format)
+                grad_weight = torch.empty_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
+                return grad_input, grad_weight, None
+
+        def rms_norm(input, normalized_shape, weight=None, eps=None):
+            return FusedRmsNorm.apply(input, weight, len(normalized_shape))
+
+        F.rms_norm = rms_norm
+        return self
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+
+        F.rms_norm = self._real
         return False
 
 

@@ -268,6 +268,56 @@ def build_chunks(spec: Spec, fields: dict, options: dict, parts: list):
     return chunks, optimizer
 
 
+def initialize(spec: Spec, options: dict):
+    """`initialize_model_parallel` for the spec's sizes (no gloo groups: they serve checkpointing only, and the
+    fake backend cannot make them), then `model_parallel_cuda_manual_seed(1234)`."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=spec.parallel.tp,
+        expert_model_parallel_size=options["expert_model_parallel_size"],
+        expert_tensor_parallel_size=options["expert_tensor_parallel_size"],
+        create_gloo_process_groups=False,
+    )
+    model_parallel_cuda_manual_seed(1234)
+
+
+def inputs(spec: Spec, fields: dict, device) -> tuple:
+    """The step's batch, made once: `input_ids` (also the labels), `position_ids` and the loss mask."""
+    import torch
+
+    torch.manual_seed(1234)
+    ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
+    position_ids = torch.arange(spec.seq_len, device=device).unsqueeze(0).expand_as(ids)
+    loss_mask = torch.ones(spec.batch_size * spec.seq_len, device=device)
+    return ids, position_ids, loss_mask
+
+
+def train_step(ddp_model, optimizer, batch: tuple, mark) -> float:
+    """One `forward_backward_no_pipelining` step with one micro-batch (the module docstring), `mark(part)` called
+    as each part begins (`forward`, `backward`, `optimizer`) and when the step ends (`end`). Returns the loss."""
+    import torch
+    from megatron.core.distributed import finalize_model_grads
+
+    ids, position_ids, loss_mask = batch
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    mark("forward")
+    output = ddp_model(ids, position_ids, None, labels=ids)
+    loss = torch.sum(output.view(-1).float() * loss_mask) / loss_mask.sum()
+    del output
+    mark("backward")
+    value = float(loss.detach())
+    torch.autograd.backward(loss)
+    del loss
+    finalize_model_grads([ddp_model])
+    mark("optimizer")
+    optimizer.step()
+    mark("end")
+    return value
+
+
 def balanced_routing(tokens: int, experts: int, topk: int):
     """Make routing the balanced routing headroom assumes (see the module docstring): the router's `routing_map`
     overwritten in place with token i sent to experts (i*k + j) mod E, and the token counts' all-gather filled as a
@@ -389,18 +439,8 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
     world = par.world_size
     device, context = start_rank(world, 0, snapshot, stacks)
     from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    # No gloo groups: they serve checkpointing only, and the fake backend cannot make them.
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=par.tp,
-        expert_model_parallel_size=options["expert_model_parallel_size"],
-        expert_tensor_parallel_size=options["expert_tensor_parallel_size"],
-        create_gloo_process_groups=False,
-    )
-    model_parallel_cuda_manual_seed(1234)
-
+    initialize(spec, options)
     ddp_model, optimizer = build(spec, fields, options)
     ddp_model.train()
     load = load_record()
@@ -415,10 +455,7 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
 
     params = sum(global_numel(p) for p in ddp_model.parameters())
 
-    torch.manual_seed(1234)
-    ids = torch.randint(0, fields["vocab_size"], (spec.batch_size, spec.seq_len), device=device)
-    position_ids = torch.arange(spec.seq_len, device=device).unsqueeze(0).expand_as(ids)
-    loss_mask = torch.ones(spec.batch_size * spec.seq_len, device=device)
+    batch = inputs(spec, fields, device)
     if fields.get("model_type") == "qwen3_moe":
         fixed_routing = balanced_routing(  # noqa: F841 (kept alive: the router copies it every layer)
             spec.batch_size * spec.seq_len, fields["num_experts"], fields["num_experts_per_tok"]
@@ -426,22 +463,17 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
     steps, losses = [], []
     peak_reserved = load["peak_reserved"]
     for step in range(STEPS):
-        ddp_model.zero_grad_buffer()
-        optimizer.zero_grad()
-        rec = {"start_allocated": torch.cuda.memory_allocated()}
-        torch.cuda.reset_peak_memory_stats()
-        output = ddp_model(ids, position_ids, None, labels=ids)
-        loss = torch.sum(output.view(-1).float() * loss_mask) / loss_mask.sum()
-        del output
-        phase_end(rec, "fwd_peak")
-        value = float(loss.detach())
+        rec = {}
+
+        def mark(part, rec=rec):
+            if part == "forward":
+                rec["start_allocated"] = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                phase_end(rec, {"backward": "fwd_peak", "optimizer": "bwd_peak", "end": "opt_peak"}[part])
+
+        value = train_step(ddp_model, optimizer, batch, mark)
         losses.append(round(value, 4) if math.isfinite(value) else None)
-        torch.autograd.backward(loss)
-        del loss
-        finalize_model_grads([ddp_model])
-        phase_end(rec, "bwd_peak")
-        optimizer.step()
-        phase_end(rec, "opt_peak")
         rec["end_allocated"] = torch.cuda.memory_allocated()
         peak_reserved = max(peak_reserved, rec["peak_reserved"])
         steps.append(rec)

@@ -59,6 +59,10 @@ def refuse_untraceable(spec):
         from .trace_dist import refuse_untraceable_parallel
 
         refuse_untraceable_parallel(spec.parallel)
+        if spec.parallel.framework == "megatron":
+            from .trace_megatron import refuse_untraceable_megatron
+
+            refuse_untraceable_megatron(spec)
 
 
 class Recorder:
@@ -234,6 +238,9 @@ class Recorder:
         self.scalar_reads += 1
         if self.known_reads:
             return self.known_reads.pop(0)
+        if getattr(t, "constant", None) is not None:
+            # Made from Python values (`torch.tensor([mask_type])`): the fake mode keeps the real values.
+            return t.constant.item()
         known = self.answers.uniform(t) if self.answers is not None else None
         if known is not None:
             return known
@@ -520,6 +527,10 @@ def trace(spec, fields: dict, out_path: str, progress=None, rank: int = 0) -> di
     with _kernel_libraries(run_spec, trainer_spec), fake_cuda(rec):
         if trainer_spec:
             _run_trainer(rec, trainer_spec, fields, progress)
+        elif run_spec.parallel is not None and run_spec.parallel.framework == "megatron":
+            from .trace_megatron import run_megatron_loop
+
+            run_megatron_loop(rec, run_spec, fields, progress, STEPS)
         elif run_spec.parallel is not None and run_spec.parallel.strategy.startswith("zero"):
             from .trace_zero import run_zero_loop
 
@@ -940,7 +951,7 @@ class _RealCodePaths:
 
     Also: `Module.to()` swaps each parameter with its converted self when the tensor is a
     subclass, and `swap_tensors` refuses a tensor that has a weak reference, which
-    `FakeTensorMode` keeps to every fake tensor; swapping a parameter with a parameter over the
+    `FakeTensorMode` keeps to every fake tensor (either side of the swap); swapping a parameter with a parameter over the
     same tensor (a conversion to the device and dtype it has) is a no-op, and is made one; any
     other conversion sets the parameter's data, as `Module.to()` does for a plain tensor."""
 
@@ -955,10 +966,12 @@ class _RealCodePaths:
         def swap(t1, t2):
             if _same_tensor(t1, t2):
                 return None
-            if weakref.getweakrefcount(t1):
+            if weakref.getweakrefcount(t1) or weakref.getweakrefcount(t2):
                 # What `Module.to()` does for a plain tensor: the parameter object stays, its
-                # data becomes the converted tensor.
+                # data becomes the converted tensor; a fake tensor's device is its own attribute.
                 t1.data = t2.data
+                if hasattr(t2, "fake_device"):
+                    t1.fake_device = t2.fake_device
                 return None
             return real_swap(t1, t2)
 

@@ -45,11 +45,12 @@ TRACEABLE = ("fsdp", "fsdp1", "ddp", "none", "zero1", "zero2", "zero3")
 def refuse_untraceable_parallel(par) -> None:
     """Refuse, by name, the layouts the tracer cannot run as rank 0 of a fake world."""
     if par.framework == "megatron":
-        raise TraceError(
-            "`parallel.framework: megatron`: the tracer runs PyTorch's own wrappers (ddp, fsdp, tensor "
-            "parallelism), not Megatron-core's GPTModel and DistributedDataParallel; `headroom estimate` models "
-            "framework megatron natively"
-        )
+        if par.pp > 1:
+            raise TraceError(
+                f"`parallel.pp: {par.pp}` with framework megatron: the tracer runs Megatron-core without pipeline "
+                "parallelism (pp 1); `headroom estimate` models Megatron's pipeline schedules natively"
+            )
+        return
     if par.strategy not in TRACEABLE:
         raise TraceError(
             f"`parallel.strategy: {par.strategy}`: the tracer runs ddp, fsdp1, fsdp (FSDP2), zero1, zero2, zero3, "

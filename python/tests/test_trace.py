@@ -209,6 +209,26 @@ class CudaKernelsTest(unittest.TestCase):
         gemms = [e for e in rec.events if e[0] == "gemm"]
         self.assertEqual(len(gemms), 3, "the forward and the two gradients, each a GEMM")
 
+    def test_torch_rms_norm_is_cudas_fused_kernel(self):
+        import torch
+
+        from headroom_measure.trace import Recorder, fake_cuda
+
+        rec = Recorder()
+        with fake_cuda(rec):
+            norm = torch.nn.RMSNorm(64, dtype=torch.bfloat16)
+            x = torch.randn(8, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+            first = len(rec.storages)
+            out = norm(x)
+            # The output in the input's dtype and the fp32 inverse RMS per row; no fp32 copy of the input.
+            self.assertEqual(sorted(s["bytes"] for s in rec.storages[first:]), [8 * 16 * 4, 8 * 16 * 64 * 2])
+            self.assertEqual(out.dtype, torch.bfloat16)
+            first = len(rec.storages)
+            out.backward(torch.ones_like(out))
+            self.assertEqual((x.grad.dtype, norm.weight.grad.shape), (torch.bfloat16, torch.Size([64])))
+            grads = sorted(s["bytes"] for s in rec.storages[first + 1 :])  # after the ones
+            self.assertEqual(grads, [64 * 2, 8 * 16 * 64 * 2])
+
     def test_latent_attentions_narrower_values_take_cudnn(self):
         import torch
 

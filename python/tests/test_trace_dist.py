@@ -41,16 +41,6 @@ def tiny_parameter_numels():
     return layer, root
 
 
-class RefusalTest(unittest.TestCase):
-    def test_megatron_is_refused_though_its_strategy_is_ddp(self):
-        spec = {**TINY, "parallel": {"strategy": "ddp", "world_size": 2, "framework": "megatron"}}
-        with tempfile.TemporaryDirectory() as tmp:
-            out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
-        self.assertEqual(out.returncode, 2, out.stderr)
-        self.assertIn("`parallel.framework: megatron`", out.stderr)
-        self.assertNotIn("Traceback", out.stderr)
-
-
 @unittest.skipUnless(has_torch(), "torch and transformers are not installed")
 class FsdpStreamsTest(unittest.TestCase):
     @classmethod

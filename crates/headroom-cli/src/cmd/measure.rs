@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 24] = [
+const HARNESS: [(&str, &str); 25] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -95,6 +95,10 @@ const HARNESS: [(&str, &str); 24] = [
     (
         "trace_zero_ranks.py",
         include_str!("../../../../python/headroom_measure/trace_zero_ranks.py"),
+    ),
+    (
+        "trace_megatron.py",
+        include_str!("../../../../python/headroom_measure/trace_megatron.py"),
     ),
     (
         "trace_decode.py",

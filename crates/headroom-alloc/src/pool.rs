@@ -17,10 +17,11 @@ pub(crate) struct FreeBlock {
 }
 
 /// The blocks of one size as (address, block), highest address first (best fit takes the
-/// last).
+/// last). Most sizes hold one block: it is kept in the class itself, so finding it is one
+/// load fewer than through a heap buffer.
 #[derive(Default, Clone)]
 struct SizeClass {
-    entries: Vec<(u64, u32)>,
+    entries: smallvec::SmallVec<[(u64, u32); 1]>,
 }
 
 impl SizeClass {

@@ -535,8 +535,7 @@ fn estimate_with_trace_runs_the_tracer() {
 /// `cp` and `ep` are torch's pipeline schedules, its ring attention and transformers' expert
 /// parallelism, each traced as the rank of the fake world its row measured; `megatron` are
 /// Megatron-core's GPTModel, DDP and (distributed) optimizer, dense and MoE, traced as rank 0 of the
-/// fake world their rows measured, but for the rows `MEGATRON_OPEN` names, whose traces are short in
-/// the backward of a buffer not yet found (bench/TRACE.md shows them), each checked to be saved.
+/// fake world their rows measured.
 /// A row with each rank's phases is held to its steps' peak, as the trace's peak leaves the load out (`headroom validate` does the same). One row's reserved
 /// memory is held to 12% instead: its recorded snapshot replays to the trace's reserved bytes
 /// exactly once the driver's segment addresses are left out, so the miss is the allocator's
@@ -551,21 +550,7 @@ fn saved_traces_match_their_measurements() {
     const BITSANDBYTES: usize = 5;
     const NF4: usize = 12;
     const PP_CP_EP: usize = 26 + 12 + 12;
-    const MEGATRON: usize = 12 + 10 - MEGATRON_OPEN.len();
-    const MEGATRON_OPEN: [&str; 12] = [
-        "megatron/l8b-L2/bs1/s2048/w4-tp1-do/full-uniform1",
-        "megatron/l8b-L4/bs1/s4096/w4-tp4-nodo/selective",
-        "megatron/l8b-L4/bs1/s4096/w64-tp8-do/norc",
-        "megatron/l8b-L4/bs2/s2048/w8-tp2-do/selective",
-        "megatron/l8b-L4/bs2/s4096/w16-tp4-do/full-uniform1",
-        "megatron/q3-8b-L4/bs2/s4096/w32-tp8-nodo/full-uniform2",
-        "megatron-moe/q235-L1/bs1/s4096/w64-ep8-do/norc",
-        "megatron-moe/q235-L2/bs1/s2048/w32-ep16-do/selective",
-        "megatron-moe/q30-L2/bs1/s4096/w4-ep4-nodo/norc",
-        "megatron-moe/q30-L2/bs1/s4096/w8-ep1-do/norc",
-        "megatron-moe/q30-L2/bs2/s2048/w8-ep8-do/full-uniform1",
-        "megatron-moe/q30-L4/bs1/s4096/w64-ep8-nodo/full-block2",
-    ];
+    const MEGATRON: usize = 12 + 10;
     const CORPORA: [(&str, &str); 34] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
@@ -669,18 +654,6 @@ fn saved_traces_match_their_measurements() {
         ),
     ];
     let repo = crate::common::repo();
-    for id in MEGATRON_OPEN {
-        let traces = if id.starts_with("megatron-moe/") {
-            "bench/trace/megatron-moe"
-        } else {
-            "bench/trace/megatron"
-        };
-        let file = format!("{traces}/{}.json.gz", id.replace('/', "__"));
-        assert!(
-            repo.join(&file).exists(),
-            "{file}: an open Megatron row's trace is saved"
-        );
-    }
     let (mut checked, mut unseen, mut trainers, mut sharded, mut ddp, mut fsdp1, mut zero) =
         (0, 0, 0, 0, 0, 0, 0);
     let (mut bitsandbytes, mut pp_cp_ep, mut nf4, mut megatron) = (0, 0, 0, 0);
@@ -692,9 +665,6 @@ fn saved_traces_match_their_measurements() {
             let file = format!("{traces}/{}.json.gz", id.replace('/', "__"));
             if !repo.join(&file).exists() {
                 continue; // a row the tracer refuses (bench/trace/refused.jsonl)
-            }
-            if MEGATRON_OPEN.contains(&id) {
-                continue;
             }
             let gpu = if row["env"]["gpu"].as_str().unwrap_or("").contains("H200") {
                 "h200"

@@ -175,6 +175,13 @@ fn holder_key(holder: usize) -> &'static str {
     }
 }
 
+/// The op of a softmax's gradient. CUDA's kernel (`softmax_backward_cuda_out`) computes
+/// `tmp = grad * output` into a tensor of the gradient's size, after the result is allocated,
+/// and frees it before returning; the CPU kernel the tracer runs makes no such tensor. Both
+/// have the result's bytes: the tracer's softmax gradients are never `half_to_float` (the CPU
+/// runs a half-precision softmax with an fp32 `dtype` on an fp32 copy).
+const SOFTMAX_BACKWARD: &str = "aten._softmax_backward_data.default";
+
 fn holder_of(kind: StorageKind) -> usize {
     StorageKind::ALL
         .iter()
@@ -322,6 +329,15 @@ impl<'t> Replay<'t> {
                     let (bytes, holder) = (storage.bytes, holder_of(storage.kind));
                     self.storages[id as usize] =
                         self.malloc(bytes, storage.stream, holder, Request::Storage(id))?;
+                    if storage.op == SOFTMAX_BACKWARD {
+                        let scratch = self.malloc(
+                            bytes,
+                            storage.stream,
+                            holder_of(StorageKind::Temporary),
+                            Request::Kernel("softmax backward: grad * output"),
+                        )?;
+                        self.free(scratch);
+                    }
                 }
             }
             Event::Free(id) => {
@@ -817,6 +833,23 @@ mod tests {
         ]);
         assert_eq!(est.peak_allocated_bytes, expected);
         assert_eq!(est.timeline_events, 8);
+    }
+
+    #[test]
+    fn a_softmax_gradient_takes_cudas_scratch_of_its_size_beside_it() {
+        let peak = |op: &str| {
+            let mut t = trace(
+                &[(64 * MIB, "temporary"), (MIB, "temporary")],
+                json!([["alloc", 0], ["free", 0], ["alloc", 1]]),
+                &[],
+            );
+            t.storages[0].op = op.to_string();
+            let est = replay(&t, &h100(), Limit::None);
+            assert_eq!(est.phases[1].peak_allocated, est.peak_allocated_bytes);
+            est.peak_allocated_bytes
+        };
+        assert_eq!(peak("aten.empty"), 64 * MIB);
+        assert_eq!(peak(SOFTMAX_BACKWARD), 2 * 64 * MIB);
     }
 
     #[test]

@@ -204,6 +204,41 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
     )
 
 
+class SequenceParallelTorchNorm:
+    """The local spec's norm with sequence parallelism: `torch.nn.RMSNorm` as `WrappedTorchNorm` builds it, its
+    weight marked `sequence_parallel` as apex's `FusedLayerNorm` marks its own (`fusions/fused_layer_norm.py`), so
+    `finalize_model_grads` sums its gradient over the tensor-parallel ranks, whose rows of the sequence differ.
+    `WrappedTorchNorm` asserts `not config.sequence_parallel` because it leaves the mark out."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        import torch
+
+        if config.normalization != "RMSNorm":
+            raise SpecError(f"normalization {config.normalization!r}: the harness builds RMSNorm only")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        setattr(norm.weight, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+
+def sequence_parallel_block(config, layer_spec, vp_stage=None):
+    """The block `GPTModel` builds from `layer_spec` (`_get_block_submodules`: this stage's layers, the final
+    norm), with every norm, the q/k norms too, a [`SequenceParallelTorchNorm`]."""
+    import copy
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer_spec = copy.deepcopy(layer_spec)
+    layer = layer_spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelTorchNorm
+    attention = layer.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name) is not IdentityOp:
+            setattr(attention, name, SequenceParallelTorchNorm)
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=SequenceParallelTorchNorm)
+
+
 def build(spec: Spec, fields: dict, options: dict, pre_process: bool = True, post_process: bool = True):
     """The model (a pipeline stage: the embedding with `pre_process`, the output layer and loss with
     `post_process`), wrapped as Megatron-LM's `get_model` wraps it, and its optimizer."""
@@ -230,7 +265,7 @@ def build_chunks(spec: Spec, fields: dict, options: dict, parts: list):
     models = [
         GPTModel(
             config,
-            layer_spec,
+            sequence_parallel_block(config, layer_spec, vp_stage) if config.sequence_parallel else layer_spec,
             vocab_size=fields["vocab_size"],
             max_sequence_length=spec.seq_len,
             position_embedding_type="rope",

@@ -21,6 +21,10 @@ Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `
    share_embeddings_and_output_weights=tie_word_embeddings)`: the local (non-Transformer-Engine) layer spec,
    whose core attention is Megatron's `DotProductAttention` (baddbmm, softmax in fp32, bmm). The weights are
    created on the GPU and initialised in place, as Megatron does (`use_cpu_initialization=False`).
+   With `parallel.sequence_parallel` the local spec's `WrappedTorchNorm` (which asserts `not sequence_parallel`) is
+   replaced everywhere, the final and q/k norms too, by [`SequenceParallelTorchNorm`]: the same `torch.nn.RMSNorm`,
+   its weight marked `sequence_parallel` as apex's `FusedLayerNorm` marks its own, so `finalize_model_grads` sums
+   its gradient over the tensor-parallel ranks (a correct Megatron sequence-parallel step, not Transformer Engine's).
 4. `model.cuda()` (the local spec's `torch.nn.RMSNorm` weights are made on the host), `Float16Module(config,
    model)` (bf16), then `DistributedDataParallel(config, DistributedDataParallelConfig(
    grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=D), module)`, as
@@ -354,7 +358,8 @@ def spec_and_env(spec: Spec, options: dict, fields: dict, device, total: int, wo
         "gpu_total_bytes": total,
         **_versions(),
         "megatron_core": megatron.core.__version__,
-        "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)",
+        "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)"
+        + (", torch RMSNorm marked sequence_parallel" if spec.parallel.sequence_parallel else ""),
         "routing": "balanced (harness-fixed routing_map; token counts gathered as identical ranks)"
         if fields.get("model_type") == "qwen3_moe" else None,
         **extra,

@@ -13,6 +13,8 @@
 //!   `LanguageModelEmbedding` then copies it to `[s, b, h]` (`transpose(0, 1).contiguous()`).
 //! - the norms are `torch.nn.RMSNorm` (`WrappedTorchNorm`, made fp32 and cast to bf16 by
 //!   `Float16Module`): `_fused_rms_norm` saves its input and an fp32 `rstd` per row.
+//! - with sequence parallelism the embedding's output, the norms and the residual adds work on
+//!   `s/tp` rows and the parallel linears gather and scatter the sequence (`model::megatron_sp`).
 //! - `ColumnParallelLinear` / `RowParallelLinear` (`LinearWithGradAccumulationAndAsync...`
 //!   without gradient-accumulation fusion): `matmul(x, w.t())` saving input and weight, a qkv
 //!   bias added out of place; the tensor-parallel reductions are in place.

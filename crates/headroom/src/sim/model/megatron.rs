@@ -19,7 +19,8 @@
 //!   without gradient-accumulation fusion): `matmul(x, w.t())` saving input and weight, a qkv
 //!   bias added out of place; the tensor-parallel reductions are in place.
 //! - attention: the fused qkv output viewed per query group and split; the query `reshape`
-//!   copies (the split is not contiguous); Qwen3's q/k norms; rotary embeddings unfused:
+//!   copies where a rank has more than one query group (the groups' stride does not merge),
+//!   and is a view with one; Qwen3's q/k norms; rotary embeddings unfused:
 //!   `t[..., :rot]` is `t` itself, the empty `t[..., rot:]` a slice whose backward zero-fills
 //!   the input's size, `t * cos + rotate_half(t) * sin` (`cat(-x2, x1)`), `cat((t, t_pass))`;
 //!   `cos`/`sin` computed from the cached `freqs` at every call and saved by the products.
@@ -481,11 +482,26 @@ impl GptModel {
         t.record(Bwd::Split, &[Some(mixed)], &parts, &[]);
         t.drop(mixed);
         let [query_split, key, value] = parts;
-        let mut query = t.contiguous_copy(query_split);
-        t.drop(query_split);
+        // `query.reshape(sq, b, np, hn)` of the split `[sq, b, ng, np/ng·hn]`: with one query
+        // group on this rank only the last dimension splits, a view; with more the groups'
+        // stride does not merge and it copies.
+        let query_is_view = groups == 1;
+        let mut query = if query_is_view {
+            query_split
+        } else {
+            let copy = t.contiguous_copy(query_split);
+            t.drop(query_split);
+            copy
+        };
         let mut key = key;
         if let Some(q_norm) = layer.q_norm {
+            // `_fused_rms_norm` makes a (non-contiguous) view contiguous first.
+            let contiguous = query_is_view
+                .then(|| t.empty(q_numel, t.dtype(query), "query.contiguous() (rms_norm)"));
             let normed = self.rms_norm(t, query, q_norm, n * heads);
+            if let Some(contiguous) = contiguous {
+                t.drop(contiguous);
+            }
             t.drop(query);
             query = normed;
         }

@@ -21,6 +21,10 @@ Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `
    share_embeddings_and_output_weights=tie_word_embeddings)`: the local (non-Transformer-Engine) layer spec,
    whose core attention is Megatron's `DotProductAttention` (baddbmm, softmax in fp32, bmm). The weights are
    created on the GPU and initialised in place, as Megatron does (`use_cpu_initialization=False`).
+   With `parallel.sequence_parallel` the local spec's `WrappedTorchNorm` (which asserts `not sequence_parallel`) is
+   replaced everywhere, the final and q/k norms too, by [`SequenceParallelTorchNorm`]: the same `torch.nn.RMSNorm`,
+   its weight marked `sequence_parallel` as apex's `FusedLayerNorm` marks its own, so `finalize_model_grads` sums
+   its gradient over the tensor-parallel ranks (a correct Megatron sequence-parallel step, not Transformer Engine's).
 4. `model.cuda()` (the local spec's `torch.nn.RMSNorm` weights are made on the host), `Float16Module(config,
    model)` (bf16), then `DistributedDataParallel(config, DistributedDataParallelConfig(
    grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=D), module)`, as
@@ -204,6 +208,41 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
     )
 
 
+class SequenceParallelTorchNorm:
+    """The local spec's norm with sequence parallelism: `torch.nn.RMSNorm` as `WrappedTorchNorm` builds it, its
+    weight marked `sequence_parallel` as apex's `FusedLayerNorm` marks its own (`fusions/fused_layer_norm.py`), so
+    `finalize_model_grads` sums its gradient over the tensor-parallel ranks, whose rows of the sequence differ.
+    `WrappedTorchNorm` asserts `not config.sequence_parallel` because it leaves the mark out."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        import torch
+
+        if config.normalization != "RMSNorm":
+            raise SpecError(f"normalization {config.normalization!r}: the harness builds RMSNorm only")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        setattr(norm.weight, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+
+def sequence_parallel_block(config, layer_spec, vp_stage=None):
+    """The block `GPTModel` builds from `layer_spec` (`_get_block_submodules`: this stage's layers, the final
+    norm), with every norm, the q/k norms too, a [`SequenceParallelTorchNorm`]."""
+    import copy
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer_spec = copy.deepcopy(layer_spec)
+    layer = layer_spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelTorchNorm
+    attention = layer.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name) is not IdentityOp:
+            setattr(attention, name, SequenceParallelTorchNorm)
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=SequenceParallelTorchNorm)
+
+
 def build(spec: Spec, fields: dict, options: dict, pre_process: bool = True, post_process: bool = True):
     """The model (a pipeline stage: the embedding with `pre_process`, the output layer and loss with
     `post_process`), wrapped as Megatron-LM's `get_model` wraps it, and its optimizer."""
@@ -230,7 +269,7 @@ def build_chunks(spec: Spec, fields: dict, options: dict, parts: list):
     models = [
         GPTModel(
             config,
-            layer_spec,
+            sequence_parallel_block(config, layer_spec, vp_stage) if config.sequence_parallel else layer_spec,
             vocab_size=fields["vocab_size"],
             max_sequence_length=spec.seq_len,
             position_embedding_type="rope",
@@ -369,7 +408,8 @@ def spec_and_env(spec: Spec, options: dict, fields: dict, device, total: int, wo
         "gpu_total_bytes": total,
         **_versions(),
         "megatron_core": megatron.core.__version__,
-        "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)",
+        "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)"
+        + (", torch RMSNorm marked sequence_parallel" if spec.parallel.sequence_parallel else ""),
         "routing": "balanced (harness-fixed routing_map; token counts gathered as identical ranks)"
         if fields.get("model_type") == "qwen3_moe" else None,
         **extra,

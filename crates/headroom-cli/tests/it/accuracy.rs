@@ -88,8 +88,8 @@ fn transformers_releases_within_one_percent() {
 /// worlds of 1 (NCCL) to 64 (fake process group), wrapped as verl, slime and accelerate wrap,
 /// ZeRO-1/2/3 and FSDP2 at up to 512 ranks, tensor parallelism with and without sequence
 /// parallelism (alone or under FSDP2), and Megatron-core's GPTModel under its DDP and
-/// (distributed) optimizer with recomputation, its MoE with expert and expert tensor
-/// parallelism: each within 3% on peak allocated and 8% on
+/// (distributed) optimizer with recomputation, with sequence parallelism, its MoE with expert
+/// and expert tensor parallelism: each within 3% on peak allocated and 8% on
 /// reserved, as the trainers, FSDP2 and parallelism issues ask.
 #[test]
 fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
@@ -105,6 +105,7 @@ fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
         "bench/megatron/rows-call2-h100-torch2.11.jsonl",
         "bench/megatron-moe/rows-h100-torch2.11.jsonl",
         "bench/megatron-etp/rows-h200-torch2.11.jsonl",
+        "bench/megatron-sp/rows-h200-torch2.11.jsonl",
     ] {
         within_gates(
             rows,

@@ -43,6 +43,8 @@ struct Uses {
     megatron: bool,
     /// Megatron-core's pipeline schedule (framework megatron with pp > 1).
     megatron_pipeline: bool,
+    /// Megatron-core's sequence parallelism (framework megatron with `sequence_parallel`).
+    megatron_sequence_parallel: bool,
     peft: bool,
     bitsandbytes: bool,
     deepspeed: bool,
@@ -81,6 +83,11 @@ impl Uses {
         let megatron = framework == Some(crate::spec::Framework::Megatron);
         self.pipeline_parallel |= pipelined && !megatron;
         self.megatron_pipeline |= pipelined && megatron;
+        self.megatron_sequence_parallel |= megatron
+            && spec
+                .parallel
+                .as_ref()
+                .is_some_and(|p| p.tensor.sequence_parallel);
         self.pipeline_sharded |= spec.parallel.as_ref().is_some_and(|p| {
             p.pipeline.pp > 1 && p.strategy == crate::spec::Strategy::Fsdp && p.shard_size > 1
         });
@@ -218,6 +225,15 @@ impl Assumptions {
                  gradient-accumulation fusion are not modelled), measured as rank 0 of a fake \
                  process group (bench/megatron): NCCL's communicators for Megatron's process \
                  groups are carried over from FSDP2's and HSDP's, not measured"
+                    .to_string(),
+            );
+        }
+        if uses.megatron_sequence_parallel {
+            warnings.push(
+                "Megatron's sequence parallelism is measured on the local layer spec with torch's \
+                 RMSNorm marked sequence_parallel as apex's FusedLayerNorm marks its weights \
+                 (megatron-core's own WrappedTorchNorm refuses it; bench/megatron-sp), not with \
+                 Transformer Engine's norms"
                     .to_string(),
             );
         }

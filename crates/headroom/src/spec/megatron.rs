@@ -248,8 +248,8 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
 /// run's `world` ranks and tensor-parallel size `tp` (`parallel_state.initialize_model_parallel`,
 /// `BaseMoELayer`, `MoELayer.forward`): Qwen3-MoE's softmax router renormalised over the top k
 /// (`moe_router_pre_softmax` false), every layer routed, no shared expert; `ep` dividing the
-/// experts and the world; no tensor parallelism (`MoELayer` refuses it in training without
-/// sequence parallelism, which the local layer spec's torch norm refuses); `etp` dividing the
+/// experts and the world; no tensor parallelism (`MoELayer` needs sequence parallelism with it
+/// in training, and that is modelled for dense layers only); `etp` dividing the
 /// experts' width (`ColumnParallelLinear`'s `divide`) and `ep × etp` the ranks.
 pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture) -> Result<()> {
     // A pipeline stage's ranks: expert parallelism divides them (`RankGenerator`'s expert layout).
@@ -292,10 +292,9 @@ pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture
     if tp > 1 {
         return Err(Error::Unsupported {
             what: format!("parallel.tp {tp} with an MoE model and framework megatron"),
-            supported: "tp 1 with MoE models: Megatron's MoELayer refuses tensor parallelism \
-                        without sequence parallelism in training, and the local layer spec's \
-                        torch norm refuses sequence parallelism (Transformer Engine is not \
-                        modelled); use megatron.expert_model_parallel_size or \
+            supported: "tp 1 with MoE models: Megatron's MoELayer needs sequence parallelism \
+                        with tensor parallelism in training, which is modelled for dense models \
+                        only; use megatron.expert_model_parallel_size or \
                         expert_tensor_parallel_size"
                 .into(),
         });

@@ -18,6 +18,7 @@ mod megatron;
 mod megatron_moe;
 mod megatron_pp;
 mod megatron_pp_vpp;
+mod megatron_sp;
 mod oom_messages;
 mod oom_pastes;
 mod params;

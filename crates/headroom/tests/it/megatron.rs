@@ -137,11 +137,6 @@ fn unmodelled_megatron_layouts_are_refused_by_name() {
         "parallel.strategy",
     );
     refused(
-        json!({"strategy": "ddp", "world_size": 8, "tp": 2, "sequence_parallel": true, "framework": "megatron"}),
-        json!({}),
-        "sequence_parallel",
-    );
-    refused(
         megatron(2),
         json!({"pipeline_model_parallel_size": 2}),
         "pipeline parallelism",

@@ -453,6 +453,24 @@ impl Tracer {
                     }));
                 }
             }
+            Bwd::SequenceParallelLinear { tp } => {
+                let (x, w) = (saved[0], saved[1]);
+                let dtype = self.dtype(g);
+                let whole = self.empty(self.numel(x) * tp, dtype, "grad_output.matmul(weight)");
+                self.ensure_cublas_workspace();
+                let sharded = self.empty(self.numel(x), dtype, "sub_grad_input (reduce-scatter)");
+                let weight =
+                    self.empty(self.numel(w), dtype, "grad_output.t().matmul(total_input)");
+                self.drop(whole);
+                for (i, grad) in [sharded, weight].into_iter().enumerate() {
+                    if needs(i).is_some() {
+                        out.push(Some(grad));
+                    } else {
+                        self.drop(grad);
+                        out.push(None);
+                    }
+                }
+            }
             Bwd::GatherBack => out.push(needs(0).map(|(numel, _)| {
                 self.empty(
                     numel,

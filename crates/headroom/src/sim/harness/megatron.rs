@@ -16,6 +16,7 @@ use crate::sim::engine::tracer::{BackwardHooks, Bwd, ParamId, T, Tracer};
 use crate::sim::model::Batch;
 use crate::sim::model::megatron::{GptModel, StagePart};
 use crate::sim::model::megatron_moe::{Experts, harness_routing_map};
+use crate::sim::model::megatron_sp::allreduce_norm_grads;
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::Strategy;
 use crate::sim::strategy::megatron::{ChunkParams, MegatronDdp};
@@ -87,6 +88,8 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
             },
         );
         t.drop(loss);
+        let summed = model.tp_summed_grad_numel(&t);
+        allreduce_norm_grads(&mut t, summed);
         phases.push(t.mem.phase_peak());
         if t.mem.stopped() {
             break;
@@ -122,7 +125,16 @@ pub(super) fn load(
     t.drop(zero);
     let mut chunks: Vec<GptModel> = parts
         .iter()
-        .map(|&part| GptModel::build_stage(t, arch, tp, megatron, part))
+        .map(|&part| {
+            GptModel::build_stage(
+                t,
+                arch,
+                tp,
+                parallel.tensor.sequence_parallel,
+                megatron,
+                part,
+            )
+        })
         .collect();
     let shared = chunks[0].global_memory_buffer.clone();
     for chunk in &mut chunks[1..] {

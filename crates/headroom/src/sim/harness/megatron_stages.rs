@@ -39,6 +39,7 @@ use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{ParamId, T, Tracer};
 use crate::sim::model::Batch;
 use crate::sim::model::megatron::{GptModel, StageInput, StagePart};
+use crate::sim::model::megatron_sp::allreduce_norm_grads;
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::megatron_interleaved::{self, Recv, interleaved};
 use crate::sim::strategy::megatron_pp::{Step, one_f_one_b};
@@ -128,6 +129,8 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
             let steps = interleaved(pp, vpp, microbatches, pp_rank, overlap);
             schedule.run(&mut t, &steps, (ids, loss_mask), &mut block_inputs);
         }
+        let summed = chunks.iter().map(|c| c.tp_summed_grad_numel(&t)).sum();
+        allreduce_norm_grads(&mut t, summed);
         phases.push(t.mem.phase_peak());
         if t.mem.stopped() {
             break;

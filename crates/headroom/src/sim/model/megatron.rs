@@ -13,11 +13,14 @@
 //!   `LanguageModelEmbedding` then copies it to `[s, b, h]` (`transpose(0, 1).contiguous()`).
 //! - the norms are `torch.nn.RMSNorm` (`WrappedTorchNorm`, made fp32 and cast to bf16 by
 //!   `Float16Module`): `_fused_rms_norm` saves its input and an fp32 `rstd` per row.
+//! - with sequence parallelism the embedding's output, the norms and the residual adds work on
+//!   `s/tp` rows and the parallel linears gather and scatter the sequence (`model::megatron_sp`).
 //! - `ColumnParallelLinear` / `RowParallelLinear` (`LinearWithGradAccumulationAndAsync...`
 //!   without gradient-accumulation fusion): `matmul(x, w.t())` saving input and weight, a qkv
 //!   bias added out of place; the tensor-parallel reductions are in place.
 //! - attention: the fused qkv output viewed per query group and split; the query `reshape`
-//!   copies (the split is not contiguous); Qwen3's q/k norms; rotary embeddings unfused:
+//!   copies where a rank has more than one query group (the groups' stride does not merge),
+//!   and is a view with one; Qwen3's q/k norms; rotary embeddings unfused:
 //!   `t[..., :rot]` is `t` itself, the empty `t[..., rot:]` a slice whose backward zero-fills
 //!   the input's size, `t * cos + rotate_half(t) * sin` (`cat(-x2, x1)`), `cat((t, t_pass))`;
 //!   `cos`/`sin` computed from the cached `freqs` at every call and saved by the products.
@@ -47,6 +50,9 @@ use std::rc::Rc;
 use super::Batch;
 use super::megatron_mlp::mlp;
 use super::megatron_moe::{EXPERT_PREFIX, Experts, MoeLayer, ROUTER_WEIGHT};
+use super::megatron_sp::{
+    SequenceParallel, column_parallel, mpu_buffer, row_parallel, scatter_embedding,
+};
 use crate::arch::{Architecture, Family};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
@@ -66,6 +72,9 @@ pub(crate) struct Widths {
     pub ffn: u64,
     pub vocab: u64,
     pub tp: u64,
+    /// `config.sequence_parallel` (with tp > 1): the activations between the parallel linears
+    /// are `1/tp` of the sequence (`model::megatron_sp`).
+    pub sequence_parallel: bool,
 }
 
 #[derive(Debug)]
@@ -152,6 +161,7 @@ impl GptModel {
         t: &mut Tracer,
         arch: &Architecture,
         tp: u64,
+        sequence_parallel: bool,
         megatron: Megatron,
         part: StagePart,
     ) -> Self {
@@ -170,6 +180,7 @@ impl GptModel {
             ffn: arch.intermediate / tp,
             vocab: arch.vocab / tp,
             tp,
+            sequence_parallel: sequence_parallel && tp > 1,
         };
         let Widths {
             hidden: h,
@@ -297,15 +308,54 @@ impl GptModel {
             t.component = outer;
             return hidden;
         };
-        let normed = self.rms_norm(t, hidden, final_norm, n);
+        let normed = self.rms_norm(t, hidden, final_norm, self.rows(n));
         t.drop(hidden);
         t.component = Component::LogitsAndLoss;
-        let logits = t.linear(normed, output, None, self.widths.vocab, false);
+        let logits = column_parallel(t, normed, output, self.widths.vocab, self.sp());
         t.drop(normed);
         let loss = self.cross_entropy(t, logits, n);
         t.drop(logits);
         t.component = outer;
         loss
+    }
+
+    /// Sequence parallelism's communication, when on.
+    fn sp(&self) -> Option<SequenceParallel<'_>> {
+        self.widths.sequence_parallel.then_some(SequenceParallel {
+            tp: self.widths.tp,
+            buffer: &self.global_memory_buffer,
+        })
+    }
+
+    /// This rank's rows of the `n` between the parallel linears.
+    fn rows(&self, n: u64) -> u64 {
+        if self.widths.sequence_parallel {
+            n / self.widths.tp
+        } else {
+            n
+        }
+    }
+
+    /// The elements of this chunk's gradients `finalize_model_grads` sums over the tp ranks
+    /// (`model::megatron_sp::allreduce_norm_grads`): the norms marked `sequence_parallel`, and
+    /// Qwen3's q/k norms (summed by name) with or without it.
+    pub(crate) fn tp_summed_grad_numel(&self, t: &Tracer) -> u64 {
+        if self.widths.tp == 1 {
+            return 0;
+        }
+        let numel = |p: Option<ParamId>| p.map_or(0, |p| t.numel(t.param(p)));
+        let sp = self.widths.sequence_parallel;
+        let mut total = 0;
+        for layer in &self.layers {
+            total += numel(layer.q_norm) + numel(layer.k_norm);
+            if sp {
+                total += numel(Some(layer.input_norm)) + numel(Some(layer.mlp_norm));
+            }
+        }
+        if sp {
+            total += numel(self.head.map(|(norm, _)| norm));
+        }
+        total
     }
 
     fn push_region(&self, id: u32, region: Region) {
@@ -331,7 +381,14 @@ impl GptModel {
         if let Some((mask, shifted)) = masks {
             t.drop_all(&[mask, shifted]);
         }
-        embedded
+        match self.sp() {
+            Some(sp) => {
+                let scattered = scatter_embedding(t, embedded, sp);
+                t.drop(embedded);
+                scattered
+            }
+            None => embedded,
+        }
     }
 
     /// `RotaryEmbedding.forward(s)` (an `lru_cache`): `outer(arange(s), inv_freq)` doubled,
@@ -354,25 +411,25 @@ impl GptModel {
     /// `TransformerLayer.forward`.
     fn layer_forward(&self, t: &mut Tracer, l: usize, x: T, freqs: T, batch: Batch) -> T {
         let layer = &self.layers[l];
-        let n = batch.n();
-        let normed = self.rms_norm(t, x, layer.input_norm, n);
+        let rows = self.rows(batch.n());
+        let normed = self.rms_norm(t, x, layer.input_norm, rows);
         let attention = self.attention(t, layer, normed, freqs, batch);
         t.drop(normed);
         let hidden = t.add(x, attention);
         t.drop(attention);
-        let normed = self.rms_norm(t, hidden, layer.mlp_norm, n);
+        let normed = self.rms_norm(t, hidden, layer.mlp_norm, rows);
         let mlp = match (&layer.mlp, self.experts) {
             (Mlp::Dense { fc1, fc2 }, _) => mlp(
                 t,
-                *fc1,
-                *fc2,
+                (*fc1, *fc2),
                 self.widths.ffn,
                 self.widths.hidden,
                 normed,
                 None,
+                self.sp(),
             ),
             (Mlp::Moe(moe), Some(experts)) => {
-                moe.forward(t, normed, n, self.widths.hidden, experts)
+                moe.forward(t, normed, rows, self.widths.hidden, experts)
             }
             (Mlp::Moe(_), None) => unreachable!("MoE layers are built with their experts"),
         };
@@ -409,7 +466,7 @@ impl GptModel {
         } = self.widths;
         let n = batch.n();
         let qkv_width = (heads + 2 * groups) * d;
-        let mut mixed = t.linear(x, layer.qkv, None, qkv_width, false);
+        let mut mixed = column_parallel(t, x, layer.qkv, qkv_width, self.sp());
         if let Some(bias) = layer.qkv_bias {
             let b = t.param(bias);
             let biased = t.add(mixed, b);
@@ -425,11 +482,26 @@ impl GptModel {
         t.record(Bwd::Split, &[Some(mixed)], &parts, &[]);
         t.drop(mixed);
         let [query_split, key, value] = parts;
-        let mut query = t.contiguous_copy(query_split);
-        t.drop(query_split);
+        // `query.reshape(sq, b, np, hn)` of the split `[sq, b, ng, np/ng·hn]`: with one query
+        // group on this rank only the last dimension splits, a view; with more the groups'
+        // stride does not merge and it copies.
+        let query_is_view = groups == 1;
+        let mut query = if query_is_view {
+            query_split
+        } else {
+            let copy = t.contiguous_copy(query_split);
+            t.drop(query_split);
+            copy
+        };
         let mut key = key;
         if let Some(q_norm) = layer.q_norm {
+            // `_fused_rms_norm` makes a (non-contiguous) view contiguous first.
+            let contiguous = query_is_view
+                .then(|| t.empty(q_numel, t.dtype(query), "query.contiguous() (rms_norm)"));
             let normed = self.rms_norm(t, query, q_norm, n * heads);
+            if let Some(contiguous) = contiguous {
+                t.drop(contiguous);
+            }
             t.drop(query);
             query = normed;
         }
@@ -454,7 +526,7 @@ impl GptModel {
             self.core_attention(t, query_rot, key_rot, value, batch)
         };
         t.drop_all(&[query_rot, key_rot, value]);
-        let out = t.linear(context, layer.proj, None, h, false);
+        let out = row_parallel(t, context, layer.proj, h, self.sp());
         t.drop(context);
         out
     }
@@ -519,7 +591,7 @@ impl GptModel {
         let key = repeat(t, key, "key.repeat_interleave");
         let value = repeat(t, value, "value.repeat_interleave");
         let scores_numel = b * heads * s * s;
-        let buffer = self.mpu_buffer(t, scores_numel);
+        let buffer = mpu_buffer(t, &self.global_memory_buffer, scores_numel);
         let scores = t.empty(scores_numel, t.dtype(query), "baddbmm (attention scores)");
         t.ensure_cublas_workspace();
         t.record(
@@ -544,20 +616,6 @@ impl GptModel {
         let out = t.contiguous_copy(context);
         t.drop_all(&[context, probs, scores, key, value]);
         out
-    }
-
-    /// `parallel_state.get_global_memory_buffer().get_tensor(shape, dtype, "mpu")`: allocated
-    /// once, at its largest.
-    fn mpu_buffer(&self, t: &mut Tracer, numel: u64) -> T {
-        match self.global_memory_buffer.get() {
-            Some(buffer) if t.numel(buffer) >= numel => buffer,
-            _ => {
-                let buffer = t.empty_as(numel, DType::BF16, Component::Workspaces, "mpu buffer");
-                t.mark_persistent(buffer);
-                self.global_memory_buffer.set(Some(buffer));
-                buffer
-            }
-        }
     }
 
     /// `get_default_causal_mask(s)`, made again at every call: `triu(ones(s, s), 1).bool()`.

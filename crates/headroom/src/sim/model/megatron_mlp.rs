@@ -1,21 +1,22 @@
 //! Megatron-core 0.19's `MLP` (`transformer/mlp.py`) as the local layer spec builds it: a dense
 //! layer's MLP and each of `SequentialMLP`'s experts.
 
+use super::megatron_sp::{SequenceParallel, column_parallel, row_parallel};
 use crate::sim::engine::tracer::{Bwd, ParamId, T, Tracer};
 
 /// `MLP.forward` on `x` with this rank's MLP width `f`: `linear_fc1`, `glu` (`chunk`,
 /// `silu(x0) * (x1 + offset)`), an expert's `per_token_scale` (`* probs.unsqueeze(-1)`, its
-/// routing probabilities), `linear_fc2`.
+/// routing probabilities), `linear_fc2`; a dense layer's under sequence parallelism `sp`.
 pub(crate) fn mlp(
     t: &mut Tracer,
-    fc1: ParamId,
-    fc2: ParamId,
+    (fc1, fc2): (ParamId, ParamId),
     f: u64,
     h: u64,
     x: T,
     per_token_scale: Option<T>,
+    sp: Option<SequenceParallel>,
 ) -> T {
-    let up = t.linear(x, fc1, None, 2 * f, false);
+    let up = column_parallel(t, x, fc1, 2 * f, sp);
     let half = t.numel(up) / 2;
     let halves = [
         t.view(up, half, "x[0] (chunk)"),
@@ -33,7 +34,7 @@ pub(crate) fn mlp(
         t.drop(gated);
         gated = scaled;
     }
-    let out = t.linear(gated, fc2, None, h, false);
+    let out = row_parallel(t, gated, fc2, h, sp);
     t.drop(gated);
     out
 }

@@ -270,7 +270,7 @@ impl MoeLayer {
         let width = spec.local_width();
         let output = if self.experts.len() == 1 {
             let (fc1, fc2) = self.experts[0];
-            mlp(t, fc1, fc2, width, hidden, tokens, Some(probs))
+            mlp(t, (fc1, fc2), width, hidden, tokens, Some(probs), None)
         } else {
             let token_parts = split(t, tokens, &rows, hidden);
             let prob_parts = split(t, probs, &rows, 1);
@@ -278,7 +278,7 @@ impl MoeLayer {
                 .experts
                 .iter()
                 .zip(token_parts.iter().zip(&prob_parts))
-                .map(|(&(fc1, fc2), (&x, &p))| mlp(t, fc1, fc2, width, hidden, x, Some(p)))
+                .map(|(&(fc1, fc2), (&x, &p))| mlp(t, (fc1, fc2), width, hidden, x, Some(p), None))
                 .collect();
             let total = rows.iter().sum::<u64>() * hidden;
             let out = t.empty(total, DType::BF16, "cat(expert outputs)");

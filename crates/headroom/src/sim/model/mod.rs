@@ -12,6 +12,7 @@ pub(crate) mod load;
 pub(crate) mod megatron;
 pub(crate) mod megatron_mlp;
 pub(crate) mod megatron_moe;
+pub(crate) mod megatron_sp;
 pub(crate) mod mla;
 pub(crate) mod moe;
 pub(crate) mod moe_ep;

@@ -229,6 +229,13 @@ pub(crate) enum Bwd {
     /// `baddbmm(W, B, A)` with a frozen `W`: each factor's gradient is a `bmm` scaled by
     /// alpha.
     Baddbmm,
+    /// Megatron's `LinearWithGradAccumulationAndAsyncCommunication` with `sequence_parallel`
+    /// (saving its sharded input and the weight): backward gathers the input over `tp` ranks
+    /// into the persistent "mpu" buffer, makes the whole input gradient, a sharded one it is
+    /// reduce-scattered into, then the weight's gradient.
+    SequenceParallelLinear {
+        tp: u64,
+    },
     /// Megatron's `RouterGatingLinearFunction` (`mm(x, w.t())` saving both): the input's
     /// gradient `mm(grad, w)` first, then the weight's `mm(grad.t(), x)`, both fresh tensors.
     RouterGating,
@@ -759,6 +766,17 @@ impl Tracer {
         if let Some(a) = self.rec(t).allocation {
             self.mem.made_once(&a);
         }
+    }
+
+    /// `old`, kept for the life of the process, replaced by `new` (just allocated) and freed.
+    pub(crate) fn replace_persistent(&mut self, old: T, new: T) {
+        let slot = self
+            .persistent
+            .iter()
+            .position(|&t| t == old)
+            .expect("the replaced tensor is persistent");
+        self.persistent[slot] = new;
+        self.drop(old);
     }
 
     /// How many tensors are kept for the life of the process so far.

@@ -534,7 +534,8 @@ fn estimate_with_trace_runs_the_tracer() {
 /// weights loaded and quantized on the device, LoRA over them), on the H200 and the H100; `pp`,
 /// `cp` and `ep` are torch's pipeline schedules, its ring attention and transformers' expert
 /// parallelism, each traced as the rank of the fake world its row measured; `megatron` are
-/// Megatron-core's GPTModel, DDP and (distributed) optimizer, dense and MoE, traced as rank 0 of the
+/// Megatron-core's GPTModel, DDP and (distributed) optimizer, dense (with and without sequence
+/// parallelism) and MoE, traced as rank 0 of the
 /// fake world their rows measured.
 /// A row with each rank's phases is held to its steps' peak, as the trace's peak leaves the load out (`headroom validate` does the same). One row's reserved
 /// memory is held to 12% instead: its recorded snapshot replays to the trace's reserved bytes
@@ -550,8 +551,8 @@ fn saved_traces_match_their_measurements() {
     const BITSANDBYTES: usize = 5;
     const NF4: usize = 12;
     const PP_CP_EP: usize = 26 + 12 + 12;
-    const MEGATRON: usize = 12 + 10;
-    const CORPORA: [(&str, &str); 34] = [
+    const MEGATRON: usize = 12 + 10 + 10;
+    const CORPORA: [(&str, &str); 35] = [
         (
             "bench/trainers/rows-h100-torch2.11-tf5.17-trl1.16.jsonl",
             "bench/trace/trainers",
@@ -647,6 +648,10 @@ fn saved_traces_match_their_measurements() {
         (
             "bench/megatron/rows-call2-h100-torch2.11.jsonl",
             "bench/trace/megatron",
+        ),
+        (
+            "bench/megatron-sp/rows-h200-torch2.11.jsonl",
+            "bench/trace/megatron-sp",
         ),
         (
             "bench/megatron-moe/rows-h100-torch2.11.jsonl",

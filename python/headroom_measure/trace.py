@@ -47,13 +47,15 @@ def refuse_untraceable(spec):
     """Refuse, naming the key, what cannot run under fake tensors; `spec` is a run or trainer spec."""
     from .trainers import TrainerSpec
 
-    if isinstance(spec, TrainerSpec):
+    trainer = isinstance(spec, TrainerSpec)
+    if trainer:
         spec = spec.base
-    if spec.experts_implementation == "eager":
+    if spec.experts_implementation == "eager" and (trainer or spec.parallel is not None):
         raise TraceError(
-            "`experts_implementation: eager`: the per-expert loop's shapes are the numbers of tokens the router "
-            "sends each expert, values fake tensors do not have; the tracer runs grouped_mm and batched_mm, and "
-            "`headroom estimate` models the loop natively (an even spread, or `routing.max_tokens_per_expert_factor`)"
+            "`experts_implementation: eager`: the per-expert loop is traced over an assumed routing in the "
+            "measuring loop on one GPU, not yet in a trainer or a parallel run; the tracer runs grouped_mm and "
+            "batched_mm there, and `headroom estimate` models the loop natively (an even spread, or "
+            "`routing.max_tokens_per_expert_factor`)"
         )
     if spec.parallel is not None:
         from .trace_dist import refuse_untraceable_parallel
@@ -540,6 +542,10 @@ def trace(spec, fields: dict, out_path: str, progress=None, rank: int = 0) -> di
 
             run_dist_loop(rec, run_spec, fields, progress, STEPS, rank)
         else:
+            if run_spec.experts_implementation == "eager":
+                from .trace_experts import EvenRouting
+
+                rec.answers = EvenRouting.for_spec(run_spec, fields)
             _run_loop(rec, run_spec, fields, progress)
     spec_json = spec.to_json()
     if run_spec.model_config and "model_config" not in spec_json:

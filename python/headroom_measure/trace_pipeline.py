@@ -36,6 +36,7 @@ import time
 
 from .trace import TraceError
 
+
 def refuse_untraceable_pipeline(pipe) -> None:
     """Refuse, by instance, what the tracer cannot run (pipeline.py parsed `pipe`)."""
     from .trace import refuse_untraceable
@@ -43,6 +44,11 @@ def refuse_untraceable_pipeline(pipe) -> None:
     for k, inst in enumerate(pipe.instances):
         try:
             refuse_untraceable(inst.spec)
+            if inst.spec.parallel is not None and inst.spec.parallel.framework == "megatron":
+                raise TraceError(
+                    "`parallel.framework: megatron`: the pipeline tracer builds transformers models (fsdp, fsdp1, "
+                    "ddp and DeepSpeed instances); Megatron-core is traced in a run spec"
+                )
         except TraceError as err:
             raise TraceError(f"instances[{k}] ({inst.name}): {err}") from None
 

@@ -57,11 +57,12 @@ class TraceCliTest(unittest.TestCase):
             self.assertNotIn("Traceback", out.stderr)
             self.assertFalse(Path(f"{tmp}/t.json").exists())
 
-    def test_the_eager_experts_loop_is_refused_by_name(self):
+    def test_the_eager_experts_loop_in_a_trainer_is_refused_by_name(self):
         with tempfile.TemporaryDirectory() as tmp:
             config = {**TINY["model_config"], "model_type": "qwen3_moe", "moe_intermediate_size": 64,
                       "num_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
-            spec = {**TINY, "model_config": config, "experts_implementation": "eager"}
+            spec = {**TINY, "model_config": config, "experts_implementation": "eager", "trainer": "hf", "max_steps": 1}
+            spec.pop("optimizer")
             out = run("trace", "--spec-json", json.dumps(spec), "--out", f"{tmp}/t.json")
             self.assertEqual(out.returncode, 2, out.stderr)
             self.assertIn("`experts_implementation: eager`", out.stderr)

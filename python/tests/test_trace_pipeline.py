@@ -47,6 +47,7 @@ class RefusalTest(unittest.TestCase):
         raw = json.loads(json.dumps(PIPELINE))
         raw["instances"][0]["parallel"] = {"strategy": "ddp", "world_size": 2, "framework": "megatron"}
         raw["instances"][0]["precision"] = "bf16"
+        raw["instances"][0]["gradient_checkpointing"] = False
         with tempfile.TemporaryDirectory() as tmp:
             out = run("trace", "--spec-json", json.dumps(raw), "--out", f"{tmp}/t.json")
         self.assertEqual(out.returncode, 2, out.stderr)

@@ -23,7 +23,7 @@ use crate::render;
 
 /// The harness sources, as `python -m headroom_measure` expects them (`headroom trace` runs
 /// the same package).
-const HARNESS: [(&str, &str); 25] = [
+const HARNESS: [(&str, &str); 26] = [
     (
         "__init__.py",
         include_str!("../../../../python/headroom_measure/__init__.py"),
@@ -67,6 +67,10 @@ const HARNESS: [(&str, &str); 25] = [
     (
         "trace_dist.py",
         include_str!("../../../../python/headroom_measure/trace_dist.py"),
+    ),
+    (
+        "trace_experts.py",
+        include_str!("../../../../python/headroom_measure/trace_experts.py"),
     ),
     (
         "trace_ddp.py",

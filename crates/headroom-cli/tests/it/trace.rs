@@ -729,7 +729,7 @@ fn saved_traces_match_their_measurements() {
             megatron
         ),
         (
-            107 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES + PP_CP_EP + NF4 + MEGATRON,
+            108 + SHARDED + DDP + FSDP1 + ZERO + BITSANDBYTES + PP_CP_EP + NF4 + MEGATRON,
             4,
             57,
             SHARDED,

@@ -1,5 +1,6 @@
-//! `fit --gpus N` of a Megatron-core spec: its layouts (pipeline, interleaved chunks, tensor and
-//! expert parallelism, the distributed optimizer, micro-batch, recomputation) keep the spec's
+//! `fit --gpus N` of a Megatron-core spec: its layouts (pipeline, interleaved chunks, tensor,
+//! expert and expert tensor parallelism, the distributed optimizer, micro-batch, recomputation)
+//! keep the spec's
 //! global batch, are ranked as the torch-native ones are, refuse by name what the spec refuses
 //! for Megatron, and the best one's keys written over the spec are what `estimate` says, to the
 //! byte. The specs are 8- and 4-layer slices of the models bench/megatron-pp and
@@ -40,6 +41,24 @@ parallel: {strategy: ddp, world_size: 4, tp: 1, framework: megatron, pp: 2, micr
 megatron: {distributed_optimizer: true, expert_model_parallel_size: 2}
 ";
 
+/// A one-layer Qwen3-MoE of two experts too wide for expert parallelism alone over 8 GPUs:
+/// `ep` stops at the 2 experts, whose half of the 19.3B expert parameters a rank cannot hold
+/// with their gradients and Adam's states; split further over expert-tensor-parallel ranks they
+/// fit. One layer leaves no pipeline to spread them over instead.
+const WIDE_EXPERTS: &str = "model: qwen3-two-wide-experts
+model_config: {model_type: qwen3_moe, hidden_size: 8192, intermediate_size: 12288,
+  moe_intermediate_size: 393216, num_attention_heads: 64, num_key_value_heads: 4, head_dim: 128,
+  num_experts: 2, num_experts_per_tok: 1, norm_topk_prob: true, decoder_sparse_step: 1,
+  mlp_only_layers: [], vocab_size: 32000, rope_theta: 1000000.0, rms_norm_eps: 1.0e-06,
+  tie_word_embeddings: false, num_hidden_layers: 1}
+precision: bf16
+optimizer: adamw
+batch_size: 1
+seq_len: 1024
+parallel: {strategy: ddp, world_size: 8, tp: 1, framework: megatron}
+megatron: {distributed_optimizer: true, expert_model_parallel_size: 2}
+";
+
 /// `fit --json` of `text` on H100s, with the spec file (kept for writing layouts over it).
 fn fit(text: &str) -> (Value, tempfile::NamedTempFile) {
     let file = temp_spec(text, ".yaml");
@@ -71,7 +90,20 @@ fn check_ranked(l: &Value, gpus: u64) {
         assert_eq!(e["framework"], "megatron", "{}", e["name"]);
         assert_eq!(e["strategy"], "ddp");
         assert_eq!(n("pp") * n("tp") * n("dp"), gpus, "{}", e["name"]);
-        assert!(n("dp").is_multiple_of(n("ep")), "{}", e["name"]);
+        assert!(n("dp").is_multiple_of(n("ep") * n("etp")), "{}", e["name"]);
+        let keys = &e["spec"]["megatron"];
+        for (axis, key) in [
+            ("ep", "expert_model_parallel_size"),
+            ("etp", "expert_tensor_parallel_size"),
+        ] {
+            assert_eq!(keys[key].as_u64().unwrap_or(1), n(axis), "{}", e["name"]);
+        }
+        assert_eq!(
+            e["model_expert_tensor_comm_s"].as_f64() > Some(0.0),
+            n("etp") > 1,
+            "{}",
+            e["name"]
+        );
         assert_eq!(e["exact"], true, "{}", e["name"]);
         let batch = n("micro_batch") * n("microbatches") * n("gradient_accumulation") * n("dp");
         assert_eq!(batch, global, "{}", e["name"]);
@@ -107,14 +139,20 @@ fn a_megatron_spec_gets_megatron_layouts_and_estimate_agrees_with_the_best() {
     );
     let l = &fit["layouts"];
     assert_eq!(l["searched"], true);
-    assert_eq!(l["axes"], serde_json::json!(["pp", "tp", "ep", "dp"]));
+    assert_eq!(
+        l["axes"],
+        serde_json::json!(["pp", "tp", "ep", "etp", "dp"])
+    );
     assert_eq!(
         l["global_batch"], 16,
         "8 sequences on each of 2 data-parallel ranks"
     );
     check_ranked(l, 8);
     let ranked = l["ranked"].as_array().expect("ranked");
-    assert!(ranked.iter().all(|e| e["ep"] == 1), "a dense model");
+    assert!(
+        ranked.iter().all(|e| e["ep"] == 1 && e["etp"] == 1),
+        "a dense model"
+    );
     let best = &l["best"];
     assert_eq!(best, &ranked[0]);
     assert_eq!(best["within_margin"], true);
@@ -166,9 +204,66 @@ fn an_moe_spec_gets_expert_parallelism_and_tensor_parallelism_refused_by_name() 
     estimate_agrees(&file, expert);
 }
 
+/// The spec's own layout (ep 2 over the 2 experts) runs out of memory, and so does every layout
+/// that keeps the experts whole: the best splits them over expert-tensor-parallel ranks, says
+/// so, and `estimate` agrees with it.
+#[test]
+fn experts_too_wide_for_expert_parallelism_get_expert_tensor_parallelism() {
+    let (fit, file) = fit(WIDE_EXPERTS);
+    let own = json(&[
+        "estimate",
+        &file.path().display().to_string(),
+        "--gpu",
+        "h100-80gb",
+        "--json",
+    ]);
+    assert_eq!(own["gpu"]["fits"], false, "ep 2 alone");
+    let l = &fit["layouts"];
+    check_ranked(l, 8);
+    let ranked = l["ranked"].as_array().expect("ranked");
+    assert!(ranked.iter().all(|e| e["etp"].as_u64() > Some(1)));
+    let best = &l["best"];
+    let why: Vec<&str> = l["why_best"]
+        .as_array()
+        .expect("why")
+        .iter()
+        .map(|w| w.as_str().expect("text"))
+        .collect();
+    let split = format!(
+        "no layout that keeps each expert whole on a rank fits: it splits every expert's \
+         linear_fc1 and linear_fc2 over etp {} ranks",
+        best["etp"]
+    );
+    assert!(why.iter().any(|w| w.starts_with(&split)), "{why:?}");
+    assert!(
+        refusals(l).contains(
+            "`megatron.expert_model_parallel_size`: 4 is not allowed; a divisor of num_experts (2)"
+        ),
+        "{}",
+        refusals(l)
+    );
+    estimate_agrees(&file, best);
+    // Where both fit, splitting costs the gather and reduce-scatter the cost model counts.
+    let wider = ranked
+        .iter()
+        .find(|e| e["etp"].as_u64() > best["etp"].as_u64())
+        .expect("a wider split");
+    assert!(
+        wider["model_expert_tensor_comm_s"].as_f64() > best["model_expert_tensor_comm_s"].as_f64()
+    );
+}
+
 #[test]
 fn the_human_output_of_a_megatron_fit_names_the_best_layout_and_why() {
     let file = temp_spec(DENSE, ".yaml");
+    let path = file.path().display().to_string();
+    let out = stdout(&headroom(&["fit", &path, "--gpu", "h100-80gb"]));
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn the_human_output_of_an_expert_tensor_parallel_fit_says_why_the_experts_are_split() {
+    let file = temp_spec(WIDE_EXPERTS, ".yaml");
     let path = file.path().display().to_string();
     let out = stdout(&headroom(&["fit", &path, "--gpu", "h100-80gb"]));
     insta::assert_snapshot!(out);

@@ -575,6 +575,9 @@ pub struct StepTime {
     pub tensor_s: f64,
     /// Expert parallelism's all-to-alls (Megatron's token dispatcher), never overlapped.
     pub expert_s: f64,
+    /// Expert tensor parallelism's gathers and reduce-scatters of the dispatched tokens
+    /// (Megatron's token dispatcher), never overlapped.
+    pub expert_tensor_s: f64,
     /// The pipeline's idle ranks while it fills and drains.
     pub bubble_s: f64,
     /// The pipeline's sends of activations and their gradients between stages.
@@ -639,7 +642,8 @@ pub fn step_time(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> StepTime
         per_step += m.per_step_s;
     }
     let expert_s = megatron.as_ref().map_or(0.0, |m| m.all_to_all_per_micro_s);
-    exposed += expert_s;
+    let expert_tensor_s = megatron.as_ref().map_or(0.0, |m| m.gather_per_micro_s);
+    exposed += expert_s + expert_tensor_s;
     let micro = (c.pipelined() * c.accumulation) as f64;
     let bubble_s =
         c.accumulation as f64 * (pp - 1) as f64 / p.pipeline.vpp as f64 * (compute_s + exposed);
@@ -651,6 +655,7 @@ pub fn step_time(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> StepTime
         compute_s: micro * compute_s,
         tensor_s: micro * tensor_s,
         expert_s: micro * expert_s,
+        expert_tensor_s: micro * expert_tensor_s,
         bubble_s,
         sends_s: micro * sends_s,
         data_exposed_s,
@@ -1370,6 +1375,7 @@ pub fn reasons(setup: &Setup, s: &LayoutSearch) -> Vec<String> {
             difference(&best.time, &next.time)
         ));
     }
+    out.extend(megatron::why_split_experts(s));
     let own = s
         .ranked
         .iter()
@@ -1410,6 +1416,10 @@ fn difference(best: &StepTime, next: &StepTime) -> String {
             next.tensor_s - best.tensor_s,
         ),
         ("expert-parallel all-to-all", next.expert_s - best.expert_s),
+        (
+            "expert-tensor-parallel gather and reduce-scatter",
+            next.expert_tensor_s - best.expert_tensor_s,
+        ),
         ("pipeline bubble", next.bubble_s - best.bubble_s),
         ("sends between pipeline stages", next.sends_s - best.sends_s),
         (
@@ -1421,7 +1431,7 @@ fn difference(best: &StepTime, next: &StepTime) -> String {
         .iter()
         .copied()
         .max_by(|a, b| a.1.total_cmp(&b.1))
-        .expect("six parts");
+        .expect("seven parts");
     if more <= 0.0 {
         // Ranked after `best` as fast: with more memory (Megatron's optimizer not distributed).
         return if next.per_token_s <= best.per_token_s {

@@ -19,7 +19,7 @@ pub struct LayoutsJson {
     /// null when it ran.
     pub not_searched: Option<String>,
     /// The parallel axes searched, in the order they are chosen (`pp`, `tp`, `cp`, `sp`, `dp`;
-    /// for a Megatron-core spec `pp`, `tp`, `ep`, `dp`).
+    /// for a Megatron-core spec `pp`, `tp`, `ep`, `etp`, `dp`).
     pub axes: Vec<&'static str>,
     pub gpus: Option<u64>,
     /// Sequences per optimizer step the spec trains with over these GPUs: a layout that keeps
@@ -69,6 +69,9 @@ pub struct LayoutJson {
     /// Expert-parallel ranks each MoE layer's experts are spread over (1: none): data-parallel
     /// ranks, `dp / ep` of them holding each expert.
     pub ep: u64,
+    /// Expert-tensor-parallel ranks each expert's `linear_fc1` and `linear_fc2` are split over
+    /// (1: none), within each expert-parallel rank's: `dp / (ep × etp)` ranks hold each slice.
+    pub etp: u64,
     pub dp: u64,
     /// `parallel.strategy` over the data-parallel ranks.
     pub strategy: &'static str,
@@ -104,6 +107,7 @@ pub struct LayoutJson {
     pub model_compute_s: f64,
     pub model_tensor_comm_s: f64,
     pub model_expert_comm_s: f64,
+    pub model_expert_tensor_comm_s: f64,
     pub model_pipeline_bubble_s: f64,
     pub model_pipeline_sends_s: f64,
     pub model_data_comm_exposed_s: f64,
@@ -217,6 +221,7 @@ impl LayoutJson {
             sequence_parallel: p.tensor.sequence_parallel,
             cp: p.tensor.cp,
             ep: c.megatron.map_or(1, |m| m.expert_parallel),
+            etp: c.megatron.map_or(1, |m| m.expert_tensor_parallel),
             dp: layout::data_parallel(p),
             strategy: p.strategy.name(),
             framework: if c.megatron.is_some() {
@@ -248,6 +253,7 @@ impl LayoutJson {
             model_compute_s: e.time.compute_s,
             model_tensor_comm_s: e.time.tensor_s,
             model_expert_comm_s: e.time.expert_s,
+            model_expert_tensor_comm_s: e.time.expert_tensor_s,
             model_pipeline_bubble_s: e.time.bubble_s,
             model_pipeline_sends_s: e.time.sends_s,
             model_data_comm_exposed_s: e.time.data_exposed_s,

@@ -1,20 +1,22 @@
 //! The layout search of `fit --gpus N` for a Megatron-core spec (`parallel.framework:
 //! megatron`): the candidates [`super`]'s search simulates, ranks and explains as it
 //! does the torch-native ones. A candidate is a pipeline (1F1B, or the interleaved schedule with
-//! `vpp` model chunks a rank) × tensor parallelism × expert parallelism (MoE) × Megatron's DDP
-//! over the data-parallel ranks left, with the distributed optimizer or not, × the micro-batch
+//! `vpp` model chunks a rank) × tensor parallelism × expert parallelism and expert tensor
+//! parallelism (MoE) × Megatron's DDP over the data-parallel ranks left, with the distributed
+//! optimizer or not, × the micro-batch
 //! that keeps the spec's global batch (`micro_batch × microbatches × dp`, as Megatron's
 //! `num_microbatches` calculator requires) × recomputation (none, selective, full).
 //!
 //! Every candidate's rank is `estimate`'s: each pipeline rank simulated, the worst one kept.
 //! Layouts the spec refuses for Megatron (tensor parallelism that does not divide the heads or
 //! the vocabulary, tensor parallelism of an MoE model, expert parallelism that does not divide
-//! the experts, sequence and context parallelism, which the local layer spec cannot run) are
-//! made once each and refused by the spec's own checks, which name them.
+//! the experts, expert tensor parallelism that does not divide their width, sequence and context
+//! parallelism, which the local layer spec cannot run) are made once each and refused by the
+//! spec's own checks, which name them.
 
 use super::{
-    self as layout, Candidate, Context, GPUS_PER_NODE, bandwidth, data_parallel, pipeline_keys,
-    pipeline_words, ring,
+    self as layout, Candidate, Context, Evaluated, GPUS_PER_NODE, LayoutSearch, bandwidth,
+    data_parallel, pipeline_keys, pipeline_words, ring,
 };
 use crate::arch::Architecture;
 use crate::spec::{
@@ -24,7 +26,7 @@ use crate::spec::{
 
 /// How `fit --json` names the axes a Megatron layout is chosen on, in the order they are
 /// chosen (`vpp` is part of the pipeline's).
-pub const AXES: &[&str] = &["pp", "tp", "ep", "dp"];
+pub const AXES: &[&str] = &["pp", "tp", "ep", "etp", "dp"];
 
 /// The most model chunks a rank holds in the interleaved schedules searched: each `vpp` is a
 /// pipeline of its own to simulate, and each chunk more divides the bubble less while adding
@@ -35,8 +37,10 @@ pub const MAX_SEARCHED_VPP: u64 = 8;
 pub const COST_MODEL: &str = "under Megatron-core: two all-reduces a layer each way for tensor \
     parallelism (its fused linear_qkv and linear_fc1), expert parallelism's token all-to-alls \
     (dispatch and combine, forward and backward, again with full recomputation) at NVLink or \
-    network bandwidth, never hidden, selective recomputation's attention scores computed twice, \
-    and the data-parallel reduction of a rank's share (1 / ep) of the experts";
+    network bandwidth, never hidden, expert tensor parallelism's all-gather of the dispatched \
+    tokens and reduce-scatter of the experts' output (each way, again with full recomputation) \
+    at NVLink bandwidth, never hidden, selective recomputation's attention scores computed \
+    twice, and the data-parallel reduction of a rank's share (1 / (ep × etp)) of the experts";
 
 /// Whether `spec` is laid out by Megatron-core.
 pub fn applies(spec: &RunSpec) -> bool {
@@ -46,7 +50,8 @@ pub fn applies(spec: &RunSpec) -> bool {
 }
 
 /// Every candidate over `ctx.world` GPUs for the spec's `global` batch: each pipeline
-/// ([`pipelines`]) × tensor-parallel degree × expert-parallel degree, at each micro-batch that
+/// ([`pipelines`]) × tensor-parallel degree × expert layout ([`expert_layouts`]), at each
+/// micro-batch that
 /// keeps the global batch, with and without the distributed optimizer (over 2 or more
 /// data-parallel ranks), under each recomputation. A layout the spec refuses is one candidate
 /// (refused by name); with tensor parallelism, its sequence-parallel and context-parallel
@@ -57,7 +62,7 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
     for pipeline in pipelines(ctx) {
         let stage = ctx.world / pipeline.pp;
         for tp in (1..=GPUS_PER_NODE.min(stage)).filter(|tp| stage.is_multiple_of(*tp)) {
-            for ep in expert_degrees(ctx.arch, stage / tp) {
+            for (ep, etp) in expert_layouts(ctx.arch, &base, stage / tp) {
                 let parallel = layout(ctx, &pipeline, tp);
                 let dp = data_parallel(&parallel);
                 let batches = batches(global, dp, &pipeline);
@@ -66,6 +71,7 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
                 }
                 let plain = Megatron {
                     expert_parallel: ep,
+                    expert_tensor_parallel: etp,
                     ..base
                 };
                 // The layout alone: a micro-batch of one sequence through each stage.
@@ -191,13 +197,29 @@ fn lighter_ends(layers: u64, pp: u64) -> Option<Vec<u64>> {
     })
 }
 
-/// Expert-parallel degrees: those of an MoE model that divide a stage's data-parallel ranks
-/// (the spec refuses those that do not divide the experts); 1 for a dense model.
-fn expert_degrees(arch: &Architecture, ranks: u64) -> Vec<u64> {
-    match &arch.moe {
-        None => vec![1],
-        Some(_) => (1..=ranks).filter(|ep| ranks.is_multiple_of(*ep)).collect(),
+/// The `(ep, etp)` an MoE model's experts are laid out over a stage's `ranks` data-parallel
+/// ranks with, as `initialize_model_parallel` admits them (`ep × etp` divides the ranks): each
+/// expert-parallel degree that divides them, and each expert-tensor-parallel degree within a
+/// node that divides what is left (its gather and reduce-scatter run in every MoE layer, on the
+/// critical path, as tensor parallelism's do), the spec's own besides. The spec refuses the
+/// degrees that do not divide the experts (`ep`) or their width (`etp`). `(1, 1)` for a dense
+/// model.
+fn expert_layouts(arch: &Architecture, base: &Megatron, ranks: u64) -> Vec<(u64, u64)> {
+    if arch.moe.is_none() {
+        return vec![(1, 1)];
     }
+    let divisors = |n: u64| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    let mut out = Vec::new();
+    for ep in divisors(ranks) {
+        let left = ranks / ep;
+        let own = base.expert_tensor_parallel;
+        for etp in divisors(left) {
+            if etp <= GPUS_PER_NODE || etp == own {
+                out.push((ep, etp));
+            }
+        }
+    }
+    out
 }
 
 /// The spec's `pipeline` over `tp` tensor-parallel ranks and Megatron's DDP over the rest.
@@ -281,7 +303,12 @@ pub(super) fn name(c: &Candidate, m: &Megatron) -> String {
     if p.tensor.cp > 1 {
         parts.push(format!("cp {}", p.tensor.cp));
     }
-    // Expert parallelism spreads each MoE layer's experts over data-parallel ranks.
+    // Expert (tensor) parallelism spreads each MoE layer's experts over data-parallel ranks.
+    let experts: Vec<String> = [("ep", m.expert_parallel), ("etp", m.expert_tensor_parallel)]
+        .into_iter()
+        .filter(|&(_, size)| size > 1)
+        .map(|(axis, size)| format!("{axis} {size}"))
+        .collect();
     parts.push(format!(
         "dp {} (Megatron DDP{}){}",
         data_parallel(p),
@@ -290,10 +317,10 @@ pub(super) fn name(c: &Candidate, m: &Megatron) -> String {
         } else {
             ""
         },
-        if m.expert_parallel > 1 {
-            format!(" with ep {}", m.expert_parallel)
-        } else {
+        if experts.is_empty() {
             String::new()
+        } else {
+            format!(" with {}", experts.join(" × "))
         }
     ));
     format!(
@@ -318,6 +345,28 @@ pub(super) fn name(c: &Candidate, m: &Megatron) -> String {
             } => format!(", full recompute of the first {layers} layers"),
         }
     )
+}
+
+/// Why the best layout splits each expert over expert-tensor-parallel ranks when no layout
+/// that keeps the experts whole fits (otherwise the cost model's comparison says what the
+/// split costs): what it splits and what its collectives cost.
+pub(super) fn why_split_experts(s: &LayoutSearch) -> Option<String> {
+    let best = s.best()?;
+    let etp = best.candidate.megatron?.expert_tensor_parallel;
+    let whole = |e: &Evaluated| {
+        e.candidate
+            .megatron
+            .is_none_or(|m| m.expert_tensor_parallel == 1)
+    };
+    (etp > 1 && !s.ranked.iter().any(whole)).then(|| {
+        format!(
+            "no layout that keeps each expert whole on a rank fits: it splits every expert's \
+             linear_fc1 and linear_fc2 over etp {etp} ranks, which all-gather the dispatched \
+             tokens and reduce-scatter the experts' output in every MoE layer ({:.1}% of its \
+             step under the cost model)",
+            100.0 * best.time.expert_tensor_s / best.time.total_s
+        )
+    })
 }
 
 /// A stage split in words, runs of equal counts folded: `7, 8 × 14, 7`.
@@ -392,7 +441,7 @@ pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
 /// candidate.
 pub(super) struct Cost {
     /// The parameters whose gradients a rank's data-parallel groups reduce, times `tp × pp`:
-    /// the dense ones and `1 / ep` of the experts.
+    /// the dense ones and `1 / (ep × etp)` of the experts.
     pub params: f64,
     /// Selective recomputation's core attention run again: `QKᵀ` and the scores times `V` of
     /// every layer, `2 × seq_len × heads × head_dim` FLOPs a token each (the local spec's
@@ -400,12 +449,15 @@ pub(super) struct Cost {
     pub recompute_flops_per_token: f64,
     /// Expert parallelism's all-to-alls for one micro-batch on one rank.
     pub all_to_all_per_micro_s: f64,
+    /// Expert tensor parallelism's all-gathers and reduce-scatters for one micro-batch on one
+    /// rank.
+    pub gather_per_micro_s: f64,
 }
 
 impl Cost {
     pub(super) fn of(spec: &RunSpec, arch: &Architecture, c: &Candidate, m: &Megatron) -> Self {
         let p = &c.parallel;
-        let ep = m.expert_parallel;
+        let (ep, etp) = (m.expert_parallel, m.expert_tensor_parallel);
         let routed = arch.moe.as_ref().map_or(0, |moe| {
             (0..arch.layers).filter(|&l| moe.routes(l)).count() as u64
         });
@@ -415,19 +467,32 @@ impl Cost {
                 moe.top_k,
             )
         });
-        let params = arch.param_count(spec.head()) - expert_params + expert_params / ep;
+        let params = arch.param_count(spec.head()) - expert_params + expert_params / (ep * etp);
         let recompute_flops_per_token = match m.recompute {
             Recompute::Selective => {
                 (arch.layers * 2 * 2 * spec.seq_len * arch.heads * arch.head_dim) as f64
             }
             _ => 0.0,
         };
+        // Each collective runs twice a layer in forward (dispatch and combine; the gather and the
+        // reduce-scatter), twice in backward, and twice more when the forward is recomputed.
+        // Under balanced routing a rank sends and receives the `top_k` rows of each of its
+        // tokens (`micro_batch × seq_len × top_k × hidden` bf16 elements; the routing
+        // probabilities beside them are `1 / hidden` of that, left out).
+        let passes = if c.recompute { 6.0 } else { 4.0 };
+        let bytes = (c.micro_batch * spec.seq_len * top_k * arch.hidden * 2) as f64;
+        let layers = routed as f64 / p.pipeline.pp as f64;
+        // The expert-parallel ranks are `etp` GPUs apart (`RankGenerator`'s expert order
+        // `tp-cp-ep-dp-pp` with `tp = etp`).
         let all_to_all_per_micro_s = if ep > 1 {
-            // Dispatch and combine, forward and backward, and forward again when recomputed.
-            let passes = if c.recompute { 6.0 } else { 4.0 };
-            let bytes = (c.micro_batch * spec.seq_len * top_k * arch.hidden * 2) as f64;
-            let layers = routed as f64 / p.pipeline.pp as f64;
-            layers * passes * ring(ep) * bytes / bandwidth(ep, p.tensor.tp)
+            layers * passes * ring(ep) * bytes / bandwidth(ep, etp)
+        } else {
+            0.0
+        };
+        // The `etp` adjacent ranks of the `expt_tp` group all-gather what each received
+        // (`etp` times its rows) and reduce-scatter the experts' output back to each.
+        let gather_per_micro_s = if etp > 1 {
+            layers * passes * ring(etp) * (etp as f64 * bytes) / bandwidth(etp, 1)
         } else {
             0.0
         };
@@ -435,6 +500,7 @@ impl Cost {
             params: params as f64,
             recompute_flops_per_token,
             all_to_all_per_micro_s,
+            gather_per_micro_s,
         }
     }
 }
@@ -558,6 +624,105 @@ mod tests {
             .expect("a tensor-parallel layout, refused");
         let why = refusal(&spec, &arch, tp);
         assert!(why.contains("parallel.tp 2 with an MoE model"), "{why}");
+    }
+
+    /// Qwen3-30B-A3B's 128 experts made 1024 wide (4 layers) over `world` GPUs, with the
+    /// spec's own `megatron` block.
+    fn wide_experts(world: u64, megatron: serde_json::Value) -> RunSpec {
+        RunSpec::from_value(&serde_json::json!({
+            "model": "qwen3-30b-a3b",
+            "model_config": {"model_type": "qwen3_moe", "hidden_size": 2048,
+                "intermediate_size": 6144, "moe_intermediate_size": 1024,
+                "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+                "tie_word_embeddings": false, "num_hidden_layers": 4},
+            "precision": "bf16", "optimizer": "adamw", "batch_size": 1, "seq_len": 1024,
+            "parallel": {"strategy": "ddp", "world_size": world, "tp": 1,
+                "framework": "megatron"},
+            "megatron": megatron,
+        }))
+        .expect("spec")
+    }
+
+    /// `(pp, ep, etp)` of a Megatron candidate.
+    fn expert_layout(c: &Candidate) -> (u64, u64, u64) {
+        let m = c.megatron.expect("megatron");
+        (
+            c.parallel.pipeline.pp,
+            m.expert_parallel,
+            m.expert_tensor_parallel,
+        )
+    }
+
+    /// Over 12 GPUs the expert layouts the spec admits are Megatron's (`ep` dividing the 128
+    /// experts, `etp` their width of 1024, `ep × etp` a stage's ranks); the others are refused
+    /// by name.
+    #[test]
+    fn expert_tensor_parallelism_takes_the_degrees_megatron_admits() {
+        let spec = wide_experts(12, serde_json::json!({}));
+        let (all, arch, _) = all(&spec);
+        let mut admitted = std::collections::BTreeSet::new();
+        let mut refused = std::collections::BTreeMap::new();
+        for c in all.iter().filter(|c| c.parallel.tensor.tp == 1) {
+            match c
+                .spec(&spec)
+                .rechecked()
+                .and_then(|s| s.check_against(&arch))
+            {
+                Ok(_) => {
+                    admitted.insert(expert_layout(c));
+                }
+                Err(e) => {
+                    refused.insert(expert_layout(c), e.to_string());
+                }
+            }
+        }
+        // Pipelines of 2, 3 (stages of 1, 2 and 1 layers) and 4 stages, of 6, 4 and 3 ranks.
+        assert_eq!(
+            admitted.into_iter().collect::<Vec<_>>(),
+            [
+                (1, 1, 1),
+                (1, 1, 2),
+                (1, 1, 4),
+                (1, 2, 1),
+                (1, 2, 2),
+                (1, 4, 1),
+                (2, 1, 1),
+                (2, 1, 2),
+                (2, 2, 1),
+                (3, 1, 1),
+                (3, 1, 2),
+                (3, 1, 4),
+                (3, 2, 1),
+                (3, 2, 2),
+                (3, 4, 1),
+                (4, 1, 1),
+            ]
+        );
+        for etp in [3, 6] {
+            let why = &refused[&(1, 1, etp)];
+            assert!(
+                why.contains(&format!(
+                    "megatron.expert_tensor_parallel_size`: {etp} is not"
+                )) && why.contains("a divisor of moe_intermediate_size (1024)"),
+                "{why}"
+            );
+        }
+        assert!(refused[&(1, 3, 1)].contains("a divisor of num_experts (128)"));
+        assert!(!refused.contains_key(&(1, 1, 12)), "beyond a node");
+    }
+
+    /// Expert tensor parallelism stays within a node (8 GPUs) but for the spec's own degree.
+    #[test]
+    fn expert_tensor_parallelism_beyond_a_node_is_the_specs_own() {
+        let etps = |spec: &RunSpec| -> std::collections::BTreeSet<u64> {
+            all(spec).0.iter().map(|c| expert_layout(c).2).collect()
+        };
+        let plain = wide_experts(32, serde_json::json!({}));
+        assert_eq!(etps(&plain).into_iter().collect::<Vec<_>>(), [1, 2, 4, 8]);
+        let own = wide_experts(32, serde_json::json!({"expert_tensor_parallel_size": 16}));
+        assert_eq!(etps(&own).into_iter().collect::<Vec<_>>(), [1, 2, 4, 8, 16]);
     }
 
     fn refusal(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> String {

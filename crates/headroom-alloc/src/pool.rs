@@ -471,18 +471,22 @@ mod tests {
     use super::*;
     use std::collections::BTreeSet;
 
+    /// A xorshift64 generator from `state`: the tests' operations, repeatable.
+    fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        }
+    }
+
     /// Replacements where nearly every block is alone in its size (sizes from a wide range),
     /// so a replaced size empties and a new one comes, above and below it: the set must list
     /// and search as PyTorch's would.
     #[test]
     fn replacing_blocks_alone_in_their_size_matches_an_ordered_set() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rand = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rand = xorshift(0x9e37_79b9_7f4a_7c15);
         let mut ours = FreeBlocks::default();
         let mut reference: BTreeSet<(u32, u64, u64, u32)> = BTreeSet::new();
         for id in 0..200u32 {
@@ -543,13 +547,7 @@ mod tests {
     /// A reference: PyTorch's set as a `BTreeSet` of (stream, size, ptr, id).
     #[test]
     fn matches_an_ordered_set_under_random_operations() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut rand = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rand = xorshift(0x2545_f491_4f6c_dd1d);
         let mut ours = FreeBlocks::default();
         let mut reference: BTreeSet<(u32, u64, u64, u32)> = BTreeSet::new();
         let mut next_id = 0u32;

@@ -505,9 +505,9 @@ mod tests {
             let &(s, z, p, i) = reference.iter().nth((rand() as usize) % n).unwrap();
             // A split's remainder: the block shrinks, its address moves up; or a merge: it
             // grows. Half the time the new size is one another block has.
-            let size = if rand() % 2 == 0 {
+            let size = if rand().is_multiple_of(2) {
                 reference.iter().nth((rand() as usize) % n).unwrap().1
-            } else if rand() % 2 == 0 {
+            } else if rand().is_multiple_of(2) {
                 (z / 512 - z / 512 * (rand() % 100) / 100).max(1) * 512
             } else {
                 z + (rand() % 100_000 + 1) * 512

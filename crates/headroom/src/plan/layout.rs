@@ -1440,12 +1440,38 @@ fn difference(best: &StepTime, next: &StepTime) -> String {
             "no part of the step costs more; it trains a different batch".into()
         };
     }
-    format!("{:.0}% more {what}", 100.0 * more / best.total_s)
+    let percent = 100.0 * more / best.total_s;
+    match percent {
+        p if p >= 1.0 => format!("{p:.0}% more {what}"),
+        p if p >= 0.1 => format!("{p:.1}% more {what}"),
+        _ => format!("under 0.1% more {what}"),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_runner_up_slower_by_a_sliver_says_by_how_much() {
+        let best = StepTime {
+            compute_s: 10.0,
+            total_s: 10.0,
+            per_token_s: 1.0,
+            ..StepTime::default()
+        };
+        let slower = |compute_s| StepTime {
+            compute_s,
+            per_token_s: compute_s / 10.0,
+            ..best
+        };
+        assert_eq!(difference(&best, &slower(11.0)), "10% more compute");
+        assert_eq!(difference(&best, &slower(10.03)), "0.3% more compute");
+        assert_eq!(
+            difference(&best, &slower(10.001)),
+            "under 0.1% more compute"
+        );
+    }
 
     fn evaluated(tp: u64, exact: bool, headroom: u64, per_token_s: f64) -> Evaluated {
         let gpu = crate::gpu::find("h100-80gb").expect("gpu");

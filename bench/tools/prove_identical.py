@@ -106,7 +106,8 @@ def estimate_outputs(binary, name, spec, tmp):
         text.append(f"=== estimate {title}\n{run(binary, ['estimate', str(spec), *args])}")
     text.append(f"=== timeline\n{timeline_hash(binary, spec, tmp, [])}")
     text.append(f"=== timeline h100-80gb\n{timeline_hash(binary, spec, tmp, ['--gpu', 'h100-80gb'])}")
-    return name, "".join(text)
+    # Messages that name the spec name its temporary folder, which differs between sittings.
+    return name, "".join(text).replace(str(tmp), "$TMP")
 
 
 def replay_outputs(binary, snapshot):

@@ -303,7 +303,9 @@ impl Tracer {
                 }));
                 self.drop(weight);
             }
-            Bwd::SafeSoftmax => {
+            // CUDA's `softmax_backward_cuda_out` computes `grad * output` into a gradient-sized
+            // tensor after its result and frees it before returning (log-softmax's does not).
+            Bwd::Softmax | Bwd::SafeSoftmax => {
                 let grad =
                     needs(0).map(|(numel, _)| self.empty(numel, self.dtype(g), "grad of softmax"));
                 let scratch = self.like_grad(g, "softmax backward scratch");
@@ -329,7 +331,7 @@ impl Tracer {
                     }));
                 }
             }
-            Bwd::Softmax | Bwd::LogSoftmax => {
+            Bwd::LogSoftmax => {
                 out.push(
                     needs(0).map(|(numel, _)| self.empty(numel, self.dtype(g), "grad of softmax")),
                 );

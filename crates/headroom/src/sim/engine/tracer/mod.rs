@@ -142,7 +142,7 @@ pub(crate) enum Bwd {
     },
     /// `torch.matmul` of 4-D batches (eager attention).
     Bmm,
-    /// `softmax(x, dtype=float32)`: saves the result.
+    /// `softmax(x, dtype=float32)`: saves the result; its backward takes CUDA's `grad * output` scratch.
     Softmax,
     /// `log_softmax`: saves the result.
     LogSoftmax,

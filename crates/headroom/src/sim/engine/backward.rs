@@ -305,7 +305,7 @@ impl Tracer {
             }
             // CUDA's `softmax_backward_cuda_out` computes `grad * output` into a gradient-sized
             // tensor after its result and frees it before returning (log-softmax's does not).
-            Bwd::Softmax | Bwd::SafeSoftmax => {
+            Bwd::Softmax => {
                 let grad =
                     needs(0).map(|(numel, _)| self.empty(numel, self.dtype(g), "grad of softmax"));
                 let scratch = self.like_grad(g, "softmax backward scratch");

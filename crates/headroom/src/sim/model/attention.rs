@@ -684,7 +684,7 @@ fn math(
     t.drop_all(&[k_copy, q_scaled]);
     // `_safe_softmax`: softmax, then rows that were all -inf set to 0 (small temporaries).
     let probs = t.empty(scores_numel, t.dtype(scores), "math: softmax");
-    t.record(Bwd::SafeSoftmax, &[Some(scores)], &[probs], &[probs]);
+    t.record(Bwd::Softmax, &[Some(scores)], &[probs], &[probs]);
     let all_masked = t.empty(scores_numel, DType::Bool, "safe_softmax: == -inf");
     let rows = t.empty(
         batch.b * hd.heads * batch.s,

@@ -605,10 +605,9 @@ impl GptModel {
         let mask = self.causal_mask(t, s);
         let masked = t.view(scores32, scores_numel, "masked_fill_ (in place)");
         t.record(Bwd::MaskedFill, &[Some(scores32)], &[masked], &[mask]);
-        // `Softmax` on an fp32 input: its backward (`_softmax_backward_data` without
-        // half-to-float) takes a gradient-sized scratch besides its result, as `_safe_softmax`'s.
+        // `Softmax` on an fp32 input (its backward takes a gradient-sized scratch).
         let probs32 = t.empty(scores_numel, DType::F32, "softmax (fp32)");
-        t.record(Bwd::SafeSoftmax, &[Some(masked)], &[probs32], &[probs32]);
+        t.record(Bwd::Softmax, &[Some(masked)], &[probs32], &[probs32]);
         let probs = t.to(probs32, t.dtype(query));
         // `probs` rebound, then `forward_torch_softmax` returns: its mask and fp32 input go.
         t.drop_all(&[probs32, mask, masked, scores32]);

@@ -133,8 +133,6 @@ pub(crate) enum Bwd {
         accumulator: u64,
         delta: u64,
     },
-    /// `_safe_softmax` of the math attention backend: saves its result.
-    SafeSoftmax,
     /// bitsandbytes `MatMul4Bit`: the input's gradient through a freshly dequantised weight
     /// of this many elements.
     MatMul4Bit {
@@ -142,7 +140,8 @@ pub(crate) enum Bwd {
     },
     /// `torch.matmul` of 4-D batches (eager attention).
     Bmm,
-    /// `softmax(x, dtype=float32)`: saves the result; its backward takes CUDA's `grad * output` scratch.
+    /// `_softmax` (a plain softmax, or `_safe_softmax` of the math attention backend): saves
+    /// its result; its backward takes CUDA's `grad * output` scratch.
     Softmax,
     /// `log_softmax`: saves the result.
     LogSoftmax,

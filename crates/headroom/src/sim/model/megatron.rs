@@ -694,10 +694,25 @@ impl GptModel {
         let out = match kind {
             Region::Layers(layers) => {
                 let mut hidden = t.share(inputs[0]);
-                for l in layers {
+                for l in layers.clone() {
                     let next = self.layer_forward(t, l, hidden, freqs, batch);
                     t.drop(hidden);
                     hidden = next;
+                }
+                // Each MoE dispatcher keeps its recomputed `probs`, and with them the graph
+                // back to the checkpoint's detached input, until the layer's next forward.
+                let moe: Vec<&MoeLayer> = self.layers[layers]
+                    .iter()
+                    .filter_map(|layer| match &layer.mlp {
+                        Mlp::Moe(moe) => Some(moe),
+                        Mlp::Dense { .. } => None,
+                    })
+                    .collect();
+                if !moe.is_empty() {
+                    let graph = t.keep_recomputed_graph(region, moe.len() as u32);
+                    for layer in moe {
+                        layer.hold_graph(graph);
+                    }
                 }
                 hidden
             }

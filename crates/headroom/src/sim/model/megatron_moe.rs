@@ -38,6 +38,10 @@
 //!   experts' output (already bf16, the probabilities' dtype) into a new tensor of this rank's
 //!   rows (backward all-gathers the gradient).
 //! - `_AllToAll` back (`ep > 1`), then `unpermute`: `zeros([n, h]).scatter_add_(0, idx, tokens)`.
+//!
+//! Under full recomputation the `probs` a layer keeps come from the recomputed forward, an
+//! autograd graph that ends in the checkpoint's detached input: that input and the gradient
+//! backward stored on it stay until the layer's next forward replaces `probs`.
 
 use std::cell::RefCell;
 
@@ -113,6 +117,8 @@ struct Held {
     probs: Option<T>,
     routing_map: Option<T>,
     sorted_indices: Option<T>,
+    /// The tracer's kept graph `probs` carries when a full recomputation made it.
+    graph: Option<u32>,
 }
 
 /// One MoE layer on this rank.
@@ -160,6 +166,9 @@ impl MoeLayer {
         let (probs, routing_map) = self.route(t, x, n, spec);
         // `dispatch_preprocess`: the dispatcher keeps both until the next forward.
         self.hold(t, |held| &mut held.probs, probs);
+        if let Some(graph) = self.held.borrow_mut().graph.take() {
+            t.release_kept_graph(graph);
+        }
         self.hold(t, |held| &mut held.routing_map, routing_map);
         let counts = t.empty(spec.count, DType::I64, "routing_map.sum(dim=0)");
         t.drop(counts);
@@ -203,6 +212,12 @@ impl MoeLayer {
             permuted,
         ]);
         out
+    }
+
+    /// The recomputation of a checkpoint that just ran this layer made `probs` on kept graph
+    /// `graph` (see [`Tracer::keep_recomputed_graph`]).
+    pub(crate) fn hold_graph(&self, graph: u32) {
+        self.held.borrow_mut().graph = Some(graph);
     }
 
     /// Replace the dispatcher's attribute with `value` (a reference of its own); the old one goes.

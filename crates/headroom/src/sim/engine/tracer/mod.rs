@@ -346,6 +346,20 @@ struct Region {
     held_grads: SmallVec<[T; 1]>,
     /// A node of the region has run in backward.
     entered: bool,
+    /// The [`KeptGraph`] that takes the region's inputs and their gradients when its backward
+    /// is done, instead of dropping them.
+    kept_by: Option<u32>,
+}
+
+/// What a recomputed graph keeps after its backward while something holds an output of it:
+/// a reentrant checkpoint detaches its inputs (`detach_variable`) and recomputes from them, so
+/// every graph it builds ends in their `AccumulateGrad` nodes, which hold each detached input
+/// and the `.grad` the inner `torch.autograd.backward` stored on it. Freed when the last holder
+/// lets go (Megatron's MoE dispatcher replacing `self.probs` at the layer's next forward).
+#[derive(Default)]
+struct KeptGraph {
+    holders: u32,
+    tensors: SmallVec<[T; 2]>,
 }
 
 /// A node recorded inside a checkpointed region.
@@ -430,6 +444,8 @@ pub(crate) struct Tracer {
     /// When `Some`, parameters are appended as their gradient is stored (DDP's record of the
     /// order gradients become ready).
     pub(crate) grad_ready: Option<Vec<ParamId>>,
+    /// Recomputed graphs kept past their backward, by id; a slot with no holders is free.
+    kept_graphs: Vec<KeptGraph>,
 }
 
 impl Tracer {
@@ -462,6 +478,7 @@ impl Tracer {
             thread: 0,
             activation_leaves: Vec::new(),
             grad_ready: None,
+            kept_graphs: Vec::new(),
         }
     }
 
@@ -1096,6 +1113,7 @@ impl Tracer {
             recomputed_output: None,
             held_grads: SmallVec::new(),
             entered: false,
+            kept_by: None,
         });
         self.region = Some(id);
         id
@@ -1121,6 +1139,33 @@ impl Tracer {
 
     pub(crate) fn end_region(&mut self) {
         self.region = None;
+    }
+
+    /// The graph region `region`'s recomputation builds outlives its backward, held by
+    /// `holders` outputs of it: the region's inputs and their gradients go to a [`KeptGraph`]
+    /// when its backward is done, until [`Tracer::release_kept_graph`] has been called once per
+    /// holder.
+    pub(crate) fn keep_recomputed_graph(&mut self, region: u32, holders: u32) -> u32 {
+        let id = match self.kept_graphs.iter().position(|g| g.holders == 0) {
+            Some(free) => free,
+            None => {
+                self.kept_graphs.push(KeptGraph::default());
+                self.kept_graphs.len() - 1
+            }
+        };
+        self.kept_graphs[id].holders = holders;
+        self.regions[region as usize].kept_by = Some(id as u32);
+        id as u32
+    }
+
+    /// One holder of kept graph `id` lets go; the last frees what the graph kept.
+    pub(crate) fn release_kept_graph(&mut self, id: u32) {
+        let graph = &mut self.kept_graphs[id as usize];
+        graph.holders -= 1;
+        if graph.holders == 0 {
+            let tensors = std::mem::take(&mut graph.tensors);
+            self.drop_all(&tensors);
+        }
     }
 
     /// The inputs a region saved, for its recomputation.
@@ -1244,7 +1289,7 @@ impl Tracer {
                 }
             }
             let outputs = self.run_node(node);
-            self.release_node(node);
+            let finished = self.release_node(node);
             if let Bwd::AccumulateGrad(param) = self.nodes[id as usize].op
                 && self.params[param].grad.is_some()
             {
@@ -1265,6 +1310,9 @@ impl Tracer {
                 if deps[target] == 0 {
                     ready.push((self.nodes[target].seq, edge.target.0));
                 }
+            }
+            if let Some(region) = finished {
+                self.finish_region(region);
             }
             if let Some(u) = unit {
                 // A unit's `AccumulateGrad` nodes run as soon as they are ready (the highest
@@ -1290,10 +1338,7 @@ impl Tracer {
             let region = &self.regions[r];
             if region.pending > 0 && region.nodes.iter().all(|n| reached[n.id.0 as usize]) {
                 self.regions[r].pending = 0;
-                let inputs = std::mem::take(&mut self.regions[r].inputs);
-                let held = std::mem::take(&mut self.regions[r].held_grads);
-                self.drop_all(&inputs);
-                self.drop_all(&held);
+                self.finish_region(r as u32);
             }
         }
     }
@@ -1403,25 +1448,48 @@ impl Tracer {
         self.regions[region as usize].held_grads = grads;
     }
 
-    /// After a node ran: drop its incoming gradients, then release what it saved.
-    fn release_node(&mut self, node: NodeId) {
+    /// After a node ran: drop its incoming gradients, then release what it saved. Returns the
+    /// region whose backward it completed, once its gradients are passed on.
+    fn release_node(&mut self, node: NodeId) -> Option<u32> {
         self.release_buffer(node);
         let saved = std::mem::take(&mut self.nodes[node.0 as usize].saved);
         self.drop_all(&saved);
-        if let Some(region) = self.nodes[node.0 as usize].region {
-            let r = &mut self.regions[region as usize];
-            r.pending -= 1;
-            if r.pending == 0 {
-                let inputs = std::mem::take(&mut r.inputs);
-                let output = r.recomputed_output.take();
-                let held = std::mem::take(&mut r.held_grads);
-                self.drop_all(&inputs);
-                if let Some(output) = output {
-                    self.drop(output);
+        let region = self.nodes[node.0 as usize].region?;
+        let r = &mut self.regions[region as usize];
+        r.pending -= 1;
+        (r.pending == 0).then_some(region)
+    }
+
+    /// A region's backward is done: what its checkpoint held goes, its inputs and their
+    /// gradients to the graph that keeps them, if any.
+    fn finish_region(&mut self, region: u32) {
+        let r = &mut self.regions[region as usize];
+        let inputs = std::mem::take(&mut r.inputs);
+        let output = r.recomputed_output.take();
+        let held = std::mem::take(&mut r.held_grads);
+        match r.kept_by {
+            Some(graph) => {
+                let grads: SmallVec<[T; 2]> = inputs
+                    .iter()
+                    .filter_map(|&input| {
+                        let (node, slot) = self.rec(input).grad_fn?;
+                        self.nodes[node.0 as usize].buffer[slot as usize]
+                    })
+                    .collect();
+                for &g in &grads {
+                    self.share(g);
                 }
-                self.drop_all(&held);
+                let kept = &mut self.kept_graphs[graph as usize];
+                debug_assert!(kept.holders > 0, "a graph let go before its backward");
+                kept.tensors.extend(inputs);
+                kept.tensors.extend(grads);
             }
+            None => self.drop_all(&inputs),
         }
+        if let Some(output) = output {
+            self.drop(output);
+        }
+        self.drop_all(&held);
     }
 
     /// The graph is freed after backward: nodes that never ran release what they hold.
@@ -1718,6 +1786,60 @@ mod tests {
         t.params[1].grad = None;
         t.drop(g1);
         assert!(t.mem.live()[Component::Gradients.index()] < live[Component::Gradients.index()]);
+    }
+
+    /// Recomputes a region of one `.to()` of its input, as `tensor_parallel.checkpoint` would,
+    /// and says its graph is kept when `keep`.
+    struct Recompute {
+        keep: bool,
+        graph: Option<u32>,
+    }
+
+    impl BackwardHooks for Recompute {
+        fn recompute(&mut self, t: &mut Tracer, region: u32) {
+            let input = t.region_inputs(region)[0];
+            t.begin_recompute(region);
+            let out = t.empty(t.numel(input), DType::F32, "recomputed");
+            t.record(Bwd::ToCopy, &[Some(input)], &[out], &[input]);
+            t.hold_recomputed_output(region, out);
+            t.drop(out);
+            if self.keep {
+                self.graph = Some(t.keep_recomputed_graph(region, 1));
+            }
+            t.end_recompute();
+        }
+    }
+
+    /// A kept recomputed graph holds the checkpoint's input and that input's gradient past the
+    /// backward, until its holder lets go; without one both go with the region's backward.
+    #[test]
+    fn a_kept_recomputed_graph_holds_the_input_and_its_gradient() {
+        const NUMEL: u64 = 1 << 20;
+        let after_backward = |keep: bool| {
+            let mut t = tracer();
+            t.parameter(NUMEL, DType::F32, true, "w");
+            let w = t.param(0);
+            let x = t.to(w, DType::BF16);
+            let region = t.begin_reentrant_region(&[x]);
+            let y = t.empty(NUMEL, DType::F32, "checkpoint output");
+            t.record(Bwd::ToCopy, &[Some(x)], &[y], &[x]);
+            t.end_region();
+            t.drop_all(&[x, w]);
+            let mut hooks = Recompute { keep, graph: None };
+            t.backward(y, &mut hooks);
+            t.drop(y);
+            assert!(t.regions.is_empty() && region == 0);
+            let allocated = t.mem.allocated();
+            if let Some(graph) = hooks.graph {
+                t.release_kept_graph(graph);
+            }
+            (allocated, t.mem.allocated())
+        };
+        let (dropped, _) = after_backward(false);
+        let (kept, released) = after_backward(true);
+        // The bf16 input and its bf16 gradient.
+        assert_eq!(kept, dropped + 2 * 2 * NUMEL);
+        assert_eq!(released, dropped);
     }
 
     /// What the process makes once is left out of a record; a free of it is then a request

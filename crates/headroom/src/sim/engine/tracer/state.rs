@@ -203,6 +203,14 @@ impl Tracer {
             visit(Some(t), out);
         }
         out.word(NO_WORD);
+        for graph in self.kept_graphs.iter().filter(|g| g.holders > 0) {
+            out.word(u64::from(graph.holders));
+            for &t in &graph.tensors {
+                visit(Some(t), out);
+            }
+            out.word(NO_WORD);
+        }
+        out.word(NO_WORD);
         let mut live = (self.tensors.len() - self.free_tensors.len()) as u64;
         if pass.is_some() {
             let left_out = self.params.iter().map(|p| p.grad);

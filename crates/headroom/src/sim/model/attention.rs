@@ -773,9 +773,12 @@ fn eager(
         t.drop(probs);
         probs = dropped;
     }
-    // MLA's values are a strided slice of the expanded latent, and multi-query attention's
-    // repeated values have a stride-0 head dimension: matmul copies both.
-    let values = if hd.head_major_query || (hd.kv_heads == 1 && hd.heads > 1) {
+    // matmul reshapes the values to (b * heads, s, v) and copies what is not laid out
+    // head-major: a projection's `.transpose(1, 2)` view (one query per key head, where
+    // `repeat_kv` returns it as it is), multi-query attention's stride-0 head dimension,
+    // MLA's strided slice of the expanded latent. Only `repeat_kv`'s copy is head-major.
+    let repeated_copy = hd.heads > hd.kv_heads && hd.kv_heads > 1;
+    let values = if hd.head_major_query || !repeated_copy {
         t.contiguous_copy(v_rep)
     } else {
         t.share(v_rep)

@@ -14,9 +14,10 @@
 //! What a forward allocates, in order:
 //! - `TopKRouter`: `RouterGatingLinearFunction` (`mm(x, w.t())`, `[n, E]` logits, saving `x` and
 //!   `w`), `topk` (values and int64 indices, the indices saved), `softmax(scores,
-//!   dtype=float32)` (half-to-float, its result saved), `.type_as(logits)`, then `zeros_like(logits)
-//!   .scatter(1, idx, probs)` (the routed probabilities, `[n, E]`) and `zeros_like(logits).int()
-//!   .scatter(1, idx, 1).bool()` (the routing map).
+//!   dtype=float32)` (an fp32 copy of the bf16 scores, then the softmax, its result saved),
+//!   `.type_as(logits)`, then `zeros_like(logits).scatter(1, idx, probs)` (the routed
+//!   probabilities, `[n, E]`) and `zeros_like(logits).int().scatter(1, idx, 1).bool()` (the
+//!   routing map).
 //! - `dispatch_preprocess`: the token counts (`routing_map.sum(0)`, moved to the host), then
 //!   `permute`: `routing_map.T.contiguous()`, its stable `argsort` (`sort`: values, int64
 //!   indices, cub's scratch), `[:n·k]` (a view keeping the whole argsort), `% n`,
@@ -237,9 +238,9 @@ impl MoeLayer {
         t.ensure_cublas_workspace();
         t.record(Bwd::RouterGating, &[Some(x), Some(w)], &[logits], &[x, w]);
         let (scores, indices) = t.topk(logits, n * spec.top_k);
-        // `softmax(scores, dtype=float32)` of a bf16 input: half-to-float, no copy first.
-        let probs32 = t.empty(n * spec.top_k, DType::F32, "softmax(top-k scores)");
-        t.record(Bwd::Softmax, &[Some(scores)], &[probs32], &[probs32]);
+        // `softmax(scores, dtype=float32)`: CUDA's half-to-float kernel takes fp16 only, so a
+        // bf16 input is cast to fp32 first (`SoftMax.cpp`).
+        let probs32 = t.softmax_f32(scores);
         let probs = t.to(probs32, DType::BF16);
         t.drop_all(&[probs32, scores]);
         let zeros = t.empty(n * e, DType::BF16, "zeros_like(logits)");

@@ -414,9 +414,10 @@ impl GptModel {
         let rows = self.rows(batch.n());
         let normed = self.rms_norm(t, x, layer.input_norm, rows);
         let attention = self.attention(t, layer, normed, freqs, batch);
-        t.drop(normed);
+        // `_forward_attention` and `_forward_mlp` hold their norm's output until they return,
+        // after the bias-dropout-add.
         let hidden = t.add(x, attention);
-        t.drop(attention);
+        t.drop_all(&[attention, normed]);
         let normed = self.rms_norm(t, hidden, layer.mlp_norm, rows);
         let mlp = match (&layer.mlp, self.experts) {
             (Mlp::Dense { fc1, fc2 }, _) => mlp(
@@ -433,9 +434,8 @@ impl GptModel {
             }
             (Mlp::Moe(_), None) => unreachable!("MoE layers are built with their experts"),
         };
-        t.drop(normed);
         let out = t.add(hidden, mlp);
-        t.drop_all(&[mlp, hidden]);
+        t.drop_all(&[normed, mlp, hidden]);
         out
     }
 
@@ -513,9 +513,7 @@ impl GptModel {
             key = normed;
         }
         let query_rot = self.rotary(t, query, freqs, batch.s);
-        t.drop(query);
         let key_rot = self.rotary(t, key, freqs, batch.s);
-        t.drop(key);
         let context = if self.megatron.recompute == Recompute::Selective {
             let id = t.begin_reentrant_region(&[query_rot, key_rot, value]);
             self.push_region(id, Region::CoreAttention);
@@ -525,9 +523,11 @@ impl GptModel {
         } else {
             self.core_attention(t, query_rot, key_rot, value, batch)
         };
-        t.drop_all(&[query_rot, key_rot, value]);
         let out = row_parallel(t, context, layer.proj, h, self.sp());
-        t.drop(context);
+        // `forward` returns: its `qkv_output` tuple held what `get_query_key_value_tensors`
+        // returned (the key and value views keep `linear_qkv`'s output), and its locals the
+        // rotated query and key and the context, until now.
+        t.drop_all(&[query, key_rot, key, value, query_rot, context]);
         out
     }
 
@@ -613,7 +613,7 @@ impl GptModel {
         t.drop_all(&[probs32, mask, masked, scores32]);
         let context = t.bmm(probs, value, n * heads * d);
         let out = t.contiguous_copy(context);
-        t.drop_all(&[context, probs, scores, key, value]);
+        t.drop_all(&[context, key, value, scores, probs]);
         out
     }
 

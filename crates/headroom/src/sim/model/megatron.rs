@@ -280,7 +280,7 @@ impl GptModel {
         let n = batch.n();
         let outer = std::mem::replace(&mut t.component, Component::Activations);
         let mut hidden = match input {
-            StageInput::Ids(ids) => self.embedding_forward(t, ids, n),
+            StageInput::Ids(ids) => self.embedding_forward(t, ids, batch),
             // `TransformerBlock` takes `self.input_tensor` as it is (not a view).
             StageInput::Hidden(received) => t.share(received),
         };
@@ -313,7 +313,7 @@ impl GptModel {
         t.component = Component::LogitsAndLoss;
         let logits = column_parallel(t, normed, output, self.widths.vocab, self.sp());
         t.drop(normed);
-        let loss = self.cross_entropy(t, logits, n);
+        let loss = self.cross_entropy(t, logits, batch);
         t.drop(logits);
         t.component = outer;
         loss
@@ -370,13 +370,13 @@ impl GptModel {
     }
 
     /// `VocabParallelEmbedding` then `LanguageModelEmbedding`'s copy to `[s, b, h]`.
-    fn embedding_forward(&self, t: &mut Tracer, ids: T, n: u64) -> T {
-        let h = self.widths.hidden;
+    fn embedding_forward(&self, t: &mut Tracer, ids: T, batch: Batch) -> T {
+        let (h, n) = (self.widths.hidden, batch.n());
         let masks = (self.widths.tp > 1).then(|| crate::sim::strategy::tp::mask_ids(t, n));
         let lookup_ids = masks.map_or(ids, |(_, shifted)| shifted);
         let embedding = self.embedding.expect("the first stage holds the embedding");
         let looked_up = t.embedding(embedding, lookup_ids, n, h);
-        let embedded = t.contiguous_copy(looked_up);
+        let embedded = transpose_contiguous(t, looked_up, batch.b);
         t.drop(looked_up);
         if let Some((mask, shifted)) = masks {
             t.drop_all(&[mask, shifted]);
@@ -631,14 +631,17 @@ impl GptModel {
 
     /// `compute_language_model_loss`: the labels copied to `[s, b]`,
     /// `_VocabParallelCrossEntropy`, the losses copied back to `[b, s]`.
-    fn cross_entropy(&self, t: &mut Tracer, logits: T, n: u64) -> T {
-        let v = self.widths.vocab;
-        let labels = t.empty_as(
-            n,
-            DType::I64,
-            Component::Inputs,
-            "labels.transpose.contiguous",
-        );
+    fn cross_entropy(&self, t: &mut Tracer, logits: T, batch: Batch) -> T {
+        let (v, n) = (self.widths.vocab, batch.n());
+        // `labels.transpose(0, 1).contiguous()`: the labels themselves with one sequence.
+        let labels = (batch.b > 1).then(|| {
+            t.empty_as(
+                n,
+                DType::I64,
+                Component::Inputs,
+                "labels.transpose.contiguous",
+            )
+        });
         let logits32 = t.empty(n * v, DType::F32, "logits.float() (softmax, in place)");
         let max = t.empty(n, DType::F32, "logits_max");
         let argmax = t.empty(n, DType::I64, "max indices");
@@ -671,9 +674,11 @@ impl GptModel {
             target_mask,
             max,
             logits32,
-            labels,
         ]);
-        let out = t.contiguous_copy(loss);
+        if let Some(labels) = labels {
+            t.drop(labels);
+        }
+        let out = transpose_contiguous(t, loss, batch.b);
         t.drop(loss);
         out
     }
@@ -722,5 +727,15 @@ impl GptModel {
         t.drop(out);
         t.component = outer;
         t.end_recompute();
+    }
+}
+
+/// `x.transpose(0, 1).contiguous()` between `[b, s, ...]` and `[s, b, ...]`: a copy, except
+/// with one sequence, whose transposed layout is already contiguous (`contiguous()` returns `x`).
+fn transpose_contiguous(t: &mut Tracer, x: T, b: u64) -> T {
+    if b == 1 {
+        t.share(x)
+    } else {
+        t.contiguous_copy(x)
     }
 }

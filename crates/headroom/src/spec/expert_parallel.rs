@@ -25,14 +25,6 @@ pub(super) fn parse(obj: &Map<String, Value>, strategy: Strategy, world_size: u6
     if ep == 1 {
         return Ok(1);
     }
-    if obj.get("framework").and_then(Value::as_str) == Some("megatron") {
-        return Err(Error::Unsupported {
-            what: "parallel.ep with framework megatron".into(),
-            supported: "Megatron-core's expert parallelism as megatron.expert_parallel; \
-                        parallel.ep is transformers' own"
-                .into(),
-        });
-    }
     for key in ["tp", "cp", "pp"] {
         if positive(obj, key, 1).map_err(field)? > 1 {
             return Err(Error::Unsupported {

@@ -12,6 +12,7 @@
 mod expert_parallel;
 mod megatron;
 mod megatron_pipeline;
+mod parallel_keys;
 mod parse;
 mod pipeline;
 mod pipeline_parallel;

@@ -553,6 +553,11 @@ impl RunSpec {
 
     /// Check a spec given as a JSON value (as the calibration rows store it).
     pub fn from_value(value: &Value) -> Result<Self> {
+        let mut value = value.clone();
+        if let Some(obj) = value.as_object_mut() {
+            super::parallel_keys::fold(obj)?;
+        }
+        let value = &value;
         let obj = value.as_object().ok_or_else(|| {
             Error::field(
                 "spec",

@@ -122,11 +122,6 @@ fn bad_layouts_name_the_field() {
         "parallel.ep with parallel.pp",
     );
     refused(
-        json!({"strategy": "ddp", "world_size": 4, "ep": 4, "framework": "megatron"}),
-        &none,
-        "parallel.ep with framework megatron",
-    );
-    refused(
         json!({"strategy": "none", "world_size": 3, "ep": 3}),
         &none,
         "parallel.ep",
@@ -223,4 +218,38 @@ fn fit_refuses_an_expert_parallel_spec() {
         panic!("the remedies' baseline accepted an expert-parallel spec")
     };
     assert!(err.to_string().contains("parallel.ep"), "{err}");
+}
+
+/// Under `framework: megatron`, `parallel.ep`, `etp`, `distributed_optimizer` and `recompute` are
+/// Megatron-LM's names for the `megatron:` block's settings: the same run either way.
+#[test]
+fn megatron_settings_may_be_written_under_parallel() {
+    let layout = json!({"strategy": "ddp", "world_size": 8, "framework": "megatron"});
+    let mut blocked = spec(layout.clone());
+    blocked["optimizer"] = json!("adamw");
+    blocked["model_config"]["norm_topk_prob"] = json!(true);
+    blocked["megatron"] = json!({"expert_model_parallel_size": 4, "expert_tensor_parallel_size": 2,
+                                 "distributed_optimizer": true, "recompute_granularity": "full"});
+    let mut flat = blocked.clone();
+    flat.as_object_mut().unwrap().remove("megatron");
+    for (key, value) in [
+        ("ep", json!(4)),
+        ("etp", json!(2)),
+        ("distributed_optimizer", json!(true)),
+        ("recompute", json!("full")),
+        ("dp", json!(8)),
+    ] {
+        flat["parallel"][key] = value;
+    }
+    let (a, b) = (estimate(&blocked), estimate(&flat));
+    assert_eq!(
+        (a.peak_allocated_bytes, a.peak_reserved_bytes),
+        (b.peak_allocated_bytes, b.peak_reserved_bytes)
+    );
+    // Without the `distributed_optimizer` the optimizer states are whole on every rank.
+    flat["parallel"]
+        .as_object_mut()
+        .unwrap()
+        .remove("distributed_optimizer");
+    assert!(estimate(&flat).peak_allocated_bytes > a.peak_allocated_bytes);
 }

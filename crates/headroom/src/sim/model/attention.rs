@@ -720,8 +720,17 @@ fn scaled_scores(t: &mut Tracer, hd: Heads, q: T, k: T, v: T, batch: Batch) -> S
     } else {
         t.contiguous_copy(k_rep)
     };
-    let scores = t.bmm(q, operand, batch.b * hd.heads * batch.s * batch.s);
-    t.drop(operand);
+    // matmul copies an operand it cannot reshape to (b * heads, ., .) as a view: a query that is
+    // still a projection's `.transpose(1, 2)` view (no rotary embedding: GPT-2). A rotated query
+    // is laid out token-major too, but its copy and the transposed keys' (head-major after
+    // `repeat_kv`) trade places at equal size: the keys' copy above stands for it.
+    let query = if !hd.head_major_query && t.is_view(q) {
+        t.contiguous_copy(q)
+    } else {
+        t.share(q)
+    };
+    let scores = t.bmm(query, operand, batch.b * hd.heads * batch.s * batch.s);
+    t.drop_all(&[query, operand]);
     let logits = t.mul_scalar(scores);
     t.drop(scores);
     Scores {

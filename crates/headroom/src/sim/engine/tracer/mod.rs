@@ -1607,6 +1607,11 @@ impl Tracer {
         }
     }
 
+    /// Whether `t` is a view of another tensor's storage (a slice, a split).
+    pub(crate) fn is_view(&self, t: T) -> bool {
+        self.rec(t).base.is_some()
+    }
+
     pub(crate) fn tensor_refs(&self, t: T) -> u32 {
         self.rec(t).refs
     }

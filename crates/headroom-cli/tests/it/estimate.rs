@@ -176,7 +176,7 @@ fn bad_specs_name_the_field_the_value_and_what_is_allowed() {
         ("malformed", vec!["malformed.yaml:3:8"]),
         ("batch-zero", vec!["batch_size", "0", ">= 1"]),
         ("negative-seq", vec!["seq_len", "-5", ">= 1"]),
-        ("lora-rank", vec!["lora.r", "4096", "r <= 128"]),
+        ("lora-rank", vec!["lora.r", "8192", "r <= 4864"]),
         ("lora-target", vec!["lora.targets", "nope_proj", "q_proj"]),
         (
             "moe-experts-implementation",

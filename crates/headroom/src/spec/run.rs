@@ -1449,18 +1449,23 @@ impl RunSpec {
                 }
             }
         }
-        let smallest = linears
+        // PEFT takes a rank above a layer's side (a gate of one output, all-linear in
+        // Qwen2-MoE, gets B of [1, r]); one above every targeted layer's sides is a mistake.
+        let largest = linears
             .iter()
             .filter(|p| lora_targets_module(lora, p.module))
-            .map(|p| p.rows.min(p.cols))
-            .min();
-        if let Some(min_dim) = smallest
-            && lora.r > min_dim
+            .map(|p| p.rows.max(p.cols))
+            .max();
+        if let Some(max_dim) = largest
+            && lora.r > max_dim
         {
             return Err(Error::field(
                 "lora.r",
                 lora.r,
-                format!("a targeted layer has a side of only {min_dim}; use r <= {min_dim}"),
+                format!(
+                    "no targeted layer has a side above {max_dim}, so a larger rank adds \
+                     nothing; use r <= {max_dim}"
+                ),
             ));
         }
         Ok(())

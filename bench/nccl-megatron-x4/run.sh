@@ -6,8 +6,10 @@
 # (default: the repository root); the megatron-core wheel is read from WHEELS (default ROOT/.whl). Rows:
 # $OUT/nccl.jsonl and $OUT/fake.jsonl (appended as each run ends); $OUT/log.txt; every run's log in $OUT/logs.tar.gz;
 # snapshots in $OUT/snap-nccl.tar and $OUT/snap-fake.tar. Real runs that would start after DEADLINE seconds (default
-# 240) are skipped.
+# 240) are skipped. SPECS: another spec file; MODES: `fake`, `nccl` or both (the default); TOGETHER=1: the real
+# worlds all at once, sharing the four GPUs (each process's allocator counters are its own; the GPUs' timing is not).
 #   OUT=/tmp/out bash bench/nccl-megatron-x4/run.sh
+#   SPECS=bench/nccl-megatron-x4/specs-call2.jsonl MODES=nccl TOGETHER=1 OUT=/tmp/out bash bench/nccl-megatron-x4/run.sh
 set -u
 root=${ROOT:-$PWD}
 here=$root/bench/nccl-megatron-x4
@@ -21,10 +23,10 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
 nvidia-smi topo -m
 python3 -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "transformers", transformers.__version__, "megatron-core", m.__version__)'
 # One tab-separated line per run: mode, id, spec, rank (fake) and snapshot file (or -).
-python3 - "$here/specs.jsonl" > $tmp/runs.tsv <<'PY'
+python3 - "${SPECS:-$here/specs.jsonl}" "${MODES:-fake nccl}" > $tmp/runs.tsv <<'PY'
 import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-for mode in ("fake", "nccl"):
+for mode in sys.argv[2].split():
     for l in lines:
         name = l["id"].replace("/", "-")
         for rank in (l["fake_ranks"] if mode == "fake" else [0]):
@@ -35,6 +37,7 @@ for mode in ("fake", "nccl"):
 PY
 n=0
 pids=()
+together=()
 while IFS=$'\t' read -r mode id spec rank snap; do
   n=$((n + 1))
   args=(-m headroom_measure dist --spec-json "$spec" --id "$id" --out "$OUT/$mode.jsonl")
@@ -50,10 +53,12 @@ while IFS=$'\t' read -r mode id spec rank snap; do
   # The real runs start once every fake run has ended: a real world takes all four GPUs.
   if [ ${#pids[@]} -gt 0 ]; then wait "${pids[@]}"; pids=(); fi
   if [ $SECONDS -gt "${DEADLINE:-240}" ]; then echo "!! deadline: skipped $id"; continue; fi
-  start=$SECONDS
-  timeout -k 10 80 torchrun --nproc-per-node 4 --master-port $((29500 + n)) "${args[@]}" < /dev/null > $tmp/logs/nccl-$n.log 2>&1
-  rc=$?; echo "[nccl $((SECONDS - start))s rc=$rc] $id"; [ $rc -ne 0 ] && tail -8 $tmp/logs/nccl-$n.log
+  ( start=$SECONDS
+    timeout -k 10 80 torchrun --nproc-per-node 4 --master-port $((29500 + n)) "${args[@]}" < /dev/null > $tmp/logs/nccl-$n.log 2>&1
+    rc=$?; echo "[nccl $((SECONDS - start))s rc=$rc] $id"; [ $rc -ne 0 ] && tail -8 $tmp/logs/nccl-$n.log ) &
+  if [ -n "${TOGETHER-}" ]; then together+=($!); else wait $!; fi
 done < $tmp/runs.tsv
+if [ ${#together[@]} -gt 0 ]; then wait "${together[@]}"; fi
 if [ ${#pids[@]} -gt 0 ]; then wait "${pids[@]}"; fi
 tar -czf "$OUT/logs.tar.gz" -C $tmp logs runs.tsv
 for mode in nccl fake; do

@@ -12,7 +12,7 @@
 generate passes, host offload (see pipeline.py); it prints the record (rank 0 under torchrun).
 `dist` measures a spec with a `parallel` block on N GPUs, one process each (see dist.py); rank 0
 appends the record to --out and prints it. With `parallel.framework: megatron` it measures Megatron-core
-as rank 0 of a fake world (HEADROOM_FAKE_WORLD; see megatron.py).
+on every rank under torchrun, or as one rank of a fake world (HEADROOM_FAKE_WORLD; see megatron.py).
 `trace` runs the spec's steps under fake tensors on the CPU (no GPU needed) and writes a headroom
 trace file (docs/trace-format.md) for `headroom trace` to replay through the allocator.
 `batch` runs every line of SPECS.jsonl ({"id", "spec", optional "hint_bytes"}) in a fresh process
@@ -69,8 +69,9 @@ def cmd_run(args) -> int:
         return _fail(str(err))
     if spec.parallel is not None and spec.parallel.framework == "megatron":
         return _fail(
-            "framework megatron is measured by `dist` as rank 0 of a fake process group: "
-            f"HEADROOM_FAKE_WORLD={spec.parallel.world_size} WORLD_SIZE={spec.parallel.world_size} RANK=0 "
+            "framework megatron is measured by `dist`: under `torchrun --nproc-per-node "
+            f"{spec.parallel.world_size} -m headroom_measure dist SPEC --out FILE`, or as rank 0 of a fake process "
+            f"group: HEADROOM_FAKE_WORLD={spec.parallel.world_size} WORLD_SIZE={spec.parallel.world_size} RANK=0 "
             "LOCAL_RANK=0 python -m headroom_measure dist SPEC --out FILE"
         )
     missing = missing_dependencies()
@@ -250,8 +251,6 @@ def cmd_dist(args) -> int:
             return _fail(str(err))
         except ImportError:
             return _fail("megatron-core not installed; `pip install megatron-core==0.19.0` to measure framework megatron")
-        if not os.environ.get("HEADROOM_FAKE_WORLD"):
-            return _fail("framework megatron is measured as rank 0 of a fake process group: set HEADROOM_FAKE_WORLD")
         if spec.parallel.pp > 1:
             from .megatron_pp import measure_megatron_pp
 

@@ -1,13 +1,18 @@
 """Per-rank peak memory of Megatron-core training (`parallel.framework: megatron`), rank 0 of a world
-under torch's fake process group on one GPU.
+under torch's fake process group on one GPU, or every rank of a real world under torchrun and NCCL.
 
     HEADROOM_FAKE_WORLD=W WORLD_SIZE=W RANK=0 LOCAL_RANK=0 python -m headroom_measure dist --spec-json SPEC --out F
+    torchrun --nproc-per-node W -m headroom_measure dist --spec-json SPEC --out F
 
-The record has dist.py's shape (`measured.ranks[0]`: `load`, three `steps` of `fwd_peak`, `bwd_peak`,
-`opt_peak`, `peak_reserved`), so bench/fsdp2-mp/tools/run.sh drives it. How a run is built, in this order, as
+The record has dist.py's shape (`measured.ranks`: `load`, three `steps` of `fwd_peak`, `bwd_peak`,
+`opt_peak`, `peak_reserved`; one rank under the fake group, every rank under NCCL), so bench/fsdp2-mp/tools/run.sh
+drives it. Both worlds build and step the same way; a real one differs only where dist.py's protocol does: each
+rank on GPU `LOCAL_RANK` after `init_process_group("nccl", device_id=...)` (eager communicator), and each phase
+read after `synchronize(); barrier(); synchronize()`, so collectives still in flight land in the phase that issued
+them (the fake group's collectives launch nothing: it synchronizes only). How a run is built, in this order, as
 Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `setup_model_and_optimizer`):
 
-1. `init_process_group("fake", rank=0, world_size=W)`, `torch.cuda.set_device(0)`, `torch.zeros(1)`;
+1. `init_process_group("fake", rank=0, world_size=W)` (or NCCL's), `torch.cuda.set_device`, `torch.zeros(1)`;
    `parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)` (pp, cp and ep 1: the data-parallel
    size is `W / tp`); `model_parallel_cuda_manual_seed(1234)`.
 2. `TransformerConfig` from the HF config: real widths, `num_hidden_layers` layers, RMSNorm, SwiGLU
@@ -46,7 +51,7 @@ balanced routing headroom assumes, in place and without changing what Megatron a
   before the first step (an input-sized persistent tensor). Every expert receives exactly tokens * k / E tokens.
 - Under the fake process group the all-gather of the token counts (`gather_from_sequence_parallel_region` in the
   dispatcher's `preprocess`) returns uninitialised memory; its output is filled in place with this rank's counts
-  repeated, as a world of identical ranks would gather them. The all-to-alls of tokens then move tokens * k rows
+  repeated, as a world of identical ranks would gather them (under NCCL every rank's counts are these already). The all-to-alls of tokens then move tokens * k rows
   each way (their contents are left as the fake group leaves them: losses are meaningless).
 
 A step is what `forward_backward_no_pipelining` does with one micro-batch: `ddp_model.zero_grad_buffer()` and
@@ -414,19 +419,41 @@ def spec_and_env(spec: Spec, options: dict, fields: dict, device, total: int, wo
         if fields.get("model_type") == "qwen3_moe" else None,
         **extra,
         "world_size": world,
-        "launcher": f"fake process group (one process, rank {rank})",
-        "process_group": "fake",
+        **({"launcher": f"fake process group (one process, rank {rank})", "process_group": "fake"} if fake_group() else {
+            "launcher": "torchrun",
+            "process_group": "nccl",
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM"))},
+        }),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "wall_s": round(time.time() - t0, 2),
     }
     return spec_json, env
 
 
+def fake_group() -> bool:
+    """Whether this process plays one rank of a fake world (HEADROOM_FAKE_WORLD) rather than being one of
+    torchrun's ranks under NCCL."""
+    return bool(os.environ.get("HEADROOM_FAKE_WORLD"))
+
+
+def sync():
+    """Waits for this rank's work and, in a real world, every rank's (dist.py's `synchronize(); barrier();
+    synchronize()`): a collective's kernels count in the phase that launched them."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.synchronize()
+    if not fake_group():
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+        torch.cuda.synchronize()
+
+
 def load_record() -> dict:
     """The allocator's counters once the model and optimizer are built: the load phase's record."""
     import torch
 
-    torch.cuda.synchronize()
+    sync()
     s = torch.cuda.memory_stats()
     return {
         "peak_allocated": s.get("allocated_bytes.all.peak", 0),
@@ -440,24 +467,38 @@ def phase_end(rec: dict, key: str):
     """Ends a measured phase: its allocated peak under `key`, the reserved peak so far, counters reset."""
     import torch
 
-    torch.cuda.synchronize()
+    sync()
     s = torch.cuda.memory_stats()
     rec[key] = s.get("allocated_bytes.all.peak", 0)
     rec["peak_reserved"] = max(rec.get("peak_reserved", 0), s.get("reserved_bytes.all.peak", 0))
     torch.cuda.reset_peak_memory_stats()
 
 
-def start_rank(world: int, rank: int, snapshot: bool, stacks: str):
-    """Rank `rank` of a fake world of `world` on GPU 0: `init_process_group`, `torch.zeros(1)` (the CUDA
-    context, measured as what `mem_get_info` no longer reports free), then the allocator's history if asked.
-    Returns the device and the context's bytes."""
+def start_rank(world: int, rank: int, snapshot: str | None, stacks: str):
+    """Rank `rank` of a fake world of `world` on GPU 0 or, without HEADROOM_FAKE_WORLD, torchrun's rank on GPU
+    `LOCAL_RANK` under NCCL: `init_process_group`, `torch.zeros(1)` (the CUDA context, measured as what
+    `mem_get_info` no longer reports free), then the allocator's history if asked (a real world's rank 0, or every
+    rank when the path holds `{rank}`). Returns the device, the context's bytes, the rank and its snapshot path."""
     import torch
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    if fake_group():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        rank = dist.get_rank()
+        if dist.get_world_size() != world:
+            raise RuntimeError(f"parallel.world_size is {world} but torchrun started {dist.get_world_size()} processes")
+        if snapshot and "{rank}" in snapshot:
+            snapshot = snapshot.replace("{rank}", str(rank))
+        elif rank != 0:
+            snapshot = None
     torch.zeros(1, device=device)
     free, total = torch.cuda.mem_get_info()
     if snapshot:
@@ -465,21 +506,44 @@ def start_rank(world: int, rank: int, snapshot: bool, stacks: str):
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
         else:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks=stacks)
-    return device, total - free
+    return device, total - free, rank, snapshot
+
+
+def every_rank(mine: dict) -> list:
+    """Every rank's record in rank order: this one's alone under the fake group (it moves no data)."""
+    import torch.distributed as dist
+
+    if fake_group():
+        return [mine]
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return ranks
+
+
+def finish(record: dict) -> dict | None:
+    """Ends the run: the record on rank 0 (None on a real world's other ranks), the groups destroyed."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    rank = dist.get_rank()
+    if not fake_group():
+        dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return record if rank == 0 or fake_group() else None
+
 
 def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None,
                      stacks: str = "python") -> dict:
-    """Rank 0 of a fake world of `parallel.world_size`: build, then three steps; the record (dist.py's shape)."""
+    """Rank 0 of a fake world of `parallel.world_size`, or every rank of a real one: build, then three steps; the
+    record (dist.py's shape) on rank 0."""
     import torch
-    import torch.distributed as dist
 
     t0 = time.time()
     options = megatron_options(spec)
     par = spec.parallel
     world = par.world_size
-    device, context = start_rank(world, 0, snapshot, stacks)
-    from megatron.core import parallel_state
-
+    device, context, rank, snapshot = start_rank(world, 0, snapshot, stacks)
     initialize(spec, options)
     ddp_model, optimizer = build(spec, fields, options)
     ddp_model.train()
@@ -517,15 +581,15 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
         rec["end_allocated"] = torch.cuda.memory_allocated()
         peak_reserved = max(peak_reserved, rec["peak_reserved"])
         steps.append(rec)
-        print(f"[{time.time() - t0:6.1f}s] step {step + 1}: {rec}", file=sys.stderr, flush=True)
+        print(f"[rank {rank} {time.time() - t0:6.1f}s] step {step + 1}: {rec}", file=sys.stderr, flush=True)
     if snapshot:
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
     free, total = torch.cuda.mem_get_info()
     phase_peaks = [load["peak_allocated"]] + [v for r in steps for k, v in r.items() if k.endswith("_peak")]
-    rank0 = {
-        "rank": 0,
-        "local_rank": 0,
+    mine = {
+        "rank": rank,
+        "local_rank": device.index,
         "load": load,
         "steps": steps,
         "peak_allocated_bytes": max(phase_peaks),
@@ -534,18 +598,17 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
         "device_used_end_bytes": total - free,
         "losses": losses,
     }
-    spec_json, env = spec_and_env(spec, options, fields, device, total, world, 0, t0)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    return {
+    ranks = every_rank(mine)
+    spec_json, env = spec_and_env(spec, options, fields, device, total, world, rank, t0)
+    return finish({
         "id": row_id or f"megatron/{spec.model}/w{world}-tp{par.tp}",
         "spec": spec_json,
         "measured": {
-            "peak_allocated_bytes": rank0["peak_allocated_bytes"],
-            "peak_reserved_bytes": peak_reserved,
-            "ranks": [rank0],
+            "peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in ranks),
+            "peak_reserved_bytes": max(r["peak_reserved_bytes"] for r in ranks),
+            "ranks": ranks,
             "params": params,
             "trainable_params": params,
         },
         "env": env,
-    }
+    })

@@ -1,7 +1,9 @@
 """Per-rank peak memory of Megatron-core pipeline parallelism (`parallel.framework: megatron` with `pp > 1`),
-one rank of a world under torch's fake process group on one GPU.
+one rank of a world under torch's fake process group on one GPU, or every rank of a real world under torchrun and
+NCCL (megatron.py says what differs: the device, the eager communicator, the barrier before each reading).
     HEADROOM_FAKE_WORLD=W HEADROOM_FAKE_RANK=R WORLD_SIZE=W RANK=0 LOCAL_RANK=0 \\
         python -m headroom_measure dist --spec-json SPEC --out F
+    torchrun --nproc-per-node W -m headroom_measure dist --spec-json SPEC --out F
 The fake group is initialised with rank R of the world, so `parallel_state.initialize_model_parallel(tp, pp)`
 (rank order tp-cp-ep-dp-pp) makes this process pipeline rank `R // (W / pp)`: the first stage holds the
 embedding, the last the final norm, the output layer and the loss, every stage its `num_layers / pp` layers.
@@ -19,8 +21,8 @@ each forward's chunk (`@c`).
 A step is `zero_grad_buffer()` of every chunk, `optimizer.zero_grad()`, then Megatron's
 `forward_backward_pipelining_without_interleaving` over `microbatches` micro-batches of `batch_size /
 microbatches` sequences (the step phase: every forward, backward and receive, and `finalize_model_grads`),
-then `optimizer.step()` (the opt phase). The fake group's sends and receives move nothing, so a receive is the
-`torch.empty(..., requires_grad=True)` Megatron makes for it; the losses are meaningless.
+then `optimizer.step()` (the opt phase). A receive is the `torch.empty(..., requires_grad=True)` Megatron makes for
+it, which the fake group's receives leave as it is (its losses are meaningless).
 The inputs (`input_ids`, `position_ids`, `loss_mask` of one micro-batch) are made once and every micro-batch
 reads them; the loss function is pretrain_gpt's sum over the mask divided by the token count, returned as
 `(loss, {})` (nothing kept in `forward_data_store`). The order in which the schedule runs forwards and backwards
@@ -39,13 +41,16 @@ from .spec import Spec
 
 def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None,
                         stacks: str = "python") -> dict:
-    """Rank HEADROOM_FAKE_RANK of a fake world: build its stage, then three steps; the record (dist.py's shape)."""
+    """Rank HEADROOM_FAKE_RANK of a fake world, or every rank of a real one: build its stage, then three steps; the
+    record (dist.py's shape) on rank 0."""
     import torch
-    import torch.distributed as dist
 
     from .megatron import (
         balanced_routing,
         build_chunks,
+        every_rank,
+        fake_group,
+        finish,
         load_record,
         megatron_options,
         phase_end,
@@ -63,7 +68,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     world, pp, n = par.world_size, par.pp, par.microbatches
     rank = int(os.environ.get("HEADROOM_FAKE_RANK", "0"))
     micro = spec.batch_size // n
-    device, context = start_rank(world, rank, snapshot, stacks)
+    device, context, rank, snapshot = start_rank(world, rank, snapshot, stacks)
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import schedules
@@ -151,46 +156,48 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
         rec["end_allocated"] = torch.cuda.memory_allocated()
         peak_reserved = max(peak_reserved, rec["peak_reserved"])
         steps.append(rec)
-        print(f"[{time.time() - t0:6.1f}s] step {step + 1}: {rec}", file=sys.stderr, flush=True)
+        print(f"[rank {rank} {time.time() - t0:6.1f}s] step {step + 1}: {rec}", file=sys.stderr, flush=True)
     schedules.backward_step = original_backward
     if snapshot:
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
     free, total = torch.cuda.mem_get_info()
     phase_peaks = [load["peak_allocated"]] + [v for r in steps for k, v in r.items() if k.endswith("_peak")]
-    record_rank = {
+    # This stage's parameters, a tensor-parallel weight at its global size.
+    stage_params = sum(
+        p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1)
+        for chunk in chunks for p in chunk.parameters()
+    )
+    mine = {
         "rank": rank,
         "pipeline_rank": pp_rank,
-        "local_rank": 0,
+        "local_rank": device.index,
         "load": load,
         "steps": steps,
         "peak_allocated_bytes": max(phase_peaks),
         "peak_reserved_bytes": peak_reserved,
         "cuda_context_bytes": context,
         "device_used_end_bytes": total - free,
+        "stage_params": stage_params,
     }
-    # This stage's parameters, a tensor-parallel weight at its global size.
-    stage_params = sum(
-        p.numel() * (par.tp if getattr(p, "tensor_model_parallel", False) else 1)
-        for chunk in chunks for p in chunk.parameters()
-    )
+    ranks = every_rank(mine)
+    # The row's count: this stage's under the fake group, every stage's under NCCL.
+    params = sum({r["pipeline_rank"]: r["stage_params"] for r in ranks}.values())
     spec_json, env = spec_and_env(
         spec, options, fields, device, total, world, rank, t0,
         schedule=schedule.__name__,
         order=orders[-1],
         orders_agree=len(set(orders)) == 1,
     )
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    return {
-        "id": row_id or f"megatron/{spec.model}/w{world}-tp{par.tp}-pp{pp}-vpp{vpp}/rank{rank}",
+    return finish({
+        "id": row_id or f"megatron/{spec.model}/w{world}-tp{par.tp}-pp{pp}-vpp{vpp}" + (f"/rank{rank}" if fake_group() else ""),
         "spec": spec_json,
         "measured": {
-            "peak_allocated_bytes": record_rank["peak_allocated_bytes"],
-            "peak_reserved_bytes": peak_reserved,
-            "ranks": [record_rank],
-            "params": stage_params,
-            "trainable_params": stage_params,
+            "peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in ranks),
+            "peak_reserved_bytes": max(r["peak_reserved_bytes"] for r in ranks),
+            "ranks": ranks,
+            "params": params,
+            "trainable_params": params,
         },
         "env": env,
-    }
+    })

@@ -248,8 +248,9 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
 /// run's `world` ranks and tensor-parallel size `tp` (`parallel_state.initialize_model_parallel`,
 /// `BaseMoELayer`, `MoELayer.forward`): Qwen3-MoE's softmax router renormalised over the top k
 /// (`moe_router_pre_softmax` false), every layer routed, no shared expert; `ep` dividing the
-/// experts and the world; no tensor parallelism (`MoELayer` needs sequence parallelism with it
-/// in training, and that is modelled for dense layers only); `etp` dividing the
+/// experts and the world; tensor parallelism without sequence parallelism refused as
+/// `MoELayer.forward` refuses it in training, and with it refused as not modelled yet (the
+/// layer would route its `s*b/tp` shard's tokens); `etp` dividing the
 /// experts' width (`ColumnParallelLinear`'s `divide`) and `ep × etp` the ranks.
 pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture) -> Result<()> {
     // A pipeline stage's ranks: expert parallelism divides them (`RankGenerator`'s expert layout).
@@ -289,12 +290,27 @@ pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture
                 .into(),
         });
     }
+    let sequence_parallel = spec
+        .parallel
+        .as_ref()
+        .is_some_and(|p| p.tensor.sequence_parallel);
+    if tp > 1 && !sequence_parallel {
+        return Err(Error::field(
+            "parallel.sequence_parallel",
+            false,
+            format!(
+                "true with parallel.tp {tp} and an MoE model: Megatron's MoELayer.forward \
+                 raises in training when tensor parallelism runs without sequence parallelism"
+            ),
+        ));
+    }
     if tp > 1 {
         return Err(Error::Unsupported {
-            what: format!("parallel.tp {tp} with an MoE model and framework megatron"),
-            supported: "tp 1 with MoE models: Megatron's MoELayer needs sequence parallelism \
-                        with tensor parallelism in training, which is modelled for dense models \
-                        only; use megatron.expert_model_parallel_size or \
+            what: format!(
+                "parallel.tp {tp} with sequence parallelism, an MoE model and framework megatron"
+            ),
+            supported: "tp 1 with MoE models: the MoE layer on a sequence-parallel shard is not \
+                        modelled yet; use megatron.expert_model_parallel_size or \
                         expert_tensor_parallel_size"
                 .into(),
         });

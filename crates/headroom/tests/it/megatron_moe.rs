@@ -157,7 +157,11 @@ fn bad_expert_layouts_are_refused_by_name() {
     );
     refused(
         spec(2, 8, 2, json!({"expert_model_parallel_size": 2})),
-        &["parallel.tp 2", "sequence parallelism"],
+        &[
+            "parallel.sequence_parallel",
+            "false",
+            "true with parallel.tp 2",
+        ],
     );
     refused(
         spec(2, 8, 1, json!({"expert_tensor_parallel_size": 5})),
@@ -191,6 +195,15 @@ fn bad_expert_layouts_are_refused_by_name() {
     refused(
         spec(2, 8, 2, json!({"expert_tensor_parallel_size": 2})),
         &["parallel.tp 2", "sequence parallelism"],
+    );
+    let mut sequence_parallel = spec(2, 8, 2, json!({}));
+    sequence_parallel["parallel"]["sequence_parallel"] = json!(true);
+    refused(
+        sequence_parallel,
+        &[
+            "parallel.tp 2 with sequence parallelism",
+            "not modelled yet",
+        ],
     );
     let mut routed = spec(2, 8, 1, json!({}));
     routed["routing"] = json!({"max_tokens_per_expert_factor": 2.0});

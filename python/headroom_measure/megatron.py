@@ -99,7 +99,8 @@ def megatron_options(spec: Spec) -> dict:
     ep = raw.get("expert_model_parallel_size", 1)
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise SpecError(f"`megatron.expert_model_parallel_size`: {ep!r} is not allowed; use an integer >= 1")
-    etp = raw.get("expert_tensor_parallel_size", 1)
+    # Megatron-LM's default: the tensor-parallel size.
+    etp = raw.get("expert_tensor_parallel_size", spec.parallel.tp if spec.parallel else 1)
     if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
         raise SpecError(f"`megatron.expert_tensor_parallel_size`: {etp!r} is not allowed; use an integer >= 1")
     out = {
@@ -362,6 +363,14 @@ def train_step(ddp_model, optimizer, batch: tuple, mark) -> float:
     return value
 
 
+def routed_tokens(spec: Spec, sequences: int) -> int:
+    """Tokens a rank's router sees in `sequences` sequences: with sequence parallelism the MoE layer takes this
+    rank's `1/tp` of them (`MoELayer` runs on the sequence-parallel shard)."""
+    tokens = sequences * spec.seq_len
+    par = spec.parallel
+    return tokens // par.tp if par is not None and par.sequence_parallel else tokens
+
+
 def balanced_routing(tokens: int, experts: int, topk: int):
     """Make routing the balanced routing headroom assumes (see the module docstring): the router's `routing_map`
     overwritten in place with token i sent to experts (i*k + j) mod E, and the token counts' all-gather filled as a
@@ -562,7 +571,7 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
     batch = inputs(spec, fields, device)
     if fields.get("model_type") == "qwen3_moe":
         fixed_routing = balanced_routing(  # noqa: F841 (kept alive: the router copies it every layer)
-            spec.batch_size * spec.seq_len, fields["num_experts"], fields["num_experts_per_tok"]
+            routed_tokens(spec, spec.batch_size), fields["num_experts"], fields["num_experts_per_tok"]
         )
     steps, losses = [], []
     peak_reserved = load["peak_reserved"]

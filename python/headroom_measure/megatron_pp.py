@@ -47,6 +47,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
 
     from .megatron import (
         balanced_routing,
+        routed_tokens,
         build_chunks,
         every_rank,
         fake_group,
@@ -106,7 +107,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     loss_mask = torch.ones(micro * spec.seq_len, device=device)
     if fields.get("model_type") == "qwen3_moe":
         fixed_routing = balanced_routing(  # noqa: F841 (kept alive: the router copies it every layer)
-            micro * spec.seq_len, fields["num_experts"], fields["num_experts_per_tok"]
+            routed_tokens(spec, micro), fields["num_experts"], fields["num_experts_per_tok"]
         )
 
     def loss_func(output_tensor):

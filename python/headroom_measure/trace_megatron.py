@@ -214,13 +214,12 @@ def run_megatron_loop(rec, spec, fields: dict, progress, steps: int):
             rec.classify(batch, "input")
             fixed = None
             if moe:
-                share = spec.batch_size * spec.seq_len * fields["num_experts_per_tok"] // fields["num_experts"]
+                tokens = mg.routed_tokens(spec, spec.batch_size)
+                share = tokens * fields["num_experts_per_tok"] // fields["num_experts"]
                 with rec.reading([share, share]):
-                    fixed = mg.balanced_routing(
-                        spec.batch_size * spec.seq_len, fields["num_experts"], fields["num_experts_per_tok"]
-                    )
+                    fixed = mg.balanced_routing(tokens, fields["num_experts"], fields["num_experts_per_tok"])
                 rec.classify([fixed], "input")
-                tokens_times_topk = spec.batch_size * spec.seq_len * fields["num_experts_per_tok"]
+                tokens_times_topk = tokens * fields["num_experts_per_tok"]
                 patch(stack, token_dispatcher, "maybe_move_tensor_to_cpu", _balanced_counts(tokens_times_topk))
             for step in range(1, steps + 1):
                 if progress:

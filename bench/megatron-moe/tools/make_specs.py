@@ -6,20 +6,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron" / "tools"))
-from rows import line, recompute_keys  # noqa: E402
+from rows import MOE_MODELS as MODELS, line, recompute_keys  # noqa: E402
 
-MODELS = {
-    "q30": ("qwen3-30b-a3b", {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-            "moe_intermediate_size": 768, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-            "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
-            "tie_word_embeddings": False}),
-    "q235": ("qwen3-235b-a22b", {"model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288,
-             "moe_intermediate_size": 1536, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
-             "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-             "mlp_only_layers": [], "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
-             "tie_word_embeddings": False}),
-}
 # (model, layers, batch, seq, world, ep, distributed optimizer, recompute (granularity, method, layers), snapshot)
 ROWS = [
     ("q30", 2, 1, 4096, 8, 1, True, None, True),

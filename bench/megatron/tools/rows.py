@@ -41,3 +41,17 @@ DENSE_MODELS = {
               "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
               "rope_theta": 1000000.0, "tie_word_embeddings": False}),
 }
+
+# The MoE models' real widths, by the short key the row ids use.
+MOE_MODELS = {
+    "q30": ("qwen3-30b-a3b", {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+            "moe_intermediate_size": 768, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+            "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+            "tie_word_embeddings": False}),
+    "q235": ("qwen3-235b-a22b", {"model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288,
+             "moe_intermediate_size": 1536, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+             "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+             "tie_word_embeddings": False}),
+}

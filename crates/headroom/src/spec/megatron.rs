@@ -53,7 +53,7 @@ pub struct Megatron {
     pub expert_parallel: u64,
     /// `expert_tensor_parallel_size`: each expert's `linear_fc1` and `linear_fc2` split over
     /// `etp` ranks, which all-gather their tokens before the experts and reduce-scatter the
-    /// outputs after. Unset, Megatron takes the tensor-parallel size, which is 1 with MoE.
+    /// outputs after. Unset, Megatron-LM takes the tensor-parallel size (`RunSpec` sets it).
     pub expert_tensor_parallel: u64,
     /// `transformer_impl: transformer_engine`: the run uses Transformer Engine's layer spec,
     /// which is not modelled; the estimate is the local spec's and says so.
@@ -264,7 +264,13 @@ pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture
             ("expert_model_parallel_size", ep),
             ("expert_tensor_parallel_size", etp),
         ] {
-            if size > 1 {
+            // Megatron-LM sets an unset expert tensor parallelism to tp, dense or not.
+            let default = if key == "expert_tensor_parallel_size" {
+                tp
+            } else {
+                1
+            };
+            if size > 1 && size != default {
                 return Err(Error::field(
                     format!("megatron.{key}"),
                     size,
@@ -303,17 +309,6 @@ pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture
                  raises in training when tensor parallelism runs without sequence parallelism"
             ),
         ));
-    }
-    if tp > 1 {
-        return Err(Error::Unsupported {
-            what: format!(
-                "parallel.tp {tp} with sequence parallelism, an MoE model and framework megatron"
-            ),
-            supported: "tp 1 with MoE models: the MoE layer on a sequence-parallel shard is not \
-                        modelled yet; use megatron.expert_model_parallel_size or \
-                        expert_tensor_parallel_size"
-                .into(),
-        });
     }
     if spec.routing_factor != 1.0 || spec.experts != ExpertsImpl::default() {
         return Err(Error::Unsupported {

@@ -153,7 +153,9 @@ pub(super) fn load(
         &params,
         (
             dp,
-            megatron.expert_data_parallel(parallel.world_size / parallel.pipeline.pp),
+            megatron
+                .expert_data_parallel(parallel.world_size / parallel.pipeline.pp)
+                .filter(|_| chunks.iter().any(|m| m.expert_params.contains(&true))),
         ),
         megatron.distributed_optimizer,
     );

@@ -337,8 +337,8 @@ impl GptModel {
     }
 
     /// The elements of this chunk's gradients `finalize_model_grads` sums over the tp ranks
-    /// (`model::megatron_sp::allreduce_norm_grads`): the norms marked `sequence_parallel`, and
-    /// Qwen3's q/k norms (summed by name) with or without it.
+    /// (`model::megatron_sp::allreduce_norm_grads`): the norms and MoE routers marked
+    /// `sequence_parallel`, and Qwen3's q/k norms (summed by name) with or without it.
     pub(crate) fn tp_summed_grad_numel(&self, t: &Tracer) -> u64 {
         if self.widths.tp == 1 {
             return 0;
@@ -350,6 +350,10 @@ impl GptModel {
             total += numel(layer.q_norm) + numel(layer.k_norm);
             if sp {
                 total += numel(Some(layer.input_norm)) + numel(Some(layer.mlp_norm));
+                // `Router` marks its weight `sequence_parallel` as the config says.
+                if let Mlp::Moe(moe) = &layer.mlp {
+                    total += numel(Some(moe.router()));
+                }
             }
         }
         if sp {

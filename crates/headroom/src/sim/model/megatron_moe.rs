@@ -215,6 +215,11 @@ impl MoeLayer {
         out
     }
 
+    /// The router's weight.
+    pub(crate) fn router(&self) -> ParamId {
+        self.router
+    }
+
     /// The recomputation of a checkpoint that just ran this layer made `probs` on kept graph
     /// `graph` (see [`Tracer::keep_recomputed_graph`]).
     pub(crate) fn hold_graph(&self, graph: u32) {

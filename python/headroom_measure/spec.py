@@ -588,9 +588,10 @@ def _pipeline_parallel(raw: dict, out: Parallel) -> None:
             f"`parallel.pp`: {pp} is measured with strategy none (world_size = pp) or fsdp (FSDP2 over "
             f"world_size / pp), not {out.strategy}"
         )
-    if raw.get("cp", 1) != 1 or raw.get("sequence_parallel", False):
+    if raw.get("cp", 1) != 1 or (raw.get("sequence_parallel", False) and not megatron):
         raise SpecError(
-            "`parallel.cp`/`parallel.sequence_parallel`: not measured inside a pipeline; leave them out with pp >= 2"
+            "`parallel.cp`/`parallel.sequence_parallel`: not measured inside a pipeline (sequence parallelism: with "
+            "framework megatron only); leave them out with pp >= 2"
         )
     if not megatron and out.strategy == "none" and out.world_size != pp:
         raise SpecError(f"`parallel.world_size`: {out.world_size} must equal pp ({pp}) with strategy none")

@@ -982,8 +982,8 @@ impl RunSpec {
 
     /// What a Megatron run is modelled for: training a causal LM in bf16 with Adam, Megatron's
     /// own DDP (strategy ddp) over `world_size / (tp × pp)` ranks, no HF checkpointing,
-    /// LoRA or quantization; sequence parallelism without a pipeline (its norms are torch's
-    /// marked `sequence_parallel`, as the harness builds them).
+    /// LoRA or quantization; sequence parallelism with its norms torch's marked
+    /// `sequence_parallel`, as the harness builds them.
     fn check_megatron(&self) -> Result<()> {
         let framework = self.parallel.as_ref().map(|p| p.tensor.framework);
         let Some(parallel) = self
@@ -1007,18 +1007,6 @@ impl RunSpec {
                 "with framework megatron use ddp (Megatron's DistributedDataParallel over \
                  world_size / tp ranks; megatron.distributed_optimizer shards the optimizer)",
             ));
-        }
-        if parallel.tensor.sequence_parallel && parallel.pipeline.pp > 1 {
-            return Err(Error::Unsupported {
-                what: format!(
-                    "parallel.sequence_parallel with parallel.pp {} and framework megatron",
-                    parallel.pipeline.pp
-                ),
-                supported: "sequence parallelism without pipeline parallelism (pp 1, tp > 1, a \
-                            dense model): the pipeline's sequence-sharded sends and receives are \
-                            not modelled"
-                    .into(),
-            });
         }
         if parallel.tensor.cp > 1 {
             return Err(Error::Unsupported {

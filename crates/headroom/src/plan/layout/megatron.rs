@@ -62,8 +62,11 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
     for pipeline in pipelines(ctx) {
         let stage = ctx.world / pipeline.pp;
         for tp in (1..=GPUS_PER_NODE.min(stage)).filter(|tp| stage.is_multiple_of(*tp)) {
-            for (ep, etp) in expert_layouts(ctx.arch, &base, stage / tp) {
-                let parallel = layout(ctx, &pipeline, tp);
+            for (ep, etp) in expert_layouts(ctx.arch, &base, stage, tp) {
+                let mut parallel = layout(ctx, &pipeline, tp);
+                // Megatron's MoELayer trains under tensor parallelism only with sequence
+                // parallelism.
+                parallel.tensor.sequence_parallel = tp > 1 && ctx.arch.moe.is_some();
                 let dp = data_parallel(&parallel);
                 let batches = batches(global, dp, &pipeline);
                 if batches.is_empty() {
@@ -81,16 +84,16 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
                     continue;
                 }
                 if tp > 1 {
-                    let sequence = TensorParallel {
+                    let sequence = (!parallel.tensor.sequence_parallel).then_some(TensorParallel {
                         sequence_parallel: true,
                         ..parallel.tensor
-                    };
+                    });
                     // Context parallelism of 2 over the data-parallel ranks, where they split.
                     let context = TensorParallel {
                         cp: 2,
                         ..parallel.tensor
                     };
-                    for tensor in [Some(sequence), dp.is_multiple_of(2).then_some(context)]
+                    for tensor in [sequence, dp.is_multiple_of(2).then_some(context)]
                         .into_iter()
                         .flatten()
                     {
@@ -202,9 +205,10 @@ fn lighter_ends(layers: u64, pp: u64) -> Option<Vec<u64>> {
 /// expert-parallel degree that divides them, and each expert-tensor-parallel degree within a
 /// node that divides what is left (its gather and reduce-scatter run in every MoE layer, on the
 /// critical path, as tensor parallelism's do), the spec's own besides. The spec refuses the
-/// degrees that do not divide the experts (`ep`) or their width (`etp`). `(1, 1)` for a dense
-/// model.
-fn expert_layouts(arch: &Architecture, base: &Megatron, ranks: u64) -> Vec<(u64, u64)> {
+/// degrees that do not divide the experts (`ep`) or their width (`etp`). Under tensor
+/// parallelism `tp` the experts' degree is 1 (slime's) or `tp` (Megatron-LM's default). `(1, 1)`
+/// for a dense model.
+fn expert_layouts(arch: &Architecture, base: &Megatron, ranks: u64, tp: u64) -> Vec<(u64, u64)> {
     if arch.moe.is_none() {
         return vec![(1, 1)];
     }
@@ -214,7 +218,12 @@ fn expert_layouts(arch: &Architecture, base: &Megatron, ranks: u64) -> Vec<(u64,
         let left = ranks / ep;
         let own = base.expert_tensor_parallel;
         for etp in divisors(left) {
-            if etp <= GPUS_PER_NODE || etp == own {
+            let searched = if tp == 1 {
+                etp <= GPUS_PER_NODE
+            } else {
+                etp == 1 || etp == tp
+            };
+            if searched || etp == own {
                 out.push((ep, etp));
             }
         }
@@ -421,7 +430,8 @@ pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
     if m.expert_parallel > 1 {
         megatron["expert_model_parallel_size"] = m.expert_parallel.into();
     }
-    if m.expert_tensor_parallel > 1 {
+    // Unset, Megatron-LM takes tp: written wherever it is not 1 or differs from that.
+    if m.expert_tensor_parallel > 1 || p.tensor.tp > 1 {
         megatron["expert_tensor_parallel_size"] = m.expert_tensor_parallel.into();
     }
     if m.transformer_engine {

@@ -179,7 +179,7 @@ impl Run<'_> {
             batch,
             received,
         } = *self;
-        let activation = batch.n() * model.widths.hidden;
+        let activation = model.rows(batch.n()) * model.widths.hidden;
         let total_tokens = t.empty_as(1, DType::I32, Component::Inputs, "total_num_tokens");
         let mut s = Schedule::default();
         for &step in steps {
@@ -340,7 +340,7 @@ impl Interleaved<'_> {
     ) {
         use megatron_interleaved::Step as S;
         let n = self.chunks.len();
-        let activation = self.batch.n() * self.chunks[0].widths.hidden;
+        let activation = self.chunks[0].rows(self.batch.n()) * self.chunks[0].widths.hidden;
         let total_tokens = t.empty_as(1, DType::I32, Component::Inputs, "total_num_tokens");
         let mut s = Chunked {
             inputs: vec![VecDeque::new(); n],

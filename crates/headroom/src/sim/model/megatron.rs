@@ -327,8 +327,8 @@ impl GptModel {
         })
     }
 
-    /// This rank's rows of the `n` between the parallel linears.
-    fn rows(&self, n: u64) -> u64 {
+    /// This rank's rows of the `n` between the parallel linears (what a pipeline stage sends).
+    pub(crate) fn rows(&self, n: u64) -> u64 {
         if self.widths.sequence_parallel {
             n / self.widths.tp
         } else {

@@ -106,6 +106,7 @@ fn trainer_and_fsdp2_mixed_precision_rows_within_the_gates() {
         "bench/megatron-moe/rows-h100-torch2.11.jsonl",
         "bench/megatron-etp/rows-h200-torch2.11.jsonl",
         "bench/megatron-sp/rows-h200-torch2.11.jsonl",
+        "bench/megatron-moe-sp/rows-h200-torch2.11.jsonl",
     ] {
         within_gates(
             rows,
@@ -134,6 +135,7 @@ fn pipeline_parallel_rows_within_the_gates() {
         "bench/megatron-pp-vpp/rows-h100-torch2.11.jsonl",
         "bench/megatron-pp-vpp/rows-moe-h100-torch2.11.jsonl",
         "bench/megatron-pp-vpp/rows-overlap-h100-torch2.11.jsonl",
+        "bench/megatron-pp-sp/rows-h200-torch2.11.jsonl",
         "bench/pp/rows-fsdp-h100-torch2.11.jsonl",
         "bench/pp/rows-fsdp-call2-h100-torch2.11.jsonl",
     ] {

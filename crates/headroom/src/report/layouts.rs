@@ -221,7 +221,9 @@ impl LayoutJson {
             sequence_parallel: p.tensor.sequence_parallel,
             cp: p.tensor.cp,
             ep: c.megatron.map_or(1, |m| m.expert_parallel),
-            etp: c.megatron.map_or(1, |m| m.expert_tensor_parallel),
+            etp: c
+                .megatron
+                .map_or(1, |m| m.expert_tensor_parallel.unwrap_or(1)),
             dp: layout::data_parallel(p),
             strategy: p.strategy.name(),
             framework: if c.megatron.is_some() {

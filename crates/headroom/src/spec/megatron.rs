@@ -53,8 +53,9 @@ pub struct Megatron {
     pub expert_parallel: u64,
     /// `expert_tensor_parallel_size`: each expert's `linear_fc1` and `linear_fc2` split over
     /// `etp` ranks, which all-gather their tokens before the experts and reduce-scatter the
-    /// outputs after. Unset, Megatron-LM takes the tensor-parallel size (`RunSpec` sets it).
-    pub expert_tensor_parallel: u64,
+    /// outputs after. `None`: unset, which Megatron-LM takes as the tensor-parallel size
+    /// ([`Megatron::etp`]).
+    pub expert_tensor_parallel: Option<u64>,
     /// `transformer_impl: transformer_engine`: the run uses Transformer Engine's layer spec,
     /// which is not modelled; the estimate is the local spec's and says so.
     pub transformer_engine: bool,
@@ -72,7 +73,7 @@ impl Default for Megatron {
             distributed_optimizer: false,
             recompute: Recompute::None,
             expert_parallel: 1,
-            expert_tensor_parallel: 1,
+            expert_tensor_parallel: None,
             transformer_engine: false,
             optimizer_cpu_offload: false,
             overlap_p2p_comm: None,
@@ -107,9 +108,15 @@ impl Megatron {
     /// are reduced apart from the dense ones (`allreduce` false: `use_expert_pgs` of the
     /// parallel linears, with `ep > 1` or `etp` other than `tp`, which is 1 with MoE); `None`
     /// when they share the dense buffer.
-    pub fn expert_data_parallel(&self, stage_ranks: u64) -> Option<u64> {
-        let (ep, etp) = (self.expert_parallel, self.expert_tensor_parallel);
+    pub fn expert_data_parallel(&self, stage_ranks: u64, tp: u64) -> Option<u64> {
+        let (ep, etp) = (self.expert_parallel, self.etp(tp));
         (ep > 1 || etp > 1).then(|| stage_ranks / (ep * etp))
+    }
+
+    /// The expert-tensor-parallel size under tensor parallelism `tp`: as given, or tp
+    /// (`arguments.py`: an unset `expert_tensor_parallel_size` is `tensor_model_parallel_size`).
+    pub fn etp(&self, tp: u64) -> u64 {
+        self.expert_tensor_parallel.unwrap_or(tp)
     }
 
     /// Whether the interleaved schedule of `vpp` chunks a rank overlaps its p2p communication.
@@ -161,7 +168,10 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
     }
     let distributed_optimizer = boolean(obj, "distributed_optimizer").map_err(field)?;
     let expert_parallel = positive(obj, "expert_model_parallel_size", 1).map_err(field)?;
-    let expert_tensor_parallel = positive(obj, "expert_tensor_parallel_size", 1).map_err(field)?;
+    let expert_tensor_parallel = match obj.get("expert_tensor_parallel_size") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(positive(obj, "expert_tensor_parallel_size", 1).map_err(field)?),
+    };
     let transformer_engine = choice(
         obj,
         "transformer_impl",
@@ -258,19 +268,16 @@ pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture
         .parallel
         .as_ref()
         .map_or((1, 1), |p| (p.world_size / p.pipeline.pp, p.tensor.tp));
-    let (ep, etp) = (megatron.expert_parallel, megatron.expert_tensor_parallel);
+    let (ep, etp) = (megatron.expert_parallel, megatron.etp(tp));
     let Some(moe) = &arch.moe else {
         for (key, size) in [
             ("expert_model_parallel_size", ep),
-            ("expert_tensor_parallel_size", etp),
+            (
+                "expert_tensor_parallel_size",
+                megatron.expert_tensor_parallel.unwrap_or(1),
+            ),
         ] {
-            // Megatron-LM sets an unset expert tensor parallelism to tp, dense or not.
-            let default = if key == "expert_tensor_parallel_size" {
-                tp
-            } else {
-                1
-            };
-            if size > 1 && size != default {
+            if size > 1 {
                 return Err(Error::field(
                     format!("megatron.{key}"),
                     size,
@@ -406,7 +413,7 @@ mod tests {
             parse_megatron(&json!({"expert_tensor_parallel_size": 4}))
                 .unwrap()
                 .expert_tensor_parallel,
-            4
+            Some(4)
         );
         assert!(
             err(json!({"expert_tensor_parallel_size": 0}))

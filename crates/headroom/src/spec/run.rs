@@ -647,7 +647,7 @@ impl RunSpec {
             }
             None => seq_len,
         };
-        let mut spec = RunSpec {
+        let spec = RunSpec {
             model,
             task: choice(
                 obj,
@@ -737,23 +737,6 @@ impl RunSpec {
                 Some(v) => Some(parse_megatron(v)?),
             },
         };
-        // Megatron-LM's unset expert tensor parallelism is the tensor-parallel size.
-        if let Some(parallel) = spec
-            .parallel
-            .as_ref()
-            .filter(|p| p.tensor.framework == Framework::Megatron && p.tensor.tp > 1)
-        {
-            let given = obj
-                .get("megatron")
-                .and_then(|m| m.get("expert_tensor_parallel_size"))
-                .is_some_and(|v| !v.is_null());
-            if !given {
-                let tp = parallel.tensor.tp;
-                spec.megatron
-                    .get_or_insert_with(Megatron::default)
-                    .expert_tensor_parallel = tp;
-            }
-        }
         spec.check_sizes()?;
         spec.check_combinations()?;
         Ok(spec)

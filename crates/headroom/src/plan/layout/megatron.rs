@@ -74,7 +74,11 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
                 }
                 let plain = Megatron {
                     expert_parallel: ep,
-                    expert_tensor_parallel: etp,
+                    // A dense model's is the spec's, which nothing reads.
+                    expert_tensor_parallel: match ctx.arch.moe {
+                        Some(_) => Some(etp),
+                        None => base.expert_tensor_parallel,
+                    },
                     ..base
                 };
                 // The layout alone: a micro-batch of one sequence through each stage.
@@ -101,7 +105,13 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
                             tensor,
                             ..parallel.clone()
                         };
-                        out.push(candidate(&variant, (1, pipeline.pp, 1), plain));
+                        // One micro-batch of one sequence at a time, keeping the global batch.
+                        let batch = batches
+                            .iter()
+                            .copied()
+                            .find(|&(micro, _, _)| micro == 1)
+                            .unwrap_or(batches[0]);
+                        out.push(candidate(&variant, batch, plain));
                     }
                 }
                 for &batch in &batches {
@@ -223,7 +233,7 @@ fn expert_layouts(arch: &Architecture, base: &Megatron, ranks: u64, tp: u64) -> 
             } else {
                 etp == 1 || etp == tp
             };
-            if searched || etp == own {
+            if searched || Some(etp) == own {
                 out.push((ep, etp));
             }
         }
@@ -313,11 +323,15 @@ pub(super) fn name(c: &Candidate, m: &Megatron) -> String {
         parts.push(format!("cp {}", p.tensor.cp));
     }
     // Expert (tensor) parallelism spreads each MoE layer's experts over data-parallel ranks.
-    let experts: Vec<String> = [("ep", m.expert_parallel), ("etp", m.expert_tensor_parallel)]
-        .into_iter()
-        .filter(|&(_, size)| size > 1)
-        .map(|(axis, size)| format!("{axis} {size}"))
-        .collect();
+    // A dense model's candidates leave etp unset; an MoE model's always set it.
+    let experts: Vec<String> = [
+        ("ep", m.expert_parallel),
+        ("etp", m.expert_tensor_parallel.unwrap_or(1)),
+    ]
+    .into_iter()
+    .filter(|&(_, size)| size > 1)
+    .map(|(axis, size)| format!("{axis} {size}"))
+    .collect();
     parts.push(format!(
         "dp {} (Megatron DDP{}){}",
         data_parallel(p),
@@ -361,12 +375,9 @@ pub(super) fn name(c: &Candidate, m: &Megatron) -> String {
 /// split costs): what it splits and what its collectives cost.
 pub(super) fn why_split_experts(s: &LayoutSearch) -> Option<String> {
     let best = s.best()?;
-    let etp = best.candidate.megatron?.expert_tensor_parallel;
-    let whole = |e: &Evaluated| {
-        e.candidate
-            .megatron
-            .is_none_or(|m| m.expert_tensor_parallel == 1)
-    };
+    let tp = |e: &Evaluated| e.candidate.parallel.tensor.tp;
+    let etp = best.candidate.megatron?.etp(tp(best));
+    let whole = |e: &Evaluated| e.candidate.megatron.is_none_or(|m| m.etp(tp(e)) == 1);
     (etp > 1 && !s.ranked.iter().any(whole)).then(|| {
         format!(
             "no layout that keeps each expert whole on a rank fits: it splits every expert's \
@@ -430,9 +441,11 @@ pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
     if m.expert_parallel > 1 {
         megatron["expert_model_parallel_size"] = m.expert_parallel.into();
     }
-    // Unset, Megatron-LM takes tp: written wherever it is not 1 or differs from that.
-    if m.expert_tensor_parallel > 1 || p.tensor.tp > 1 {
-        megatron["expert_tensor_parallel_size"] = m.expert_tensor_parallel.into();
+    if let Some(etp) = m
+        .expert_tensor_parallel
+        .filter(|&etp| etp > 1 || p.tensor.tp > 1)
+    {
+        megatron["expert_tensor_parallel_size"] = etp.into();
     }
     if m.transformer_engine {
         megatron["transformer_impl"] = "transformer_engine".into();
@@ -467,7 +480,7 @@ pub(super) struct Cost {
 impl Cost {
     pub(super) fn of(spec: &RunSpec, arch: &Architecture, c: &Candidate, m: &Megatron) -> Self {
         let p = &c.parallel;
-        let (ep, etp) = (m.expert_parallel, m.expert_tensor_parallel);
+        let (ep, etp) = (m.expert_parallel, m.etp(p.tensor.tp));
         let routed = arch.moe.as_ref().map_or(0, |moe| {
             (0..arch.layers).filter(|&l| moe.routes(l)).count() as u64
         });
@@ -539,8 +552,8 @@ mod tests {
 
     /// Over the 405B's 512 GPUs: the spec's own layout is a candidate; every other one the spec
     /// admits keeps the global batch (or comes closest where dp does not divide it) and is a
-    /// spec Megatron runs; those it refuses are context parallelism and sequence parallelism
-    /// inside a pipeline, named.
+    /// spec Megatron runs, sequence parallelism inside a pipeline among them; those it refuses
+    /// are context parallelism, named.
     #[test]
     fn the_405b_candidates_hold_its_own_layout_and_only_what_megatron_runs() {
         let spec = example("llama-3.1-405b-megatron-tp8-pp16-512xh100.yaml");
@@ -561,12 +574,8 @@ mod tests {
                 .and_then(|s| s.check_against(&arch))
             {
                 Ok(_) => {
-                    assert!(
-                        (!p.tensor.sequence_parallel || p.pipeline.pp == 1) && p.tensor.cp == 1,
-                        "{}",
-                        c.name()
-                    );
-                    sequence_parallel_admitted |= p.tensor.sequence_parallel;
+                    assert_eq!(p.tensor.cp, 1, "{}", c.name());
+                    sequence_parallel_admitted |= p.tensor.sequence_parallel && p.pipeline.pp > 1;
                     let dp = data_parallel(p);
                     if global.is_multiple_of(dp) {
                         assert_eq!(c.global_batch(), global, "{}", c.name());
@@ -578,18 +587,10 @@ mod tests {
             }
         }
         let refused: Vec<_> = refused.into_iter().flatten().collect();
-        assert_eq!(refused[0], "parallel.cp with framework megatron");
-        assert!(refused.len() > 1, "{refused:?}");
-        for what in &refused[1..] {
-            assert!(
-                what.starts_with("parallel.sequence_parallel with parallel.pp ")
-                    && what.ends_with(" and framework megatron"),
-                "{what}"
-            );
-        }
+        assert_eq!(refused, ["parallel.cp with framework megatron"]);
         assert!(
             sequence_parallel_admitted,
-            "sequence parallelism without a pipeline"
+            "sequence parallelism inside a pipeline"
         );
         // The interleaved schedule where pp × vpp divides the 126 layers: pp 2 alone.
         let interleaved: std::collections::BTreeSet<(u64, u64)> = all
@@ -604,10 +605,10 @@ mod tests {
     }
 
     /// Qwen3-235B-A22B over 64 GPUs: expert parallelism over each divisor of a stage's ranks,
-    /// tensor parallelism refused by name (without sequence parallelism Megatron's MoELayer
-    /// refuses it; with it, it is not modelled yet), every admitted candidate at tp 1.
+    /// and tensor parallelism only with sequence parallelism (Megatron's MoELayer refuses it
+    /// otherwise in training), its experts split 1 or tp ways.
     #[test]
-    fn an_moe_model_gets_expert_parallelism_and_no_tensor_parallelism() {
+    fn an_moe_model_gets_expert_parallelism_and_tensor_parallelism_with_sequence_parallelism() {
         let spec = example("qwen3-235b-a22b-megatron-grpo-slime.yaml");
         let (all, arch, _) = all(&spec);
         let admitted: Vec<&Candidate> = all
@@ -619,7 +620,16 @@ mod tests {
                     .is_ok()
             })
             .collect();
-        assert!(admitted.iter().all(|c| c.parallel.tensor.tp == 1));
+        for c in &admitted {
+            let (tp, m) = (c.parallel.tensor.tp, c.megatron.expect("megatron"));
+            assert!(
+                tp == 1 || c.parallel.tensor.sequence_parallel,
+                "{}",
+                c.name()
+            );
+            assert!(tp == 1 || m.etp(tp) == 1 || m.etp(tp) == tp, "{}", c.name());
+        }
+        assert!(admitted.iter().any(|c| c.parallel.tensor.tp > 1));
         let eps: std::collections::BTreeSet<u64> = admitted
             .iter()
             .map(|c| c.megatron.expect("megatron").expert_parallel)
@@ -627,15 +637,6 @@ mod tests {
         assert_eq!(
             eps.into_iter().collect::<Vec<_>>(),
             [1, 2, 4, 8, 16, 32, 64]
-        );
-        let tp = all
-            .iter()
-            .find(|c| c.parallel.tensor.tp == 2)
-            .expect("a tensor-parallel layout, refused");
-        let why = refusal(&spec, &arch, tp);
-        assert!(
-            why.contains("parallel.tp 2") && why.contains("an MoE model"),
-            "{why}"
         );
     }
 
@@ -664,7 +665,7 @@ mod tests {
         (
             c.parallel.pipeline.pp,
             m.expert_parallel,
-            m.expert_tensor_parallel,
+            m.etp(c.parallel.tensor.tp),
         )
     }
 
@@ -736,14 +737,6 @@ mod tests {
         assert_eq!(etps(&plain).into_iter().collect::<Vec<_>>(), [1, 2, 4, 8]);
         let own = wide_experts(32, serde_json::json!({"expert_tensor_parallel_size": 16}));
         assert_eq!(etps(&own).into_iter().collect::<Vec<_>>(), [1, 2, 4, 8, 16]);
-    }
-
-    fn refusal(spec: &RunSpec, arch: &Architecture, c: &Candidate) -> String {
-        c.spec(spec)
-            .rechecked()
-            .and_then(|s| s.check_against(arch))
-            .expect_err("refused")
-            .to_string()
     }
 
     #[test]

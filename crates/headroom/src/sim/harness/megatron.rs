@@ -154,7 +154,10 @@ pub(super) fn load(
         (
             dp,
             megatron
-                .expert_data_parallel(parallel.world_size / parallel.pipeline.pp)
+                .expert_data_parallel(
+                    parallel.world_size / parallel.pipeline.pp,
+                    parallel.tensor.tp,
+                )
                 .filter(|_| chunks.iter().any(|m| m.expert_params.contains(&true))),
         ),
         megatron.distributed_optimizer,

@@ -170,7 +170,7 @@ impl GptModel {
             top_k: moe.top_k,
             width: moe.intermediate,
             ep: megatron.expert_parallel,
-            etp: megatron.expert_tensor_parallel,
+            etp: megatron.etp(tp),
         });
         let widths = Widths {
             hidden: arch.hidden,

@@ -7,16 +7,9 @@ from pathlib import Path
 
 here = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(here.parent / "megatron" / "tools"))
-from rows import DENSE_MODELS, recompute_keys  # noqa: E402
+from rows import DENSE_MODELS, MOE_MODELS, recompute_keys  # noqa: E402
 
-MOE = {
-    "q30": ("qwen3-30b-a3b", {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-            "moe_intermediate_size": 768, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-            "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
-            "tie_word_embeddings": False}),
-}
-MODELS = {**DENSE_MODELS, **MOE}
+MODELS = {**DENSE_MODELS, "q30": MOE_MODELS["q30"]}
 # (model, layers, batch, seq, tp, sp, pp, vpp, microbatches, ep, etp, distributed optimizer, recompute, overlap p2p,
 #  snapshot)
 ROWS = [
@@ -35,7 +28,7 @@ WORLD = 4
 def row(key, layers, b, s, tp, sp, pp, vpp, mb, ep, etp, dist_opt, recompute, overlap, snapshot):
     model, config = MODELS[key]
     mega = {"distributed_optimizer": dist_opt}
-    if ep > 1 or etp > 1 or key in MOE:
+    if ep > 1 or etp > 1 or key in MOE_MODELS:
         mega["expert_model_parallel_size"] = ep
     if etp > 1:
         mega["expert_tensor_parallel_size"] = etp
@@ -54,7 +47,7 @@ def row(key, layers, b, s, tp, sp, pp, vpp, mb, ep, etp, dist_opt, recompute, ov
             parallel.update(vpp=vpp, schedule="interleaved-1f1b")
             shape += f"-vpp{vpp}"
         shape += f"-mb{mb}"
-    if key in MOE:
+    if key in MOE_MODELS:
         shape += f"-ep{ep}" + (f"-etp{etp}" if etp > 1 else "")
     shape += "-do" if dist_opt else "-nodo"
     if overlap:

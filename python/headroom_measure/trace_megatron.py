@@ -55,8 +55,8 @@ def require_megatron() -> None:
 
 
 def refuse_untraceable_megatron(spec) -> None:
-    """The spec's `megatron` block checked as the harness checks it, and what the tracer does not run refused
-    by name: expert tensor parallelism, whose token counts the balanced reads do not give."""
+    """The spec's `megatron` block checked as the harness checks it, and expert tensor parallelism when given
+    (left unset it is tp, refused once the model is known to have experts: `run_megatron_loop`)."""
     from .megatron import megatron_options
     from .spec import SpecError
 
@@ -64,11 +64,16 @@ def refuse_untraceable_megatron(spec) -> None:
         options = megatron_options(spec)
     except SpecError as err:
         raise TraceError(str(err)) from None
-    if options["expert_tensor_parallel_size"] != 1:
-        raise TraceError(
-            f"`megatron.expert_tensor_parallel_size: {options['expert_tensor_parallel_size']}`: the tracer runs "
-            "Megatron's experts with expert tensor parallelism 1; `headroom estimate` models it natively"
-        )
+    if (spec.raw.get("megatron") or {}).get("expert_tensor_parallel_size", 1) != 1:
+        raise untraced_expert_tensor_parallelism(options)
+
+
+def untraced_expert_tensor_parallelism(options: dict) -> TraceError:
+    """Expert tensor parallelism's token counts are not what the balanced reads give."""
+    return TraceError(
+        f"`megatron.expert_tensor_parallel_size: {options['expert_tensor_parallel_size']}`: the tracer runs "
+        "Megatron's experts with expert tensor parallelism 1; `headroom estimate` models it natively"
+    )
 
 
 @contextlib.contextmanager
@@ -194,6 +199,8 @@ def run_megatron_loop(rec, spec, fields: dict, progress, steps: int):
 
     options = mg.megatron_options(spec)
     moe = fields.get("model_type") == "qwen3_moe"
+    if moe and options["expert_tensor_parallel_size"] != 1:
+        raise untraced_expert_tensor_parallelism(options)
     with fake_world(spec.parallel.world_size), cuda_answers(rec), contextlib.ExitStack() as stack:
         # `balanced_routing` replaces these two for the life of the process; here, of the trace.
         patch(stack, router, "topk_routing_with_score_function", router.topk_routing_with_score_function)

@@ -30,9 +30,9 @@ class MegatronSpecTest(unittest.TestCase):
         self.assertEqual((spec.parallel.framework, spec.parallel.tp, spec.parallel.shard_size), ("megatron", 2, 4))
         self.assertEqual(
             megatron_options(spec),
-            {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1, "distributed_optimizer": True, "recompute_granularity": "full",
+            {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2, "distributed_optimizer": True, "recompute_granularity": "full",
              "recompute_method": "uniform", "recompute_num_layers": 1, "overlap_p2p_comm": None},
-        )  # fmt: skip
+        )  # fmt: skip (an unset expert_tensor_parallel_size is tp, as Megatron-LM's arguments make it)
         self.assertEqual(megatron_options(specmod.parse(raw()))["recompute_granularity"], None)
         ep = megatron_options(specmod.parse(raw(megatron={"expert_model_parallel_size": 8})))
         self.assertEqual(ep["expert_model_parallel_size"], 8)

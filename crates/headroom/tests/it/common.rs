@@ -138,6 +138,13 @@ pub fn llama_3_1_8b_widths(layers: u64) -> Value {
     })
 }
 
+/// The estimate of the run spec `value` on an H100 (panics if it is refused).
+pub fn estimate_value(value: &Value) -> headroom::estimate::Estimate {
+    let spec = headroom::spec::RunSpec::from_value(value).expect("a valid spec");
+    let gpu = headroom::gpu::find("h100-80gb").expect("gpu");
+    headroom::estimate::estimate(&spec, None, &gpu).expect("estimate")
+}
+
 /// The error `value` is refused with, read and checked against its model as `estimate` does;
 /// panics if it is accepted.
 pub fn refusal(value: &Value) -> String {

@@ -196,15 +196,12 @@ fn bad_expert_layouts_are_refused_by_name() {
         spec(2, 8, 2, json!({"expert_tensor_parallel_size": 2})),
         &["parallel.tp 2", "sequence parallelism"],
     );
-    let mut sequence_parallel = spec(2, 8, 2, json!({}));
+    // With sequence parallelism tp 2 runs, the experts split tp ways unless etp says otherwise.
+    let mut sequence_parallel = spec(2, 8, 2, json!({"expert_model_parallel_size": 4}));
     sequence_parallel["parallel"]["sequence_parallel"] = json!(true);
-    refused(
-        sequence_parallel,
-        &[
-            "parallel.tp 2 with sequence parallelism",
-            "not modelled yet",
-        ],
-    );
+    let parsed = RunSpec::from_value(&sequence_parallel).expect("tp with sequence parallelism");
+    assert_eq!(parsed.megatron.expect("megatron").etp(2), 2);
+    estimate(&sequence_parallel);
     let mut routed = spec(2, 8, 1, json!({}));
     routed["routing"] = json!({"max_tokens_per_expert_factor": 2.0});
     refused(routed, &["routing", "balanced routing"]);

@@ -270,12 +270,12 @@ pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture
         .map_or((1, 1), |p| (p.world_size / p.pipeline.pp, p.tensor.tp));
     let (ep, etp) = (megatron.expert_parallel, megatron.etp(tp));
     let Some(moe) = &arch.moe else {
+        // Megatron-LM resolves an unset expert tensor parallelism to tp for a dense model too
+        // (and its harness records that): tp is as good as 1 where there are no experts.
+        let etp = megatron.expert_tensor_parallel.filter(|&etp| etp != tp);
         for (key, size) in [
             ("expert_model_parallel_size", ep),
-            (
-                "expert_tensor_parallel_size",
-                megatron.expert_tensor_parallel.unwrap_or(1),
-            ),
+            ("expert_tensor_parallel_size", etp.unwrap_or(1)),
         ] {
             if size > 1 {
                 return Err(Error::field(

@@ -106,8 +106,8 @@ pub enum RecomputeMethod {
 impl Megatron {
     /// The experts' data-parallel ranks, `stage_ranks / (ep × etp)`, when their parameters
     /// are reduced apart from the dense ones (`allreduce` false: `use_expert_pgs` of the
-    /// parallel linears, with `ep > 1` or `etp` other than `tp`, which is 1 with MoE); `None`
-    /// when they share the dense buffer.
+    /// parallel linears, with `ep > 1` or `etp > 1`); `None` when they share the dense buffer.
+    /// Only a model with experts asks.
     pub fn expert_data_parallel(&self, stage_ranks: u64, tp: u64) -> Option<u64> {
         let (ep, etp) = (self.expert_parallel, self.etp(tp));
         (ep > 1 || etp > 1).then(|| stage_ranks / (ep * etp))
@@ -258,10 +258,9 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
 /// run's `world` ranks and tensor-parallel size `tp` (`parallel_state.initialize_model_parallel`,
 /// `BaseMoELayer`, `MoELayer.forward`): Qwen3-MoE's softmax router renormalised over the top k
 /// (`moe_router_pre_softmax` false), every layer routed, no shared expert; `ep` dividing the
-/// experts and the world; tensor parallelism without sequence parallelism refused as
-/// `MoELayer.forward` refuses it in training, and with it refused as not modelled yet (the
-/// layer would route its `s*b/tp` shard's tokens); `etp` dividing the
-/// experts' width (`ColumnParallelLinear`'s `divide`) and `ep × etp` the ranks.
+/// experts and the world; tensor parallelism only with sequence parallelism (`MoELayer.forward`
+/// refuses it otherwise in training), each rank routing its `1/tp` of the sequence; `etp`
+/// dividing the experts' width (`ColumnParallelLinear`'s `divide`) and `ep × etp` the ranks.
 pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture) -> Result<()> {
     // A pipeline stage's ranks: expert parallelism divides them (`RankGenerator`'s expert layout).
     let (world, tp) = spec

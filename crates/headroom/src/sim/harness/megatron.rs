@@ -158,7 +158,7 @@ pub(super) fn load(
                     parallel.world_size / parallel.pipeline.pp,
                     parallel.tensor.tp,
                 )
-                .filter(|_| chunks.iter().any(|m| m.expert_params.contains(&true))),
+                .filter(|_| arch.moe.is_some()),
         ),
         megatron.distributed_optimizer,
     );

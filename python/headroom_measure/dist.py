@@ -337,6 +337,32 @@ def _build_ep(spec: Spec, cfg, cls, dtype, device):
     return model, (params, _count_params(model, par.world_size, trainable_only=True))
 
 
+def _build_tp_plan(spec: Spec, cfg, cls, dtype, device):
+    """transformers' own tensor parallelism (`parallel.framework: transformers`) as
+    `from_pretrained(..., distributed_config=DistributedConfig(tp_size=tp))` applies it, on the meta
+    model the other builders start from: `initialize_tensor_parallelism`'s mesh over all ranks, then
+    `maybe_distribute_model` (the config's `base_model_tp_plan` and the head's `colwise_gather_output`:
+    the projections' `Shard(0)`/`Shard(1)` DTensors and their forward hooks; the embedding and the norms
+    stay plain tensors), then the weights and checkpointing as the single-run harness."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    from .measure import _prepare
+
+    par = spec.parallel
+    with torch.device("meta"):
+        model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
+    mesh = init_device_mesh(device.type, (par.tp,))
+    config = DistributedConfig(tp_size=par.tp, tp_plan="auto")
+    model = type(model).maybe_distribute_model(model, config, mesh)
+    model.to_empty(device=device)
+    _initialize(model, device)
+    params = _count_params(model, par.world_size)
+    model = _prepare(spec, model)
+    return model, (params, _count_params(model, par.world_size, trainable_only=True))
+
+
 def _context_parallel(cp_mesh, inputs):
     """torchtitan's `create_context_parallel_ctx` around one step's forward and backward: the
     all-gather rotation of the ring (torchtitan's default `context_parallel_rotate_method`), the
@@ -643,6 +669,8 @@ def measure_dist(
 
         chunks, pipeline_step, counts = pp.build(spec, cfg, cls, dtype, device, rank)
         model = torch.nn.ModuleList(chunks)
+    elif par.framework == "transformers":
+        model, counts = _build_tp_plan(spec, cfg, cls, dtype, device)
     elif par.tp > 1 or par.cp > 1:
         model, cp_mesh = _build_torchtitan(spec, cfg, cls, dtype, device)
         hf_model = model
@@ -704,8 +732,9 @@ def measure_dist(
 
     def loss_context():
         """torchtitan's `loss_parallel()` around forward and backward: the cross-entropy runs on
-        the vocabulary shards the column-parallel head leaves."""
-        if par.tp == 1:
+        the vocabulary shards the column-parallel head leaves (transformers' plan gathers the
+        logits whole instead)."""
+        if par.tp == 1 or par.framework == "transformers":
             return contextlib.nullcontext()
         from torch.distributed.tensor.parallel import loss_parallel
 

@@ -39,7 +39,7 @@ PARALLEL_KEYS = (
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 # whose parallelisation the harness applies: torchtitan's plan (dist.py `_parallelize_tp`, tp > 1) or
 # Megatron-core's GPTModel with its own DDP and optimizer (megatron.py, strategy ddp)
-FRAMEWORKS = ("torchtitan", "megatron")
+FRAMEWORKS = ("torchtitan", "megatron", "transformers")
 # fsdp: which modules fully_shard makes units of (dist.py `_fully_shard_units`)
 FSDP_UNITS = ("layers", "layers-keep-root", "layers-embedding", "accelerate")
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
@@ -461,7 +461,7 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
     out.units = units
     _pipeline_parallel(raw, out)
     _expert_parallel(raw, out, spec)
-    _tensor_parallel(raw, out)
+    _tensor_parallel(raw, out, spec)
     _context_parallel(raw, out, spec)
     if spec.mode != "train" and not forward_ok:
         raise SpecError(f"`parallel`: mode {spec.mode!r} is not allowed; sharded runs are measured in mode train")
@@ -483,7 +483,31 @@ def _parallel(raw: Any, spec: Spec, forward_ok: bool = False) -> Parallel:
     return out
 
 
-def _tensor_parallel(raw: dict, out: Parallel) -> None:
+def _transformers_tensor_parallel(out: Parallel, spec, tp: int, sp: bool) -> None:
+    """transformers' own tensor parallelism (`DistributedConfig(tp_size=tp)`: the config's
+    `base_model_tp_plan`): alone over every rank, as `maybe_distribute_model` applies it."""
+    if tp < 2 or out.strategy != "none" or out.world_size != tp:
+        raise SpecError(
+            f"`parallel.framework`: 'transformers' needs strategy none and world_size == tp >= 2, not "
+            f"{out.strategy}, {out.world_size} and {tp} (transformers 5.17 applies one of tensor, FSDP2 or "
+            "pipeline parallelism)"
+        )
+    if sp:
+        raise SpecError(
+            "`parallel.sequence_parallel`: true is not allowed with framework transformers; the models' "
+            "base_model_tp_plan has no sequence-parallel entries: leave it out"
+        )
+    if out.pp > 1:
+        raise SpecError("`parallel.framework`: 'transformers' is tensor parallelism alone; leave pp out")
+    if spec.optimizer not in ("adamw-forloop", "none"):
+        raise SpecError(
+            f"`optimizer`: {spec.optimizer!r} is not allowed with framework transformers; use adamw-forloop (the "
+            "plan leaves the embedding and the norms plain tensors beside DTensors, which torch 2.11's foreach "
+            "and fused AdamW refuse; transformers' Trainer steps them one at a time too)"
+        )
+
+
+def _tensor_parallel(raw: dict, out: Parallel, spec) -> None:
     """`tp`, `sequence_parallel`, `framework`: the tensor-parallel mesh dimension, composed with
     strategy fsdp (FSDP2 over the data-parallel dimension) or alone (strategy none)."""
     tp = raw.get("tp", 1)
@@ -521,7 +545,9 @@ def _tensor_parallel(raw: dict, out: Parallel) -> None:
             f"`parallel.strategy`: 'none' (tensor parallelism alone) needs world_size == tp, not "
             f"{out.world_size} and {tp}; use fsdp to shard over the data-parallel dimension"
         )
-    if out.strategy == "none" and tp > 1 and not sp:
+    if framework == "transformers":
+        _transformers_tensor_parallel(out, spec, tp, sp)
+    elif out.strategy == "none" and tp > 1 and not sp:
         raise SpecError(
             "`parallel.sequence_parallel`: false is not allowed with strategy none: the norms stay plain "
             "tensors beside DTensors and AdamW's foreach step refuses the mix (torch 2.11); set it true or use fsdp"

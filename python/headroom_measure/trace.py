@@ -204,6 +204,10 @@ class Recorder:
                     return NotImplemented
                 if func is local_scalar:
                     return recorder._scalar(args[0])
+                if func is wait_tensor:
+                    # CUDA's `wait_tensor` returns the collective's output itself; the fake
+                    # kernel makes a new tensor, which no run allocates.
+                    return args[0]
                 out = NotImplemented
                 if recorder.answers is not None:
                     out = recorder.answers.dispatch(recorder, func, args, kwargs)
@@ -223,6 +227,7 @@ class Recorder:
         from torch.distributed.tensor import DTensor
 
         local_scalar = torch.ops.aten._local_scalar_dense.default
+        wait_tensor = torch.ops._c10d_functional.wait_tensor.default
         bincount = torch.ops.aten.bincount.default
         embedding_backward = torch.ops.aten.embedding_dense_backward.default
 

@@ -61,6 +61,7 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
         };
         let strategy = match p.tensor.framework {
             headroom::spec::Framework::Megatron => "megatron-core ddp",
+            headroom::spec::Framework::Transformers => "transformers' tp_plan",
             headroom::spec::Framework::Torchtitan => p.strategy.name(),
         };
         out += &format!(

@@ -78,7 +78,11 @@ pub struct Architecture {
     pub heads: u64,
     pub kv_heads: u64,
     pub head_dim: u64,
+    /// Columns of the output head's logits: the vocabulary, or this rank's share of it.
     pub vocab: u64,
+    /// Rows of the input embedding: the vocabulary, or this rank's share where a
+    /// tensor-parallel plan splits the embedding too.
+    pub embed_vocab: u64,
     pub max_positions: u64,
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry a bias (Qwen2; Llama with `attention_bias`).
@@ -519,6 +523,7 @@ impl Architecture {
             kv_heads,
             head_dim,
             vocab,
+            embed_vocab: vocab,
             max_positions,
             tie_word_embeddings: flag(config, "tie_word_embeddings", default_tie),
             qkv_bias,
@@ -593,14 +598,19 @@ impl Architecture {
     }
 
     /// What one rank of a tensor-parallel group of `tp` holds and computes: its share of the
-    /// attention heads (query and key/value), of the MLP's width and of the vocabulary rows of
-    /// the embedding and the head.
-    pub fn tensor_parallel_shard(&self, tp: u64) -> Architecture {
+    /// attention heads (query and key/value), of the MLP's width and of the head's vocabulary
+    /// rows, and of the embedding's where the plan splits it (torchtitan's, not transformers').
+    pub fn tensor_parallel_shard(&self, tp: u64, splits_embedding: bool) -> Architecture {
         Architecture {
             heads: self.heads / tp,
             kv_heads: self.kv_heads / tp,
             intermediate: self.intermediate / tp,
             vocab: self.vocab / tp,
+            embed_vocab: if splits_embedding {
+                self.embed_vocab / tp
+            } else {
+                self.embed_vocab
+            },
             ..self.clone()
         }
     }
@@ -659,7 +669,7 @@ impl Architecture {
                 out.push(Param {
                     module: Module::Embed,
                     layer: None,
-                    rows: self.vocab,
+                    rows: self.embed_vocab,
                     cols: h,
                     is_bias: false,
                 });
@@ -695,7 +705,7 @@ impl Architecture {
                 out.push(Param {
                     module: Module::Embed,
                     layer: None,
-                    rows: self.vocab,
+                    rows: self.embed_vocab,
                     cols: h,
                     is_bias: false,
                 });

@@ -17,6 +17,7 @@ mod parse;
 mod pipeline;
 mod pipeline_parallel;
 mod run;
+mod tp_plan;
 mod trainer;
 mod versions;
 

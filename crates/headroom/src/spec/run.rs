@@ -8,6 +8,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::expert_parallel;
+use super::tp_plan;
 use super::megatron::{Megatron, Recompute, RecomputeMethod, parse_megatron};
 use super::parse::{
     RUN_SPEC_KEY, boolean, choice, parse_document, positive, read_document, unknown_key,
@@ -322,6 +323,10 @@ pub enum Framework {
     /// `DistributedDataParallel` over `world_size / tp` ranks and its optimizer
     /// (`spec::megatron`).
     Megatron,
+    /// transformers' own plan (`from_pretrained(..., distributed_config=
+    /// DistributedConfig(tp_size=tp))`: the config's `base_model_tp_plan`, the head's
+    /// `colwise_gather_output`), alone over every rank (`spec::tp_plan`).
+    Transformers,
 }
 
 /// `FullyShardedDataParallel`'s settings that change memory.
@@ -930,6 +935,8 @@ impl RunSpec {
             }
             if tensor.ep > 1 {
                 expert_parallel::check_spec(self, tensor.ep)?;
+            } else if tensor.framework == Framework::Transformers {
+                tp_plan::check_spec(self, tensor.tp)?;
             } else if parallel.strategy != Strategy::Ddp && self.lora.is_some() {
                 return Err(Error::Unsupported {
                     what: format!("LoRA with parallel.strategy {}", parallel.strategy.name()),
@@ -1316,7 +1323,7 @@ impl RunSpec {
             .parallel
             .as_ref()
             .map(|p| p.tensor)
-            .filter(|t| t.tp > 1 && t.framework == Framework::Torchtitan)
+            .filter(|t| t.tp > 1 && t.framework != Framework::Megatron)
         {
             check_tensor_parallel(tensor, arch)?;
         }
@@ -1673,9 +1680,10 @@ fn refuse_tied_embeddings(arch: &Architecture, key: &str) -> Result<()> {
     Ok(())
 }
 
-/// What a tensor-parallel layout needs of the model: a Llama-style decoder (the plan names
-/// its modules) whose heads, MLP width and vocabulary divide over the group, and an output
-/// head of its own (a tied one would be distributed twice).
+/// What a tensor-parallel layout needs of the model: a Llama-style decoder (torchtitan's and
+/// transformers' plans name its modules) whose heads, MLP width and vocabulary divide over the
+/// group, and an output head of its own (a tied one would be distributed twice; transformers
+/// would make the embedding the head's vocabulary-sharded DTensor).
 pub(crate) fn check_tensor_parallel(tensor: TensorParallel, arch: &Architecture) -> Result<()> {
     let tp = tensor.tp;
     if !torchtitan_plan_applies(arch) {
@@ -1847,6 +1855,7 @@ fn parse_tensor_parallel(
             &[
                 ("torchtitan", Framework::Torchtitan),
                 ("megatron", Framework::Megatron),
+                ("transformers", Framework::Transformers),
             ],
             Framework::Torchtitan,
         )
@@ -1867,6 +1876,16 @@ fn parse_tensor_parallel(
             sequence_parallel,
             framework,
             cp: positive(obj, "cp", 1).map_err(field)?,
+            ep: 1,
+        });
+    }
+    if framework == Framework::Transformers {
+        tp_plan::parse(obj, strategy, world_size, tp, sequence_parallel)?;
+        return Ok(TensorParallel {
+            tp,
+            sequence_parallel,
+            framework,
+            cp: 1,
             ep: 1,
         });
     }

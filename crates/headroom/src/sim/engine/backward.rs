@@ -504,6 +504,9 @@ impl Tracer {
             }
             Bwd::AllReduce => out
                 .push(needs(0).map(|(numel, dtype)| self.empty(numel, dtype, "all_reduce(grad)"))),
+            Bwd::ChunkOfGathered => out.push(
+                needs(0).map(|(numel, dtype)| self.empty(numel, dtype, "grad chunk (clone)")),
+            ),
             Bwd::ReduceScatter { tp } => out.push(needs(0).map(|_| {
                 let (numel, dtype) = (self.numel(g), self.dtype(g));
                 let chunks = self.empty(numel, dtype, "reduce_scatter input (grad chunks cat)");

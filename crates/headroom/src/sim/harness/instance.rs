@@ -76,7 +76,10 @@ impl Instance {
         let shard;
         let arch = match tensor {
             Some(tensor) => {
-                shard = arch.tensor_parallel_shard(tensor.tp);
+                shard = arch.tensor_parallel_shard(
+                    tensor.tp,
+                    tensor.framework != spec::Framework::Transformers,
+                );
                 &shard
             }
             None if ep > 1 => {
@@ -273,6 +276,7 @@ impl Instance {
                 sequence: tensor.sequence_parallel,
                 sequences: spec.rows(),
                 data: wrapper,
+                plan: tensor.framework,
             }));
         }
         // A context-parallel rank runs its `seq_len / cp` tokens of every sequence.

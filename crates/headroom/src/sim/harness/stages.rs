@@ -204,7 +204,7 @@ fn simulate_rank(
         };
         // A tensor-parallel rank builds its share of every layer (and of the vocabulary).
         if tp > 1 {
-            stage_arch = stage_arch.tensor_parallel_shard(tp);
+            stage_arch = stage_arch.tensor_parallel_shard(tp, true);
         }
         let from = t.params.len();
         let mut model = Model::build_on_meta(
@@ -230,6 +230,7 @@ fn simulate_rank(
                     sequence: false,
                     sequences: batch.b,
                     data: strategy,
+                    plan: crate::spec::Framework::Torchtitan,
                 }));
             }
             model.strategy = RefCell::new(strategy);

@@ -82,7 +82,7 @@ pub(crate) fn for_causal_lm_loss(t: &mut Tracer, model: &Model, logits: T, batch
     let shift = t.empty(batch.n(), DType::I64, "shift_labels.contiguous()");
     t.component = Component::LogitsAndLoss;
     let strategy = model.strategy.borrow();
-    let (log_probs, loss) = match strategy.tensor_parallel() {
+    let (log_probs, loss) = match strategy.tensor_parallel().filter(|tp| tp.loss_parallel()) {
         // `loss_parallel`: the cross-entropy over this rank's vocabulary shard.
         Some(tp) => {
             let log_probs = tp.log_softmax(t, logits32, batch.n());
@@ -148,6 +148,9 @@ pub(crate) fn lm_head(t: &mut Tracer, model: &Model, hidden: T) -> T {
     let input = model.linear_input(t, block);
     let mut logits = t.linear(input, weight, bias, a.vocab, false);
     t.drop_all(&[input, block]);
+    if let Some(tp) = model.strategy.borrow().tensor_parallel() {
+        logits = tp.head_output(t, logits);
+    }
     model.module_post_forward(t);
     model.unit_post_forward(t, Unit::Head);
     if a.final_logit_softcapping.is_some() {

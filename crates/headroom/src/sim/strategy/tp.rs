@@ -1,7 +1,15 @@
 //! Tensor parallelism as torchtitan's Llama plan applies it to an HF decoder (torch 2.11's
-//! `torch.distributed.tensor.parallel`), as rank 0 sees it; the ranks of the tensor-parallel
-//! group hold alike. The data-parallel mesh dimension is the wrapped strategy's (FSDP2 over
-//! `world_size / tp` ranks, or none), whose hooks run as they do without it.
+//! `torch.distributed.tensor.parallel`), or transformers' own plan (`tensor_parallel.py`'s
+//! `colwise`/`rowwise` styles, the same DTensor redistributions), as rank 0 sees it; the ranks
+//! of the tensor-parallel group hold alike. The data-parallel mesh dimension is the wrapped
+//! strategy's (FSDP2 over `world_size / tp` ranks, or none), whose hooks run as they do
+//! without it.
+//!
+//! Where transformers' plan differs: the embedding is not in it (a plain tensor of every
+//! vocabulary row, looked up whole), and the head is `colwise_gather_output`: its
+//! `Shard(-1)` logits are all-gathered to `Replicate` (`all_gather_into_tensor` on dim 0, then
+//! `torch.cat` of the chunks on the last dim: a copy) and the model's own loss runs on the
+//! whole logits; the gather's backward clones this rank's chunk of their gradient.
 //!
 //! What each part of the plan allocates, after `style.py`, `_redistribute.py`,
 //! `placement_types.py`, `_functional_collectives.py` and `loss.py`:
@@ -41,6 +49,7 @@
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{Bwd, T, Tracer};
+use crate::spec::Framework;
 
 use super::Strategy;
 
@@ -53,9 +62,40 @@ pub(crate) struct TensorParallel {
     pub(crate) sequences: u64,
     /// The strategy of the data-parallel mesh dimension.
     pub(crate) data: Strategy,
+    /// Whose plan: torchtitan's (vocabulary-parallel embedding and loss) or transformers'.
+    pub(crate) plan: Framework,
 }
 
 impl TensorParallel {
+    /// Whether the embedding's vocabulary rows are split (`RowwiseParallel` on it).
+    pub(crate) fn splits_embedding(&self) -> bool {
+        self.plan != Framework::Transformers
+    }
+
+    /// Whether the cross-entropy runs on the vocabulary shards (`loss_parallel`), rather than
+    /// on logits gathered whole.
+    pub(crate) fn loss_parallel(&self) -> bool {
+        self.plan != Framework::Transformers
+    }
+
+    /// The head's `Shard(-1)` logits made `Replicate` where the plan gathers them
+    /// (`colwise_gather_output`): the chunks all-gathered on dim 0, then concatenated on the
+    /// last dim; the shard is freed. Under `loss_parallel` the shard itself.
+    pub(crate) fn head_output(&self, t: &mut Tracer, shard: T) -> T {
+        if self.loss_parallel() {
+            return shard;
+        }
+        let (numel, dtype) = (t.numel(shard) * self.tp, t.dtype(shard));
+        let outer = std::mem::replace(&mut t.component, Component::Communication);
+        let raw = t.empty(numel, dtype, "all_gather_into_tensor (logits shards)");
+        t.component = outer;
+        let out = t.empty(numel, dtype, "logits gathered (chunks cat on the vocabulary)");
+        t.drop(raw);
+        t.record(Bwd::ChunkOfGathered, &[Some(shard)], &[out], &[]);
+        t.drop(shard);
+        out
+    }
+
     /// `all_gather_tensor(x, gather_dim=1)`: the dim-0 concatenation of every rank's shard,
     /// copied into sequence order when there is more than one sequence. The result is charged
     /// as what it is used for; the buffer copied from, to communication.

@@ -153,6 +153,9 @@ pub(crate) enum Bwd {
     NllLossParallel,
     /// A replicated input's `Partial` gradient all-reduced (out of place: a new tensor).
     AllReduce,
+    /// A `Shard(-1) -> Replicate` all-gather's backward (`_replicate_to_shard`): this rank's
+    /// chunk of the gradient, cloned.
+    ChunkOfGathered,
     /// A sequence all-gather's backward: the gradient reduce-scattered over `tp` ranks.
     ReduceScatter {
         tp: u64,

@@ -521,6 +521,8 @@ def _tensor_parallel(raw: dict, out: Parallel, spec) -> None:
     framework = raw.get("framework", "torchtitan")
     if framework not in FRAMEWORKS:
         raise SpecError(f"`parallel.framework`: {framework!r} is not allowed; use one of {', '.join(FRAMEWORKS)}")
+    if framework == "transformers":
+        _transformers_tensor_parallel(out, spec, tp, sp)
     if framework == "megatron" and out.strategy != "ddp":
         raise SpecError(
             f"`parallel.strategy`: {out.strategy!r} is not allowed with framework megatron; use ddp (Megatron's "
@@ -545,9 +547,7 @@ def _tensor_parallel(raw: dict, out: Parallel, spec) -> None:
             f"`parallel.strategy`: 'none' (tensor parallelism alone) needs world_size == tp, not "
             f"{out.world_size} and {tp}; use fsdp to shard over the data-parallel dimension"
         )
-    if framework == "transformers":
-        _transformers_tensor_parallel(out, spec, tp, sp)
-    elif out.strategy == "none" and tp > 1 and not sp:
+    if framework != "transformers" and out.strategy == "none" and tp > 1 and not sp:
         raise SpecError(
             "`parallel.sequence_parallel`: false is not allowed with strategy none: the norms stay plain "
             "tensors beside DTensors and AdamW's foreach step refuses the mix (torch 2.11); set it true or use fsdp"

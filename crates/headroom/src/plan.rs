@@ -646,6 +646,21 @@ fn as_given(setup: &Setup) -> Result<(Estimate, Evaluation)> {
                 .into(),
         });
     }
+    if setup
+        .spec
+        .parallel
+        .as_ref()
+        .is_some_and(|p| p.tensor.framework == crate::spec::Framework::Transformers)
+    {
+        return Err(Error::Unsupported {
+            what: "fit and remedies of transformers' own tensor parallelism (parallel.framework \
+                   transformers)"
+                .into(),
+            supported: "`headroom estimate` of such a layout (tp = world_size, its one layout); \
+                        `fit` searches torchtitan's and Megatron-core's layouts"
+                .into(),
+        });
+    }
     if let Some(p) = setup.spec.parallel.as_ref() {
         let replica = p.pipeline.pp * p.tensor.cp * p.tensor.tp;
         if !u64::from(setup.gpus).is_multiple_of(replica) {

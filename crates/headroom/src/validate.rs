@@ -404,6 +404,8 @@ pub fn families(row: &Row) -> Vec<String> {
     if let Some(tensor) = s.parallel.as_ref().map(|p| p.tensor).filter(|t| t.tp > 1) {
         out.push(if tensor.framework == crate::spec::Framework::Megatron {
             "parallel: tensor parallel (megatron-core)".to_string()
+        } else if tensor.framework == crate::spec::Framework::Transformers {
+            "parallel: tensor parallel (transformers' plan)".to_string()
         } else if tensor.sequence_parallel {
             "parallel: tensor parallel with sequence parallelism".to_string()
         } else {

@@ -8,12 +8,12 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::expert_parallel;
-use super::tp_plan;
 use super::megatron::{Megatron, Recompute, RecomputeMethod, parse_megatron};
 use super::parse::{
     RUN_SPEC_KEY, boolean, choice, parse_document, positive, read_document, unknown_key,
 };
 use super::pipeline_parallel::{self, PipelineParallel};
+use super::tp_plan;
 use super::trainer::{TRAINER_KEYS, TrainerKind, TrainerSpec};
 use super::versions::Versions;
 use crate::arch::{Architecture, Head, Module};

@@ -28,3 +28,4 @@ mod pipeline_parallel;
 mod tensor_parallel;
 mod timeline;
 mod totality;
+mod tp_plan;

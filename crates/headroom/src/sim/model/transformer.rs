@@ -731,7 +731,10 @@ impl Model {
     /// vocabulary rows, reduced over the group.
     fn embedding_lookup(&self, t: &mut Tracer, ids: T, n: u64) -> T {
         let strategy = self.strategy.borrow();
-        let Some(tp) = strategy.tensor_parallel().filter(|tp| tp.splits_embedding()) else {
+        let Some(tp) = strategy
+            .tensor_parallel()
+            .filter(|tp| tp.splits_embedding())
+        else {
             return t.embedding(self.embed, ids, n, self.arch.hidden);
         };
         let (mask, shifted) = crate::sim::strategy::tp::mask_ids(t, n);

@@ -89,7 +89,11 @@ impl TensorParallel {
         let outer = std::mem::replace(&mut t.component, Component::Communication);
         let raw = t.empty(numel, dtype, "all_gather_into_tensor (logits shards)");
         t.component = outer;
-        let out = t.empty(numel, dtype, "logits gathered (chunks cat on the vocabulary)");
+        let out = t.empty(
+            numel,
+            dtype,
+            "logits gathered (chunks cat on the vocabulary)",
+        );
         t.drop(raw);
         t.record(Bwd::ChunkOfGathered, &[Some(shard)], &[out], &[]);
         t.drop(shard);

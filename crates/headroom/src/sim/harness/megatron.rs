@@ -8,6 +8,7 @@
 //! harness, which keeps a fixed routing map for it.
 
 use super::simulation::{AfterOom, Options, STEPS, Simulation};
+use super::stages::worst_rank;
 use crate::arch::{Architecture, Param};
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
@@ -19,7 +20,7 @@ use crate::sim::model::megatron_moe::{Experts, harness_routing_map};
 use crate::sim::model::megatron_sp::allreduce_norm_grads;
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::Strategy;
-use crate::sim::strategy::megatron::{ChunkParams, MegatronDdp};
+use crate::sim::strategy::megatron::{ChunkParams, DataParallelRank, MegatronDdp, ReduceGroups};
 use crate::spec::{Optimizer, RunSpec};
 
 /// What the backward engine calls into: the recomputation of checkpointed regions and the
@@ -47,18 +48,96 @@ impl BackwardHooks for Hooks<'_> {
     }
 }
 
-/// Simulate the Megatron run of `spec` (`parallel.framework: megatron`) on `arch`.
+/// Simulate the Megatron run of `spec` (`parallel.framework: megatron`) on `arch`: rank 0, and
+/// the last rank too where the data-parallel ranks' optimizer shards differ (`ranks`), the one
+/// that needs most reported; or `options.only_rank`.
 pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
+    let ranks = ranks(spec, arch);
+    let world = spec.parallel.as_ref().map_or(1, |p| p.world_size);
+    if ranks.len() > 1 || options.only_rank.is_some() {
+        return worst_rank(
+            options,
+            &ranks,
+            |global| global.min(world - 1),
+            |t, global| simulate_rank(spec, arch, t, global),
+        );
+    }
     let mut t = options.process();
     if options.after_oom == AfterOom::StopUnlessUnlimited {
         t.mem.on_oom(OnOom::StopUnlessUnlimited);
     }
+    simulate_rank(spec, arch, t, 0)
+}
+
+/// The global ranks an estimate simulates: each pipeline stage's first rank, and under the
+/// distributed optimizer its last too. Megatron orders ranks tensor-parallel first, then
+/// data-parallel, pipeline stages outermost (`tp-cp-ep-dp-pp`), so a stage's first rank holds
+/// the first `1/dp` of each gradient buffer (the last parameters: the head and the last
+/// layers) and its last rank the last `1/dp` (the first parameters: the embedding), and each
+/// makes its fp32 main parameters of other parts, in another order; the ranks between hold
+/// parts of the layers alone.
+pub(super) fn ranks(spec: &RunSpec, arch: &Architecture) -> Vec<u64> {
+    let parallel = spec
+        .parallel
+        .as_ref()
+        .expect("framework megatron comes with a parallel block");
+    let stage_ranks = parallel.world_size / parallel.pipeline.pp;
+    let groups = reduce_groups(spec, arch, 0);
+    let shards_differ = spec.megatron.unwrap_or_default().distributed_optimizer
+        && (groups.dense.size > 1 || groups.experts.is_some_and(|e| e.size > 1));
+    (0..parallel.pipeline.pp)
+        .flat_map(|stage| {
+            let first = stage * stage_ranks;
+            let last = first + stage_ranks - 1;
+            if shards_differ && last > first {
+                vec![first, last]
+            } else {
+                vec![first]
+            }
+        })
+        .collect()
+}
+
+/// Global rank `global`'s data-parallel group and place in it, and its expert-data-parallel
+/// one where the experts are reduced apart (`parallel_state.py`'s `RankGenerator`s: the dense
+/// ranks ordered tp, dp within a stage; the experts' etp, ep, expert dp).
+fn reduce_groups(spec: &RunSpec, arch: &Architecture, global: u64) -> ReduceGroups {
+    let parallel = spec
+        .parallel
+        .as_ref()
+        .expect("framework megatron comes with a parallel block");
+    let megatron = spec.megatron.unwrap_or_default();
+    let tp = parallel.tensor.tp;
+    let stage_ranks = parallel.world_size / parallel.pipeline.pp;
+    let in_stage = global % stage_ranks;
+    let dp = stage_ranks / tp;
+    let experts = megatron
+        .expert_data_parallel(stage_ranks, tp)
+        .filter(|_| arch.moe.is_some())
+        .map(|size| {
+            let expert_model = stage_ranks / size;
+            DataParallelRank {
+                size,
+                rank: in_stage / expert_model % size,
+            }
+        });
+    ReduceGroups {
+        dense: DataParallelRank {
+            size: dp,
+            rank: in_stage / tp % dp,
+        },
+        experts,
+    }
+}
+
+/// Global rank `global`'s process `t` without a pipeline: load, then the measured steps.
+fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, global: u64) -> Simulation {
     let whole = StagePart {
         layers: arch.layers,
         pre_process: true,
         post_process: true,
     };
-    let model = load(&mut t, spec, arch, &[whole]).remove(0);
+    let model = load(&mut t, spec, arch, &[whole], global).remove(0);
     let weights_loaded = t.mem.allocated();
     let mut phases = vec![t.mem.phase_peak()];
     let batch = Batch {
@@ -106,20 +185,20 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
 
 /// `torch.zeros(1)` after `init_process_group`, then the model chunks (the stage `parts` of the
 /// model: one, or one per virtual pipeline stage), each its DDP gradient buffer, and the
-/// optimizer over all of them, over the `world_size / (tp × pp)` data-parallel ranks. The first
-/// chunk's strategy steps the optimizer.
+/// optimizer over all of them, as global rank `global` of the `world_size / (tp × pp)`
+/// data-parallel ranks builds it. The first chunk's strategy steps the optimizer.
 pub(super) fn load(
     t: &mut Tracer,
     spec: &RunSpec,
     arch: &Architecture,
     parts: &[StagePart],
+    global: u64,
 ) -> Vec<GptModel> {
     let parallel = spec
         .parallel
         .as_ref()
         .expect("framework megatron comes with a parallel block");
     let tp = parallel.tensor.tp;
-    let dp = parallel.world_size / (tp * parallel.pipeline.pp);
     let megatron = spec.megatron.unwrap_or_default();
     let zero = t.empty_as(1, DType::F32, Component::Inputs, "torch.zeros(1)");
     t.drop(zero);
@@ -151,15 +230,7 @@ pub(super) fn load(
     let ddp = MegatronDdp::wrap(
         t,
         &params,
-        (
-            dp,
-            megatron
-                .expert_data_parallel(
-                    parallel.world_size / parallel.pipeline.pp,
-                    parallel.tensor.tp,
-                )
-                .filter(|_| arch.moe.is_some()),
-        ),
+        reduce_groups(spec, arch, global),
         megatron.distributed_optimizer,
     );
     *chunks[0].strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));

@@ -30,6 +30,7 @@
 //! Parameter gradients go into the fp32 `main_grad` buffer through the DDP hook at every
 //! micro-batch's backward; `finalize_model_grads` reduces in place.
 
+use super::megatron::ranks;
 use super::megatron::{Hooks, inputs, load, loss_func};
 use super::simulation::{Options, STEPS, Simulation, StagePeak};
 use super::stages::worst_rank;
@@ -46,12 +47,17 @@ use crate::sim::strategy::megatron_pp::{Step, one_f_one_b};
 use crate::spec::{Optimizer, RunSpec};
 use std::collections::VecDeque;
 
-/// Simulate every pipeline rank of the Megatron run of `spec` (or `options.only_rank`'s) and
-/// report the one that needs most, with each stage's peak.
+/// Simulate every pipeline rank of the Megatron run of `spec` (the first and the last
+/// data-parallel rank of each stage where their optimizer shards differ: `ranks`), or
+/// `options.only_rank`, and report the one that needs most, with each stage's peak.
 pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
-    worst_rank(spec, options, |t, pp_rank| {
-        simulate_rank(spec, arch, t, pp_rank)
-    })
+    let world = spec.parallel.as_ref().map_or(1, |p| p.world_size);
+    worst_rank(
+        options,
+        &ranks(spec, arch),
+        |global| global.min(world - 1),
+        |t, global| simulate_rank(spec, arch, t, global),
+    )
 }
 
 /// A tensor received from the previous stage, and the leaf its gradient accumulates into.
@@ -76,10 +82,12 @@ struct Schedule {
     input_grad: Option<T>,
 }
 
-/// Pipeline rank `pp_rank`'s process `t`: load, then the measured steps.
-fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u64) -> Simulation {
+/// Global rank `global`'s process `t` (its pipeline stage, its data-parallel shards): load,
+/// then the measured steps.
+fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, global: u64) -> Simulation {
     let parallel = spec.parallel.as_ref().expect("a pipeline-parallel spec");
     let pipeline = &parallel.pipeline;
+    let pp_rank = pipeline.pipeline_rank(global, parallel.world_size);
     let (pp, microbatches) = (pipeline.pp, pipeline.microbatches);
     let vpp = pipeline.vpp;
     // Rank r's chunk c is virtual stage c × pp + r (`get_transformer_layer_offset`).
@@ -95,7 +103,7 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, pp_rank: u6
         b: spec.batch_size / microbatches,
         s: spec.seq_len,
     };
-    let chunks = load(&mut t, spec, arch, &parts);
+    let chunks = load(&mut t, spec, arch, &parts, global);
     let weights_loaded = t.mem.allocated();
     let received = t.params.len();
     let mut phases = vec![t.mem.phase_peak()];

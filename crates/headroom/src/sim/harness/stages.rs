@@ -87,25 +87,30 @@ struct InFlight {
 /// with each stage's peak.
 pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -> Simulation {
     let repeat_steps = options.repeat_steps && !options.record_timeline;
-    worst_rank(spec, options, |t, pp_rank| {
-        simulate_rank(spec, arch, t, pp_rank, repeat_steps)
-    })
+    let parallel = spec.parallel.as_ref().expect("a pipeline-parallel spec");
+    let (pipeline, world) = (&parallel.pipeline, parallel.world_size);
+    // A stage's ranks hold alike: each stage's first rank stands for it.
+    let ranks_per_stage = world / pipeline.pp;
+    let firsts: Vec<u64> = (0..pipeline.pp).map(|p| p * ranks_per_stage).collect();
+    worst_rank(
+        options,
+        &firsts,
+        |global| pipeline.pipeline_rank(global.min(world - 1), world) * ranks_per_stage,
+        |t, global| simulate_rank(spec, arch, t, global / ranks_per_stage, repeat_steps),
+    )
 }
 
-/// Run `rank` (a process, a pipeline rank) for every pipeline rank, or for `options.only_rank`'s,
-/// and report the one that needs most (an error first, then the reserved and the allocated
-/// peak), with every rank's stages; under `options.first_oom_ends_run` the first rank that
-/// runs out ends the run.
+/// Run `rank` (a process, a global rank) for each of `ranks`, or for `options.only_rank` as
+/// `only` maps it, and report the one that needs most (an error first, then the reserved and
+/// the allocated peak), with each stage's peak (the most of its ranks'); under
+/// `options.first_oom_ends_run` the first rank that runs out ends the run.
 pub(crate) fn worst_rank(
-    spec: &RunSpec,
     options: &Options,
+    ranks: &[u64],
+    only: impl Fn(u64) -> u64,
     rank: impl Fn(Tracer, u64) -> Simulation,
 ) -> Simulation {
-    let parallel = spec.parallel.as_ref().expect("a pipeline-parallel spec");
-    let pipeline = &parallel.pipeline;
-    let world = parallel.world_size;
-    let ranks_per_stage = world / pipeline.pp;
-    let run = |pp_rank: u64| {
+    let run = |global: u64| {
         let mut t = Tracer::new(
             Memory::new(
                 CachingAllocator::new(options.allocator.clone(), options.capacity),
@@ -120,18 +125,17 @@ pub(crate) fn worst_rank(
             // Another rank may need more: a rank that runs out stops there.
             t.mem.on_oom(OnOom::Stop);
         }
-        let sim = rank(t, pp_rank);
         Simulation {
-            rank: pp_rank * ranks_per_stage,
-            ..sim
+            rank: global,
+            ..rank(t, global)
         }
     };
-    if let Some(rank) = options.only_rank {
-        return run(pipeline.pipeline_rank(rank.min(world - 1), world));
+    if let Some(global) = options.only_rank {
+        return run(only(global));
     }
     let mut sims: Vec<Simulation> = Vec::new();
-    for pp_rank in 0..pipeline.pp {
-        let sim = run(pp_rank);
+    for &global in ranks {
+        let sim = run(global);
         let ran_out = sim.oom.is_some() || sim.refused.is_some();
         sims.push(sim);
         if ran_out && options.first_oom_ends_run {
@@ -141,7 +145,15 @@ pub(crate) fn worst_rank(
     // The run is the one without a limit only where every rank's is.
     let unlimited = sims.iter().all(|s| s.unlimited);
     let mut stages: Vec<StagePeak> = sims.iter().flat_map(|s| s.stages.clone()).collect();
-    stages.sort_by_key(|s| s.stage);
+    stages.sort_by_key(|s| (s.stage, s.peak_reserved, s.peak_allocated));
+    // A stage's ranks differ where each holds its own shard: the stage's peak is its worst.
+    stages.dedup_by(|later, kept| {
+        let same = later.stage == kept.stage;
+        if same {
+            *kept = later.clone();
+        }
+        same
+    });
     let need = |s: &Simulation| {
         (
             s.refused.is_some(),
@@ -153,7 +165,7 @@ pub(crate) fn worst_rank(
     let worst = sims
         .into_iter()
         .reduce(|a, b| if need(&b) > need(&a) { b } else { a })
-        .expect("pp >= 2 ranks");
+        .expect("at least one rank");
     Simulation {
         stages,
         unlimited,

@@ -1,5 +1,5 @@
-//! Megatron-core 0.19's `DistributedDataParallel` and mixed-precision optimizer as rank 0 of the
-//! data-parallel group sees them (`distributed/distributed_data_parallel.py`,
+//! Megatron-core 0.19's `DistributedDataParallel` and mixed-precision optimizer as one rank of
+//! the data-parallel group sees them (`distributed/distributed_data_parallel.py`,
 //! `distributed/param_and_grad_buffer.py`, `optimizer/distrib_optimizer.py`,
 //! `optimizer/optimizer.py`, `optimizer/clip_grads.py`), with Megatron-LM's bf16 defaults
 //! (`grad_reduce_in_fp32`, `overlap_grad_reduce` off, `clip_grad` 1.0) and no Transformer
@@ -14,7 +14,8 @@
 //! - The optimizer's fp32 main parameters: `Float16OptimizerWithFloat16Params` makes
 //!   `param.detach().clone().float()` of every parameter; `DistributedOptimizer` of this
 //!   rank's `numel / dp` elements of the buffer (`shard_model_param.clone().float()`, per
-//!   parameter part, in buffer order). Both step them with `torch.optim.AdamW` over two
+//!   parameter part, in buffer order): each data-parallel rank its own parts, other sizes in
+//!   another order. Both step them with `torch.optim.AdamW` over two
 //!   parameter groups, the matrices and then the vectors (norms, biases: weight decay 0),
 //!   whose states appear at the first step. Their gradients are views of `grad_data`.
 //! - `step()`: the gradient norm (`torch.norm` of each main gradient, one element each, kept
@@ -126,22 +127,37 @@ pub(crate) struct MegatronDdp {
     parts: Vec<Part>,
 }
 
+/// A data-parallel group's size and this rank's place in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DataParallelRank {
+    pub(crate) size: u64,
+    pub(crate) rank: u64,
+}
+
+/// The groups the buffers are reduced over: the dense parameters' data-parallel group, and
+/// the experts' expert-data-parallel one where they are reduced apart.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ReduceGroups {
+    pub(crate) dense: DataParallelRank,
+    pub(crate) experts: Option<DataParallelRank>,
+}
+
 impl MegatronDdp {
     /// `DistributedDataParallel(config, ddp_config, module)` over each model chunk's parameters
     /// in turn (one chunk, or one per virtual pipeline stage, each with its own buffers), then
-    /// `get_megatron_optimizer` over all chunks: its main parameters, as rank 0 of `dp`
-    /// data-parallel ranks builds them, and of `expert_dp` expert-data-parallel ones where the
-    /// experts are reduced apart.
+    /// `get_megatron_optimizer` over all chunks: its main parameters, as this rank of the
+    /// data-parallel group builds them, and of the expert-data-parallel one where the experts
+    /// are reduced apart.
     pub(crate) fn wrap(
         t: &mut Tracer,
         chunks: &[ChunkParams],
-        (dp, expert_dp): (u64, Option<u64>),
+        groups: ReduceGroups,
         distributed_optimizer: bool,
     ) -> Self {
         // `group_params_for_buffers`: experts apart when their `allreduce` is false.
-        let groups: Vec<(Option<bool>, u64)> = match expert_dp {
-            Some(expert_dp) => vec![(Some(false), dp), (Some(true), expert_dp)],
-            None => vec![(None, dp)],
+        let groups: Vec<(Option<bool>, DataParallelRank)> = match groups.experts {
+            Some(experts) => vec![(Some(false), groups.dense), (Some(true), experts)],
+            None => vec![(None, groups.dense)],
         };
         let mut laid_out: Vec<Vec<(Vec<usize>, BufferLayout)>> = vec![Vec::new(); groups.len()];
         for chunk in chunks {
@@ -150,7 +166,7 @@ impl MegatronDdp {
                     .filter(|&i| expert.is_none_or(|e| chunk.experts[i] == e))
                     .collect();
                 let picked: Vec<ParamId> = members.iter().map(|&i| chunk.params[i]).collect();
-                let layout = Self::buffer(t, &picked, dp, distributed_optimizer);
+                let layout = Self::buffer(t, &picked, dp.size, distributed_optimizer);
                 laid_out[g].push((members, layout));
             }
         }
@@ -222,11 +238,12 @@ impl MegatronDdp {
 impl Part {
     /// A mixed-precision optimizer's fp32 main parameters over its buffers (`numels` and
     /// `vectors` of each buffer's parameters, in order, and its layout; one buffer per model
-    /// chunk): all of them, or this rank's shard of `dp` of each, group by group, chunk by chunk.
+    /// chunk): all of them, or this data-parallel rank's shard of each, group by group, chunk
+    /// by chunk.
     fn new(
         t: &mut Tracer,
         buffers: &[(Vec<u64>, Vec<bool>, BufferLayout)],
-        dp: u64,
+        dp: DataParallelRank,
         distributed_optimizer: bool,
     ) -> Self {
         // `_get_param_groups`: the default group (matrices) sorts before the wd_mult 0 one.
@@ -242,7 +259,7 @@ impl Part {
         for vector in [false, true] {
             for (numels, vectors, layout) in buffers {
                 if distributed_optimizer {
-                    for (i, numel) in layout.shard_parts(dp, 0) {
+                    for (i, numel) in layout.shard_parts(dp.size, dp.rank) {
                         if vectors[i] == vector {
                             add(t, numel, vector);
                         }

@@ -77,6 +77,7 @@ fn estimate(
             gpu,
             timeline: None,
             plot: None,
+            rank: None,
             trace: false,
             spec_dir,
             python: headroom_cli::DEFAULT_PYTHON.to_string(),

@@ -32,6 +32,11 @@ pub struct Args {
     /// peak and where it runs out) to FILE.svg, or FILE.html (a page, no network needed).
     #[arg(long, value_name = "FILE.svg|FILE.html")]
     pub plot: Option<PathBuf>,
+    /// Estimate this global rank of the spec's world rather than the one that needs most
+    /// (ranks differ by pipeline stage, by their share under DeepSpeed ZeRO or Megatron's
+    /// distributed optimizer, by their place in a context-parallel ring).
+    #[arg(long, conflicts_with_all = ["plot", "timeline", "trace"])]
+    pub rank: Option<u64>,
     /// For a model type headroom does not model natively, trace the real model code under
     /// fake tensors instead (`headroom trace`; needs torch, transformers and peft).
     #[arg(long)]
@@ -140,6 +145,10 @@ fn estimate_of(args: &Args) -> CliResult<Option<Answer>> {
             return Ok(Some(Answer::Pipeline(Box::new(spec), Box::new(est))));
         }
     };
+    if let Some(rank) = args.rank {
+        let est = estimate::estimate_rank_with_limit(&spec, dir, &gpu, limit, rank)?;
+        return Ok(Some(Answer::Run(Box::new(est))));
+    }
     if let Some(path) = &args.plot {
         let (est, timeline) = match estimate::estimate_timeline(&spec, dir, &gpu, limit) {
             Err(e) if e.is_unmodelled_model_type() => return unmodelled(args, e).map(|()| None),

@@ -151,14 +151,34 @@ pub enum Limit {
 }
 
 /// Like [`estimate`], for one rank of a layout whose ranks differ (DeepSpeed ZeRO's
-/// partitions): what a measurement of that rank alone is compared with.
+/// partitions, pipeline stages, the distributed optimizer's shards): what a measurement of
+/// that rank alone is compared with.
 pub fn estimate_rank(
     spec: &RunSpec,
     spec_dir: Option<&Path>,
     gpu: &Gpu,
     rank: u64,
 ) -> Result<Estimate> {
-    Ok(estimate_ranks(spec, spec_dir, gpu, Limit::Gpu, Keep::default(), Some(rank))?.0)
+    estimate_rank_with_limit(spec, spec_dir, gpu, Limit::Gpu, rank)
+}
+
+/// Like [`estimate_rank`], with the limit chosen. A rank outside the world is refused.
+pub fn estimate_rank_with_limit(
+    spec: &RunSpec,
+    spec_dir: Option<&Path>,
+    gpu: &Gpu,
+    limit: Limit,
+    rank: u64,
+) -> Result<Estimate> {
+    let world = spec.parallel.as_ref().map_or(1, |p| p.world_size);
+    if rank >= world {
+        return Err(Error::field(
+            "--rank",
+            rank,
+            format!("a rank of the spec's world: 0 to {}", world - 1),
+        ));
+    }
+    Ok(estimate_ranks(spec, spec_dir, gpu, limit, Keep::default(), Some(rank))?.0)
 }
 
 /// What an estimate keeps of its simulated run besides the numbers.

@@ -60,6 +60,29 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
     )
 }
 
+/// The schedule's `output_tensor` local: a forward's output, or a popped one with its
+/// one-element stand-in data and the received input its graph reaches. The backward frees the
+/// graph's saved tensors, not its nodes: the output's `grad_fn` chain keeps the input's
+/// `AccumulateGrad` node, and the node its leaf, until the local is rebound to the next
+/// forward's output.
+struct Output {
+    tensor: T,
+    stand_in: Option<T>,
+    graph_input: Option<Received>,
+}
+
+impl Output {
+    fn drop(self, t: &mut Tracer) {
+        t.drop(self.tensor);
+        if let Some(stand_in) = self.stand_in {
+            t.drop(stand_in);
+        }
+        if let Some(input) = self.graph_input {
+            let_go(t, input);
+        }
+    }
+}
+
 /// A tensor received from the previous stage, and the leaf its gradient accumulates into.
 #[derive(Clone, Copy)]
 struct Received {
@@ -76,8 +99,8 @@ struct Schedule {
     in_flight: Vec<(Option<Received>, T, T)>,
     /// `input_tensor`.
     input: Option<Received>,
-    /// `output_tensor`: this forward's output, or the popped one with its stand-in data.
-    output: Option<(T, Option<T>)>,
+    /// `output_tensor`: this forward's output, or the popped one.
+    output: Option<Output>,
     output_grad: Option<T>,
     input_grad: Option<T>,
 }
@@ -223,13 +246,14 @@ impl Run<'_> {
                     if part.post_process {
                         output = loss_func(t, output, loss_mask);
                     }
-                    if let Some((previous, stand_in)) = s.output.take() {
-                        t.drop(previous);
-                        if let Some(stand_in) = stand_in {
-                            t.drop(stand_in);
-                        }
+                    if let Some(previous) = s.output.take() {
+                        previous.drop(t);
                     }
-                    s.output = Some((output, None));
+                    s.output = Some(Output {
+                        tensor: output,
+                        stand_in: None,
+                        graph_input: None,
+                    });
                 }
                 Step::RecvBackward => {
                     let next = (!part.post_process).then(|| {
@@ -243,7 +267,7 @@ impl Run<'_> {
                     }
                 }
                 Step::Deallocate => {
-                    let (output, _) = s.output.expect("a forward ran");
+                    let output = s.output.as_ref().expect("a forward ran").tensor;
                     let input = s.input.inspect(|r| {
                         t.share(r.tensor);
                     });
@@ -263,17 +287,20 @@ impl Run<'_> {
                     if let Some(previous) = std::mem::replace(&mut s.input, input) {
                         let_go(t, previous);
                     }
-                    if let Some((previous, previous_stand_in)) =
-                        s.output.replace((output, Some(stand_in)))
-                    {
-                        t.drop(previous);
-                        if let Some(p) = previous_stand_in {
-                            t.drop(p);
-                        }
+                    let graph_input = input.inspect(|r| {
+                        t.share(r.tensor);
+                    });
+                    let popped = Output {
+                        tensor: output,
+                        stand_in: Some(stand_in),
+                        graph_input,
+                    };
+                    if let Some(previous) = s.output.replace(popped) {
+                        previous.drop(t);
                     }
                 }
                 Step::Backward(_) => {
-                    let (output, _) = s.output.expect("popped");
+                    let output = s.output.as_ref().expect("popped").tensor;
                     let mut hooks = Hooks {
                         model,
                         batch,
@@ -296,11 +323,8 @@ impl Run<'_> {
                 }
             }
         }
-        if let Some((output, stand_in)) = s.output.take() {
-            t.drop(output);
-            if let Some(stand_in) = stand_in {
-                t.drop(stand_in);
-            }
+        if let Some(output) = s.output.take() {
+            output.drop(t);
         }
         schedule_returns(t, (s.input, s.output_grad, s.input_grad, total_tokens));
     }

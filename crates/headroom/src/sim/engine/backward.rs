@@ -207,9 +207,11 @@ impl Tracer {
                     "grad of slice (zeros + copy)",
                 )));
             }
-            Bwd::Linear { bias } => {
-                // MmBackward0 computes the weight's gradient first, AddmmBackward0 the input's;
-                // the bias gradient is the incoming one, summed over rows by validate_outputs.
+            Bwd::Linear {
+                bias,
+                input_grad_first,
+            } => {
+                // The bias gradient is the incoming one, summed over rows by validate_outputs.
                 // mm_mat2_backward returns `grad.t().mm(input).t()`: a view of a temporary.
                 let weight_grad = |t: &mut Tracer| {
                     needs(1).map(|(numel, _)| {
@@ -228,7 +230,7 @@ impl Tracer {
                         x
                     })
                 };
-                let (grad_x, grad_w) = if bias {
+                let (grad_x, grad_w) = if input_grad_first {
                     let x = input_grad(self);
                     (x, weight_grad(self))
                 } else {

@@ -263,6 +263,27 @@ impl Tracer {
         out_features: u64,
         conv1d: bool,
     ) -> T {
+        // `AddmmBackward0` makes the input's gradient first, `MmBackward0` the weight's.
+        self.linear_ordered(x, weight, bias, out_features, conv1d, bias.is_some())
+    }
+
+    /// Megatron's `LinearWithGradAccumulationAndAsyncCommunication` without sequence
+    /// parallelism (`ColumnParallelLinear`, `RowParallelLinear`): `F.linear` forward; its
+    /// backward makes the input's gradient (`grad_output.matmul(weight)`) before the weight's
+    /// (`grad_output.t().matmul(total_input)`).
+    pub(crate) fn megatron_linear(&mut self, x: T, weight: ParamId, out_features: u64) -> T {
+        self.linear_ordered(x, weight, None, out_features, false, true)
+    }
+
+    fn linear_ordered(
+        &mut self,
+        x: T,
+        weight: ParamId,
+        bias: Option<ParamId>,
+        out_features: u64,
+        conv1d: bool,
+        input_grad_first: bool,
+    ) -> T {
         // Autocast's wrapper casts the arguments as C++ evaluates them, last first:
         // `F.linear(input, weight, bias)` casts bias, weight, input; GPT-2's Conv1D,
         // `torch.addmm(bias, x, weight)`, casts weight, x, bias.
@@ -298,6 +319,7 @@ impl Tracer {
         self.record(
             Bwd::Linear {
                 bias: bias.is_some(),
+                input_grad_first,
             },
             &[Some(x_c), Some(w_c), b_c],
             &[out],

@@ -59,7 +59,7 @@ pub(crate) fn column_parallel(
     sp: Option<SequenceParallel>,
 ) -> T {
     let Some(sp) = sp else {
-        return t.linear(x, weight, None, out_features, false);
+        return t.megatron_linear(x, weight, out_features);
     };
     let w = t.param(weight);
     let gathered = t.numel(x) * sp.tp;
@@ -89,7 +89,7 @@ pub(crate) fn row_parallel(
     out_features: u64,
     sp: Option<SequenceParallel>,
 ) -> T {
-    let out = t.linear(x, weight, None, out_features, false);
+    let out = t.megatron_linear(x, weight, out_features);
     match sp {
         Some(sp) => {
             let scattered = reduce_scatter(t, out, sp.tp);

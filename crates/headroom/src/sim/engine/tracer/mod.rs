@@ -104,9 +104,11 @@ pub(crate) enum Bwd {
     HeadSplit {
         copy: bool,
     },
-    /// `mm`/`addmm` of a linear layer; `bias` adds its `grad.sum(0)`.
+    /// `mm`/`addmm` of a linear layer; `bias` adds its `grad.sum(0)`; `input_grad_first`: the
+    /// input's gradient is made before the weight's.
     Linear {
         bias: bool,
+        input_grad_first: bool,
     },
     /// `embedding(ids, weight)`.
     Embedding,

@@ -18,8 +18,15 @@ LAYOUTS = [
 ]
 
 
-def rows():
-    for key, layers, b, s, world, tp, pp, mb, ep, recompute, ranks in LAYOUTS:
+# Call 3, after the fixes, estimated before it: other models, deeper pipelines, full recomputation.
+LAYOUTS_CALL3 = [
+    ("q3-8b", 8, 4, 2048, 8, 2, 2, 4, 1, ("selective", None, None), [2, 4, 6]),
+    ("l8b", 8, 8, 2048, 16, 2, 4, 8, 1, ("full", "uniform", 1), [5, 15]),
+]
+
+
+def rows(layouts=LAYOUTS):
+    for key, layers, b, s, world, tp, pp, mb, ep, recompute, ranks in layouts:
         model, config = MODELS[key]
         mega = {"distributed_optimizer": True}
         if ep > 1:
@@ -34,5 +41,6 @@ def rows():
 
 
 if __name__ == "__main__":
-    out = Path(__file__).resolve().parents[1] / "specs.jsonl"
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    here = Path(__file__).resolve().parents[1]
+    (here / "specs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    (here / "specs-call3.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(LAYOUTS_CALL3)))

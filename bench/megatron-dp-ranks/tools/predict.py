@@ -1,5 +1,6 @@
 """Prints `headroom estimate SPEC --gpu h200 --rank RANK --json` of every line of specs.jsonl: the row's own rank,
-its load and steps' peaks, one JSON line each (what predicted-before-measuring.jsonl holds)."""
+its load and steps' peaks, one JSON line each (what predicted-before-measuring*.jsonl hold); the second argument names
+another specs file in bench/megatron-dp-ranks."""
 import json
 import subprocess
 import sys
@@ -7,7 +8,8 @@ import tempfile
 from pathlib import Path
 
 headroom = sys.argv[1] if len(sys.argv) > 1 else "headroom"
-for line in (Path(__file__).resolve().parents[1] / "specs.jsonl").read_text().splitlines():
+specs = sys.argv[2] if len(sys.argv) > 2 else "specs.jsonl"
+for line in (Path(__file__).resolve().parents[1] / specs).read_text().splitlines():
     row = json.loads(line)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(row["spec"], f)

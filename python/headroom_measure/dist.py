@@ -112,7 +112,7 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
   buffers=[inputs], buffer_seq_dims=[1], no_restore_buffers={inputs})` on `inputs = ids.clone()` (the step's
   fresh batch, sharded in place with the head-tail load balancer); labels are the inputs.
 
-* `ep > 1` (transformers' expert parallelism, strategy none, world_size = ep; `_build_ep`):
+* `ep > 1` (transformers' expert parallelism, strategy none, world_size = ep; `_build_transformers_plan`):
   1. `with torch.device("meta"): model = cls.from_config(cfg, ...)` as for `fsdp`.
   2. `init_device_mesh("cuda", (ep,))` (transformers' `initialize_tensor_parallelism`), then
      `maybe_distribute_model(model, DistributedConfig(tp_size=ep, tp_plan="auto",
@@ -124,6 +124,12 @@ Exactly how each strategy is built, in this order (the estimator's simulator cop
   4. peft and gradient checkpointing as measure.py's `_prepare` (LoRA only off the experts).
   5. the optimizer as for `fsdp` (full training needs `adamw-forloop`: foreach and fused AdamW refuse
      the mix of DTensors and plain tensors).
+
+* `framework: transformers` (transformers' own tensor parallelism, strategy none, world_size = tp;
+  `_build_transformers_plan`): as `ep > 1` with `DistributedConfig(tp_size=tp, tp_plan="auto")`: the
+  config's `base_model_tp_plan` (q/k/v and gate/up `colwise`, o/down `rowwise`) and the head's
+  `colwise_gather_output`; the embedding and the norms stay plain tensors, so the optimizer is
+  `adamw-forloop`, and the loss runs on the gathered logits (no `loss_parallel`).
 
 * `ddp`: `with torch.device("cuda"): model = cls.from_config(cfg, dtype=...)` as measure.py;
   gradient checkpointing as above; `DistributedDataParallel(model, device_ids=[local_rank])` with
@@ -310,13 +316,16 @@ def _build_torchtitan(spec: Spec, cfg, cls, dtype, device):
     return model, (mesh["cp"] if par.cp > 1 else None)
 
 
-def _build_ep(spec: Spec, cfg, cls, dtype, device):
-    """transformers' expert parallelism (`parallel.ep`) as `from_pretrained(..., distributed_config=
-    DistributedConfig(tp_plan="auto", enable_expert_parallel=True))` applies it, on the meta model the
-    other builders start from: `initialize_tensor_parallelism`'s mesh over all ranks, then
-    `maybe_distribute_model` (the config's `base_model_ep_plan`: the experts `Shard(0)`, the router's and
-    the experts' forward hooks), then the weights, peft and checkpointing as the single-run harness.
-    Returns the model and its counts: `params` of the base model (before adapters, as measure.py
+def _build_transformers_plan(spec: Spec, cfg, cls, dtype, device):
+    """transformers' own distribution as `from_pretrained(..., distributed_config=DistributedConfig(...))`
+    applies it, on the meta model the other builders start from: `initialize_tensor_parallelism`'s mesh over
+    all ranks, then `maybe_distribute_model` with `DistributedConfig(tp_size=world, tp_plan="auto")` and,
+    for `parallel.ep`, `enable_expert_parallel=True`. Expert parallelism follows the config's
+    `base_model_ep_plan` (the experts `Shard(0)`, the router's and the experts' forward hooks); tensor
+    parallelism (`parallel.framework: transformers`) its `base_model_tp_plan` and the head's
+    `colwise_gather_output` (the projections' `Shard(0)`/`Shard(1)` DTensors and their forward hooks; the
+    embedding and the norms stay plain tensors). Then the weights, peft and checkpointing as the single-run
+    harness. Returns the model and its counts: `params` of the base model (before adapters, as measure.py
     counts it), `trainable_params` after them."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -325,36 +334,12 @@ def _build_ep(spec: Spec, cfg, cls, dtype, device):
     from .measure import _prepare
 
     par = spec.parallel
+    experts = par.ep > 1
+    size = par.ep if experts else par.tp
     with torch.device("meta"):
         model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
-    mesh = init_device_mesh(device.type, (par.ep,))
-    config = DistributedConfig(tp_size=par.ep, tp_plan="auto", enable_expert_parallel=True)
-    model = type(model).maybe_distribute_model(model, config, mesh)
-    model.to_empty(device=device)
-    _initialize(model, device)
-    params = _count_params(model, par.world_size)
-    model = _prepare(spec, model)
-    return model, (params, _count_params(model, par.world_size, trainable_only=True))
-
-
-def _build_tp_plan(spec: Spec, cfg, cls, dtype, device):
-    """transformers' own tensor parallelism (`parallel.framework: transformers`) as
-    `from_pretrained(..., distributed_config=DistributedConfig(tp_size=tp))` applies it, on the meta
-    model the other builders start from: `initialize_tensor_parallelism`'s mesh over all ranks, then
-    `maybe_distribute_model` (the config's `base_model_tp_plan` and the head's `colwise_gather_output`:
-    the projections' `Shard(0)`/`Shard(1)` DTensors and their forward hooks; the embedding and the norms
-    stay plain tensors), then the weights and checkpointing as the single-run harness."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers.distributed.configuration_utils import DistributedConfig
-
-    from .measure import _prepare
-
-    par = spec.parallel
-    with torch.device("meta"):
-        model = cls.from_config(cfg, dtype=dtype, attn_implementation=spec.attention)
-    mesh = init_device_mesh(device.type, (par.tp,))
-    config = DistributedConfig(tp_size=par.tp, tp_plan="auto")
+    mesh = init_device_mesh(device.type, (size,))
+    config = DistributedConfig(tp_size=size, tp_plan="auto", enable_expert_parallel=experts)
     model = type(model).maybe_distribute_model(model, config, mesh)
     model.to_empty(device=device)
     _initialize(model, device)
@@ -669,13 +654,11 @@ def measure_dist(
 
         chunks, pipeline_step, counts = pp.build(spec, cfg, cls, dtype, device, rank)
         model = torch.nn.ModuleList(chunks)
-    elif par.framework == "transformers":
-        model, counts = _build_tp_plan(spec, cfg, cls, dtype, device)
+    elif par.framework == "transformers" or par.ep > 1:
+        model, counts = _build_transformers_plan(spec, cfg, cls, dtype, device)
     elif par.tp > 1 or par.cp > 1:
         model, cp_mesh = _build_torchtitan(spec, cfg, cls, dtype, device)
         hf_model = model
-    elif par.ep > 1:
-        model, counts = _build_ep(spec, cfg, cls, dtype, device)
     elif par.strategy == "fsdp":
         model = _build_fsdp(spec, cfg, cls, dtype, device)
         hf_model = model

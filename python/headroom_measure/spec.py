@@ -102,7 +102,7 @@ class Parallel:
     # context parallelism (torchtitan's ring attention over SDPA): world_size = dp x cp x tp, FSDP2
     # shards over dp x cp
     cp: int = 1
-    # expert parallelism as transformers applies `base_model_ep_plan` (dist.py `_build_ep`): alone, with
+    # expert parallelism as transformers applies `base_model_ep_plan` (dist.py `_build_transformers_plan`): alone, with
     # strategy none and world_size = ep
     ep: int = 1
 

@@ -233,12 +233,10 @@ def run_dist_loop(rec, spec, fields: dict, progress, steps: int, rank: int = 0):
             # Stages built from real meta tensors, which `to_empty` replaces as on the GPU.
             chunks, pipeline_step, _ = pp.build(spec, cfg, _MetaOutsideFake(cls), dtype, device, rank, cuda_autocast=True)
             model = torch.nn.ModuleList(chunks)
-        elif par.framework == "transformers":
-            model, _ = d._build_tp_plan(spec, cfg, _MetaOutsideFake(cls), dtype, device)
+        elif par.framework == "transformers" or par.ep > 1:
+            model, _ = d._build_transformers_plan(spec, cfg, _MetaOutsideFake(cls), dtype, device)
         elif par.tp > 1 or par.cp > 1:
             model, cp_mesh = d._build_torchtitan(spec, cfg, cls, dtype, device)
-        elif par.ep > 1:
-            model, _ = d._build_ep(spec, cfg, _MetaOutsideFake(cls), dtype, device)
         elif ddp:
             model = build_ddp(rec, spec, cfg, cls, dtype, device)
         elif par.strategy == "fsdp1":

@@ -335,15 +335,37 @@ fn bad_files_and_flags() {
 fn rank_answers_for_one_rank_of_the_world() {
     let spec = "examples/llama-3.1-70b-megatron-tp8-pp4-64xh100.yaml";
     let worst = json(&["estimate", spec, "--gpu", "h100-80gb", "--json"]);
-    let rank = worst["worst_rank"]["rank"].as_u64().expect("worst rank").to_string();
-    let same = json(&["estimate", spec, "--gpu", "h100-80gb", "--json", "--rank", &rank]);
+    let rank = worst["worst_rank"]["rank"]
+        .as_u64()
+        .expect("worst rank")
+        .to_string();
+    let same = json(&[
+        "estimate",
+        spec,
+        "--gpu",
+        "h100-80gb",
+        "--json",
+        "--rank",
+        &rank,
+    ]);
     assert_eq!(same["peak_reserved_bytes"], worst["peak_reserved_bytes"]);
-    let last = json(&["estimate", spec, "--gpu", "h100-80gb", "--json", "--rank", "63"]);
+    let last = json(&[
+        "estimate",
+        spec,
+        "--gpu",
+        "h100-80gb",
+        "--json",
+        "--rank",
+        "63",
+    ]);
     assert_eq!(last["worst_rank"]["stage"], 3);
     let reserved = |v: &Value| v["peak_reserved_bytes"].as_u64().expect("reserved");
     assert!(reserved(&last) < reserved(&worst));
     let outside = bad_input(&["estimate", spec, "--rank", "64"]);
-    assert!(outside.contains("--rank") && outside.contains("0 to 63"), "{outside}");
+    assert!(
+        outside.contains("--rank") && outside.contains("0 to 63"),
+        "{outside}"
+    );
 }
 
 #[test]

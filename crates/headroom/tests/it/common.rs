@@ -153,3 +153,16 @@ pub fn refusal(value: &Value) -> String {
         .expect_err(&value.to_string())
         .to_string()
 }
+
+/// `fit`'s setup of the run spec `value` over `gpus` H100s, nothing else resident, launched
+/// as a script.
+pub fn fit_setup(value: &Value, gpus: u32) -> headroom::plan::Setup<'static> {
+    headroom::plan::Setup {
+        spec: headroom::spec::RunSpec::from_value(value).expect("valid spec"),
+        spec_dir: None,
+        gpu: headroom::gpu::find("h100-80gb").expect("gpu"),
+        gpus,
+        residents: Vec::new(),
+        launcher: headroom::plan::Launcher::Script,
+    }
+}

@@ -201,15 +201,10 @@ fn the_shard_splits_the_experts_alone() {
 /// the spec by name.
 #[test]
 fn fit_refuses_an_expert_parallel_spec() {
-    let setup = headroom::plan::Setup {
-        spec: RunSpec::from_value(&spec(json!({"strategy": "none", "world_size": 4, "ep": 4})))
-            .expect("valid spec"),
-        spec_dir: None,
-        gpu: gpu::find("h100-80gb").expect("gpu"),
-        gpus: 4,
-        residents: Vec::new(),
-        launcher: headroom::plan::Launcher::Script,
-    };
+    let setup = common::fit_setup(
+        &spec(json!({"strategy": "none", "world_size": 4, "ep": 4})),
+        4,
+    );
     let Err(err) = headroom::plan::fit(&setup) else {
         panic!("fit accepted an expert-parallel spec")
     };

@@ -146,14 +146,7 @@ fn bad_layouts_name_the_field() {
 /// which would drop transformers' plan: both refuse the spec by name.
 #[test]
 fn fit_refuses_a_transformers_tensor_parallel_spec() {
-    let setup = headroom::plan::Setup {
-        spec: RunSpec::from_value(&spec(layout("transformers", 4))).expect("valid spec"),
-        spec_dir: None,
-        gpu: gpu::find("h100-80gb").expect("gpu"),
-        gpus: 4,
-        residents: Vec::new(),
-        launcher: headroom::plan::Launcher::Script,
-    };
+    let setup = common::fit_setup(&spec(layout("transformers", 4)), 4);
     let Err(err) = headroom::plan::fit(&setup) else {
         panic!("fit accepted a transformers tp spec")
     };

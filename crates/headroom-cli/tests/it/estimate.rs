@@ -334,30 +334,16 @@ fn bad_files_and_flags() {
 #[test]
 fn rank_answers_for_one_rank_of_the_world() {
     let spec = "examples/llama-3.1-70b-megatron-tp8-pp4-64xh100.yaml";
-    let worst = json(&["estimate", spec, "--gpu", "h100-80gb", "--json"]);
-    let rank = worst["worst_rank"]["rank"]
-        .as_u64()
-        .expect("worst rank")
-        .to_string();
-    let same = json(&[
-        "estimate",
-        spec,
-        "--gpu",
-        "h100-80gb",
-        "--json",
-        "--rank",
-        &rank,
-    ]);
+    let at = |rank: Option<&str>| {
+        let mut args = vec!["estimate", spec, "--gpu", "h100-80gb", "--json"];
+        args.extend(rank.map(|r| ["--rank", r]).into_iter().flatten());
+        json(&args)
+    };
+    let worst = at(None);
+    let rank = worst["worst_rank"]["rank"].as_u64().expect("worst rank");
+    let same = at(Some(&rank.to_string()));
     assert_eq!(same["peak_reserved_bytes"], worst["peak_reserved_bytes"]);
-    let last = json(&[
-        "estimate",
-        spec,
-        "--gpu",
-        "h100-80gb",
-        "--json",
-        "--rank",
-        "63",
-    ]);
+    let last = at(Some("63"));
     assert_eq!(last["worst_rank"]["stage"], 3);
     let reserved = |v: &Value| v["peak_reserved_bytes"].as_u64().expect("reserved");
     assert!(reserved(&last) < reserved(&worst));

@@ -69,9 +69,10 @@ pub(crate) fn simulate(spec: &RunSpec, arch: &Architecture, options: &Options) -
     simulate_rank(spec, arch, t, 0)
 }
 
-/// The global ranks an estimate simulates: each pipeline stage's first rank, and under the
-/// distributed optimizer its last too. Megatron orders ranks tensor-parallel first, then
-/// data-parallel, pipeline stages outermost (`tp-cp-ep-dp-pp`), so a stage's first rank holds
+/// The global ranks an estimate simulates: each pipeline stage's first rank, then under the
+/// distributed optimizer each stage's last (a search that stops at the first rank that runs
+/// out tries every stage before a second shard). Megatron orders ranks tensor-parallel first,
+/// then data-parallel, pipeline stages outermost (`tp-cp-ep-dp-pp`), so a stage's first rank holds
 /// the first `1/dp` of each gradient buffer (the last parameters: the head and the last
 /// layers) and its last rank the last `1/dp` (the first parameters: the embedding), and each
 /// makes its fp32 main parameters of other parts, in another order; the ranks between hold
@@ -85,17 +86,11 @@ pub(super) fn ranks(spec: &RunSpec, arch: &Architecture) -> Vec<u64> {
     let groups = reduce_groups(spec, arch, 0);
     let shards_differ = spec.megatron.unwrap_or_default().distributed_optimizer
         && (groups.dense.size > 1 || groups.experts.is_some_and(|e| e.size > 1));
-    (0..parallel.pipeline.pp)
-        .flat_map(|stage| {
-            let first = stage * stage_ranks;
-            let last = first + stage_ranks - 1;
-            if shards_differ && last > first {
-                vec![first, last]
-            } else {
-                vec![first]
-            }
-        })
-        .collect()
+    let firsts = (0..parallel.pipeline.pp).map(|stage| stage * stage_ranks);
+    let lasts = (0..parallel.pipeline.pp)
+        .map(|stage| (stage + 1) * stage_ranks - 1)
+        .filter(|_| shards_differ && stage_ranks > 1);
+    firsts.chain(lasts).collect()
 }
 
 /// Global rank `global`'s data-parallel group and place in it, and its expert-data-parallel

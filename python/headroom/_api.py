@@ -124,11 +124,21 @@ def _gpus(gpus: Optional[int]) -> Optional[int]:
     return gpus
 
 
-def estimate(spec: SpecLike, gpu: Optional[str] = None, *, spec_dir: Optional[PathLike] = None) -> dict:
-    """`headroom estimate SPEC [--gpu GPU] --json`: peak allocated and reserved bytes, the
-    breakdown at the peak, each phase's peaks, and with `gpu` a fit verdict (`gpu` key)."""
+def estimate(
+    spec: SpecLike, gpu: Optional[str] = None, *, spec_dir: Optional[PathLike] = None, rank: Optional[int] = None
+) -> dict:
+    """`headroom estimate SPEC [--gpu GPU] [--rank N] --json`: peak allocated and reserved bytes, the
+    breakdown at the peak, each phase's peaks, and with `gpu` a fit verdict (`gpu` key). A sharded spec's
+    numbers are its worst rank's; `rank` names a global rank to answer for instead."""
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise SpecError(
+            f"rank: {rank!r} is not allowed; use a rank of the spec's world (0 or more)",
+            field="rank",
+            value=repr(rank),
+            allowed="0 to world_size - 1",
+        )
     with _spec_file(spec, spec_dir) as (path, base):
-        return _call(_native.estimate, path, gpu, base)
+        return _call(_native.estimate, path, gpu, base, rank)
 
 
 def fit(

@@ -5,7 +5,9 @@ __version__: str
 class Failure(Exception):
     """args: (code, message, field, value, allowed)"""
 
-def estimate(spec: str, gpu: Optional[str] = None, spec_dir: Optional[str] = None) -> str: ...
+def estimate(
+    spec: str, gpu: Optional[str] = None, spec_dir: Optional[str] = None, rank: Optional[int] = None
+) -> str: ...
 def fit(
     spec: str,
     gpu: str,

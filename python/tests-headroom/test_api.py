@@ -41,6 +41,17 @@ def test_estimate_with_a_gpu_of_every_example_is_the_clis(example):
     assert as_text == expected
 
 
+def test_estimate_of_one_rank_is_the_clis():
+    example = REPO / "examples" / "llama-3.1-70b-megatron-tp8-pp4-64xh100.yaml"
+    expected = cli_json("estimate", str(example), "--gpu", "h100-80gb", "--rank", "63")
+    assert headroom.estimate(example, gpu="h100-80gb", rank=63) == expected
+    assert expected["worst_rank"]["stage"] == 3
+    for bad in (64, -1, True):
+        with pytest.raises(headroom.SpecError) as err:
+            headroom.estimate(example, rank=bad)
+        assert "rank" in str(err.value)
+
+
 def test_fit_is_the_clis():
     spec = REPO / "examples" / "llama-3.1-8b-full.yaml"
     expected = cli_json("fit", str(spec), "--gpu", "h100-80gb", "--gpus", "2")

@@ -63,12 +63,13 @@ fn run(py: Python<'_>, work: impl FnOnce() -> CliResult<String> + Send) -> PyRes
 
 /// `headroom estimate SPEC [--gpu GPU] --json`.
 #[pyfunction]
-#[pyo3(signature = (spec, gpu=None, spec_dir=None))]
+#[pyo3(signature = (spec, gpu=None, spec_dir=None, rank=None))]
 fn estimate(
     py: Python<'_>,
     spec: PathBuf,
     gpu: Option<String>,
     spec_dir: Option<PathBuf>,
+    rank: Option<u64>,
 ) -> PyResult<String> {
     run(py, || {
         cmd::estimate::json(&cmd::estimate::Args {
@@ -77,7 +78,7 @@ fn estimate(
             gpu,
             timeline: None,
             plot: None,
-            rank: None,
+            rank,
             trace: false,
             spec_dir,
             python: headroom_cli::DEFAULT_PYTHON.to_string(),

@@ -2,8 +2,6 @@
 //! `DistributedConfig(tp_size=tp)` through `maybe_distribute_model`) against bench/tp-hf: rank 0
 //! of worlds of 2 to 8 under torch's fake process group on one H200; and the spec's checks.
 
-use headroom::gpu;
-use headroom::spec::RunSpec;
 use serde_json::{Value, json};
 
 use crate::common;
@@ -34,11 +32,6 @@ fn spec(parallel: Value) -> Value {
     })
 }
 
-fn estimate(value: &Value) -> headroom::estimate::Estimate {
-    let spec = RunSpec::from_value(value).expect("valid spec");
-    headroom::estimate::estimate(&spec, None, &gpu::find("h200").expect("gpu")).expect("estimate")
-}
-
 fn layout(framework: &str, tp: u64) -> Value {
     let sequence_parallel = framework == "torchtitan";
     json!({"strategy": "none", "world_size": tp, "tp": tp, "framework": framework,
@@ -50,8 +43,8 @@ fn layout(framework: &str, tp: u64) -> Value {
 /// optimizer's peak by those rows' gradient and AdamW's two fp32-sized states too.
 #[test]
 fn the_embedding_stays_whole_on_every_rank() {
-    let hf = estimate(&spec(layout("transformers", 4)));
-    let titan = estimate(&spec(layout("torchtitan", 4)));
+    let hf = common::estimate_value(&spec(layout("transformers", 4)));
+    let titan = common::estimate_value(&spec(layout("torchtitan", 4)));
     let rows_elsewhere = 128_256 / 4 * 3 * 4096 * 2;
     assert_eq!(
         hf.weights_loaded_bytes - titan.weights_loaded_bytes,
@@ -68,7 +61,7 @@ fn the_loss_runs_on_the_gathered_logits() {
     let forward = |tp: u64, seq: u64| {
         let mut value = spec(layout("transformers", tp));
         value["seq_len"] = json!(seq);
-        let est = estimate(&value);
+        let est = common::estimate_value(&value);
         est.phases
             .iter()
             .filter(|p| p.phase == "forward")

@@ -130,7 +130,7 @@ def estimate(
     """`headroom estimate SPEC [--gpu GPU] [--rank N] --json`: peak allocated and reserved bytes, the
     breakdown at the peak, each phase's peaks, and with `gpu` a fit verdict (`gpu` key). A sharded spec's
     numbers are its worst rank's; `rank` names a global rank to answer for instead."""
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 2**64):
         raise SpecError(
             f"rank: {rank!r} is not allowed; use a rank of the spec's world (0 or more)",
             field="rank",

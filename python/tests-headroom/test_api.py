@@ -46,7 +46,7 @@ def test_estimate_of_one_rank_is_the_clis():
     expected = cli_json("estimate", str(example), "--gpu", "h100-80gb", "--rank", "63")
     assert headroom.estimate(example, gpu="h100-80gb", rank=63) == expected
     assert expected["worst_rank"]["stage"] == 3
-    for bad in (64, -1, True):
+    for bad in (64, -1, True, 2**70):
         with pytest.raises(headroom.SpecError) as err:
             headroom.estimate(example, rank=bad)
         assert "rank" in str(err.value)

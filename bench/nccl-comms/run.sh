@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
 python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ALLOC timeout -k 10 120 torchrun --nproc-per-node $gpus --master-port 29400 \
   $here/tools/comms.py --out "$OUT/comms.jsonl" > $tmp/logs/comms.log 2>&1
-echo "[comms rc=$?] world $gpus"
+rc=$?; echo "[comms rc=$rc] world $gpus"; [ $rc -ne 0 ] && grep -v NCCL $tmp/logs/comms.log | tail -8
 python3 - "${SPECS:-$here/specs.jsonl}" > $tmp/runs.tsv <<'PY'
 import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -30,6 +30,7 @@ for l in sorted(lines, key=lambda l: not l.get("world1")):
         print("\t".join(["nccl" if l.get("world1") else "fake", l["id"], json.dumps(l["spec"]), str(rank)]))
 PY
 n=0
+pids=()
 while IFS=$'\t' read -r mode id spec rank; do
   n=$((n + 1))
   name=$(echo "$id" | tr / -)-r$rank
@@ -46,8 +47,10 @@ while IFS=$'\t' read -r mode id spec rank; do
     CENSUS_OUT=$tmp/census/$name.json HEADROOM_FAKE_WORLD=4 HEADROOM_FAKE_RANK=$rank WORLD_SIZE=4 RANK=0 LOCAL_RANK=0 \
       timeout -k 10 150 python3 $here/tools/census.py "${args[@]}" < /dev/null > $tmp/logs/$name.log 2>&1
     rc=$?; echo "[fake $((SECONDS - start))s rc=$rc] $id rank $rank"; [ $rc -ne 0 ] && tail -5 $tmp/logs/$name.log ) &
+  pids+=($!)
 done < $tmp/runs.tsv
-wait
+# By pid: a bare `wait` would also wait for the tee above.
+if [ ${#pids[@]} -gt 0 ]; then wait "${pids[@]}"; fi
 tar -czf "$OUT/census.tar.gz" -C $tmp census
 tar -czf "$OUT/logs.tar.gz" -C $tmp logs runs.tsv
 echo "== done in $SECONDS s"

@@ -12,6 +12,7 @@ import runpy
 import sys
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 OPS = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
@@ -44,16 +45,6 @@ def wrap(name, fn):
     return call
 
 
-def wrap_batch(fn):
-    @functools.wraps(fn)
-    def call(p2p_ops):
-        for op in p2p_ops:
-            entry(op.group)["ops"]["batch_" + op.op.__name__] += 1
-        return fn(p2p_ops)
-
-    return call
-
-
 def wrap_new_group(fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -65,10 +56,13 @@ def wrap_new_group(fn):
     return call
 
 
+# Both names of each function: `P2POp` checks its op against distributed_c10d's isend and irecv, and
+# `batch_isend_irecv` calls them from there.
 for name in OPS:
-    if hasattr(dist, name):
-        setattr(dist, name, wrap(name, getattr(dist, name)))
-dist.batch_isend_irecv = wrap_batch(dist.batch_isend_irecv)
+    if hasattr(c10d, name):
+        wrapped = wrap(name, getattr(c10d, name))
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
 dist.new_group = wrap_new_group(dist.new_group)
 
 

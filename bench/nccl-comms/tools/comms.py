@@ -9,11 +9,12 @@ The steps, in order, each a reading and its difference from the one before:
 1. the context (`torch.zeros(1)` on the device), then `init_process_group("nccl", device_id=...)` (the default
    communicator made at once, as Megatron-LM and the measurement harness make it);
 2. the first call of each collective on the default group (OPS, one small tensor each; point-to-point between ring
-   neighbours in one `batch_isend_irecv`), then each once more with 64 MiB (buffers do not grow with the message);
+   neighbours in one `batch_isend_irecv`, none in a group of one), then each once more with 64 MiB (buffers do not grow with the message);
 3. for every group size s dividing the world (1 first): the world split into consecutive groups of s made twice
    (`new_group`; eager, since the default group is bound to the device), then OPS on this rank's first group of
    size s and again on its second.
-Every rank appends one JSON line {rank, world, nccl, steps: [{step, outside_bytes, delta_bytes}]} to --out."""
+Every rank appends one JSON line {rank, world, nccl, steps: [{step, outside_bytes, delta_bytes}]} to --out.
+`--dry` walks the same steps on the CPU as rank 0 of torch's fake process group (WORLD_SIZE ranks), reading zeros."""
 
 import argparse
 import json
@@ -26,7 +27,10 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", 
 
 
 def run_op(op: str, group, numel: int, device) -> None:
+    group = group or dist.group.WORLD
     size = dist.get_world_size(group)
+    if op == "send_recv" and size == 1:
+        return
     x = torch.ones(numel * size, device=device)
     if op == "all_reduce":
         dist.all_reduce(x[:numel], group=group)
@@ -47,28 +51,39 @@ def run_op(op: str, group, numel: int, device) -> None:
             [dist.P2POp(dist.isend, x, ahead, group), dist.P2POp(dist.irecv, y, behind, group)]
         ):
             work.wait()
-    torch.cuda.synchronize()
+    if x.is_cuda:
+        torch.cuda.synchronize()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    out = parser.parse_args().out
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local)
-    torch.cuda.set_device(device)
+    parser.add_argument("--dry", action="store_true")
+    args = parser.parse_args()
+    if args.dry:
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     steps = []
 
     def reading(step: str) -> None:
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        outside = total - free - torch.cuda.memory_reserved()
+        outside = 0
+        if not args.dry:
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            outside = total - free - torch.cuda.memory_reserved()
         delta = outside - steps[-1]["outside_bytes"] if steps else outside
         steps.append({"step": step, "outside_bytes": outside, "delta_bytes": delta})
 
     torch.zeros(1, device=device)
     reading("context")
-    dist.init_process_group("nccl", device_id=device)
+    if args.dry:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=0, world_size=int(os.environ["WORLD_SIZE"]), store=FakeStore())
+    else:
+        dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     reading("init default group")
     for numel, label in ((1024, "first"), (16 << 20, "64 MiB")):
@@ -85,8 +100,9 @@ def main() -> None:
             for op in OPS:
                 run_op(op, group, 1024, device)
                 reading(f"size {size} #{copy}: {op}")
-    row = {"rank": rank, "world": world, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "steps": steps}
-    with open(out, "a") as f:
+    nccl = None if args.dry else ".".join(map(str, torch.cuda.nccl.version()))
+    row = {"rank": rank, "world": world, "nccl": nccl, "steps": steps}
+    with open(args.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     dist.barrier()
     dist.destroy_process_group()

@@ -4,7 +4,8 @@
 # collectives counted by tools/census.py), and the same census of every `census/` line under the fake process group
 # (a world of 4, one process per rank in `fake_ranks`, JOBS at once). NCCL logs its allocations
 # (NCCL_DEBUG_SUBSYS=INIT,ALLOC). The megatron-core wheel is read from WHEELS (default .whl). Out: $OUT/comms.jsonl,
-# $OUT/nccl.jsonl (the real rows), $OUT/census.tar.gz, $OUT/logs.tar.gz, $OUT/log.txt.
+# $OUT/nccl.jsonl (the real rows), $OUT/census.tar.gz, $OUT/logs.tar.gz, $OUT/log.txt. SPECS: another spec file;
+# COMMS=0: no probe.
 #   OUT=/tmp/out bash bench/nccl-comms/run.sh
 set -u
 root=$PWD
@@ -18,9 +19,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
 python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
-NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ALLOC timeout -k 10 120 torchrun --nproc-per-node $gpus --master-port 29400 \
-  $here/tools/comms.py --out "$OUT/comms.jsonl" > $tmp/logs/comms.log 2>&1
-rc=$?; echo "[comms rc=$rc] world $gpus"; [ $rc -ne 0 ] && grep -v NCCL $tmp/logs/comms.log | tail -8
+if [ "${COMMS:-1}" = 1 ]; then
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ALLOC timeout -k 10 120 torchrun --nproc-per-node $gpus --master-port 29400 \
+    $here/tools/comms.py --out "$OUT/comms.jsonl" > $tmp/logs/comms.log 2>&1
+  rc=$?; echo "[comms rc=$rc] world $gpus"; [ $rc -ne 0 ] && grep -v NCCL $tmp/logs/comms.log | tail -8
+fi
 python3 - "${SPECS:-$here/specs.jsonl}" > $tmp/runs.tsv <<'PY'
 import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]

@@ -378,7 +378,9 @@ pub(super) fn why_split_experts(s: &LayoutSearch) -> Option<String> {
     let tp = |e: &Evaluated| e.candidate.parallel.tensor.tp;
     let etp = best.candidate.megatron?.etp(tp(best));
     let whole = |e: &Evaluated| e.candidate.megatron.is_none_or(|m| m.etp(tp(e)) == 1);
-    (etp > 1 && !s.ranked.iter().any(whole)).then(|| {
+    // A dense model's etp splits nothing (no expert collectives to pay for).
+    let splits = etp > 1 && best.time.expert_tensor_s > 0.0;
+    (splits && !s.ranked.iter().any(whole)).then(|| {
         format!(
             "no layout that keeps each expert whole on a rank fits: it splits every expert's \
              linear_fc1 and linear_fc2 over etp {etp} ranks, which all-gather the dispatched \

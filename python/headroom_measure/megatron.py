@@ -12,7 +12,8 @@ read after `synchronize(); barrier(); synchronize()`, so collectives still in fl
 them (the fake group's collectives launch nothing: it synchronizes only). How a run is built, in this order, as
 Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `setup_model_and_optimizer`):
 
-1. `init_process_group("fake", rank=0, world_size=W)` (or NCCL's), `torch.cuda.set_device`, `torch.zeros(1)`;
+1. `init_process_group("fake", rank=0, world_size=W)` (or NCCL's, with `device_id` when `megatron.eager_nccl_init`),
+   `torch.cuda.set_device`, `torch.zeros(1)`;
    `parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)` (pp, cp and ep 1: the data-parallel
    size is `W / tp`); `model_parallel_cuda_manual_seed(1234)`.
 2. `TransformerConfig` from the HF config: real widths, `num_hidden_layers` layers, RMSNorm, SwiGLU
@@ -76,7 +77,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 MEGATRON_KEYS = (
     "distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-    "expert_tensor_parallel_size", "overlap_p2p_comm",
+    "expert_tensor_parallel_size", "overlap_p2p_comm", "eager_nccl_init",
 )
 # initialize_model_parallel's other sizes: measured at 1 only
 UNMEASURED_SIZES = ("pipeline_model_parallel_size", "context_parallel_size")
@@ -111,7 +112,10 @@ def megatron_options(spec: Spec) -> dict:
         "recompute_method": raw.get("recompute_method"),
         "recompute_num_layers": raw.get("recompute_num_layers"),
         "overlap_p2p_comm": raw.get("overlap_p2p_comm"),
+        "eager_nccl_init": raw.get("eager_nccl_init", False),
     }
+    if not isinstance(out["eager_nccl_init"], bool):
+        raise SpecError(f"`megatron.eager_nccl_init`: {out['eager_nccl_init']!r} is not allowed; use true or false")
     if out["overlap_p2p_comm"] not in (None, True, False):
         raise SpecError(f"`megatron.overlap_p2p_comm`: {out['overlap_p2p_comm']!r} is not allowed; use true or false")
     if out["overlap_p2p_comm"] and spec.parallel.vpp == 1:
@@ -483,9 +487,10 @@ def phase_end(rec: dict, key: str):
     torch.cuda.reset_peak_memory_stats()
 
 
-def start_rank(world: int, rank: int, snapshot: str | None, stacks: str):
+def start_rank(world: int, rank: int, snapshot: str | None, stacks: str, eager: bool):
     """Rank `rank` of a fake world of `world` on GPU 0 or, without HEADROOM_FAKE_WORLD, torchrun's rank on GPU
-    `LOCAL_RANK` under NCCL: `init_process_group`, `torch.zeros(1)` (the CUDA context, measured as what
+    `LOCAL_RANK` under NCCL: `init_process_group` (bound to the device when `eager`, so that every group's
+    communicator is made at once; else each at its first collective, as Megatron-LM now), `torch.zeros(1)` (the CUDA context, measured as what
     `mem_get_info` no longer reports free), then the allocator's history if asked (a real world's rank 0, or every
     rank when the path holds `{rank}`). Returns the device, the context's bytes, the rank and its snapshot path."""
     import torch
@@ -500,7 +505,7 @@ def start_rank(world: int, rank: int, snapshot: str | None, stacks: str):
     else:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device if eager else None)
         rank = dist.get_rank()
         if dist.get_world_size() != world:
             raise RuntimeError(f"parallel.world_size is {world} but torchrun started {dist.get_world_size()} processes")
@@ -552,7 +557,7 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
     options = megatron_options(spec)
     par = spec.parallel
     world = par.world_size
-    device, context, rank, snapshot = start_rank(world, 0, snapshot, stacks)
+    device, context, rank, snapshot = start_rank(world, 0, snapshot, stacks, options["eager_nccl_init"])
     initialize(spec, options)
     ddp_model, optimizer = build(spec, fields, options)
     ddp_model.train()

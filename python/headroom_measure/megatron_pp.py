@@ -69,7 +69,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     world, pp, n = par.world_size, par.pp, par.microbatches
     rank = int(os.environ.get("HEADROOM_FAKE_RANK", "0"))
     micro = spec.batch_size // n
-    device, context, rank, snapshot = start_rank(world, rank, snapshot, stacks)
+    device, context, rank, snapshot = start_rank(world, rank, snapshot, stacks, options["eager_nccl_init"])
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import schedules

@@ -31,7 +31,8 @@ class MegatronSpecTest(unittest.TestCase):
         self.assertEqual(
             megatron_options(spec),
             {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2, "distributed_optimizer": True, "recompute_granularity": "full",
-             "recompute_method": "uniform", "recompute_num_layers": 1, "overlap_p2p_comm": None},
+             "recompute_method": "uniform", "recompute_num_layers": 1, "overlap_p2p_comm": None,
+             "eager_nccl_init": False},
         )  # fmt: skip (an unset expert_tensor_parallel_size is tp, as Megatron-LM's arguments make it)
         self.assertEqual(megatron_options(specmod.parse(raw()))["recompute_granularity"], None)
         ep = megatron_options(specmod.parse(raw(megatron={"expert_model_parallel_size": 8})))
@@ -42,6 +43,8 @@ class MegatronSpecTest(unittest.TestCase):
                        "schedule": "interleaved-1f1b", "microbatches": 2}  # fmt: skip
         overlap = megatron_options(specmod.parse(raw(parallel=interleaved, megatron={"overlap_p2p_comm": True})))
         self.assertIs(overlap["overlap_p2p_comm"], True)
+        eager = megatron_options(specmod.parse(raw(megatron={"eager_nccl_init": True})))
+        self.assertIs(eager["eager_nccl_init"], True)
 
     def test_the_row_spec_round_trips(self):
         spec = specmod.parse(raw(parallel={"strategy": "ddp", "world_size": 4, "tp": 1, "framework": "megatron"}))
@@ -62,6 +65,7 @@ class MegatronSpecTest(unittest.TestCase):
             (raw(megatron={"distributed_optimizer": "yes"}), "megatron.distributed_optimizer"),
             (raw(megatron={"overlap_p2p_comm": "yes"}), "megatron.overlap_p2p_comm"),
             (raw(megatron={"overlap_p2p_comm": True}), "megatron.overlap_p2p_comm"),
+            (raw(megatron={"eager_nccl_init": 1}), "megatron.eager_nccl_init"),
             (raw(gradient_checkpointing=True), "gradient_checkpointing"),
             (raw(optimizer="sgd"), "framework megatron"),
         ]

@@ -113,7 +113,7 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
     ]);
     if est.nccl_bytes > 0 {
         t.add_row(vec![
-            Cell::new("NCCL communicators (measured per strategy)"),
+            Cell::new("NCCL communicators (outside the allocator)"),
             Cell::new(gib(est.nccl_bytes)).set_alignment(CellAlignment::Right),
             Cell::new(""),
         ]);

@@ -2,10 +2,12 @@
 //! report; [`estimate_pipeline`] does the same for several models in one process.
 
 mod assumptions;
+mod nccl;
 mod pipeline;
 mod timeline;
 
 pub use assumptions::Assumptions;
+pub use nccl::{MegatronGroup, megatron_groups, nccl_bytes, run_nccl_bytes};
 pub use pipeline::{
     EngineSummary, PAGEABLE_COPY_BYTES_PER_S, PipelineEstimate, estimate_pipeline,
     estimate_pipeline_timeline,
@@ -20,7 +22,7 @@ use crate::arch::Architecture;
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
 use crate::sim::{self, Component, PhasePeak, SimulatedEvent, SimulatedOom};
-use crate::spec::{RunSpec, Strategy};
+use crate::spec::RunSpec;
 
 /// The estimate of one run spec.
 #[derive(Clone, Debug)]
@@ -91,43 +93,6 @@ impl Estimate {
     /// The GPU's total less what the run holds at its peak (negative: how much is missing).
     pub fn headroom_bytes(&self) -> i128 {
         self.gpu.total_bytes as i128 - self.device_bytes() as i128
-    }
-}
-
-/// What a rank holds outside the caching allocator beyond the CUDA context once its process
-/// groups are up (eager NCCL init), read on 2 and 4 H200s, torch 2.11 (bench/distributed: device
-/// used after step 3, less reserved, less the single-GPU context, identical within 14 MiB over
-/// every row of a strategy), and read the same way on 2 and 4 H100s (bench/nccl-x4: 998 MiB for
-/// one communicator, 1,968-1,970 for three): the default group's communicator for DDP and FSDP2
-/// over the world, three for HSDP and for FSDP2 under tensor parallelism (the default group and
-/// one per mesh dimension), two for tensor parallelism alone (the default group and the tp
-/// group), the default group and a point-to-point communicator per neighbour for pipeline
-/// parallelism, DeepSpeed's groups for ZeRO. DeepSpeed sets up its groups on one rank too
-/// (bench/distributed/h200x1/h200x1-torch2.11.jsonl: 1094 MiB without offload, up to 42 MiB
-/// more with it); a one-rank FSDP2 or DDP group is not measured and counts nothing.
-pub fn nccl_bytes(parallel: Option<&crate::spec::Parallel>) -> u64 {
-    const MIB: u64 = 1 << 20;
-    match parallel {
-        None => 0,
-        Some(p) if p.world_size <= 1 && p.strategy.is_deepspeed() => 1094 * MIB,
-        Some(p) if p.world_size <= 1 => 0,
-        // A tensor- or context-parallel layout over data parallelism holds one communicator
-        // per mesh dimension beside the default group's (measured for dp × tp, carried over to
-        // context parallelism).
-        Some(p) if (p.tensor.tp > 1 || p.tensor.cp > 1) && p.shard_size > 1 => 1964 * MIB,
-        // Tensor parallelism alone: tp 2 over 2 and tp 4 over 4 H100s read the same.
-        Some(p) if p.tensor.tp > 1 && p.strategy == Strategy::NoDataParallel => 1386 * MIB,
-        // Pipeline parallelism alone: the default group and the point-to-point communicator of
-        // each pair of neighbouring stages, read on both ranks of pp 2 over 2 H100s (every
-        // schedule alike; a middle rank's second neighbour is not measured).
-        Some(p) if p.pipeline.pp > 1 => 1440 * MIB,
-        Some(p) => match p.strategy {
-            Strategy::Ddp | Strategy::NoDataParallel => 992 * MIB,
-            // FSDP1's process groups are FSDP2's (carried over, not measured on their own).
-            Strategy::Fsdp | Strategy::Fsdp1 if p.shard_size < p.world_size => 1964 * MIB,
-            Strategy::Fsdp | Strategy::Fsdp1 => 992 * MIB,
-            Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3 => 1480 * MIB,
-        },
     }
 }
 
@@ -252,7 +217,7 @@ fn estimate_ranks(
         expandable_segments: spec.allocator.expandable_segments,
         ..AllocatorConfig::default()
     };
-    let nccl = nccl_bytes(spec.parallel.as_ref());
+    let nccl = run_nccl_bytes(spec, &arch, rank);
     let capacity = (limit != Limit::None).then(|| gpu.allocator_capacity().saturating_sub(nccl));
     // With an error, the limited run stops there and only the error is kept, unless the limit
     // had changed nothing by then: the run went on as the one without a limit.

@@ -2,8 +2,9 @@
 //! Megatron-core's `DistributedOptimizer` (`use_distributed_optimizer`) and activation
 //! recomputation (`recompute_granularity`, `recompute_method`, `recompute_num_layers` of
 //! `TransformerConfig`), expert parallelism (`expert_model_parallel_size`), expert tensor
-//! parallelism (`expert_tensor_parallel_size`) and the interleaved schedule's
-//! `overlap_p2p_comm`, read here;
+//! parallelism (`expert_tensor_parallel_size`), the interleaved schedule's
+//! `overlap_p2p_comm` and whether NCCL's communicators are made at once (`eager_nccl_init`),
+//! read here;
 //! `RunSpec::check_megatron` and [`check_moe`] say what of Megatron is modelled and refuse the
 //! rest by name.
 
@@ -29,6 +30,7 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
     "optimizer_cpu_offload",
     "overlap_p2p_comm",
     "overlap_p2p_comm_warmup_flush",
+    "eager_nccl_init",
 ];
 
 /// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
@@ -65,6 +67,12 @@ pub struct Megatron {
     /// `overlap_p2p_comm` as given; unset, Megatron-LM's default (on unless
     /// `--no-overlap-p2p-communication`), which it turns off without interleaving.
     pub overlap_p2p_comm: Option<bool>,
+    /// Whether the default process group is bound to the device
+    /// (`init_process_group(device_id=...)`, as older Megatron-LM and the measuring
+    /// harness does), so that torch makes every group's NCCL communicator at once; unset, as
+    /// Megatron-LM's `_initialize_distributed` now calls it, a group's communicator is made at
+    /// its first collective and the groups no step uses cost nothing.
+    pub eager_nccl_init: bool,
 }
 
 impl Default for Megatron {
@@ -77,6 +85,7 @@ impl Default for Megatron {
             transformer_engine: false,
             optimizer_cpu_offload: false,
             overlap_p2p_comm: None,
+            eager_nccl_init: false,
         }
     }
 }
@@ -180,6 +189,7 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
     )
     .map_err(field)?;
     let optimizer_cpu_offload = boolean(obj, "optimizer_cpu_offload").map_err(field)?;
+    let eager_nccl_init = boolean(obj, "eager_nccl_init").map_err(field)?;
     let overlap_p2p_comm = match obj.get("overlap_p2p_comm") {
         None | Some(Value::Null) => None,
         Some(_) => Some(boolean(obj, "overlap_p2p_comm").map_err(field)?),
@@ -251,6 +261,7 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         transformer_engine,
         optimizer_cpu_offload,
         overlap_p2p_comm,
+        eager_nccl_init,
     })
 }
 

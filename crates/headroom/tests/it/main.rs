@@ -19,6 +19,7 @@ mod megatron_moe;
 mod megatron_pp;
 mod megatron_pp_vpp;
 mod megatron_sp;
+mod nccl;
 mod oom_messages;
 mod oom_pastes;
 mod params;

@@ -1376,6 +1376,7 @@ pub fn reasons(setup: &Setup, s: &LayoutSearch) -> Vec<String> {
         ));
     }
     out.extend(megatron::why_split_experts(s));
+    out.extend(megatron::why_eager_nccl(setup, s));
     let own = s
         .ranked
         .iter()

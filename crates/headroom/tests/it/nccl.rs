@@ -121,3 +121,64 @@ fn four_ranks_with_every_group_made_read_within_ten_percent() {
     }
     assert_eq!(checked, 20);
 }
+
+/// `fit` of a spec that binds the device says what Megatron-LM's lazy communicators would free
+/// on the best layout's ranks (its eager and lazy counts' difference); a lazy spec hears nothing.
+#[test]
+fn fit_says_what_binding_the_device_costs() {
+    use headroom::plan::Setup;
+    use headroom::plan::layout;
+    let yaml = |eager: bool| {
+        format!(
+            "model: llama-3.1-8b
+model_config: {{model_type: llama, hidden_size: 4096, intermediate_size: 14336,
+  num_attention_heads: 32, num_key_value_heads: 8, head_dim: 128, vocab_size: 128256,
+  rope_theta: 500000.0, tie_word_embeddings: false, num_hidden_layers: 4}}
+precision: bf16
+optimizer: adamw
+batch_size: 4
+seq_len: 1024
+parallel: {{strategy: ddp, world_size: 4, tp: 1, framework: megatron}}
+megatron: {{distributed_optimizer: true, eager_nccl_init: {eager}}}
+"
+        )
+    };
+    let said = |eager: bool| {
+        let spec =
+            RunSpec::from_str_at(&yaml(eager), std::path::Path::new("t.yaml")).expect("spec");
+        let setup = Setup {
+            spec,
+            spec_dir: None,
+            gpu: headroom::gpu::find("h100-80gb").expect("gpu"),
+            gpus: 4,
+            residents: Vec::new(),
+            launcher: Default::default(),
+        };
+        let search = layout::search(&setup).expect("search");
+        let best = search
+            .best()
+            .expect("a layout fits")
+            .candidate
+            .spec(&setup.spec);
+        let reasons = layout::reasons(&setup, &search);
+        (best, reasons)
+    };
+    let (best, reasons) = said(true);
+    let line = reasons
+        .iter()
+        .find(|r| r.contains("eager_nccl_init"))
+        .unwrap_or_else(|| panic!("{reasons:?}"));
+    let (_, arch) = best.architecture(None, "").expect("architecture");
+    let mut lazy = best.clone();
+    lazy.megatron.as_mut().expect("megatron").eager_nccl_init = false;
+    let saved = headroom::estimate::run_nccl_bytes(&best, &arch, None)
+        - headroom::estimate::run_nccl_bytes(&lazy, &arch, None);
+    assert!(saved > 4 << 30, "{saved}");
+    assert!(line.contains(&headroom::units::gib(saved)), "{line}");
+    assert!(line.contains("all 21 process groups"), "{line}");
+    let (_, reasons) = said(false);
+    assert!(
+        !reasons.iter().any(|r| r.contains("eager_nccl_init")),
+        "{reasons:?}"
+    );
+}

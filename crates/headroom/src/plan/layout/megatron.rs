@@ -391,6 +391,36 @@ pub(super) fn why_split_experts(s: &LayoutSearch) -> Option<String> {
     })
 }
 
+/// What binding the device costs the best layout's worst rank when the spec makes every
+/// group's NCCL communicator at once (`megatron.eager_nccl_init`): Megatron-LM's own
+/// `_initialize_distributed` binds none, so a step's first collectives make only the groups it
+/// uses.
+pub(super) fn why_eager_nccl(setup: &crate::plan::Setup, s: &LayoutSearch) -> Option<String> {
+    let best = s.best()?;
+    let spec = best.candidate.spec(&setup.spec);
+    let eager = spec.megatron.filter(|m| m.eager_nccl_init)?;
+    let (_, arch) = spec.architecture(setup.spec_dir, "").ok()?;
+    let lazy = RunSpec {
+        megatron: Some(Megatron {
+            eager_nccl_init: false,
+            ..eager
+        }),
+        ..spec.clone()
+    };
+    let groups = crate::estimate::megatron_groups(&spec, &arch, 0);
+    let used = groups.iter().filter(|g| g.used).count();
+    let saved = crate::estimate::run_nccl_bytes(&spec, &arch, None)
+        .saturating_sub(crate::estimate::run_nccl_bytes(&lazy, &arch, None));
+    Some(format!(
+        "its ranks make all {} process groups' NCCL communicators at once \
+         (megatron.eager_nccl_init: init_process_group bound to the device); without device_id, \
+         as Megatron-LM's _initialize_distributed calls it, the {used} a step uses are made at \
+         their first collective and a rank keeps {} more free",
+        groups.len(),
+        crate::units::gib(saved)
+    ))
+}
+
 /// A stage split in words, runs of equal counts folded: `7, 8 × 14, 7`.
 fn split_words(split: &[u64]) -> String {
     let mut runs: Vec<(u64, usize)> = Vec::new();

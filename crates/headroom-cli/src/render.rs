@@ -112,8 +112,18 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
         Cell::new(""),
     ]);
     if est.nccl_bytes > 0 {
+        let communicators = &est.nccl_communicators;
+        let label = if communicators.is_empty() {
+            "NCCL communicators (outside the allocator)".to_string()
+        } else {
+            format!(
+                "NCCL communicators (outside the allocator): {} made, {} used by a step",
+                communicators.len(),
+                communicators.iter().filter(|c| c.group.used).count()
+            )
+        };
         t.add_row(vec![
-            Cell::new("NCCL communicators (outside the allocator)"),
+            Cell::new(label),
             Cell::new(gib(est.nccl_bytes)).set_alignment(CellAlignment::Right),
             Cell::new(""),
         ]);

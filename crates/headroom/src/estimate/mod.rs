@@ -7,7 +7,7 @@ mod pipeline;
 mod timeline;
 
 pub use assumptions::Assumptions;
-pub use nccl::{MegatronGroup, megatron_groups, nccl_bytes, run_nccl_bytes};
+pub use nccl::{Communicator, MegatronGroup, megatron_groups, nccl_bytes, run_nccl_bytes};
 pub use pipeline::{
     EngineSummary, PAGEABLE_COPY_BYTES_PER_S, PipelineEstimate, estimate_pipeline,
     estimate_pipeline_timeline,
@@ -43,6 +43,9 @@ pub struct Estimate {
     pub cuda_context_bytes: u64,
     /// NCCL's communicators and buffers, also outside the allocator (multi-GPU runs).
     pub nccl_bytes: u64,
+    /// Under Megatron-core, the communicators that make up most of `nccl_bytes`, one per
+    /// process group made (`estimate::nccl`); empty otherwise.
+    pub nccl_communicators: Vec<nccl::Communicator>,
     /// A colocated vLLM engine's share beyond the allocator's peak (GRPO with
     /// `vllm_mode: colocate`): vLLM's contract, not a measurement.
     pub engine_bytes: u64,
@@ -217,7 +220,7 @@ fn estimate_ranks(
         expandable_segments: spec.allocator.expandable_segments,
         ..AllocatorConfig::default()
     };
-    let nccl = run_nccl_bytes(spec, &arch, rank);
+    let (nccl, nccl_communicators) = nccl::run_nccl(spec, &arch, rank);
     let capacity = (limit != Limit::None).then(|| gpu.allocator_capacity().saturating_sub(nccl));
     // With an error, the limited run stops there and only the error is kept, unless the limit
     // had changed nothing by then: the run went on as the one without a limit.
@@ -268,6 +271,7 @@ fn estimate_ranks(
         peak_reserved_bytes: sim.peak_reserved,
         cuda_context_bytes: gpu.cuda_context_bytes,
         nccl_bytes: nccl,
+        nccl_communicators,
         engine_bytes: sim.engine_bytes,
         host_bytes: sim.host_bytes,
         phases: sim.phases,

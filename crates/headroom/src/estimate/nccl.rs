@@ -56,11 +56,29 @@ pub fn nccl_bytes(parallel: Option<&Parallel>) -> u64 {
 /// Megatron-core's communicators counted group by group, any other layout's measured whole
 /// ([`nccl_bytes`]).
 pub fn run_nccl_bytes(spec: &RunSpec, arch: &Architecture, rank: Option<u64>) -> u64 {
+    run_nccl(spec, arch, rank).0
+}
+
+/// One NCCL communicator a Megatron-core rank makes, and what it holds on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Communicator {
+    pub group: MegatronGroup,
+    /// Its structures, and its connections to its peers once a step uses it.
+    pub bytes: u64,
+}
+
+/// [`run_nccl_bytes`], with the communicators Megatron-core makes on that rank (none for any
+/// other layout): their bytes and the kernels' and the run's own growth make the total.
+pub fn run_nccl(
+    spec: &RunSpec,
+    arch: &Architecture,
+    rank: Option<u64>,
+) -> (u64, Vec<Communicator>) {
     let Some(parallel) = spec.parallel.as_ref() else {
-        return 0;
+        return (0, Vec::new());
     };
     if parallel.tensor.framework != Framework::Megatron {
-        return nccl_bytes(Some(parallel));
+        return (nccl_bytes(Some(parallel)), Vec::new());
     }
     let layout = MegatronLayout::of(parallel, &spec.megatron.unwrap_or_default(), arch);
     let stages = match rank {
@@ -69,9 +87,13 @@ pub fn run_nccl_bytes(spec: &RunSpec, arch: &Architecture, rank: Option<u64>) ->
     };
     stages
         .into_iter()
-        .map(|stage| layout.rank_bytes(stage))
-        .max()
-        .unwrap_or(0)
+        .map(|stage| {
+            let made = layout.communicators(stage);
+            let bytes = KERNELS + MODULES + made.iter().map(|c| c.bytes).sum::<u64>();
+            (bytes, made)
+        })
+        .max_by_key(|(bytes, _)| *bytes)
+        .unwrap_or_default()
 }
 
 /// The 2 MiB granule NCCL's cuMem allocations take each (`NCCL_CUMEM_ENABLE`, NCCL 2.28's
@@ -271,20 +293,22 @@ impl MegatronLayout {
         }
     }
 
-    /// The kernels, the default group's communicator and every group's that is made (all of
-    /// them when eager, the used ones otherwise), the connections of those over peers that a
-    /// step uses, and the run's own growth.
-    fn rank_bytes(&self, stage: Stage) -> u64 {
-        let made = std::iter::once(self.default_group())
+    /// The communicators a rank of `stage` makes: the default group's and every group's (all of
+    /// them when eager, the used ones otherwise), each with its structures and, used over peers,
+    /// its connections.
+    fn communicators(&self, stage: Stage) -> Vec<Communicator> {
+        std::iter::once(self.default_group())
             .chain(self.groups(stage))
-            .filter(|g| self.eager || g.used);
-        KERNELS
-            + MODULES
-            + made
-                .map(|g| {
-                    let connections = if g.used && g.size > 1 { CONNECTIONS } else { 0 };
-                    communicator_init_bytes(g.size) + connections
-                })
-                .sum::<u64>()
+            .filter(|g| self.eager || g.used)
+            .map(|group| Communicator {
+                group,
+                bytes: communicator_init_bytes(group.size)
+                    + if group.used && group.size > 1 {
+                        CONNECTIONS
+                    } else {
+                        0
+                    },
+            })
+            .collect()
     }
 }

@@ -24,6 +24,11 @@ pub struct EstimateJson<'a> {
     pub peak_reserved_bytes: u64,
     pub cuda_context_bytes: u64,
     pub nccl_bytes: u64,
+    /// Under Megatron-core: each NCCL communicator the rank makes (one per process group made;
+    /// all of them with `megatron.eager_nccl_init`, the ones a step uses otherwise), with its
+    /// bytes; `nccl_bytes` adds NCCL's kernels and the run's own growth. Absent otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nccl_communicators: Vec<CommunicatorJson>,
     /// A colocated vLLM engine's share beyond the allocator's peak (GRPO with
     /// `use_vllm` and `vllm_mode: colocate`); absent otherwise.
     #[serde(skip_serializing_if = "is_zero")]
@@ -133,6 +138,17 @@ impl StageJson {
     }
 }
 
+/// One NCCL communicator of a Megatron-core rank.
+#[derive(Debug, Serialize)]
+pub struct CommunicatorJson {
+    /// The process group's `group_desc` (`default_pg`: the default group).
+    pub group: &'static str,
+    pub ranks: u64,
+    /// Whether a training step runs a collective over it.
+    pub used: bool,
+    pub bytes: u64,
+}
+
 impl<'a> EstimateJson<'a> {
     /// `with_verdict`: whether the run was judged against a GPU the user named.
     pub fn new(est: &'a Estimate, with_verdict: bool) -> Self {
@@ -145,6 +161,16 @@ impl<'a> EstimateJson<'a> {
             peak_reserved_bytes: est.peak_reserved_bytes,
             cuda_context_bytes: est.cuda_context_bytes,
             nccl_bytes: est.nccl_bytes,
+            nccl_communicators: est
+                .nccl_communicators
+                .iter()
+                .map(|c| CommunicatorJson {
+                    group: c.group.name,
+                    ranks: c.group.size,
+                    used: c.group.used,
+                    bytes: c.bytes,
+                })
+                .collect(),
             engine_bytes: est.engine_bytes,
             host_bytes: est.host_bytes,
             peak_phase: est.peak_phase,

@@ -86,12 +86,16 @@ fn one_rank_holds_a_communicator_per_group_made() {
         let err = rel(est.nccl_bytes, measured_nccl(rank, gpu.cuda_context_bytes));
         assert!(err.abs() < 0.011, "{id}: {err:+.4}");
         let eager = spec.megatron.expect("megatron").eager_nccl_init;
-        let (_, arch) = spec.architecture(None, "").expect("architecture");
-        let made = megatron_groups(&spec, &arch, 0)
-            .iter()
-            .filter(|g| eager || g.used)
-            .count();
-        assert_eq!(made, if eager { 21 } else { 4 }, "{id}");
+        let made = &est.nccl_communicators;
+        assert_eq!(made.len(), if eager { 21 } else { 4 }, "{id}");
+        assert!(
+            made.iter()
+                .all(|c| c.group.size == 1 && c.bytes == 388 << 20),
+            "{id}"
+        );
+        // NCCL's kernels (170 MiB) and the run's own growth (152 MiB) besides.
+        let communicators: u64 = made.iter().map(|c| c.bytes).sum();
+        assert_eq!(est.nccl_bytes - communicators, 322 << 20, "{id}");
         if eager { seen.0 += 1 } else { seen.1 += 1 }
     }
     assert_eq!(seen, (2, 2));

@@ -847,7 +847,12 @@ pub fn explain(m: &OomMessage) -> Explanation {
             cause: Cause::Unknown,
             text: format!(
                 "This process holds {} outside PyTorch's allocator: more than a CUDA context \
-                 (0.3–0.7 GiB); NCCL buffers, a second allocator (vLLM's KV cache, cuDNN, \
+                 (0.3–0.7 GiB). NCCL's communicators are the usual cause: under NCCL 2.28 each \
+                 process group's holds about 0.2 GiB over NVLinked peers (0.4 GiB for a group of \
+                 one rank) and about 0.5 GiB more once a collective connects it; Megatron-core \
+                 makes 20 groups a rank, about 8 GiB when init_process_group(device_id=...) \
+                 makes them all at once (without device_id only the groups a step uses are made; \
+                 bench/nccl-comms). Otherwise a second allocator (vLLM's KV cache, cuDNN, \
                  TensorRT) or a leak.",
                 sz(np)
             ),
@@ -938,6 +943,29 @@ mod tests {
         assert_eq!(m.tried_to_allocate_bytes, None);
         assert!(parse("RuntimeError: CUDA error: out of memory").is_none());
         assert!(parse("").is_none());
+    }
+
+    #[test]
+    fn eight_gib_outside_the_allocator_points_at_nccls_communicators() {
+        // A Megatron-core rank of 4 H200s that bound its device: its 21 communicators' 8 GiB.
+        let text = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 \
+                    has a total capacity of 139.80 GiB of which 1.50 GiB is free. Including \
+                    non-PyTorch memory, this process has 138.30 GiB memory in use. Of the \
+                    allocated memory 126.00 GiB is allocated by PyTorch, and 3.00 GiB is reserved \
+                    by PyTorch but unallocated.";
+        let m = parse(text).expect("parses");
+        let e = explain(&m);
+        let finding = e
+            .findings
+            .iter()
+            .find(|f| f.text.contains("outside PyTorch's allocator"))
+            .expect("the non-PyTorch finding");
+        assert!(finding.text.contains("9.30 GiB"), "{}", finding.text);
+        assert!(
+            finding.text.contains("Megatron-core makes 20 groups"),
+            "{}",
+            finding.text
+        );
     }
 
     #[test]

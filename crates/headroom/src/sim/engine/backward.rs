@@ -137,8 +137,15 @@ impl Tracer {
                     out.push(needs(i).map(|_| self.share(g)));
                 }
             }
-            Bwd::AddScalar | Bwd::Clone | Bwd::View | Bwd::HeadSplit { copy: false } => {
+            Bwd::AddScalar | Bwd::Clone | Bwd::HeadSplit { copy: false } => {
                 out.push(Some(self.share(g)))
+            }
+            Bwd::View => {
+                // `grad.reshape(sizes)` of a contiguous gradient: a differentiable view, whose
+                // base stays alive with it, so `InputBuffer` never sums into it in place.
+                let view = self.view(g, self.numel(g), "grad of view (reshape)");
+                self.mark_view_of_temporary(view);
+                out.push(Some(view));
             }
             Bwd::ViewOfSummed => out.push(Some(
                 self.like_grad(g, "grad of view (reshape of the sum's expand: copy)"),
@@ -450,10 +457,16 @@ impl Tracer {
                 }
             }
             Bwd::RouterGating => {
+                // `RouterGatingLinearFunction.backward` returns the input's gradient as
+                // `grad_input.view(*inp_shape)`: a view of the `mm` result.
                 for i in 0..2 {
                     out.push(needs(i).map(|(numel, _)| {
                         self.ensure_cublas_workspace();
-                        self.empty(numel, self.dtype(g), "grad of router gating (mm)")
+                        let grad = self.empty(numel, self.dtype(g), "grad of router gating (mm)");
+                        if i == 0 {
+                            self.mark_view_of_temporary(grad);
+                        }
+                        grad
                     }));
                 }
             }

@@ -173,8 +173,10 @@ impl MoeLayer {
         self.hold(t, |held| &mut held.routing_map, routing_map);
         let counts = t.empty(spec.count, DType::I64, "routing_map.sum(dim=0)");
         t.drop(counts);
-        let (permuted, permuted_probs, sorted_indices) = permute(t, x, probs, n, hidden, spec);
-        t.drop_all(&[probs, routing_map]);
+        // `dispatch_preprocess`: `hidden_states.view(-1, h)`, whose gradient comes back as a view.
+        let flat = t.reshape(x, "hidden_states.view(-1, h)");
+        let (permuted, permuted_probs, sorted_indices) = permute(t, flat, probs, n, hidden, spec);
+        t.drop_all(&[probs, routing_map, flat]);
         self.hold(t, |held| &mut held.sorted_indices, sorted_indices);
         // `token_dispatch`: the all-to-alls (`_AllToAll` returns its input with one rank).
         let received: u64 = spec.received(n).iter().sum();

@@ -445,7 +445,7 @@ impl<'t> Replay<'t> {
 
     fn reduce(&mut self, outputs: u64, inputs: u64) -> Result<()> {
         let multiprocessors = self.workspaces.multiprocessors;
-        let Some(config) = OuterReduction::config(outputs, inputs, multiprocessors) else {
+        let Some(config) = OuterReduction::config(outputs, inputs, multiprocessors, 4) else {
             return Ok(());
         };
         let buffer = self.kernel_buffer(config.buffer_bytes, "reduction staging buffer")?;
@@ -720,7 +720,7 @@ mod tests {
     #[test]
     fn a_reduction_stages_what_outer_reduction_sizes() {
         let gpu = h100();
-        let config = OuterReduction::config(2048, 2048, gpu.workspaces().multiprocessors)
+        let config = OuterReduction::config(2048, 2048, gpu.workspaces().multiprocessors, 4)
             .expect("split over blocks");
         let t = trace(
             &[],

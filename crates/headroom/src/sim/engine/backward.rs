@@ -60,7 +60,7 @@ impl Tracer {
                 "grad reduced to input shape (sum_to)",
             );
             if outer {
-                self.reduction_staging(numel, self.numel(grad) / numel.max(1));
+                self.reduction_staging(numel, self.numel(grad) / numel.max(1), DType::F32);
             }
             self.drop(grad);
             grad = reduced;

@@ -455,10 +455,15 @@ impl Tracer {
     /// The global staging buffer (and its semaphores) CUDA's reduction kernel allocates and
     /// frees when it splits each of `outputs` sums of `inputs` values over several blocks
     /// (`gpu_reduce_kernel` after `setReduceConfig` in `Reduce.cuh`), for a contiguous tensor
-    /// reduced over its outer dimensions with fp32 accumulation.
-    pub(crate) fn reduction_staging(&mut self, outputs: u64, inputs: u64) {
-        let Some(config) = OuterReduction::config(outputs, inputs, self.workspaces.multiprocessors)
-        else {
+    /// reduced over its outer dimensions, accumulating in `accumulator` (fp32 for floating
+    /// sums, int64 for integer and bool ones).
+    pub(crate) fn reduction_staging(&mut self, outputs: u64, inputs: u64, accumulator: DType) {
+        let Some(config) = OuterReduction::config(
+            outputs,
+            inputs,
+            self.workspaces.multiprocessors,
+            accumulator.bytes(),
+        ) else {
             return;
         };
         let outer = std::mem::replace(&mut self.component, Component::Workspaces);
@@ -520,13 +525,13 @@ impl OuterReduction {
     const MIN_VALUES_PER_THREAD: u64 = 16;
     const MAX_VALUES_PER_THREAD: u64 = 256;
     const THREADS_PER_MULTIPROCESSOR: u64 = 2048;
-    /// `sizeof(arg_t)`: sums accumulate in fp32.
-    const ACCUMULATOR_BYTES: u64 = 4;
 
+    /// `accumulator_bytes`: `sizeof(arg_t)`, 4 for fp32 sums, 8 for int64 ones.
     pub(crate) fn config(
         outputs: u64,
         inputs: u64,
         multiprocessors: u64,
+        accumulator_bytes: u64,
     ) -> Option<OuterReduction> {
         if outputs == 0 || inputs <= 1 {
             return None;
@@ -575,7 +580,7 @@ impl OuterReduction {
             return None;
         }
         Some(OuterReduction {
-            buffer_bytes: Self::ACCUMULATOR_BYTES * outputs * ctas * width * vec,
+            buffer_bytes: accumulator_bytes * outputs * ctas * width * vec,
             semaphore_bytes: 4 * grid,
         })
     }
@@ -589,9 +594,21 @@ mod tests {
     /// 32 MiB staging buffer (measured: bench/moe snapshots of Qwen3-30B-A3B's norms).
     #[test]
     fn a_column_sum_over_many_rows_stages_through_global_memory() {
-        let config = OuterReduction::config(2048, 2048, 132).expect("split over blocks");
+        let config = OuterReduction::config(2048, 2048, 132, 4).expect("split over blocks");
         assert_eq!(config.buffer_bytes, 32 << 20);
         // A few rows fit one block per output.
-        assert!(OuterReduction::config(2048, 16, 132).is_none());
+        assert!(OuterReduction::config(2048, 16, 132, 4).is_none());
+    }
+
+    /// The Megatron harness's `routing_map.sum(dim=0)` over 128 experts accumulates in int64:
+    /// 2, 4 and 8 MiB staged for 1024, 2048 and 4096 tokens on an H100 or H200 (the snapshots of
+    /// bench/megatron-moe-sp, bench/megatron-dp-ranks and bench/megatron-moe), none for 512.
+    #[test]
+    fn an_integer_column_sum_stages_eight_byte_partials() {
+        let staged = |rows| OuterReduction::config(128, rows, 132, 8).map(|c| c.buffer_bytes);
+        assert_eq!(staged(1024), Some(2 << 20));
+        assert_eq!(staged(2048), Some(4 << 20));
+        assert_eq!(staged(4096), Some(8 << 20));
+        assert_eq!(staged(512), None);
     }
 }

@@ -417,9 +417,15 @@ pub(crate) fn harness_routing_map(t: &mut Tracer, n: u64, spec: Experts) -> T {
     );
     let modulo = t.empty(n * k, DType::I64, "rows % E");
     t.drop(modulo);
+    // `fixed.sum(dim=0).min()` and `.max()` check the map: each sum casts the map to int64 and
+    // reduces its columns through a global staging buffer.
     for _ in 0..2 {
         let sums = t.empty(spec.count, DType::I64, "map.sum(dim=0)");
-        t.drop(sums);
+        let cast = t.empty(n * spec.count, DType::I64, "map as int64 (sum)");
+        t.reduction_staging(spec.count, n, DType::I64);
+        t.drop(cast);
+        let extreme = t.empty(1, DType::I64, "min() / max()");
+        t.drop_all(&[sums, extreme]);
     }
     t.drop(rows);
     t.mark_persistent(map);

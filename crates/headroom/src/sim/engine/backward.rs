@@ -322,12 +322,14 @@ impl Tracer {
                 out.push(grad);
             }
             Bwd::Bmm => {
-                for i in 0..2 {
-                    out.push(
-                        needs(i)
-                            .map(|(numel, _)| self.empty(numel, self.dtype(g), "grad of matmul")),
-                    );
-                }
+                // `BmmBackward0` computes `mat2`'s gradient (`self.transpose(1, 2).bmm(grad)`)
+                // before `self`'s (`grad.bmm(mat2.transpose(1, 2))`).
+                let mat2 =
+                    needs(1).map(|(numel, _)| self.empty(numel, self.dtype(g), "grad of matmul"));
+                let this =
+                    needs(0).map(|(numel, _)| self.empty(numel, self.dtype(g), "grad of matmul"));
+                out.push(this);
+                out.push(mat2);
             }
             Bwd::LayerNorm => {
                 // native_layer_norm_backward: grad_input, then grad_weight and grad_bias.

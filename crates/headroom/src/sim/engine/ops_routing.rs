@@ -188,10 +188,8 @@ mod tests {
         }
     }
 
-    /// The bytes of every gradient-sized allocation the backward of `x.view(tokens, k,
-    /// hidden).sum(dim=1)` makes, `x` a (tokens * k, hidden) bf16 leaf, under `autocast`.
-    fn backward_allocations(autocast: Option<DType>) -> Vec<u64> {
-        let (tokens, k, hidden) = (64, 4, 256);
+    /// A tracer that records every allocation and free.
+    fn tracing() -> Tracer {
         let memory = Memory::new(
             CachingAllocator::new(AllocatorConfig::default(), None),
             Keep {
@@ -199,7 +197,14 @@ mod tests {
                 timeline: false,
             },
         );
-        let mut t = Tracer::new(memory, crate::gpu::Gpu::default().workspaces());
+        Tracer::new(memory, crate::gpu::Gpu::default().workspaces())
+    }
+
+    /// The bytes of every gradient-sized allocation the backward of `x.view(tokens, k,
+    /// hidden).sum(dim=1)` makes, `x` a (tokens * k, hidden) bf16 leaf, under `autocast`.
+    fn backward_allocations(autocast: Option<DType>) -> Vec<u64> {
+        let (tokens, k, hidden) = (64, 4, 256);
+        let mut t = tracing();
         let p = t.parameter(tokens * k * hidden, DType::BF16, true, "x");
         let x: T = t.param(p);
         let outer = t.enter_autocast(autocast);
@@ -215,6 +220,28 @@ mod tests {
             .filter(|e| e.alloc && e.bytes == x_bytes)
             .map(|e| e.bytes)
             .collect()
+    }
+
+    /// `BmmBackward0` makes `mat2`'s gradient before `self`'s, as torch 2.11's profiler shows
+    /// (`aten::bmm` of `mat2`'s shape first).
+    #[test]
+    fn bmm_backward_makes_the_second_operands_gradient_first() {
+        let (b, m, k, n) = (4, 64, 32, 16);
+        let mut t = tracing();
+        let pa = t.parameter(b * m * k, DType::F32, true, "self");
+        let pb = t.parameter(b * k * n, DType::F32, true, "mat2");
+        let (x, y) = (t.param(pa), t.param(pb));
+        let out = t.bmm(x, y, b * m * n);
+        let loss = t.sum_dim(out, 1);
+        t.drop(out);
+        let start = t.mem.trace_len();
+        t.backward(loss, &mut NoCheckpoints);
+        let grads: Vec<u64> = t.mem.take_trace()[start..]
+            .iter()
+            .filter(|e| e.alloc && e.label == "grad of matmul")
+            .map(|e| e.bytes)
+            .collect();
+        assert_eq!(grads, vec![b * k * n * 4, b * m * k * 4]);
     }
 
     /// The sum's gradient is an expand over `k`: the view's backward copies it into the

@@ -40,7 +40,7 @@ Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `
    Adam is `torch.optim.AdamW`; fp32 main parameters in `Float16OptimizerWithFloat16Params` or, sharded over
    the data-parallel ranks, in `DistributedOptimizer`.
 
-An MoE model (`qwen3_moe`) gets `get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)`: every layer's MLP
+An MoE model (`qwen3_moe`, `mixtral`) gets `get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)`: every layer's MLP
 is an `MoELayer` (`TopKRouter`, `MoEAlltoAllTokenDispatcher`, `SequentialMLP` over the E / ep local experts),
 `TransformerConfig(num_moe_experts, moe_router_topk, moe_ffn_hidden_size, moe_token_dispatcher_type="alltoall",
 moe_router_pre_softmax=not norm_topk_prob, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)` and Megatron's other MoE defaults (no
@@ -81,7 +81,18 @@ MEGATRON_KEYS = (
 )
 # initialize_model_parallel's other sizes: measured at 1 only
 UNMEASURED_SIZES = ("pipeline_model_parallel_size", "context_parallel_size")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
+def moe_fields(fields: dict):
+    """An MoE model's `(num_experts, top_k, expert width)` in its HF config's names (Qwen3-MoE's, Mixtral's); None
+    for a dense model."""
+    model_type = fields.get("model_type")
+    if model_type == "qwen3_moe":
+        return fields["num_experts"], fields["num_experts_per_tok"], fields["moe_intermediate_size"]
+    if model_type == "mixtral":
+        return fields["num_local_experts"], fields["num_experts_per_tok"], fields["intermediate_size"]
+    return None
 
 
 def megatron_options(spec: Spec) -> dict:
@@ -166,16 +177,18 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
     heads = fields["num_attention_heads"]
     head_dim = fields.get("head_dim") or fields["hidden_size"] // heads
     moe = {}
-    if model_type == "qwen3_moe":
+    if moe_fields(fields) is not None:
         if fields.get("decoder_sparse_step", 1) != 1 or fields.get("mlp_only_layers"):
             raise SpecError("`model_config.decoder_sparse_step`/`mlp_only_layers`: measured with every layer MoE")
+        experts, top_k, width = moe_fields(fields)
         moe = dict(
-            num_moe_experts=fields["num_experts"],
-            moe_router_topk=fields["num_experts_per_tok"],
-            moe_ffn_hidden_size=fields["moe_intermediate_size"],
+            num_moe_experts=experts,
+            moe_router_topk=top_k,
+            moe_ffn_hidden_size=width,
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
-            moe_router_pre_softmax=not fields.get("norm_topk_prob", True),
+            # Mixtral renormalises its top k always: a softmax over the k logits.
+            moe_router_pre_softmax=model_type == "qwen3_moe" and not fields.get("norm_topk_prob", True),
             expert_model_parallel_size=options["expert_model_parallel_size"],
             expert_tensor_parallel_size=options["expert_tensor_parallel_size"],
         )
@@ -429,7 +442,7 @@ def spec_and_env(spec: Spec, options: dict, fields: dict, device, total: int, wo
         "layer_spec": "get_gpt_layer_local_spec (no Transformer Engine, no apex)"
         + (", torch RMSNorm marked sequence_parallel" if spec.parallel.sequence_parallel else ""),
         "routing": "balanced (harness-fixed routing_map; token counts gathered as identical ranks)"
-        if fields.get("model_type") == "qwen3_moe" else None,
+        if moe_fields(fields) is not None else None,
         **extra,
         "world_size": world,
         **({"launcher": f"fake process group (one process, rank {rank})", "process_group": "fake"} if fake_group() else {
@@ -574,9 +587,10 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
     params = sum(global_numel(p) for p in ddp_model.parameters())
 
     batch = inputs(spec, fields, device)
-    if fields.get("model_type") == "qwen3_moe":
+    if moe_fields(fields) is not None:
+        experts, top_k, _ = moe_fields(fields)
         fixed_routing = balanced_routing(  # noqa: F841 (kept alive: the router copies it every layer)
-            routed_tokens(spec, spec.batch_size), fields["num_experts"], fields["num_experts_per_tok"]
+            routed_tokens(spec, spec.batch_size), experts, top_k
         )
     steps, losses = [], []
     peak_reserved = load["peak_reserved"]

@@ -54,6 +54,7 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
         finish,
         load_record,
         megatron_options,
+        moe_fields,
         phase_end,
         spec_and_env,
         start_rank,
@@ -105,9 +106,10 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     ids = torch.randint(0, fields["vocab_size"], (micro, spec.seq_len), device=device)
     position_ids = torch.arange(spec.seq_len, device=device).unsqueeze(0).expand_as(ids)
     loss_mask = torch.ones(micro * spec.seq_len, device=device)
-    if fields.get("model_type") == "qwen3_moe":
+    if moe_fields(fields) is not None:
+        experts, top_k, _ = moe_fields(fields)
         fixed_routing = balanced_routing(  # noqa: F841 (kept alive: the router copies it every layer)
-            routed_tokens(spec, micro), fields["num_experts"], fields["num_experts_per_tok"]
+            routed_tokens(spec, micro), experts, top_k
         )
 
     def loss_func(output_tensor):

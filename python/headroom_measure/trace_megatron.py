@@ -198,7 +198,7 @@ def run_megatron_loop(rec, spec, fields: dict, progress, steps: int):
     from .trace_dist import fake_world, patch
 
     options = mg.megatron_options(spec)
-    moe = fields.get("model_type") == "qwen3_moe"
+    moe = mg.moe_fields(fields)
     if moe and options["expert_tensor_parallel_size"] != 1:
         raise untraced_expert_tensor_parallelism(options)
     with fake_world(spec.parallel.world_size), cuda_answers(rec), contextlib.ExitStack() as stack:
@@ -221,12 +221,13 @@ def run_megatron_loop(rec, spec, fields: dict, progress, steps: int):
             rec.classify(batch, "input")
             fixed = None
             if moe:
+                experts, top_k, _ = moe
                 tokens = mg.routed_tokens(spec, spec.batch_size)
-                share = tokens * fields["num_experts_per_tok"] // fields["num_experts"]
+                share = tokens * top_k // experts
                 with rec.reading([share, share]):
-                    fixed = mg.balanced_routing(tokens, fields["num_experts"], fields["num_experts_per_tok"])
+                    fixed = mg.balanced_routing(tokens, experts, top_k)
                 rec.classify([fixed], "input")
-                tokens_times_topk = tokens * fields["num_experts_per_tok"]
+                tokens_times_topk = tokens * top_k
                 patch(stack, token_dispatcher, "maybe_move_tensor_to_cpu", _balanced_counts(tokens_times_topk))
             for step in range(1, steps + 1):
                 if progress:

@@ -299,17 +299,19 @@ pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture
         return Ok(());
     };
     let routes_every_layer = (0..arch.layers).all(|l| moe.routes(l));
-    if arch.family != Family::Qwen3Moe
-        || moe.router != Router::Softmax
-        || !moe.norm_topk_prob
-        || moe.shared_intermediate > 0
-        || !routes_every_layer
-    {
+    // Megatron's `TopKRouter` (`moe_router_pre_softmax` false: top-k of the logits, then a
+    // softmax over the k) computes what Qwen3-MoE with `norm_topk_prob` and Mixtral compute.
+    let renormalised_softmax = match arch.family {
+        Family::Qwen3Moe => moe.router == Router::Softmax && moe.norm_topk_prob,
+        Family::Mixtral => true,
+        _ => false,
+    };
+    if !renormalised_softmax || moe.shared_intermediate > 0 || !routes_every_layer {
         return Err(Error::Unsupported {
             what: format!("framework megatron with this {} model", arch.model_type),
-            supported: "Megatron's MoELayer for Qwen3-MoE models: every layer routed (no \
-                        mlp_only_layers, decoder_sparse_step 1), norm_topk_prob true, no shared \
-                        expert"
+            supported: "Megatron's MoELayer for Qwen3-MoE and Mixtral models: every layer \
+                        routed (no mlp_only_layers, decoder_sparse_step 1), norm_topk_prob true, \
+                        no shared expert"
                 .into(),
         });
     }

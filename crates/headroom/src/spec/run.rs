@@ -1051,7 +1051,7 @@ impl RunSpec {
     }
 
     /// What Megatron's GPTModel with the local layer spec needs of the model: a dense Llama-style
-    /// decoder (RMSNorm, SwiGLU, rotary), an output layer of its own, and heads, query groups,
+    /// decoder (RMSNorm, SwiGLU, rotary) or Qwen3-MoE or Mixtral, and heads, query groups,
     /// MLP width and vocabulary that divide over the tensor-parallel ranks (query groups at
     /// least `tp`: fewer are all-gathered, which is not modelled).
     fn check_megatron_against(&self, arch: &Architecture) -> Result<()> {
@@ -1067,27 +1067,17 @@ impl RunSpec {
         let megatron = self.megatron.unwrap_or_default();
         if !matches!(
             arch.family,
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::Mixtral
         ) || arch.mla.is_some()
         {
             return Err(Error::Unsupported {
                 what: format!("framework megatron with a {} model", arch.model_type),
-                supported: "Megatron's GPTModel as dense Llama, Mistral, Qwen2 and Qwen3 models \
-                            and Qwen3-MoE"
+                supported: "Megatron's GPTModel as dense Llama, Mistral, Qwen2 and Qwen3 models, \
+                            Qwen3-MoE and Mixtral"
                     .into(),
             });
         }
         super::megatron::check_moe(self, &megatron, arch)?;
-        if arch.tie_word_embeddings {
-            return Err(Error::Unsupported {
-                what: format!(
-                    "framework megatron with tied word embeddings ({})",
-                    arch.model_type
-                ),
-                supported: "models with an output layer of their own (tie_word_embeddings false)"
-                    .into(),
-            });
-        }
         check_tp_divides(arch, parallel.tensor.tp)?;
         super::megatron_pipeline::check(&parallel.pipeline, arch.layers)?;
         if megatron.overlap_p2p_comm == Some(true) && parallel.pipeline.vpp == 1 {
@@ -1719,7 +1709,8 @@ fn check_tp_divides(arch: &Architecture, tp: u64) -> Result<()> {
 /// What a pipeline split needs of the model: a dense decoder (or, under Megatron, the MoE
 /// models its `MoELayer` is modelled for: `megatron::check_moe`) whose input embedding and
 /// output head are modules of their own (a tied pair would sit on the first and the last
-/// stage), and layers for every stage.
+/// stage; Megatron gives the last stage a copy of its own and sums their gradients), and
+/// layers for every stage.
 pub(crate) fn check_pipeline_parallel(
     pipeline: &PipelineParallel,
     arch: &Architecture,
@@ -1734,7 +1725,9 @@ pub(crate) fn check_pipeline_parallel(
                 .into(),
         });
     }
-    refuse_tied_embeddings(arch, "parallel.pp")?;
+    if !megatron {
+        refuse_tied_embeddings(arch, "parallel.pp")?;
+    }
     pipeline.check(arch.layers, batch_size)
 }
 

@@ -169,3 +169,68 @@ fn unmodelled_megatron_layouts_are_refused_by_name() {
         "megatron",
     );
 }
+
+/// Tied word embeddings (`share_embeddings_and_output_weights`, Megatron-LM's default unless
+/// `--untie-embeddings-and-output-weights`): with one stage the output layer multiplies by the
+/// embedding's weight, one vocab × hidden matrix fewer with its gradient and Adam's states; a
+/// pipeline's last stage holds a copy of its own, so its stages are the untied model's.
+#[test]
+fn tied_embeddings_share_one_weight_on_one_stage_and_copy_it_on_the_last() {
+    let run = |tied: bool, parallel: Value| {
+        let mut value = spec(parallel, json!({}));
+        value["model_config"]["tie_word_embeddings"] = json!(tied);
+        let spec = RunSpec::from_value(&value).expect("valid spec");
+        headroom::estimate::estimate(&spec, None, &gpu::find("h200").expect("gpu"))
+            .expect("estimate")
+    };
+    let one_stage = json!({"strategy": "ddp", "world_size": 4, "tp": 2, "framework": "megatron"});
+    let (untied, tied) = (run(false, one_stage.clone()), run(true, one_stage));
+    let matrix = 128256 / 2 * 4096;
+    assert_eq!(
+        component(&untied, "weights") - component(&tied, "weights"),
+        2 * matrix,
+        "the bf16 output weight"
+    );
+    assert_eq!(
+        component(&untied, "optimizer_states") - component(&tied, "optimizer_states"),
+        12 * matrix,
+        "its fp32 main parameter and Adam's two states"
+    );
+    let pipeline = json!({"strategy": "ddp", "world_size": 4, "tp": 2, "framework": "megatron",
+        "pp": 2, "microbatches": 1});
+    let (untied, tied) = (run(false, pipeline.clone()), run(true, pipeline));
+    let peaks = |est: &headroom::estimate::Estimate| {
+        est.stages
+            .iter()
+            .map(|s| (s.peak_allocated, s.peak_reserved))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(peaks(&untied), peaks(&tied));
+    assert_eq!(tied.stages.len(), 2);
+}
+
+/// Mixtral's router (top 2 of 8, renormalised) is Megatron's `TopKRouter` without
+/// `moe_router_pre_softmax`, as Qwen3-MoE's; a shared expert is not modelled and is refused.
+#[test]
+fn mixtral_runs_as_megatron_moe_and_shared_experts_are_refused() {
+    let moe = |model: &str, ep: u64| {
+        RunSpec::from_value(&json!({
+            "model": model, "precision": "bf16", "optimizer": "adamw", "batch_size": 1,
+            "seq_len": 1024,
+            "parallel": {"strategy": "ddp", "world_size": 8, "framework": "megatron"},
+            "megatron": {"expert_model_parallel_size": ep, "distributed_optimizer": true},
+        }))
+        .expect("valid spec")
+    };
+    let h200 = gpu::find("h200").expect("gpu");
+    let est = |ep| headroom::estimate::estimate(&moe("mixtral-8x7b", ep), None, &h200);
+    let (ep8, ep2) = (est(8).expect("ep 8"), est(2).expect("ep 2"));
+    assert!(
+        component(&ep8, "weights") * 3 < component(&ep2, "weights"),
+        "one expert of eight a rank against four"
+    );
+    let err = headroom::estimate::estimate(&moe("qwen2-57b-a14b", 8), None, &h200)
+        .expect_err("a shared expert")
+        .to_string();
+    assert!(err.contains("Qwen3-MoE and Mixtral"), "{err}");
+}

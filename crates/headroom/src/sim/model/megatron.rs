@@ -237,10 +237,15 @@ impl GptModel {
             .collect();
         let head = part.post_process.then(|| {
             let final_norm = param(t, h, DType::F32, "final_layernorm.weight");
-            (
-                final_norm,
-                param(t, v * h, DType::BF16, "output_layer.weight"),
-            )
+            // `share_embeddings_and_output_weights`: a stage holding the embedding multiplies by
+            // its weight (`skip_weight_param_allocation`); a last stage without it makes its own,
+            // which `setup_embeddings_and_output_layer` zero-fills and sums over the embedding
+            // group in place.
+            let output = match embedding {
+                Some(shared) if arch.tie_word_embeddings => shared,
+                _ => param(t, v * h, DType::BF16, "output_layer.weight"),
+            };
+            (final_norm, output)
         });
         // `model.cuda()` (Megatron-LM's `get_model`), then `Float16Module`'s `bfloat16()`.
         for p in norms {

@@ -1,0 +1,98 @@
+"""Writes bench/megatron-holdout/specs.jsonl: Megatron-core layouts chosen to differ from every measured row before
+the model saw them: tied word embeddings (one stage, and a last stage holding its own copy), Mixtral's experts,
+a pipeline of three stages, tensor parallelism of 8 at 8k tokens, odd batch and sequence sizes, a middle stage of an
+interleaved pipeline, expert tensor parallelism of 2 under expert parallelism of 8. Every line is a fake-group rank."""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron" / "tools"))
+from rows import DENSE_MODELS, MOE_MODELS, line, recompute_keys  # noqa: E402
+
+MODELS = {
+    **DENSE_MODELS,
+    **MOE_MODELS,
+    # Tied word embeddings (`tie_word_embeddings: true`): Megatron-LM shares them unless
+    # `--untie-embeddings-and-output-weights`.
+    "q3-4b": ("qwen3-4b", {"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+              "rope_theta": 1000000.0, "tie_word_embeddings": True}),
+    "l3b": ("llama-3.2-3b", {"model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192,
+            "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+            "rope_theta": 500000.0, "tie_word_embeddings": True}),
+    "l1b": ("llama-3.2-1b", {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+            "rope_theta": 500000.0, "tie_word_embeddings": True}),
+    "q1.5b": ("qwen2.5-1.5b", {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
+              "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936,
+              "rope_theta": 1000000.0, "tie_word_embeddings": True}),
+    "m7b": ("mistral-7b-v0.3", {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32768,
+            "rope_theta": 1000000.0, "tie_word_embeddings": False}),
+    "mx7": ("mixtral-8x7b", {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 8,
+            "num_experts_per_tok": 2, "vocab_size": 32000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-05,
+            "tie_word_embeddings": False}),
+}
+
+# (model, layers, batch, seq, world, {tp, sp, pp, vpp, mb, ep, etp}, distributed optimizer, recompute, ranks,
+#  snapshot of the first rank)
+ROWS = [
+    ("q3-4b", 6, 2, 2048, 1, {}, False, None, [0], True),
+    ("q3-4b", 6, 1, 4096, 8, {"tp": 2, "sp": True}, True, ("selective", None, None), [0], False),
+    ("l3b", 4, 2, 2048, 4, {"tp": 4}, False, ("full", "uniform", 1), [0], False),
+    ("q1.5b", 8, 4, 1024, 2, {"tp": 2}, False, None, [0], False),
+    ("l1b", 4, 1, 4096, 1, {}, True, ("full", "block", 2), [0], False),
+    ("q3-4b", 8, 4, 2048, 4, {"pp": 2, "mb": 4}, True, ("selective", None, None), [0, 2], True),
+    ("l3b", 8, 4, 1024, 4, {"tp": 2, "sp": True, "pp": 2, "vpp": 2, "mb": 4}, False, None, [0, 2], False),
+    ("mx7", 2, 1, 4096, 8, {"ep": 8}, True, None, [0], True),
+    ("mx7", 2, 1, 4096, 8, {"ep": 4}, False, ("selective", None, None), [0], False),
+    ("mx7", 4, 2, 2048, 16, {"tp": 2, "sp": True, "ep": 8, "etp": 1}, True, ("full", "uniform", 1), [0], False),
+    ("mx7", 4, 4, 1024, 8, {"pp": 2, "mb": 4, "ep": 4}, True, None, [0, 4], False),
+    ("mx7", 2, 1, 4096, 8, {"ep": 2, "etp": 2}, False, None, [0], False),
+    ("m7b", 4, 2, 4096, 4, {"tp": 4, "sp": True}, True, ("full", "block", 1), [0], False),
+    ("q3-8b", 6, 1, 8192, 8, {"tp": 8}, False, ("selective", None, None), [0], False),
+    ("q7b", 8, 8, 1024, 16, {"tp": 2, "pp": 4, "vpp": 2, "mb": 8}, True, ("selective", None, None), [4, 12], False),
+    ("l8b", 6, 3, 2048, 3, {"pp": 3, "mb": 3}, False, None, [0, 1, 2], False),
+    ("q30", 4, 2, 2048, 16, {"tp": 2, "sp": True, "ep": 8}, True, ("selective", None, None), [0], False),
+    ("q3-8b", 4, 3, 1536, 6, {"tp": 2}, False, None, [0], False),
+    ("l8b", 4, 1, 2048, 4, {}, True, ("full", "uniform", 2), [0], False),
+]
+
+
+def rows(key, layers, b, s, world, lay, dist_opt, recompute, ranks, snapshot):
+    model, config = MODELS[key]
+    mega = {"distributed_optimizer": dist_opt}
+    rc = recompute_keys(mega, recompute)
+    parallel = {"strategy": "ddp", "world_size": world, "framework": "megatron"}
+    tag = f"w{world}"
+    if lay.get("tp", 1) > 1:
+        parallel["tp"] = lay["tp"]
+        tag += f"-tp{lay['tp']}"
+        if lay.get("sp"):
+            parallel["sequence_parallel"] = True
+            tag += "-sp"
+    if lay.get("pp", 1) > 1:
+        parallel.update(pp=lay["pp"], microbatches=lay["mb"])
+        tag += f"-pp{lay['pp']}"
+        if lay.get("vpp", 1) > 1:
+            parallel.update(vpp=lay["vpp"], schedule="interleaved-1f1b")
+            tag += f"-vpp{lay['vpp']}"
+        tag += f"-mb{lay['mb']}"
+    if "ep" in lay:
+        mega["expert_model_parallel_size"] = lay["ep"]
+        tag += f"-ep{lay['ep']}"
+    if "etp" in lay:
+        mega["expert_tensor_parallel_size"] = lay["etp"]
+        tag += f"-etp{lay['etp']}"
+    tag += "-do" if dist_opt else "-nodo"
+    for rank in ranks:
+        rid = f"megatron-holdout/{key}-L{layers}/bs{b}/s{s}/{tag}/{rc}" + (f"/rank{rank}" if len(ranks) > 1 or rank else "")
+        yield line(rid, model, config, layers, b, s, dict(parallel), dict(mega), snapshot and rank == ranks[0],
+                   rank=rank)
+
+
+out = Path(__file__).resolve().parents[1] / "specs.jsonl"
+lines = [json.dumps(r) for spec in ROWS for r in rows(*spec)]
+out.write_text("".join(l + "\n" for l in lines))
+print(out, len(lines))

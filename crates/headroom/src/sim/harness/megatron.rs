@@ -220,6 +220,7 @@ pub(super) fn load(
             params: &m.params,
             vectors: &m.vectors,
             experts: &m.expert_params,
+            shared_embedding: m.shared_embedding,
         })
         .collect();
     let ddp = MegatronDdp::wrap(

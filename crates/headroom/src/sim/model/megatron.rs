@@ -141,6 +141,9 @@ pub(crate) struct GptModel {
     pub(crate) params: Vec<ParamId>,
     pub(crate) vectors: Vec<bool>,
     pub(crate) expert_params: Vec<bool>,
+    /// The index in `params` of the tied weight a pipeline's first stage (its embedding) and
+    /// last stage (its copy) each hold, marked `shared_embedding`.
+    pub(crate) shared_embedding: Option<usize>,
     /// The MoE layers' experts (`None`: a dense model).
     pub(crate) experts: Option<Experts>,
     megatron: Megatron,
@@ -247,6 +250,14 @@ impl GptModel {
             };
             (final_norm, output)
         });
+        // `setup_embeddings_and_output_layer` marks the tied weight of a stage that holds one
+        // end of the model and not the other.
+        let shared_embedding = (arch.tie_word_embeddings && part.pre_process != part.post_process)
+            .then(|| {
+                let shared = embedding.or(head.map(|(_, output)| output))?;
+                params.iter().position(|&p| p == shared)
+            })
+            .flatten();
         // `model.cuda()` (Megatron-LM's `get_model`), then `Float16Module`'s `bfloat16()`.
         for p in norms {
             t.materialize(p);
@@ -262,6 +273,7 @@ impl GptModel {
             params,
             vectors,
             expert_params,
+            shared_embedding,
             experts,
             megatron,
             strategy: RefCell::new(Strategy::Local),

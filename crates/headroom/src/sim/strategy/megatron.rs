@@ -38,9 +38,11 @@ use crate::sim::optim::OptimizerState;
 use crate::spec::Optimizer;
 
 /// `DistributedOptimizer._compute_per_buffer_param_layout` (or, without the distributed
-/// optimizer, `_compute_default_per_buffer_param_layout`) for one bucket: parameters from the
-/// last to the first, each starting at a multiple of 64 elements with the distributed
-/// optimizer (`pad_param_start`), the bucket's end padded to a multiple of `lcm(dp, 128)`
+/// optimizer, `_compute_default_per_buffer_param_layout`): parameters from the last to the
+/// first, one bucket since gradients are reduced after backward. With the distributed
+/// optimizer each starts at a multiple of 64 elements (`pad_param_start`), a shared embedding
+/// (a tied weight a pipeline's first and last stage each hold: `shared_embedding`) gets a
+/// bucket of its own, and each bucket's end is padded to a multiple of `lcm(dp, 128)`
 /// (`pad_bucket_end`) so that it splits evenly over the data-parallel ranks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct BufferLayout {
@@ -49,44 +51,73 @@ pub(crate) struct BufferLayout {
     /// Each parameter's first element, in parameter order.
     pub(crate) starts: Vec<u64>,
     numels: Vec<u64>,
+    /// Each bucket's first and end element, in buffer order.
+    buckets: Vec<(u64, u64)>,
 }
 
 impl BufferLayout {
-    pub(crate) fn new(numels: &[u64], dp: u64, distributed_optimizer: bool) -> Self {
+    /// The layout of parameters of `numels` elements; `shared_embedding`, the index of the one
+    /// marked `shared_embedding`.
+    pub(crate) fn new(
+        numels: &[u64],
+        dp: u64,
+        distributed_optimizer: bool,
+        shared_embedding: Option<usize>,
+    ) -> Self {
+        let pad_end = |end: u64| {
+            if distributed_optimizer {
+                end.next_multiple_of(lcm(dp, 128))
+            } else {
+                end
+            }
+        };
         let mut starts = vec![0; numels.len()];
-        let mut next: u64 = 0;
+        let mut buckets = Vec::new();
+        let (mut next, mut bucket_start, mut in_bucket) = (0u64, 0, false);
         for (i, &numel) in numels.iter().enumerate().rev() {
+            let apart = distributed_optimizer && shared_embedding == Some(i);
             if distributed_optimizer {
                 next = next.next_multiple_of(64);
             }
+            if apart && in_bucket {
+                let end = pad_end(next);
+                buckets.push((bucket_start, end));
+                (bucket_start, next) = (end, end);
+            }
             starts[i] = next;
             next += numel;
+            in_bucket = true;
+            if apart {
+                let end = pad_end(next);
+                buckets.push((bucket_start, end));
+                (bucket_start, next, in_bucket) = (end, end, false);
+            }
         }
-        let numel = if distributed_optimizer {
-            next.next_multiple_of(lcm(dp, 128))
-        } else {
-            next
-        };
+        if in_bucket || buckets.is_empty() {
+            buckets.push((bucket_start, pad_end(next)));
+        }
         BufferLayout {
-            numel,
+            numel: buckets.last().map_or(0, |&(_, end)| end),
             starts,
             numels: numels.to_vec(),
+            buckets,
         }
     }
 
-    /// The parts of parameters inside rank `rank`'s `numel / dp` elements, in buffer order
-    /// (last parameter first): (parameter index, elements).
+    /// The parts of parameters inside rank `rank`'s `1/dp` of each bucket, bucket by bucket,
+    /// in buffer order (last parameter first): (parameter index, elements).
     pub(crate) fn shard_parts(&self, dp: u64, rank: u64) -> Vec<(usize, u64)> {
-        let size = self.numel / dp;
-        let (lo, hi) = (rank * size, (rank + 1) * size);
-        (0..self.starts.len())
-            .rev()
-            .filter_map(|i| {
+        let mut parts = Vec::new();
+        for &(first, end) in &self.buckets {
+            let size = (end - first) / dp;
+            let (lo, hi) = (first + rank * size, first + (rank + 1) * size);
+            parts.extend((0..self.starts.len()).rev().filter_map(|i| {
                 let (start, end) = (self.starts[i], self.starts[i] + self.numels[i]);
                 let overlap = end.min(hi).saturating_sub(start.max(lo));
                 (overlap > 0).then_some((i, overlap))
-            })
-            .collect()
+            }));
+        }
+        parts
     }
 }
 
@@ -100,12 +131,13 @@ fn lcm(a: u64, b: u64) -> u64 {
     a / gcd(a, b) * b
 }
 
-/// One model chunk's parameters (`named_parameters()` order), which are vectors (1-D) and
-/// which are local experts'.
+/// One model chunk's parameters (`named_parameters()` order), which are vectors (1-D), which
+/// are local experts', and which one is a tied embedding held on two stages.
 pub(crate) struct ChunkParams<'a> {
     pub(crate) params: &'a [ParamId],
     pub(crate) vectors: &'a [bool],
     pub(crate) experts: &'a [bool],
+    pub(crate) shared_embedding: Option<usize>,
 }
 
 /// One fp32 main parameter and the model parameter it steps.
@@ -166,7 +198,10 @@ impl MegatronDdp {
                     .filter(|&i| expert.is_none_or(|e| chunk.experts[i] == e))
                     .collect();
                 let picked: Vec<ParamId> = members.iter().map(|&i| chunk.params[i]).collect();
-                let layout = Self::buffer(t, &picked, dp.size, distributed_optimizer);
+                let shared = chunk
+                    .shared_embedding
+                    .and_then(|s| members.iter().position(|&i| i == s));
+                let layout = Self::buffer(t, &picked, dp.size, distributed_optimizer, shared);
                 laid_out[g].push((members, layout));
             }
         }
@@ -206,9 +241,10 @@ impl MegatronDdp {
         params: &[ParamId],
         dp: u64,
         distributed_optimizer: bool,
+        shared_embedding: Option<usize>,
     ) -> BufferLayout {
         let numels: Vec<u64> = params.iter().map(|&p| t.numel(t.param(p))).collect();
-        let layout = BufferLayout::new(&numels, dp, distributed_optimizer);
+        let layout = BufferLayout::new(&numels, dp, distributed_optimizer, shared_embedding);
         let param_data = distributed_optimizer.then(|| {
             let data = t.empty_as(
                 layout.numel,
@@ -344,15 +380,15 @@ mod tests {
     #[test]
     fn the_buffer_lays_parameters_out_last_first_with_megatrons_padding() {
         let numels = [100, 7, 300];
-        let plain = BufferLayout::new(&numels, 4, false);
+        let plain = BufferLayout::new(&numels, 4, false, None);
         assert_eq!(plain.starts, vec![307, 300, 0]);
         assert_eq!(plain.numel, 407);
-        let sharded = BufferLayout::new(&numels, 4, true);
+        let sharded = BufferLayout::new(&numels, 4, true, None);
         // 300 at 0, 7 at 320 (300 rounded up to 64), 100 at 384 (327 rounded up); 484 ends
         // on lcm(4, 128) = 128: 512.
         assert_eq!(sharded.starts, vec![384, 320, 0]);
         assert_eq!(sharded.numel, 512);
-        let odd = BufferLayout::new(&numels, 3, true);
+        let odd = BufferLayout::new(&numels, 3, true, None);
         assert_eq!(odd.numel, 768, "lcm(3, 128) = 384");
     }
 
@@ -362,7 +398,7 @@ mod tests {
     fn shards_split_the_buffer_evenly_and_cover_every_parameter() {
         let numels = [1000, 64, 4096, 10, 333];
         let dp = 8;
-        let layout = BufferLayout::new(&numels, dp, true);
+        let layout = BufferLayout::new(&numels, dp, true, None);
         assert_eq!(layout.numel % dp, 0);
         let mut covered = [0u64; 5];
         for rank in 0..dp {
@@ -376,6 +412,37 @@ mod tests {
         assert_eq!(covered.to_vec(), numels.to_vec());
         // Rank 0 starts with the last parameter (the buffer's first).
         assert_eq!(layout.shard_parts(dp, 0)[0].0, 4);
+    }
+
+    /// A shared embedding gets a bucket of its own under the distributed optimizer: the
+    /// buckets before and after it end on `lcm(dp, 128)`, and every rank holds `1/dp` of it.
+    #[test]
+    fn a_shared_embedding_is_a_bucket_of_its_own() {
+        // The first stage: the embedding (index 0) is the buffer's last parameter.
+        let numels = [1000, 300, 7];
+        let first = BufferLayout::new(&numels, 2, true, Some(0));
+        // 7 at 0, 300 at 64; that bucket ends at 364, padded to 384; the embedding at 384,
+        // ending at 1384, padded to 1408.
+        assert_eq!(first.starts, vec![384, 64, 0]);
+        assert_eq!(first.buckets, vec![(0, 384), (384, 1408)]);
+        assert_eq!(first.numel, 1408);
+        // Each rank holds half of its bucket: 512 elements, the padding in the second half.
+        let embedding = |rank| -> u64 {
+            first
+                .shard_parts(2, rank)
+                .iter()
+                .filter(|&&(i, _)| i == 0)
+                .map(|&(_, n)| n)
+                .sum()
+        };
+        assert_eq!([embedding(0), embedding(1)], [512, 488]);
+        // The last stage: its copy (the last parameter) is the buffer's first.
+        let last = BufferLayout::new(&[7, 300, 1000], 2, true, Some(2));
+        assert_eq!(last.starts, vec![1344, 1024, 0]);
+        assert_eq!(last.buckets, vec![(0, 1024), (1024, 1408)]);
+        // Without the distributed optimizer the buffer is one bucket, unpadded.
+        let plain = BufferLayout::new(&numels, 2, false, Some(0));
+        assert_eq!(plain.buckets, vec![(0, 1307)]);
     }
 
     #[test]

@@ -514,10 +514,11 @@ fn schedule_returns(
 }
 
 /// One holder of a received tensor lets it go; with the last, the tensor and the gradient
-/// accumulated into it are freed.
+/// accumulated into it are freed (its storage stays while a kept recomputed graph holds the
+/// checkpoint's detached view of it).
 fn let_go(t: &mut Tracer, r: Received) {
     t.drop(r.tensor);
-    if t.tensor_refs(r.tensor) == 1 {
+    if t.refs_outside_kept_graphs(r.tensor) == 1 {
         t.release_input_leaf(r.leaf);
     }
 }

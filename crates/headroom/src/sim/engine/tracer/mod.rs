@@ -1474,10 +1474,16 @@ impl Tracer {
         let held = std::mem::take(&mut r.held_grads);
         match r.kept_by {
             Some(graph) => {
+                // Each input's gradient waits in its producer's buffer, or in the
+                // `AccumulateGrad` buffer of a leaf (a received tensor), which then finds it
+                // held by the detached input and stores a clone.
                 let grads: SmallVec<[T; 2]> = inputs
                     .iter()
                     .filter_map(|&input| {
-                        let (node, slot) = self.rec(input).grad_fn?;
+                        let (node, slot) = self.rec(input).grad_fn.or_else(|| {
+                            let leaf = self.rec(input).param?;
+                            Some((self.params[leaf].node?, 0))
+                        })?;
                         self.nodes[node.0 as usize].buffer[slot as usize]
                     })
                     .collect();
@@ -1619,6 +1625,20 @@ impl Tracer {
 
     pub(crate) fn tensor_refs(&self, t: T) -> u32 {
         self.rec(t).refs
+    }
+
+    /// The references to `t` other than those of graphs kept past their backward
+    /// ([`Tracer::keep_recomputed_graph`]): a kept graph holds a checkpoint's detached input,
+    /// which shares the storage of the tensor the checkpoint was given but is another tensor.
+    pub(crate) fn refs_outside_kept_graphs(&self, t: T) -> u32 {
+        let kept = self
+            .kept_graphs
+            .iter()
+            .filter(|g| g.holders > 0)
+            .flat_map(|g| &g.tensors)
+            .filter(|&&k| k == t)
+            .count() as u32;
+        self.rec(t).refs - kept
     }
 }
 

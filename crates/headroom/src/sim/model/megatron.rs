@@ -390,25 +390,37 @@ impl GptModel {
             .any(|c| c.start == layer)
     }
 
-    /// `VocabParallelEmbedding` then `LanguageModelEmbedding`'s copy to `[s, b, h]`.
+    /// `VocabParallelEmbedding`, whose masks and lookup go as it returns, then
+    /// `LanguageModelEmbedding`'s copy to `[s, b, h]`, or with sequence parallelism the
+    /// embedding's own copy reduce-scattered and `LanguageModelEmbedding`'s clone of it.
     fn embedding_forward(&self, t: &mut Tracer, ids: T, batch: Batch) -> T {
         let (h, n) = (self.widths.hidden, batch.n());
         let masks = (self.widths.tp > 1).then(|| crate::sim::strategy::tp::mask_ids(t, n));
         let lookup_ids = masks.map_or(ids, |(_, shifted)| shifted);
         let embedding = self.embedding.expect("the first stage holds the embedding");
         let looked_up = t.embedding(embedding, lookup_ids, n, h);
-        let embedded = transpose_contiguous(t, looked_up, batch.b);
-        t.drop(looked_up);
-        if let Some((mask, shifted)) = masks {
-            t.drop_all(&[mask, shifted]);
-        }
+        let drop_masks = |t: &mut Tracer| {
+            if let Some((mask, shifted)) = masks {
+                t.drop_all(&[mask, shifted]);
+            }
+        };
         match self.sp() {
             Some(sp) => {
+                let embedded = transpose_contiguous(t, looked_up, batch.b);
+                t.drop(looked_up);
                 let scattered = scatter_embedding(t, embedded, sp);
                 t.drop(embedded);
-                scattered
+                drop_masks(t);
+                let cloned = t.contiguous_copy(scattered);
+                t.drop(scattered);
+                cloned
             }
-            None => embedded,
+            None => {
+                drop_masks(t);
+                let embedded = transpose_contiguous(t, looked_up, batch.b);
+                t.drop(looked_up);
+                embedded
+            }
         }
     }
 

@@ -112,13 +112,11 @@ pub(crate) fn reduce_scatter(t: &mut Tracer, x: T, tp: u64) -> T {
     out
 }
 
-/// `LanguageModelEmbedding`'s sequence-parallel end: the `[s, b, h]` copy reduce-scattered,
-/// then cloned.
+/// `VocabParallelEmbedding`'s sequence-parallel end: the `[s, b, h]` copy reduce-scattered
+/// into this rank's rows (`LanguageModelEmbedding` clones them once the embedding's locals
+/// are gone).
 pub(crate) fn scatter_embedding(t: &mut Tracer, embedded: T, sp: SequenceParallel) -> T {
-    let scattered = reduce_scatter(t, embedded, sp.tp);
-    let cloned = t.contiguous_copy(scattered);
-    t.drop(scattered);
-    cloned
+    reduce_scatter(t, embedded, sp.tp)
 }
 
 /// `_allreduce_non_tensor_model_parallel_grads` with tp > 1: the gradients summed over the tp

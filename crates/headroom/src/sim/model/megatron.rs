@@ -596,7 +596,8 @@ impl GptModel {
         let by_sin = t.mul(rotated_half, sin);
         t.drop(rotated_half);
         let sum = t.add(by_cos, by_sin);
-        t.drop_all(&[by_sin, by_cos]);
+        // `BINARY_OP` releases its left operand, then its right.
+        t.drop_all(&[by_cos, by_sin]);
         let out = t.cat2(sum, pass);
         t.drop(sum);
         t.drop_all(&[halves[0], halves[1], sin, cos, pass, rotated_part]);

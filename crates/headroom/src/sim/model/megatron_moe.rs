@@ -205,14 +205,15 @@ impl MoeLayer {
             &[out],
             &[sorted_indices],
         );
-        // `custom_forward` returns: its locals go.
+        // `combine` returns, then `custom_forward`: its locals go in their order
+        // (`hidden_states`, the permuted tokens; `probs`; `dispatched_input`).
         t.drop_all(&[
             zeros,
             combined,
             sorted_indices,
+            permuted,
             global_probs,
             global,
-            permuted,
         ]);
         out
     }
@@ -307,7 +308,11 @@ impl MoeLayer {
             let out = t.empty(total, DType::BF16, "cat(expert outputs)");
             let inputs: Vec<Option<T>> = outputs.iter().copied().map(Some).collect();
             t.record(Bwd::Cat, &inputs, &[out], &[]);
-            t.drop_all(&outputs);
+            // `forward` returns: its local `output` (the last expert's) goes first, then
+            // `output_local_list`, whose items a list releases last to first.
+            for &output in outputs.iter().rev() {
+                t.drop(output);
+            }
             t.drop_all(&token_parts);
             t.drop_all(&prob_parts);
             out

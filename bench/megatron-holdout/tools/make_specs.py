@@ -29,6 +29,12 @@ MODELS = {
     "m7b": ("mistral-7b-v0.3", {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32768,
             "rope_theta": 1000000.0, "tie_word_embeddings": False}),
+    "l70b": ("llama-3.1-70b", {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+             "rope_theta": 500000.0, "tie_word_embeddings": False}),
+    "nemo": ("mistral-nemo-12b", {"model_type": "mistral", "hidden_size": 5120, "intermediate_size": 14336,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 131072,
+             "rope_theta": 1000000.0, "tie_word_embeddings": False}),
     "mx7": ("mixtral-8x7b", {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 8,
             "num_experts_per_tok": 2, "vocab_size": 32000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-05,
@@ -76,6 +82,26 @@ CALL2 = [
     ("mx7", 2, 2, 2048, 8, {"pp": 2, "mb": 2, "ep": 4}, False, ("full", "block", 1), [0, 4], False),
 ]
 
+# A third call: the second call's miss (q1.5b's last stage) again with a snapshot, beside the
+# layouts that tell its causes apart (no distributed optimizer, tp 1, an untied Qwen2), and more
+# layouts not measured before: 4 virtual stages a rank, interleaving without overlapped p2p,
+# Llama-3.1-70B's widths under tp 8 with sequence parallelism, Mistral-NeMo's head_dim, Qwen3-235B
+# experts over a pipeline, Mixtral with expert tensor parallelism beside tp 2.
+CALL3 = [
+    ("q1.5b", 8, 2, 2048, 4, {"tp": 2, "pp": 2, "mb": 2}, True, None, [2], True),
+    ("q1.5b", 8, 2, 2048, 4, {"tp": 2, "pp": 2, "mb": 2}, False, None, [2], False),
+    ("q1.5b", 8, 2, 2048, 2, {"pp": 2, "mb": 2}, True, None, [1], False),
+    ("q7b", 4, 2, 2048, 4, {"tp": 2, "pp": 2, "mb": 2}, True, None, [2], False),
+    ("l8b", 8, 4, 1024, 2, {"pp": 2, "vpp": 4, "mb": 4}, False, None, [0, 1], False),
+    ("q3-8b", 8, 4, 1024, 4, {"tp": 2, "pp": 2, "vpp": 2, "mb": 4, "overlap": False}, True,
+     ("selective", None, None), [0, 2], False),
+    ("l70b", 2, 1, 4096, 8, {"tp": 8, "sp": True}, True, None, [0], False),
+    ("nemo", 4, 2, 2048, 4, {"tp": 2}, False, ("full", "uniform", 2), [0], False),
+    ("q235", 2, 2, 1024, 16, {"pp": 2, "mb": 2, "ep": 8}, True, None, [0, 8], False),
+    ("mx7", 2, 1, 4096, 8, {"tp": 2, "sp": True, "ep": 2, "etp": 2}, True, ("selective", None, None), [0],
+     False),
+]
+
 # The first call's two largest reserved misses again, each with an allocator snapshot
 # (specs-snapshot.jsonl; their rows stay out of the gate, which has the first call's).
 SNAPSHOT = [
@@ -106,6 +132,9 @@ def rows(key, layers, b, s, world, lay, dist_opt, recompute, ranks, snapshot):
             parallel["layers_per_stage"] = lay["split"]
             tag += "-split" + "-".join(map(str, lay["split"]))
         tag += f"-mb{lay['mb']}"
+        if "overlap" in lay:
+            mega["overlap_p2p_comm"] = lay["overlap"]
+            tag += "-nooverlap" if not lay["overlap"] else "-overlap"
     if "ep" in lay:
         mega["expert_model_parallel_size"] = lay["ep"]
         tag += f"-ep{lay['ep']}"
@@ -120,7 +149,7 @@ def rows(key, layers, b, s, world, lay, dist_opt, recompute, ranks, snapshot):
                    rank=rank)
 
 
-for name, table in [("specs.jsonl", ROWS), ("specs-call2.jsonl", CALL2), ("specs-snapshot.jsonl", SNAPSHOT)]:
+for name, table in [("specs.jsonl", ROWS), ("specs-call2.jsonl", CALL2), ("specs-call3.jsonl", CALL3), ("specs-snapshot.jsonl", SNAPSHOT)]:
     out = Path(__file__).resolve().parents[1] / name
     lines = [json.dumps(r) for spec in table for r in rows(*spec)]
     out.write_text("".join(l + "\n" for l in lines))

@@ -275,6 +275,35 @@ impl Tracer {
         self.linear_ordered(x, weight, None, out_features, false, true)
     }
 
+    /// Megatron's `LinearWithGradAccumulationAndAsyncCommunication` with a bias (Qwen2's
+    /// qkv): `matmul(x, w.t())`, then `output + bias` into a new tensor (the product goes as
+    /// the function returns); its backward makes the input's gradient, the weight's, then the
+    /// bias's (`grad_output.sum(dim=0)`).
+    pub(crate) fn megatron_linear_bias(
+        &mut self,
+        x: T,
+        weight: ParamId,
+        bias: ParamId,
+        out_features: u64,
+    ) -> T {
+        let (w, b) = (self.param(weight), self.param(bias));
+        let tokens = self.numel(x) / (self.numel(w) / out_features);
+        let product = self.empty(tokens * out_features, self.dtype(w), "linear output");
+        self.ensure_cublas_workspace();
+        let out = self.empty(tokens * out_features, self.dtype(w), "output + bias");
+        self.record(
+            Bwd::Linear {
+                bias: true,
+                input_grad_first: true,
+            },
+            &[Some(x), Some(w), Some(b)],
+            &[out],
+            &[x, w],
+        );
+        self.drop(product);
+        out
+    }
+
     fn linear_ordered(
         &mut self,
         x: T,

@@ -499,13 +499,21 @@ impl GptModel {
         } = self.widths;
         let n = batch.n();
         let qkv_width = (heads + 2 * groups) * d;
-        let mut mixed = column_parallel(t, x, layer.qkv, qkv_width, self.sp());
-        if let Some(bias) = layer.qkv_bias {
-            let b = t.param(bias);
-            let biased = t.add(mixed, b);
-            t.drop(mixed);
-            mixed = biased;
-        }
+        let mixed = match (layer.qkv_bias, self.sp()) {
+            (Some(bias), None) => t.megatron_linear_bias(x, layer.qkv, bias, qkv_width),
+            (bias, sp) => {
+                let mixed = column_parallel(t, x, layer.qkv, qkv_width, sp);
+                match bias {
+                    Some(bias) => {
+                        let b = t.param(bias);
+                        let biased = t.add(mixed, b);
+                        t.drop(mixed);
+                        biased
+                    }
+                    None => mixed,
+                }
+            }
+        };
         let (q_numel, kv_numel) = (n * heads * d, n * groups * d);
         let parts = [
             t.view(mixed, q_numel, "query (split)"),

@@ -4,7 +4,7 @@ torch or megatron-core: what it measures and what it refuses by name, as the est
 import unittest
 
 from headroom_measure import spec as specmod
-from headroom_measure.megatron import megatron_options
+from headroom_measure.megatron import megatron_options, moe_fields
 
 CONFIG = {
     "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
@@ -45,6 +45,14 @@ class MegatronSpecTest(unittest.TestCase):
         self.assertIs(overlap["overlap_p2p_comm"], True)
         eager = megatron_options(specmod.parse(raw(megatron={"eager_nccl_init": True})))
         self.assertIs(eager["eager_nccl_init"], True)
+
+    def test_moe_configs_map_to_megatrons_experts_in_their_own_names(self):
+        qwen3 = {"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                 "intermediate_size": 6144}  # fmt: skip
+        mixtral = {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336}
+        self.assertEqual(moe_fields(qwen3), (128, 8, 768))
+        self.assertEqual(moe_fields(mixtral), (8, 2, 14336))
+        self.assertIsNone(moe_fields(CONFIG))
 
     def test_the_row_spec_round_trips(self):
         spec = specmod.parse(raw(parallel={"strategy": "ddp", "world_size": 4, "tp": 1, "framework": "megatron"}))

@@ -345,6 +345,7 @@ impl Architecture {
                 )
             })?
             .to_string();
+        let mistral = model_type == "mistral";
         let family = match model_type.as_str() {
             "llama" | "mistral" => Family::Llama,
             "qwen2" => Family::Qwen2,
@@ -529,16 +530,20 @@ impl Architecture {
             qkv_bias,
             o_bias,
             mlp_bias,
+            // Each config class's own default where the key is absent.
             sliding_window: match config.get("sliding_window") {
-                // Qwen's MoE models keep the window off unless `use_sliding_window` is set.
-                _ if matches!(family, Family::Qwen3Moe | Family::Qwen2Moe)
-                    && !flag(config, "use_sliding_window", false) =>
+                // Qwen's configs keep the window off unless `use_sliding_window` is set.
+                _ if matches!(
+                    family,
+                    Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe | Family::Qwen2Moe
+                ) && !flag(config, "use_sliding_window", false) =>
                 {
                     None
                 }
                 Some(v) if v.as_u64() == Some(0) => Some(0),
                 None if family == Family::GptOss => Some(128),
-                None if family == Family::Gemma3 => Some(4096),
+                None if matches!(family, Family::Gemma2 | Family::Gemma3) => Some(4096),
+                None if mistral => Some(4096),
                 _ => optional_u64(config, &["sliding_window"], u64::MAX, "a window of tokens")?,
             },
             attn_logit_softcapping: float("attn_logit_softcapping"),

@@ -43,3 +43,51 @@ fn hub_ids_resolve_to_catalog_names() {
         assert_eq!(catalog::resolve(id, None).expect(id).name, name);
     }
 }
+
+/// A config without `sliding_window` gets its config class's default (transformers 5.17:
+/// `MistralConfig` and `Gemma2Config` 4096, `LlamaConfig` none); Qwen's configs keep a given
+/// window off unless `use_sliding_window` is set, as their `__init__` does.
+#[test]
+fn an_absent_or_unused_sliding_window_reads_as_transformers_reads_it() {
+    let window = |config: Value| {
+        Architecture::from_hf_config(&config)
+            .expect("parses")
+            .sliding_window
+    };
+    let dense = |model_type: &str, extra: Value| {
+        let mut config = serde_json::json!({
+            "model_type": model_type, "hidden_size": 256, "intermediate_size": 512,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 1024,
+        });
+        config
+            .as_object_mut()
+            .expect("object")
+            .extend(extra.as_object().expect("object").clone());
+        config
+    };
+    assert_eq!(window(dense("mistral", serde_json::json!({}))), Some(4096));
+    assert_eq!(
+        window(dense(
+            "mistral",
+            serde_json::json!({"sliding_window": null})
+        )),
+        None
+    );
+    assert_eq!(window(dense("llama", serde_json::json!({}))), None);
+    for qwen in ["qwen2", "qwen3"] {
+        assert_eq!(
+            window(dense(qwen, serde_json::json!({"sliding_window": 131072}))),
+            None,
+            "{qwen}"
+        );
+        assert_eq!(
+            window(dense(
+                qwen,
+                serde_json::json!({"sliding_window": 4096, "use_sliding_window": true})
+            )),
+            Some(4096),
+            "{qwen}"
+        );
+    }
+}

@@ -232,11 +232,14 @@ impl Tracer {
         }
         let cacheable = self.is_param(w) && self.requires_grad(w);
         if cacheable && let Some(cast) = self.autocast_cached(w) {
+            self.pass_cached_cast(cast);
             return self.share(cast);
         }
         let component = self.component;
         self.component = super::component::Component::AutocastCopies;
+        self.casting_weight = true;
         let cast = self.to(w, low);
+        self.casting_weight = false;
         self.component = component;
         if cacheable {
             let kept = self.share(cast);

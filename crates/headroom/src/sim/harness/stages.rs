@@ -437,7 +437,7 @@ fn run_schedule(
             .expect("the rank holds the stage")
     };
     // The harness runs `step()` under one autocast context: its cache keeps one cast of each
-    // weight for every micro-batch, and the recomputations in backward find it there.
+    // weight for every micro-batch, until a checkpoint's recomputation in backward clears it.
     let outer = t.enter_autocast(autocast);
     let mut in_flight: Vec<InFlight> = Vec::new();
     let mut losses = Vec::new();

@@ -825,7 +825,10 @@ impl Model {
     }
 
     /// `torch.utils.checkpoint` recomputation of decoder layer `layer` during backward, from
-    /// the arguments its region `region` kept. Autocast is restored as it was.
+    /// the arguments its region `region` kept, under the autocast the forward ran in. It runs
+    /// on the autograd engine's thread, where that context is the outermost: its exit clears
+    /// autocast's cache (one per process), though the caller's thread is inside a context of
+    /// its own (a pipeline schedule's step); the caller's state is then as it was.
     pub(crate) fn recompute_layer(
         &self,
         t: &mut Tracer,
@@ -837,9 +840,10 @@ impl Model {
         let inputs = t.region_inputs(region);
         let ctx = LayerContext::from_region_inputs(&inputs);
         t.begin_recompute(region);
-        let outer = t.enter_autocast(autocast);
+        let caller = t.enter_autocast(autocast);
         let out = self.layer_forward(t, layer, inputs[0], &ctx, batch);
-        t.exit_autocast(outer);
+        t.exit_autocast(None);
+        t.enter_autocast(caller);
         t.drop(out);
         self.strategy.borrow_mut().recompute_ends(t);
         t.end_recompute();

@@ -373,6 +373,8 @@ struct RegionNode {
     id: NodeId,
     saves: usize,
     saves_output: bool,
+    /// Autocast's cast of a weight, which a recomputation may find in the cache instead.
+    weight_cast: bool,
 }
 
 impl Region {
@@ -433,6 +435,8 @@ pub(crate) struct Tracer {
     /// The dtype of the active `torch.autocast` region, and its cache of weight casts.
     autocast: Option<DType>,
     autocast_cache: Vec<(T, T)>,
+    /// Set while autocast casts a weight (`Tracer::autocast_weight`).
+    pub(crate) casting_weight: bool,
     /// Tensors that live as long as the process (buffers, cuBLAS workspaces).
     persistent: Vec<T>,
     /// Whether the main thread (0) and autograd's device thread (1) have their cuBLAS and
@@ -476,6 +480,7 @@ impl Tracer {
             dtensor: false,
             autocast: None,
             autocast_cache: Vec::new(),
+            casting_weight: false,
             persistent: Vec::new(),
             cublas_workspace: [false; 2],
             cublaslt_workspace: [false; 2],
@@ -994,7 +999,20 @@ impl Tracer {
         if !needs {
             return false;
         }
-        if let Some((region, next)) = self.recompute {
+        if let Some((region, next)) = self.recompute
+            && self.casting_weight
+        {
+            // A weight's cast made afresh (autocast's cache was cleared since the forward): a
+            // node of its own, outside the region; the forward's cast node, if it made one
+            // here, is passed over (the region's nodes keep their edges to it).
+            if self.regions[region as usize]
+                .nodes
+                .get(next)
+                .is_some_and(|n| n.weight_cast)
+            {
+                self.recompute = Some((region, next + 1));
+            }
+        } else if let Some((region, next)) = self.recompute {
             // Recomputation: the node exists already; its saves are what this run produces.
             let RegionNode {
                 id: node,
@@ -1030,6 +1048,7 @@ impl Tracer {
                 id,
                 saves: saved.len(),
                 saves_output: saved.iter().any(|s| outputs.contains(s)),
+                weight_cast: self.casting_weight,
             });
             self.regions[region as usize].pending += 1;
         } else {
@@ -1176,6 +1195,25 @@ impl Tracer {
     /// The inputs a region saved, for its recomputation.
     pub(crate) fn region_inputs(&self, region: u32) -> SmallVec<[T; 2]> {
         self.regions[region as usize].inputs.clone()
+    }
+
+    /// A recomputation that finds a weight's cast in autocast's cache (one context around the
+    /// forward and the backward, as a pipeline schedule's step runs them) makes no cast: it
+    /// passes over the node the forward recorded making it here, if the forward made it here.
+    pub(crate) fn pass_cached_cast(&mut self, cast: T) {
+        let Some((region, next)) = self.recompute else {
+            return;
+        };
+        let Some((node, _)) = self.rec(cast).grad_fn else {
+            return;
+        };
+        if self.regions[region as usize]
+            .nodes
+            .get(next)
+            .is_some_and(|n| n.weight_cast && n.id == node)
+        {
+            self.recompute = Some((region, next + 1));
+        }
     }
 
     pub(crate) fn begin_recompute(&mut self, region: u32) {
@@ -1461,6 +1499,11 @@ impl Tracer {
         self.drop_all(&saved);
         let region = self.nodes[node.0 as usize].region?;
         let r = &mut self.regions[region as usize];
+        // A node another micro-batch's graph reaches too (a cached autocast cast) runs again
+        // after its region's backward is done.
+        if r.pending == 0 {
+            return None;
+        }
         r.pending -= 1;
         (r.pending == 0).then_some(region)
     }

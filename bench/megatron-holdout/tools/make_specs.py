@@ -7,39 +7,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron" / "tools"))
-from rows import DENSE_MODELS, MOE_MODELS, line, recompute_keys  # noqa: E402
+from rows import DENSE_MODELS, MOE_MODELS, MORE_MODELS, line, recompute_keys  # noqa: E402
 
-MODELS = {
-    **DENSE_MODELS,
-    **MOE_MODELS,
-    # Tied word embeddings (`tie_word_embeddings: true`): Megatron-LM shares them unless
-    # `--untie-embeddings-and-output-weights`.
-    "q3-4b": ("qwen3-4b", {"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-              "rope_theta": 1000000.0, "tie_word_embeddings": True}),
-    "l3b": ("llama-3.2-3b", {"model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192,
-            "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-            "rope_theta": 500000.0, "tie_word_embeddings": True}),
-    "l1b": ("llama-3.2-1b", {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-            "rope_theta": 500000.0, "tie_word_embeddings": True}),
-    "q1.5b": ("qwen2.5-1.5b", {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
-              "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936,
-              "rope_theta": 1000000.0, "tie_word_embeddings": True}),
-    "m7b": ("mistral-7b-v0.3", {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32768,
-            "rope_theta": 1000000.0, "tie_word_embeddings": False}),
-    "l70b": ("llama-3.1-70b", {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
-             "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-             "rope_theta": 500000.0, "tie_word_embeddings": False}),
-    "nemo": ("mistral-nemo-12b", {"model_type": "mistral", "hidden_size": 5120, "intermediate_size": 14336,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 131072,
-             "rope_theta": 1000000.0, "tie_word_embeddings": False}),
-    "mx7": ("mixtral-8x7b", {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 8,
-            "num_experts_per_tok": 2, "vocab_size": 32000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-05,
-            "tie_word_embeddings": False}),
-}
+MODELS = {**DENSE_MODELS, **MOE_MODELS, **MORE_MODELS}
 
 # (model, layers, batch, seq, world, {tp, sp, pp, vpp, mb, ep, etp}, distributed optimizer, recompute, ranks,
 #  snapshot of the first rank)

@@ -8,13 +8,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron" / "tools"))
-from rows import DENSE_MODELS  # noqa: E402
+from rows import DENSE_MODELS, MORE_MODELS  # noqa: E402
 
 MODELS = {
     **DENSE_MODELS,
-    "m7b": ("mistral-7b-v0.3", {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32768,
-            "rope_theta": 1000000.0, "tie_word_embeddings": False}),
+    "m7b": MORE_MODELS["m7b"],
+    # transformers' MixtralConfig as bench/ep writes it (its harness builds the HF model).
     "mx7": ("mixtral-8x7b", {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
             "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
             "vocab_size": 32000, "tie_word_embeddings": False, "max_position_embeddings": 32768,

@@ -72,6 +72,18 @@ CALL3 = [
      False),
 ]
 
+# A fourth call: the distributed optimizer's last data-parallel ranks of large worlds (dense and expert
+# buffers), a tied model over four stages interleaved, a Qwen3-MoE stage of one layer in the middle of four, tp 4 with
+# sequence parallelism under an interleaved pipeline.
+CALL4 = [
+    ("mx7", 2, 1, 4096, 64, {"ep": 8}, True, None, [63], False),
+    ("q3-4b", 8, 8, 1024, 8, {"pp": 4, "vpp": 2, "mb": 8}, True, ("selective", None, None), [0, 7], False),
+    ("q30", 4, 4, 1024, 8, {"pp": 4, "mb": 4, "ep": 2}, True, None, [2, 5], False),
+    ("q3-8b", 8, 4, 2048, 16, {"tp": 4, "sp": True, "pp": 2, "vpp": 2, "mb": 4}, True, ("full", "uniform", 1),
+     [7, 15], False),
+    ("l8b", 4, 2, 4096, 32, {"tp": 2}, True, None, [31], False),
+]
+
 # The first call's two largest reserved misses again, each with an allocator snapshot
 # (specs-snapshot.jsonl; their rows stay out of the gate, which has the first call's).
 SNAPSHOT = [
@@ -113,13 +125,13 @@ def rows(key, layers, b, s, world, lay, dist_opt, recompute, ranks, snapshot):
         tag += f"-etp{lay['etp']}"
     tag += "-do" if dist_opt else "-nodo"
     for rank in ranks:
-        staged = parallel.get("pp", 1) > 1
+        staged = parallel.get("pp", 1) > 1 or rank != 0
         rid = f"megatron-holdout/{key}-L{layers}/bs{b}/s{s}/{tag}/{rc}" + (f"/rank{rank}" if staged else "")
         yield line(rid, model, config, layers, b, s, dict(parallel), dict(mega), snapshot and rank == ranks[0],
                    rank=rank)
 
 
-for name, table in [("specs.jsonl", ROWS), ("specs-call2.jsonl", CALL2), ("specs-call3.jsonl", CALL3), ("specs-snapshot.jsonl", SNAPSHOT)]:
+for name, table in [("specs.jsonl", ROWS), ("specs-call2.jsonl", CALL2), ("specs-call3.jsonl", CALL3), ("specs-call4.jsonl", CALL4), ("specs-snapshot.jsonl", SNAPSHOT)]:
     out = Path(__file__).resolve().parents[1] / name
     lines = [json.dumps(r) for spec in table for r in rows(*spec)]
     out.write_text("".join(l + "\n" for l in lines))

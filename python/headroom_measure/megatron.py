@@ -177,10 +177,10 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
     heads = fields["num_attention_heads"]
     head_dim = fields.get("head_dim") or fields["hidden_size"] // heads
     moe = {}
-    if moe_fields(fields) is not None:
+    if (experts_fields := moe_fields(fields)) is not None:
         if fields.get("decoder_sparse_step", 1) != 1 or fields.get("mlp_only_layers"):
             raise SpecError("`model_config.decoder_sparse_step`/`mlp_only_layers`: measured with every layer MoE")
-        experts, top_k, width = moe_fields(fields)
+        experts, top_k, width = experts_fields
         moe = dict(
             num_moe_experts=experts,
             moe_router_topk=top_k,
@@ -587,8 +587,8 @@ def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapsh
     params = sum(global_numel(p) for p in ddp_model.parameters())
 
     batch = inputs(spec, fields, device)
-    if moe_fields(fields) is not None:
-        experts, top_k, _ = moe_fields(fields)
+    if (experts_fields := moe_fields(fields)) is not None:
+        experts, top_k, _ = experts_fields
         fixed_routing = balanced_routing(  # noqa: F841 (kept alive: the router copies it every layer)
             routed_tokens(spec, spec.batch_size), experts, top_k
         )

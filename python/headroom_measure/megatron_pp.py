@@ -106,8 +106,8 @@ def measure_megatron_pp(spec: Spec, fields: dict, row_id: str | None = None, sna
     ids = torch.randint(0, fields["vocab_size"], (micro, spec.seq_len), device=device)
     position_ids = torch.arange(spec.seq_len, device=device).unsqueeze(0).expand_as(ids)
     loss_mask = torch.ones(micro * spec.seq_len, device=device)
-    if moe_fields(fields) is not None:
-        experts, top_k, _ = moe_fields(fields)
+    if (experts_fields := moe_fields(fields)) is not None:
+        experts, top_k, _ = experts_fields
         fixed_routing = balanced_routing(  # noqa: F841 (kept alive: the router copies it every layer)
             routed_tokens(spec, micro), experts, top_k
         )

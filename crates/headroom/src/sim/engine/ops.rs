@@ -237,9 +237,7 @@ impl Tracer {
         }
         let component = self.component;
         self.component = super::component::Component::AutocastCopies;
-        self.casting_weight = true;
-        let cast = self.to(w, low);
-        self.casting_weight = false;
+        let cast = self.weight_cast(w, low);
         self.component = component;
         if cacheable {
             let kept = self.share(cast);

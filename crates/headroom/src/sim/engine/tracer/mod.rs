@@ -435,8 +435,8 @@ pub(crate) struct Tracer {
     /// The dtype of the active `torch.autocast` region, and its cache of weight casts.
     autocast: Option<DType>,
     autocast_cache: Vec<(T, T)>,
-    /// Set while autocast casts a weight (`Tracer::autocast_weight`).
-    pub(crate) casting_weight: bool,
+    /// Set while autocast casts a weight ([`Tracer::weight_cast`]).
+    casting_weight: bool,
     /// Tensors that live as long as the process (buffers, cuBLAS workspaces).
     persistent: Vec<T>,
     /// Whether the main thread (0) and autograd's device thread (1) have their cuBLAS and
@@ -1195,6 +1195,15 @@ impl Tracer {
     /// The inputs a region saved, for its recomputation.
     pub(crate) fn region_inputs(&self, region: u32) -> SmallVec<[T; 2]> {
         self.regions[region as usize].inputs.clone()
+    }
+
+    /// Autocast's cast of weight `w` to `low`: its node is marked as one, which a recomputation
+    /// may make afresh or find in the cache instead.
+    pub(crate) fn weight_cast(&mut self, w: T, low: DType) -> T {
+        self.casting_weight = true;
+        let cast = self.to(w, low);
+        self.casting_weight = false;
+        cast
     }
 
     /// A recomputation that finds a weight's cast in autocast's cache (one context around the

@@ -43,8 +43,9 @@ Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `
 An MoE model (`qwen3_moe`, `mixtral`) gets `get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)`: every layer's MLP
 is an `MoELayer` (`TopKRouter`, `MoEAlltoAllTokenDispatcher`, `SequentialMLP` over the E / ep local experts),
 `TransformerConfig(num_moe_experts, moe_router_topk, moe_ffn_hidden_size, moe_token_dispatcher_type="alltoall",
-moe_router_pre_softmax=not norm_topk_prob, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)` and Megatron's other MoE defaults (no
-auxiliary or z-loss, no capacity factor, router in the activations' dtype), and
+moe_router_pre_softmax=not norm_topk_prob, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)`, the spec's
+`moe_router_dtype`, `moe_aux_loss_coeff`, `moe_router_load_balancing_type` and `moe_layer_recompute`, and Megatron's
+other MoE defaults (no z-loss, no capacity factor), and
 `initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)`. Routing is data-dependent, so the harness makes it the
 balanced routing headroom assumes, in place and without changing what Megatron allocates ([`balanced_routing`]):
 - `topk_routing_with_score_function` runs as it is; its boolean `routing_map` is then overwritten in place
@@ -77,8 +78,12 @@ RECOMPUTE_METHODS = ("uniform", "block")
 MEGATRON_KEYS = (
     "distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-    "expert_tensor_parallel_size", "overlap_p2p_comm", "eager_nccl_init",
+    "expert_tensor_parallel_size", "overlap_p2p_comm", "eager_nccl_init", "recompute_modules", "moe_layer_recompute",
+    "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
 )
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")
+# TransformerConfig's router settings, passed as given
+ROUTER_KEYS = ("moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type")
 # initialize_model_parallel's other sizes: measured at 1 only
 UNMEASURED_SIZES = ("pipeline_model_parallel_size", "context_parallel_size")
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
@@ -124,7 +129,31 @@ def megatron_options(spec: Spec) -> dict:
         "recompute_num_layers": raw.get("recompute_num_layers"),
         "overlap_p2p_comm": raw.get("overlap_p2p_comm"),
         "eager_nccl_init": raw.get("eager_nccl_init", False),
+        "recompute_modules": raw.get("recompute_modules"),
+        # Unset (None): Megatron's defaults (no MoE-layer recompute, the router in bf16, `aux_loss` balancing with a
+        # coefficient of 0).
+        "moe_layer_recompute": raw.get("moe_layer_recompute"),
+        "moe_router_dtype": raw.get("moe_router_dtype"),
+        "moe_aux_loss_coeff": raw.get("moe_aux_loss_coeff"),
+        "moe_router_load_balancing_type": raw.get("moe_router_load_balancing_type"),
     }
+    modules = out["recompute_modules"]
+    if modules is not None and (not isinstance(modules, list) or not set(modules) <= set(RECOMPUTE_MODULES)):
+        raise SpecError(f"`megatron.recompute_modules`: {modules!r} is not measured; use a list of {', '.join(RECOMPUTE_MODULES)}")
+    if modules is not None and out["recompute_granularity"] != "selective":
+        raise SpecError("`megatron.recompute_modules`: it applies to recompute_granularity selective; leave it out")
+    if out["moe_layer_recompute"] not in (None, True, False):
+        raise SpecError(f"`megatron.moe_layer_recompute`: {out['moe_layer_recompute']!r} is not allowed; use true or false")
+    if out["moe_router_dtype"] not in (None, "fp32"):
+        raise SpecError(f"`megatron.moe_router_dtype`: {out['moe_router_dtype']!r} is not measured; use fp32 or leave it out")
+    coeff = out["moe_aux_loss_coeff"]
+    if coeff is not None and (isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0):
+        raise SpecError(f"`megatron.moe_aux_loss_coeff`: {coeff!r} is not allowed; use a number >= 0")
+    if out["moe_router_load_balancing_type"] not in (None, "aux_loss", "none"):
+        raise SpecError(
+            f"`megatron.moe_router_load_balancing_type`: {out['moe_router_load_balancing_type']!r} is not measured; "
+            "use aux_loss or none"
+        )
     if not isinstance(out["eager_nccl_init"], bool):
         raise SpecError(f"`megatron.eager_nccl_init`: {out['eager_nccl_init']!r} is not allowed; use true or false")
     if out["overlap_p2p_comm"] not in (None, True, False):
@@ -191,6 +220,7 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
             moe_router_pre_softmax=model_type == "qwen3_moe" and not fields.get("norm_topk_prob", True),
             expert_model_parallel_size=options["expert_model_parallel_size"],
             expert_tensor_parallel_size=options["expert_tensor_parallel_size"],
+            **{key: options[key] for key in ROUTER_KEYS if options[key] is not None},
         )
     return TransformerConfig(
         **moe,
@@ -228,6 +258,8 @@ def transformer_config(spec: Spec, fields: dict, options: dict):
         recompute_granularity=options["recompute_granularity"],
         recompute_method=options["recompute_method"],
         recompute_num_layers=options["recompute_num_layers"],
+        recompute_modules=options["recompute_modules"],
+        moe_layer_recompute=bool(options["moe_layer_recompute"]),
     )
 
 

@@ -32,7 +32,8 @@ class MegatronSpecTest(unittest.TestCase):
             megatron_options(spec),
             {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2, "distributed_optimizer": True, "recompute_granularity": "full",
              "recompute_method": "uniform", "recompute_num_layers": 1, "overlap_p2p_comm": None,
-             "eager_nccl_init": False},
+             "eager_nccl_init": False, "recompute_modules": None, "moe_layer_recompute": None,
+             "moe_router_dtype": None, "moe_aux_loss_coeff": None, "moe_router_load_balancing_type": None},
         )  # fmt: skip (an unset expert_tensor_parallel_size is tp, as Megatron-LM's arguments make it)
         self.assertEqual(megatron_options(specmod.parse(raw()))["recompute_granularity"], None)
         ep = megatron_options(specmod.parse(raw(megatron={"expert_model_parallel_size": 8})))
@@ -45,6 +46,14 @@ class MegatronSpecTest(unittest.TestCase):
         self.assertIs(overlap["overlap_p2p_comm"], True)
         eager = megatron_options(specmod.parse(raw(megatron={"eager_nccl_init": True})))
         self.assertIs(eager["eager_nccl_init"], True)
+        router = megatron_options(specmod.parse(raw(megatron={
+            "moe_router_dtype": "fp32", "moe_aux_loss_coeff": 1e-3, "moe_layer_recompute": True,
+            "recompute_granularity": "selective", "recompute_modules": ["core_attn", "moe"]})))  # fmt: skip
+        self.assertEqual(
+            (router["moe_router_dtype"], router["moe_aux_loss_coeff"], router["moe_layer_recompute"],
+             router["recompute_modules"]),
+            ("fp32", 1e-3, True, ["core_attn", "moe"]),
+        )  # fmt: skip
 
     def test_moe_configs_map_to_megatrons_experts_in_their_own_names(self):
         qwen3 = {"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
@@ -74,6 +83,13 @@ class MegatronSpecTest(unittest.TestCase):
             (raw(megatron={"overlap_p2p_comm": "yes"}), "megatron.overlap_p2p_comm"),
             (raw(megatron={"overlap_p2p_comm": True}), "megatron.overlap_p2p_comm"),
             (raw(megatron={"eager_nccl_init": 1}), "megatron.eager_nccl_init"),
+            (raw(megatron={"recompute_granularity": "selective", "recompute_modules": ["moe_act"]}),
+             "megatron.recompute_modules"),
+            (raw(megatron={"recompute_modules": ["moe"]}), "megatron.recompute_modules"),
+            (raw(megatron={"moe_router_dtype": "fp64"}), "megatron.moe_router_dtype"),
+            (raw(megatron={"moe_aux_loss_coeff": -1}), "megatron.moe_aux_loss_coeff"),
+            (raw(megatron={"moe_router_load_balancing_type": "sinkhorn"}), "megatron.moe_router_load_balancing_type"),
+            (raw(megatron={"moe_layer_recompute": "yes"}), "megatron.moe_layer_recompute"),
             (raw(gradient_checkpointing=True), "gradient_checkpointing"),
             (raw(optimizer="sgd"), "framework megatron"),
         ]

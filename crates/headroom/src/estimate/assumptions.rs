@@ -296,13 +296,26 @@ impl Assumptions {
         // grouped_mm and batched_mm allocate by tokens x top_k alone; only the per-expert loop
         // depends on how the router spreads tokens.
         if let Some(moe) = arch.moe.as_ref().filter(|_| megatron) {
+            let router = match (settings.router_fp32, settings.aux_loss()) {
+                (false, false) => "the router in bf16, no auxiliary or z-loss",
+                (true, false) => {
+                    "the router in fp32 (bench/megatron-router), no auxiliary or z-loss"
+                }
+                (false, true) => {
+                    "the router in bf16 with the Switch load-balancing loss (bench/megatron-router), \
+                     no z-loss"
+                }
+                (true, true) => {
+                    "the router in fp32 with the Switch load-balancing loss \
+                     (bench/megatron-router), no z-loss"
+                }
+            };
             self.warnings.push(format!(
                 "Megatron's MoELayer assumes balanced routing: each of the {} experts receives \
                  tokens x {} / {} of every rank's tokens, and every expert-parallel rank \
                  receives as many rows as it sends (the measured rows fix the router's choice \
                  so, bench/megatron-moe); the alltoall token dispatcher and SequentialMLP (the \
-                 grouped GEMM needs Transformer Engine), no auxiliary or z-loss, no capacity \
-                 factor",
+                 grouped GEMM needs Transformer Engine), {router}, no capacity factor",
                 moe.experts, moe.top_k, moe.experts
             ));
         } else if let Some(moe) = arch

@@ -237,7 +237,7 @@ impl LayoutJson {
             recompute: c.recompute,
             recompute_granularity: c.megatron.map(|m| match m.recompute {
                 Recompute::None => "none",
-                Recompute::Selective => "selective",
+                Recompute::Selective(_) => "selective",
                 Recompute::Full { .. } => "full",
             }),
             global_batch: c.global_batch(),

@@ -3,8 +3,10 @@
 //! recomputation (`recompute_granularity`, `recompute_method`, `recompute_num_layers` of
 //! `TransformerConfig`), expert parallelism (`expert_model_parallel_size`), expert tensor
 //! parallelism (`expert_tensor_parallel_size`), the interleaved schedule's
-//! `overlap_p2p_comm` and whether NCCL's communicators are made at once (`eager_nccl_init`),
-//! read here;
+//! `overlap_p2p_comm`, whether NCCL's communicators are made at once (`eager_nccl_init`), the
+//! selectively recomputed modules (`recompute_modules`, `moe_layer_recompute`) and the MoE
+//! router's dtype and load-balancing loss (`moe_router_dtype`, `moe_aux_loss_coeff`,
+//! `moe_router_load_balancing_type`), read here;
 //! `RunSpec::check_megatron` and [`check_moe`] say what of Megatron is modelled and refuse the
 //! rest by name.
 
@@ -31,6 +33,11 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
     "overlap_p2p_comm",
     "overlap_p2p_comm_warmup_flush",
     "eager_nccl_init",
+    "recompute_modules",
+    "moe_layer_recompute",
+    "moe_router_dtype",
+    "moe_aux_loss_coeff",
+    "moe_router_load_balancing_type",
 ];
 
 /// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
@@ -44,7 +51,7 @@ const UNMODELLED_SIZES: &[(&str, &str)] = &[
 ];
 
 /// Megatron-core's memory settings.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Megatron {
     /// `DistributedOptimizer`: fp32 main parameters and Adam states sharded over the
     /// data-parallel ranks, the bf16 parameters viewing one contiguous buffer.
@@ -73,6 +80,15 @@ pub struct Megatron {
     /// Megatron-LM's `_initialize_distributed` now calls it, a group's communicator is made at
     /// its first collective and the groups no step uses cost nothing.
     pub eager_nccl_init: bool,
+    /// `moe_router_dtype: fp32`: `RouterGatingLinearFunction` casts the input and the router's
+    /// weight to fp32 and returns fp32 logits, so the routing probabilities stay fp32 through
+    /// the dispatcher to each expert's `per_token_scale`.
+    pub router_fp32: bool,
+    /// The Switch load-balancing loss's coefficient (`moe_aux_loss_coeff` under
+    /// `moe_router_load_balancing_type: aux_loss`; 0 without one): above 0, each router's
+    /// training forward also takes an fp32 softmax of every logit, its own top k and routing
+    /// map, and attaches the loss to `probs`.
+    pub aux_loss_coeff: f64,
 }
 
 impl Default for Megatron {
@@ -86,6 +102,8 @@ impl Default for Megatron {
             optimizer_cpu_offload: false,
             overlap_p2p_comm: None,
             eager_nccl_init: false,
+            router_fp32: false,
+            aux_loss_coeff: 0.0,
         }
     }
 }
@@ -95,15 +113,67 @@ impl Default for Megatron {
 pub enum Recompute {
     #[default]
     None,
-    /// `selective` with its default `recompute_modules: [core_attn]`: the core attention of
-    /// every layer is checkpointed.
-    Selective,
+    /// `selective`: the `recompute_modules` of every layer are checkpointed, one
+    /// `tensor_parallel.checkpoint` each (default `[core_attn]`).
+    Selective(Modules),
     /// `full`: whole layers checkpointed, `layers` at a time (`uniform`), or the first
     /// `layers` one by one (`block`).
     Full {
         method: RecomputeMethod,
         layers: u64,
     },
+}
+
+/// The `recompute_modules` of `selective` recomputation that the local layer spec runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Modules {
+    /// `core_attn`: `DotProductAttention` (the score matrix, softmax and context).
+    pub core_attn: bool,
+    /// `mlp`: a dense layer's `MLP` (an MoE layer's is left alone, as Megatron does).
+    pub mlp: bool,
+    /// `moe`: the whole `MoELayer` (router, dispatch, experts, combine).
+    pub moe: bool,
+}
+
+impl Default for Modules {
+    /// `TransformerConfig.__post_init__`'s default, `["core_attn"]`.
+    fn default() -> Self {
+        Modules {
+            core_attn: true,
+            mlp: false,
+            moe: false,
+        }
+    }
+}
+
+/// `recompute_modules` Megatron accepts that the local layer spec does not run this way or
+/// that headroom has not measured, and why.
+const UNMODELLED_MODULES: &[(&str, &str)] = &[
+    ("moe_act", "needs moe_grouped_gemm (Transformer Engine)"),
+    ("layernorm", "checkpoints Transformer Engine's norms"),
+    (
+        "mla_up_proj",
+        "multi-latent attention is not modelled under megatron",
+    ),
+    (
+        "shared_experts",
+        "shared experts are not modelled under megatron",
+    ),
+    ("gdn_norm_out", "gated delta net is not modelled"),
+];
+
+impl Recompute {
+    /// The modules `selective` recomputes; none otherwise.
+    pub fn modules(&self) -> Modules {
+        match self {
+            Recompute::Selective(modules) => *modules,
+            Recompute::None | Recompute::Full { .. } => Modules {
+                core_attn: false,
+                mlp: false,
+                moe: false,
+            },
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +183,11 @@ pub enum RecomputeMethod {
 }
 
 impl Megatron {
+    /// Whether each router computes the load-balancing loss.
+    pub fn aux_loss(&self) -> bool {
+        self.aux_loss_coeff > 0.0
+    }
+
     /// The experts' data-parallel ranks, `stage_ranks / (ep × etp)`, when their parameters
     /// are reduced apart from the dense ones (`allreduce` false: `use_expert_pgs` of the
     /// parallel linears, with `ep > 1` or `etp > 1`); `None` when they share the dense buffer.
@@ -138,7 +213,7 @@ impl Megatron {
     /// `n` layers over the whole block, `block` the first `n` layers one by one.
     pub fn checkpointed_chunks(&self, layers: usize) -> Vec<Range<usize>> {
         match self.recompute {
-            Recompute::None | Recompute::Selective => Vec::new(),
+            Recompute::None | Recompute::Selective(_) => Vec::new(),
             Recompute::Full {
                 method: RecomputeMethod::Uniform,
                 layers: n,
@@ -233,9 +308,33 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
             }
         }
     }
+    // `--moe-layer-recompute`: `TransformerConfig.__post_init__` turns it into selective
+    // recomputation with `moe` among the modules, and refuses it with full.
+    let moe_layer_recompute = boolean(obj, "moe_layer_recompute").map_err(field)?;
+    if moe_layer_recompute && granularity == Granularity::Full {
+        return Err(Error::field(
+            "megatron.moe_layer_recompute",
+            true,
+            "false with recompute_granularity full (Megatron refuses both), or use \
+             recompute_granularity selective",
+        ));
+    }
+    if given("recompute_modules") && granularity != Granularity::Selective {
+        return Err(Error::field(
+            "megatron.recompute_modules",
+            &obj["recompute_modules"],
+            "it applies to recompute_granularity selective; leave it out",
+        ));
+    }
+    let mut modules = match obj.get("recompute_modules") {
+        None | Some(Value::Null) => Modules::default(),
+        Some(value) => parse_modules(value)?,
+    };
+    modules.moe |= moe_layer_recompute;
     let recompute = match granularity {
+        Granularity::None if moe_layer_recompute => Recompute::Selective(modules),
         Granularity::None => Recompute::None,
-        Granularity::Selective => Recompute::Selective,
+        Granularity::Selective => Recompute::Selective(modules),
         Granularity::Full => Recompute::Full {
             method: match obj.get("recompute_method") {
                 None | Some(Value::Null) => RecomputeMethod::Uniform,
@@ -253,6 +352,33 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
             layers: positive(obj, "recompute_num_layers", 1).map_err(field)?,
         },
     };
+    let router_fp32 = match obj.get("moe_router_dtype") {
+        None | Some(Value::Null) => false,
+        Some(_) => choice(obj, "moe_router_dtype", &[("fp32", true)], false).map_err(field)?,
+    };
+    let coefficient = match obj.get("moe_aux_loss_coeff") {
+        None | Some(Value::Null) => 0.0,
+        Some(value) => value
+            .as_f64()
+            .filter(|c| c.is_finite() && *c >= 0.0)
+            .ok_or_else(|| {
+                Error::field(
+                    "megatron.moe_aux_loss_coeff",
+                    value,
+                    "a number >= 0 (Megatron's default 0 computes no loss)",
+                )
+            })?,
+    };
+    let balancing = match obj.get("moe_router_load_balancing_type") {
+        None | Some(Value::Null) => true,
+        Some(_) => choice(
+            obj,
+            "moe_router_load_balancing_type",
+            &[("aux_loss", true), ("none", false)],
+            true,
+        )
+        .map_err(field)?,
+    };
     Ok(Megatron {
         distributed_optimizer,
         recompute,
@@ -262,7 +388,43 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         optimizer_cpu_offload,
         overlap_p2p_comm,
         eager_nccl_init,
+        router_fp32,
+        aux_loss_coeff: if balancing { coefficient } else { 0.0 },
     })
+}
+
+/// `recompute_modules`: a list of module names, each modelled or refused by name.
+fn parse_modules(value: &Value) -> Result<Modules> {
+    const KEY: &str = "megatron.recompute_modules";
+    const ALLOWED: &str = "a list of core_attn, mlp, moe";
+    let names = value
+        .as_array()
+        .ok_or_else(|| Error::field(KEY, value, ALLOWED))?;
+    let mut modules = Modules {
+        core_attn: false,
+        mlp: false,
+        moe: false,
+    };
+    for name in names {
+        match name.as_str() {
+            Some("core_attn") => modules.core_attn = true,
+            Some("mlp") => modules.mlp = true,
+            Some("moe") => modules.moe = true,
+            Some(other) => {
+                return Err(
+                    match UNMODELLED_MODULES.iter().find(|(known, _)| *known == other) {
+                        Some((_, why)) => Error::Unsupported {
+                            what: format!("{KEY} {other} ({why})"),
+                            supported: "core_attn, mlp and moe with the local layer spec".into(),
+                        },
+                        None => Error::field(KEY, name, ALLOWED),
+                    },
+                );
+            }
+            None => return Err(Error::field(KEY, name, ALLOWED)),
+        }
+    }
+    Ok(modules)
 }
 
 /// What Megatron's `MoELayer` with the local layer spec is modelled for, given the model and the
@@ -295,6 +457,21 @@ pub(crate) fn check_moe(spec: &RunSpec, megatron: &Megatron, arch: &Architecture
                      parallelism)",
                 ));
             }
+        }
+        let moe_only = [
+            ("moe_router_dtype", megatron.router_fp32, "fp32"),
+            (
+                "moe_aux_loss_coeff",
+                megatron.aux_loss(),
+                "a coefficient > 0",
+            ),
+        ];
+        if let Some((key, _, given)) = moe_only.into_iter().find(|&(_, set, _)| set) {
+            return Err(Error::field(
+                format!("megatron.{key}"),
+                given,
+                "leave it out with a dense model: it applies to MoE routers",
+            ));
         }
         return Ok(());
     };
@@ -403,10 +580,80 @@ mod tests {
         );
         let selective = Megatron {
             distributed_optimizer: true,
-            recompute: Recompute::Selective,
+            recompute: Recompute::Selective(Modules::default()),
             ..Megatron::default()
         };
         assert!(selective.checkpointed_chunks(4).is_empty());
+    }
+
+    #[test]
+    fn selective_modules_follow_megatrons_config() {
+        let parsed = |v: Value| parse_megatron(&v).unwrap().recompute;
+        let err = |v: Value| parse_megatron(&v).unwrap_err().to_string();
+        assert_eq!(
+            parsed(json!({"recompute_granularity": "selective"})),
+            Recompute::Selective(Modules::default())
+        );
+        // `--moe-layer-recompute` alone: selective, the default core_attn and moe.
+        assert_eq!(
+            parsed(json!({"moe_layer_recompute": true})),
+            Recompute::Selective(Modules {
+                core_attn: true,
+                mlp: false,
+                moe: true
+            })
+        );
+        assert_eq!(
+            parsed(json!({"recompute_granularity": "selective",
+                "recompute_modules": ["moe", "mlp"]})),
+            Recompute::Selective(Modules {
+                core_attn: false,
+                mlp: true,
+                moe: true
+            })
+        );
+        assert!(
+            err(json!({"recompute_granularity": "full", "moe_layer_recompute": true}))
+                .contains("megatron.moe_layer_recompute")
+        );
+        assert!(
+            err(json!({"recompute_modules": ["moe"]}))
+                .contains("applies to recompute_granularity selective")
+        );
+        let act =
+            err(json!({"recompute_granularity": "selective", "recompute_modules": ["moe_act"]}));
+        assert!(
+            act.contains("moe_act") && act.contains("grouped_gemm"),
+            "{act}"
+        );
+        assert!(
+            err(json!({"recompute_granularity": "selective", "recompute_modules": ["attn"]}))
+                .contains("core_attn, mlp, moe")
+        );
+        assert!(
+            err(json!({"recompute_granularity": "selective", "recompute_modules": "moe"}))
+                .contains("a list of")
+        );
+    }
+
+    #[test]
+    fn the_router_settings_say_when_a_loss_is_computed() {
+        let parsed = |v: Value| parse_megatron(&v).unwrap();
+        let err = |v: Value| parse_megatron(&v).unwrap_err().to_string();
+        assert!(parsed(json!({"moe_router_dtype": "fp32"})).router_fp32);
+        assert!(err(json!({"moe_router_dtype": "fp64"})).contains("megatron.moe_router_dtype"));
+        // Megatron's defaults: `aux_loss` balancing with a coefficient of 0, so no loss.
+        assert!(!parsed(json!({})).aux_loss());
+        assert!(!parsed(json!({"moe_aux_loss_coeff": 0})).aux_loss());
+        assert!(parsed(json!({"moe_aux_loss_coeff": 1e-3})).aux_loss());
+        assert!(
+            !parsed(json!({"moe_aux_loss_coeff": 1e-3, "moe_router_load_balancing_type": "none"}))
+                .aux_loss()
+        );
+        assert!(err(json!({"moe_aux_loss_coeff": -1})).contains("a number >= 0"));
+        assert!(
+            err(json!({"moe_router_load_balancing_type": "sinkhorn"})).contains("aux_loss, none")
+        );
     }
 
     #[test]

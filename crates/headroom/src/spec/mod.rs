@@ -23,7 +23,7 @@ mod versions;
 
 use std::path::Path;
 
-pub use megatron::{Megatron, Recompute, RecomputeMethod};
+pub use megatron::{Megatron, Modules, Recompute, RecomputeMethod};
 pub use parse::parse_document;
 pub use pipeline::{
     EngineSpec, Home, InstanceSpec, Pass, PassDef, PhaseDef, PipelineSpec, is_pipeline,

@@ -233,3 +233,77 @@ fn expert_parallelism_shrinks_the_rank_and_balanced_routing_is_said() {
         eight.assumptions.warnings
     );
 }
+
+/// The forward peak of step 2 that each decoder layer adds: one layer's model against three's,
+/// halved, with the weights' own difference taken out by the load phase.
+fn forward_bytes_per_layer(megatron: Value) -> u64 {
+    let forward = |layers: u64| {
+        let est = estimate(&spec(layers, 8, 1, megatron.clone()));
+        let peak = est
+            .phases
+            .iter()
+            .find(|p| p.step == 2 && p.phase == "forward")
+            .expect("a forward phase")
+            .peak_allocated;
+        peak - est.weights_loaded_bytes
+    };
+    (forward(3) - forward(1)) / 2
+}
+
+/// What each router setting keeps through a layer's forward, on 2,048 tokens and 128 experts:
+/// the load-balancing loss its fp32 softmax of every logit (1 MiB, saved by the softmax's
+/// backward) with the tokens per expert and the loss; an fp32 router the dispatcher's `probs`
+/// in fp32 (2 bytes more of each of the `[n, E]` probabilities at least); recomputing the whole
+/// MoE layer keeps its input and the dispatcher's attributes instead of its activations.
+#[test]
+fn the_router_settings_keep_what_megatron_keeps() {
+    let base = json!({"expert_model_parallel_size": 8});
+    let with = |extra: Value| {
+        let mut m = base.clone();
+        m.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        m
+    };
+    let plain = forward_bytes_per_layer(base.clone());
+    let scores = 2048 * 128 * 4;
+    let aux = forward_bytes_per_layer(with(json!({"moe_aux_loss_coeff": 1e-3})));
+    assert!(
+        (scores..scores + (8 << 10)).contains(&(aux - plain)),
+        "the loss keeps {} bytes a layer",
+        aux - plain
+    );
+    let fp32 = forward_bytes_per_layer(with(json!({"moe_router_dtype": "fp32"})));
+    assert!(fp32 >= plain + 2048 * 128 * 2, "{fp32} vs {plain}");
+    let recomputed = forward_bytes_per_layer(with(json!({"moe_layer_recompute": true})));
+    assert!(recomputed < plain / 2, "{recomputed} vs {plain}");
+    // Under full recomputation the first forward runs without grad: no loss, as Megatron skips it.
+    let full = json!({"recompute_granularity": "full"});
+    let full_aux = with(json!({"recompute_granularity": "full", "moe_aux_loss_coeff": 1e-3}));
+    let mut merged = base.clone();
+    merged
+        .as_object_mut()
+        .unwrap()
+        .extend(full.as_object().unwrap().clone());
+    assert_eq!(
+        forward_bytes_per_layer(merged),
+        forward_bytes_per_layer(full_aux)
+    );
+}
+
+/// A dense model refuses the router's settings by name.
+#[test]
+fn a_dense_model_refuses_the_routers_settings() {
+    let dense = json!({
+        "model": "llama-3.1-8b", "precision": "bf16", "optimizer": "adamw", "batch_size": 1,
+        "seq_len": 2048,
+        "parallel": {"strategy": "ddp", "world_size": 2, "framework": "megatron"},
+        "megatron": {"moe_router_dtype": "fp32"},
+    });
+    let spec = RunSpec::from_value(&dense).expect("a valid document");
+    let err = headroom::estimate::estimate(&spec, None, &gpu::find("h100-80gb").expect("gpu"))
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("megatron.moe_router_dtype"), "{err}");
+}

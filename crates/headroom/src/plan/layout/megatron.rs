@@ -20,8 +20,8 @@ use super::{
 };
 use crate::arch::Architecture;
 use crate::spec::{
-    Framework, Megatron, Parallel, PipelineParallel, PipelineSchedule, Recompute, RecomputeMethod,
-    RunSpec, Strategy, TensorParallel,
+    Framework, Megatron, Modules, Parallel, PipelineParallel, PipelineSchedule, Recompute,
+    RecomputeMethod, RunSpec, Strategy, TensorParallel,
 };
 
 /// How `fit --json` names the axes a Megatron layout is chosen on, in the order they are
@@ -288,7 +288,7 @@ fn optimizers(base: &Megatron, dp: u64) -> Vec<bool> {
 fn recomputations(base: &Megatron) -> Vec<Recompute> {
     let mut out = vec![
         Recompute::None,
-        Recompute::Selective,
+        Recompute::Selective(Modules::default()),
         Recompute::Full {
             method: RecomputeMethod::Uniform,
             layers: 1,
@@ -353,7 +353,15 @@ pub(super) fn name(c: &Candidate, m: &Megatron) -> String {
         c.pipelined() * c.accumulation,
         match m.recompute {
             Recompute::None => String::new(),
-            Recompute::Selective => ", selective recompute".into(),
+            Recompute::Selective(modules) if modules == Modules::default() => {
+                ", selective recompute".into()
+            }
+            Recompute::Selective(modules) => {
+                format!(
+                    ", selective recompute of {}",
+                    module_names(modules).join(", ")
+                )
+            }
             Recompute::Full {
                 method: RecomputeMethod::Uniform,
                 layers: 1,
@@ -459,7 +467,12 @@ pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
     let mut megatron = serde_json::json!({"distributed_optimizer": m.distributed_optimizer});
     match m.recompute {
         Recompute::None => {}
-        Recompute::Selective => megatron["recompute_granularity"] = "selective".into(),
+        Recompute::Selective(modules) => {
+            megatron["recompute_granularity"] = "selective".into();
+            if modules != Modules::default() {
+                megatron["recompute_modules"] = module_names(modules).into();
+            }
+        }
         Recompute::Full { method, layers } => {
             megatron["recompute_granularity"] = "full".into();
             megatron["recompute_method"] = match method {
@@ -485,11 +498,29 @@ pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
     if m.optimizer_cpu_offload {
         megatron["optimizer_cpu_offload"] = true.into();
     }
+    if m.router_fp32 {
+        megatron["moe_router_dtype"] = "fp32".into();
+    }
+    if m.aux_loss() {
+        megatron["moe_aux_loss_coeff"] = m.aux_loss_coeff.into();
+    }
     serde_json::json!({
         "batch_size": c.micro_batch * c.pipelined(),
         "parallel": parallel,
         "megatron": megatron,
     })
+}
+
+/// `recompute_modules` as Megatron names them.
+fn module_names(modules: Modules) -> Vec<&'static str> {
+    [
+        ("core_attn", modules.core_attn),
+        ("mlp", modules.mlp),
+        ("moe", modules.moe),
+    ]
+    .into_iter()
+    .filter_map(|(name, on)| on.then_some(name))
+    .collect()
 }
 
 /// What the cost model ([`super::step_time`]) counts differently for a Megatron
@@ -498,9 +529,7 @@ pub(super) struct Cost {
     /// The parameters whose gradients a rank's data-parallel groups reduce, times `tp × pp`:
     /// the dense ones and `1 / (ep × etp)` of the experts.
     pub params: f64,
-    /// Selective recomputation's core attention run again: `QKᵀ` and the scores times `V` of
-    /// every layer, `2 × seq_len × heads × head_dim` FLOPs a token each (the local spec's
-    /// unfused attention computes the whole score matrix).
+    /// The forward FLOPs a token of selective recomputation's modules run again.
     pub recompute_flops_per_token: f64,
     /// Expert parallelism's all-to-alls for one micro-batch on one rank.
     pub all_to_all_per_micro_s: f64,
@@ -523,18 +552,37 @@ impl Cost {
             )
         });
         let params = arch.param_count(spec.head()) - expert_params + expert_params / (ep * etp);
-        let recompute_flops_per_token = match m.recompute {
-            Recompute::Selective => {
-                (arch.layers * 2 * 2 * spec.seq_len * arch.heads * arch.head_dim) as f64
-            }
-            _ => 0.0,
-        };
+        // Selective recomputation runs its modules' forwards again: the core attention's `QKᵀ`
+        // and scores times `V` (`2 × seq_len × heads × head_dim` FLOPs a token each; the local
+        // spec's unfused attention computes the whole score matrix), and 2 FLOPs a token for
+        // each weight of a dense MLP or of an MoE layer's router and routed experts.
+        let modules = m.recompute.modules();
+        let dense_layers = arch.layers - routed;
+        let recompute_flops_per_token = [
+            (
+                modules.core_attn,
+                (arch.layers * 2 * 2 * spec.seq_len * arch.heads * arch.head_dim) as f64,
+            ),
+            (
+                modules.mlp,
+                (dense_layers * 2 * 3 * arch.hidden * arch.intermediate) as f64,
+            ),
+            (
+                modules.moe,
+                arch.moe.as_ref().map_or(0.0, |moe| {
+                    (routed * 2 * (moe.experts + top_k * 3 * moe.intermediate) * arch.hidden) as f64
+                }),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(on, flops)| on.then_some(flops))
+        .sum();
         // Each collective runs twice a layer in forward (dispatch and combine; the gather and the
         // reduce-scatter), twice in backward, and twice more when the forward is recomputed.
         // Under balanced routing a rank sends and receives the `top_k` rows of each of its
         // tokens (`micro_batch × seq_len × top_k × hidden` bf16 elements; the routing
         // probabilities beside them are `1 / hidden` of that, left out).
-        let passes = if c.recompute { 6.0 } else { 4.0 };
+        let passes = if c.recompute || modules.moe { 6.0 } else { 4.0 };
         let bytes = (c.micro_batch * spec.seq_len * top_k * arch.hidden * 2) as f64;
         let layers = routed as f64 / p.pipeline.pp as f64;
         // The expert-parallel ranks are `etp` GPUs apart (`RankGenerator`'s expert order

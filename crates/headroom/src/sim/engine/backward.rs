@@ -460,16 +460,42 @@ impl Tracer {
             }
             Bwd::RouterGating => {
                 // `RouterGatingLinearFunction.backward` returns the input's gradient as
-                // `grad_input.view(*inp_shape)`: a view of the `mm` result.
+                // `grad_input.view(*inp_shape)`: a view of the `mm` result (or of its cast).
+                let router = self.dtype(g);
                 for i in 0..2 {
-                    out.push(needs(i).map(|(numel, _)| {
+                    out.push(needs(i).map(|(numel, dtype)| {
+                        let other = saved[1 - i];
+                        let up = (dtype != router).then(|| {
+                            self.empty(self.numel(other), router, "operand.to(router_dtype)")
+                        });
                         self.ensure_cublas_workspace();
-                        let grad = self.empty(numel, self.dtype(g), "grad of router gating (mm)");
+                        let product = self.empty(numel, router, "grad of router gating (mm)");
+                        let grad = match up {
+                            Some(up) => {
+                                self.drop(up);
+                                let down = self.empty(numel, dtype, "grad.to(input dtype)");
+                                self.drop(product);
+                                down
+                            }
+                            None => product,
+                        };
                         if i == 0 {
                             self.mark_view_of_temporary(grad);
                         }
                         grad
                     }));
+                }
+            }
+            Bwd::AuxLossScaler => {
+                let ones = self.empty(1, DType::F32, "ones_like(aux_loss)");
+                let scaled = self.empty(1, DType::F32, "ones_like(aux_loss) * scale");
+                self.drop(ones);
+                out.push(Some(self.share(g)));
+                if needs(1).is_some() {
+                    out.push(Some(scaled));
+                } else {
+                    self.drop(scaled);
+                    out.push(None);
                 }
             }
             Bwd::SequenceParallelLinear { tp } => {

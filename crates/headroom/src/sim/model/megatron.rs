@@ -58,7 +58,7 @@ use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{Bwd, ParamId, T, Tracer};
 use crate::sim::strategy::Strategy;
-use crate::spec::{Megatron, Recompute};
+use crate::spec::Megatron;
 
 /// One rank's widths.
 #[derive(Clone, Copy, Debug)]
@@ -96,11 +96,15 @@ enum Mlp {
     Moe(MoeLayer),
 }
 
-/// A checkpointed region: whole layers, or one layer's core attention.
+/// A checkpointed region: whole layers, or one module of a layer (selective recomputation).
 #[derive(Clone, Debug)]
 enum Region {
     Layers(Range<usize>),
     CoreAttention,
+    /// Layer `l`'s dense MLP.
+    Mlp(usize),
+    /// Layer `l`'s `MoELayer`.
+    Moe(usize),
 }
 
 /// Tensors this model keeps for the life of the process: the rotary `freqs`
@@ -174,6 +178,13 @@ impl GptModel {
             width: moe.intermediate,
             ep: megatron.expert_parallel,
             etp: megatron.etp(tp),
+            router_dtype: if megatron.router_fp32 {
+                DType::F32
+            } else {
+                DType::BF16
+            },
+            aux_loss: megatron.aux_loss(),
+            model_layers: arch.layers,
         });
         let widths = Widths {
             hidden: arch.hidden,
@@ -452,24 +463,40 @@ impl GptModel {
         let hidden = t.add(x, attention);
         t.drop_all(&[attention, normed]);
         let normed = self.rms_norm(t, hidden, layer.mlp_norm, rows);
-        let mlp = match (&layer.mlp, self.experts) {
+        let modules = self.megatron.recompute.modules();
+        let (checkpointed, region) = match layer.mlp {
+            Mlp::Dense { .. } => (modules.mlp, Region::Mlp(l)),
+            Mlp::Moe(_) => (modules.moe, Region::Moe(l)),
+        };
+        let mlp = if checkpointed {
+            let id = t.begin_reentrant_region(&[normed]);
+            self.push_region(id, region);
+            let out = self.mlp_forward(t, l, normed, rows);
+            t.end_region();
+            out
+        } else {
+            self.mlp_forward(t, l, normed, rows)
+        };
+        let out = t.add(hidden, mlp);
+        t.drop_all(&[normed, mlp, hidden]);
+        out
+    }
+
+    /// Layer `l`'s MLP on the `rows` rows of `x`: its dense `MLP` or its `MoELayer`.
+    fn mlp_forward(&self, t: &mut Tracer, l: usize, x: T, rows: u64) -> T {
+        match (&self.layers[l].mlp, self.experts) {
             (Mlp::Dense { fc1, fc2 }, _) => mlp(
                 t,
                 (*fc1, *fc2),
                 self.widths.ffn,
                 self.widths.hidden,
-                normed,
+                x,
                 None,
                 self.sp(),
             ),
-            (Mlp::Moe(moe), Some(experts)) => {
-                moe.forward(t, normed, rows, self.widths.hidden, experts)
-            }
+            (Mlp::Moe(moe), Some(experts)) => moe.forward(t, x, rows, self.widths.hidden, experts),
             (Mlp::Moe(_), None) => unreachable!("MoE layers are built with their experts"),
-        };
-        let out = t.add(hidden, mlp);
-        t.drop_all(&[normed, mlp, hidden]);
-        out
+        }
     }
 
     /// `torch.nn.RMSNorm` over `rows` rows (`_fused_rms_norm`):
@@ -555,7 +582,7 @@ impl GptModel {
         }
         let query_rot = self.rotary(t, query, freqs, batch.s);
         let key_rot = self.rotary(t, key, freqs, batch.s);
-        let context = if self.megatron.recompute == Recompute::Selective {
+        let context = if self.megatron.recompute.modules().core_attn {
             let id = t.begin_reentrant_region(&[query_rot, key_rot, value]);
             self.push_region(id, Region::CoreAttention);
             let out = self.core_attention(t, query_rot, key_rot, value, batch);
@@ -764,6 +791,15 @@ impl GptModel {
                 hidden
             }
             Region::CoreAttention => self.core_attention(t, inputs[0], inputs[1], inputs[2], batch),
+            Region::Mlp(l) => self.mlp_forward(t, l, inputs[0], self.rows(batch.n())),
+            Region::Moe(l) => {
+                let out = self.mlp_forward(t, l, inputs[0], self.rows(batch.n()));
+                // The dispatcher keeps its recomputed `probs`, as under full recomputation.
+                if let Mlp::Moe(moe) = &self.layers[l].mlp {
+                    moe.hold_graph(t.keep_recomputed_graph(region, 1));
+                }
+                out
+            }
         };
         t.hold_recomputed_output(region, out);
         t.drop(out);

@@ -2,8 +2,9 @@
 //! moe_grouped_gemm=False)` builds it, translated into tracer ops as rank 0 of `ep` expert-parallel
 //! ranks runs it (`transformer/moe/moe_layer.py`, `router.py`, `token_dispatcher.py`
 //! (`MoEAlltoAllTokenDispatcher`), `experts.py` (`SequentialMLP`), `moe_utils.py`). Megatron's
-//! defaults otherwise: no auxiliary or z-loss, no capacity factor, the router in the activations'
-//! dtype, no shared expert, tensor parallelism 1. Expert tensor parallelism (`etp`) splits each
+//! defaults otherwise: no z-loss, no capacity factor, no shared expert; the router in the
+//! activations' dtype or fp32 (`moe_router_dtype`), with or without the Switch load-balancing loss
+//! (`moe_aux_loss_coeff`). Expert tensor parallelism (`etp`) splits each
 //! expert's `linear_fc1` (column-parallel) and `linear_fc2` (row-parallel, its reduction left to
 //! the dispatcher: `explicit_expert_comm`) over the `etp` ranks of the `expt_tp` group.
 //!
@@ -17,7 +18,14 @@
 //!   dtype=float32)` (an fp32 copy of the bf16 scores, then the softmax, its result saved),
 //!   `.type_as(logits)`, then `zeros_like(logits).scatter(1, idx, probs)` (the routed
 //!   probabilities, `[n, E]`) and `zeros_like(logits).int().scatter(1, idx, 1).bool()` (the
-//!   routing map).
+//!   routing map). An fp32 router casts the input and the weight up for the `mm` (its backward
+//!   casts each operand up and each gradient back down), so the logits, the probabilities and
+//!   everything the dispatcher makes of them are fp32; each expert's `per_token_scale` product
+//!   is then fp32, cast back to bf16.
+//! - with the load-balancing loss, in a forward with grad: an fp32 softmax of all the logits
+//!   (saved by its backward), its own top k and routing map, the tokens per expert, the Switch
+//!   loss `sum(probs.sum(0) * tokens_per_expert) * c` and `MoEAuxLossAutoScaler`, whose output
+//!   views `probs`; the metrics tracker's per-layer values are made at the first record.
 //! - `dispatch_preprocess`: the token counts (`routing_map.sum(0)`, moved to the host), then
 //!   `permute`: `routing_map.T.contiguous()`, its stable `argsort` (`sort`: values, int64
 //!   indices, cub's scratch), `[:n·k]` (a view keeping the whole argsort), `% n`,
@@ -70,6 +78,12 @@ pub(crate) struct Experts {
     pub ep: u64,
     /// `expert_tensor_parallel_size`.
     pub etp: u64,
+    /// The router's dtype: the activations' (bf16), or fp32 (`moe_router_dtype: fp32`).
+    pub router_dtype: DType,
+    /// Whether each training forward computes the Switch load-balancing loss.
+    pub aux_loss: bool,
+    /// `num_layers` of the whole model: the length of the loss tracker's per-layer values.
+    pub model_layers: u64,
 }
 
 impl Experts {
@@ -238,31 +252,95 @@ impl MoeLayer {
         }
     }
 
-    /// `TopKRouter.forward`: the routed probabilities `[n, E]` (bf16) and the routing map.
+    /// `TopKRouter.forward`: the routed probabilities `[n, E]` (in the router's dtype) and the
+    /// routing map.
     fn route(&self, t: &mut Tracer, x: T, n: u64, spec: Experts) -> (T, T) {
         let e = spec.count;
+        let dtype = spec.router_dtype;
         let w = t.param(self.router);
-        let logits = t.empty(n * e, DType::BF16, "router logits (mm)");
+        // `RouterGatingLinearFunction`: `mm(inp.to(router_dtype), weight.to(router_dtype).t())`,
+        // the casts (no-ops in bf16) going as the call returns.
+        let casts = (dtype != t.dtype(x)).then(|| {
+            [
+                t.empty(t.numel(x), dtype, "inp.to(router_dtype)"),
+                t.empty(e * t.numel(x) / n, dtype, "weight.to(router_dtype)"),
+            ]
+        });
+        let logits = t.empty(n * e, dtype, "router logits (mm)");
         t.ensure_cublas_workspace();
+        if let Some(casts) = casts {
+            t.drop_all(&casts);
+        }
         t.record(Bwd::RouterGating, &[Some(x), Some(w)], &[logits], &[x, w]);
         let (scores, indices) = t.topk(logits, n * spec.top_k);
         // `softmax(scores, dtype=float32)`: CUDA's half-to-float kernel takes fp16 only, so a
-        // bf16 input is cast to fp32 first (`SoftMax.cpp`).
+        // bf16 input is cast to fp32 first (`SoftMax.cpp`); `type_as(logits)` casts it back.
         let probs32 = t.softmax_f32(scores);
-        let probs = t.to(probs32, DType::BF16);
+        let probs = t.to(probs32, dtype);
         t.drop_all(&[probs32, scores]);
-        let zeros = t.empty(n * e, DType::BF16, "zeros_like(logits)");
-        let routed = t.empty(n * e, DType::BF16, "routing probs (scatter)");
+        let zeros = t.empty(n * e, dtype, "zeros_like(logits)");
+        let routed = t.empty(n * e, dtype, "routing probs (scatter)");
         t.record(Bwd::GatherBack, &[Some(probs)], &[routed], &[indices]);
         t.drop_all(&[zeros, probs]);
-        let zeros = t.empty(n * e, DType::BF16, "zeros_like(logits)");
-        let ints = t.empty(n * e, DType::I32, "zeros_like(logits).int()");
-        t.drop(zeros);
-        let scattered = t.empty(n * e, DType::I32, "scatter(1, idx, 1)");
-        t.drop(ints);
-        let map = t.empty(n * e, DType::Bool, "routing_map (.bool())");
-        t.drop_all(&[scattered, indices, logits]);
+        let map = routing_map(t, logits, n * e);
+        t.drop(indices);
+        let routed = if spec.aux_loss {
+            self.aux_loss(t, logits, routed, n, spec)
+        } else {
+            routed
+        };
+        t.drop(logits);
         (routed, map)
+    }
+
+    /// `TopKRouter.routing`'s load-balancing loss in a training forward:
+    /// `compute_routing_scores_for_aux_loss` (an fp32 softmax of every logit, saved by its
+    /// backward, then its own top k and routing map), the tokens per expert
+    /// (`routing_map.sum(0)`, all-reduced in place over tp × cp), the Switch loss
+    /// (`probs.sum(0) * tokens_per_expert`, summed and scaled), the tracker's record and
+    /// `MoEAuxLossAutoScaler`, whose output views `probs` and whose backward seeds the loss's
+    /// gradient.
+    fn aux_loss(&self, t: &mut Tracer, logits: T, probs: T, n: u64, spec: Experts) -> T {
+        if !t.grad_enabled() {
+            return probs;
+        }
+        let e = spec.count;
+        let scores = t.softmax_f32(logits);
+        // `_, top_indices = topk(scores, k)`: the values' backward node (saving the indices)
+        // goes with the values, which nothing reads; so nothing is recorded.
+        let values = t.empty(n * spec.top_k, DType::F32, "topk values (aux loss)");
+        let indices = t.empty(n * spec.top_k, DType::I64, "topk indices (aux loss)");
+        let map = routing_map(t, logits, n * e);
+        // The function returns: its locals `_` (the values) and `top_indices` go.
+        t.drop_all(&[values, indices]);
+        let tokens = t.empty(e, DType::I64, "routing_map.sum(dim=0)");
+        let cast = t.empty(n * e, DType::I64, "routing_map as int64 (sum)");
+        t.reduction_staging(e, n, DType::I64);
+        t.drop(cast);
+        let per_expert = t.sum_dim(scores, e);
+        t.reduction_staging(e, n, DType::F32);
+        let product = t.mul(per_expert, tokens);
+        let sum = t.sum_dim(product, 1);
+        t.drop(product);
+        let loss = t.mul_scalar(sum);
+        t.drop_all(&[sum, per_expert, tokens]);
+        // `MoEMetricsTracker.record`: `zeros(num_layers)` at the first record of the process,
+        // then `values[layer] += (aux_loss / coeff).detach()` in place.
+        t.process_global("MoEMetricsTracker values", |t| {
+            t.empty(spec.model_layers, DType::F32, "load_balancing_loss values")
+        });
+        let logged = t.empty(1, DType::F32, "aux_loss / coeff");
+        t.drop(logged);
+        let scaled = t.view(probs, t.numel(probs), "MoEAuxLossAutoScaler output");
+        t.record(
+            Bwd::AuxLossScaler,
+            &[Some(probs), Some(loss)],
+            &[scaled],
+            &[loss],
+        );
+        // `routing` returns: the map and scores for the loss go (the scores stay saved).
+        t.drop_all(&[probs, loss, map, scores]);
+        scaled
     }
 
     /// `routed_experts_compute`: gather over the expert-tensor-parallel ranks, sort by local
@@ -325,14 +403,33 @@ impl MoeLayer {
             t.share(output)
         };
         let out = if spec.etp > 1 {
+            // `reduce_scatter(hidden_states.to(probs.dtype)).to(hidden_states.dtype)`.
             let received: u64 = spec.received(n).iter().sum();
-            reduce_scatter(t, back, received * hidden)
+            let up = t.to(back, t.dtype(probs));
+            let scattered = reduce_scatter(t, up, received * hidden);
+            t.drop(up);
+            let down = t.to(scattered, t.dtype(back));
+            t.drop(scattered);
+            down
         } else {
             t.share(back)
         };
         t.drop_all(&[back, output, tokens, probs]);
         out
     }
+}
+
+/// `zeros_like(logits).int().scatter(1, indices, 1).bool()`: the routing map `[n, E]`, each
+/// temporary going as the next call returns.
+fn routing_map(t: &mut Tracer, logits: T, numel: u64) -> T {
+    let zeros = t.empty(numel, t.dtype(logits), "zeros_like(logits)");
+    let ints = t.empty(numel, DType::I32, "zeros_like(logits).int()");
+    t.drop(zeros);
+    let scattered = t.empty(numel, DType::I32, "scatter(1, idx, 1)");
+    t.drop(ints);
+    let map = t.empty(numel, DType::Bool, "routing_map (.bool())");
+    t.drop(scattered);
+    map
 }
 
 /// `permute(tokens, routing_map, probs, num_out_tokens=n·k)` without fusion: the permuted tokens
@@ -447,6 +544,9 @@ mod tests {
         width: 768,
         ep: 1,
         etp: 1,
+        router_dtype: DType::BF16,
+        aux_loss: false,
+        model_layers: 48,
     };
 
     /// Every expert receives `n·k / E` tokens; the remainder goes one each to the first experts,

@@ -241,8 +241,12 @@ pub(crate) enum Bwd {
         tp: u64,
     },
     /// Megatron's `RouterGatingLinearFunction` (`mm(x, w.t())` saving both): the input's
-    /// gradient `mm(grad, w)` first, then the weight's `mm(grad.t(), x)`, both fresh tensors.
+    /// gradient `mm(grad, w)` first, then the weight's `mm(grad.t(), x)`, both fresh tensors;
+    /// in an fp32 router each casts its bf16 operand up first and its result back down.
     RouterGating,
+    /// Megatron's `MoEAuxLossAutoScaler` (`probs` passed through, the loss saved): the
+    /// gradient passes to `probs`, and the loss's is `ones_like(loss) * scale`.
+    AuxLossScaler,
     /// An op whose one differentiable input's gradient is gathered or sent back into a new
     /// tensor of that input's size: `scatter`'s and `scatter_add_`'s source (`grad.gather`),
     /// Megatron's `_AllToAll` (the reverse all-to-all).
@@ -439,6 +443,8 @@ pub(crate) struct Tracer {
     casting_weight: bool,
     /// Tensors that live as long as the process (buffers, cuBLAS workspaces).
     persistent: Vec<T>,
+    /// The names of the process-wide tensors made so far ([`Tracer::process_global`]).
+    globals: Vec<&'static str>,
     /// Whether the main thread (0) and autograd's device thread (1) have their cuBLAS and
     /// cuBLASLt workspaces.
     pub(crate) cublas_workspace: [bool; 2],
@@ -482,6 +488,7 @@ impl Tracer {
             autocast_cache: Vec::new(),
             casting_weight: false,
             persistent: Vec::new(),
+            globals: Vec::new(),
             cublas_workspace: [false; 2],
             cublaslt_workspace: [false; 2],
             workspaces,
@@ -493,6 +500,17 @@ impl Tracer {
     }
 
     /// Keep a tensor for the life of the process.
+    /// The process-wide tensor `name` (a module-level object's buffer), made by `make` and
+    /// kept for the life of the process the first time it is asked for.
+    pub(crate) fn process_global(&mut self, name: &'static str, make: impl FnOnce(&mut Self) -> T) {
+        if self.globals.contains(&name) {
+            return;
+        }
+        let made = make(self);
+        self.mark_persistent(made);
+        self.globals.push(name);
+    }
+
     pub(crate) fn mark_persistent(&mut self, t: T) {
         self.persistent.push(t);
     }

@@ -6,7 +6,7 @@ use crate::sim::engine::tracer::{Bwd, ParamId, T, Tracer};
 
 /// `MLP.forward` on `x` with this rank's MLP width `f`: `linear_fc1`, `glu` (`chunk`,
 /// `silu(x0) * (x1 + offset)`), an expert's `per_token_scale` (`* probs.unsqueeze(-1)`, its
-/// routing probabilities), `linear_fc2`; a dense layer's under sequence parallelism `sp`.
+/// routing probabilities, in the router's dtype), `linear_fc2`; a dense layer's under sequence parallelism `sp`.
 pub(crate) fn mlp(
     t: &mut Tracer,
     (fc1, fc2): (ParamId, ParamId),
@@ -30,9 +30,13 @@ pub(crate) fn mlp(
     let mut gated = t.mul(act, linear);
     t.drop_all(&[linear, act, halves[0], halves[1]]);
     if let Some(scale) = per_token_scale {
+        // `(x * per_token_scale.unsqueeze(-1)).to(original_dtype)`: fp32 probabilities make
+        // the product fp32, cast back as the name is rebound.
+        let dtype = t.dtype(gated);
         let scaled = t.mul(gated, scale);
         t.drop(gated);
-        gated = scaled;
+        gated = t.to(scaled, dtype);
+        t.drop(scaled);
     }
     let out = row_parallel(t, gated, fc2, h, sp);
     t.drop(gated);

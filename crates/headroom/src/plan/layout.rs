@@ -28,7 +28,7 @@ pub mod megatron;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::{HALF_EFFICIENCY_TOKENS, SAFETY_MARGIN, Setup};
 use crate::arch::Architecture;
@@ -1289,31 +1289,58 @@ pub fn rank_order(gpu: &Gpu, a: &Evaluated, b: &Evaluated) -> std::cmp::Ordering
 }
 
 /// When nothing fits: each layout at micro-batch 1 with recomputation (its least memory)
-/// estimated without a limit, on every core, and the one that needs least (the first of
-/// those that need as little).
+/// estimated for its demand, on every core, and the one that needs least (the first of those
+/// that need as little).
+///
+/// A branch and bound over the demands: once one layout's demand is known, every later one is
+/// simulated on a device of that many bytes, where a layout that needs more runs out or makes
+/// the allocator act (`Estimate::unlimited` false), and stops early; one that needs no more
+/// never meets the capacity, so its numbers are its demand's. The most sharded layouts, the
+/// likeliest to need least, go first; the best is estimated again without a limit.
 fn closest(setup: &Setup, ctx: &Context, global: u64) -> Result<Option<(Candidate, Estimate)>> {
     let gpu = gpu_for(setup);
     let layouts: Vec<Candidate> = candidates(ctx, global)
         .into_iter()
         .filter(|c| c.recompute && c.micro_batch == 1 && !over_budget(ctx, c))
         .collect();
-    let demands = on_every_core(&layouts, Candidate::pipelined, |c| {
+    let bound = AtomicU64::new(u64::MAX);
+    let sharding = |c: &Candidate| {
+        model_parallel(&c.parallel) * c.megatron.map_or(1, |m| m.expert_parallel)
+    };
+    let demands = on_every_core(&layouts, sharding, |c| {
         let spec = c.spec(&setup.spec).rechecked().ok()?;
-        estimate::estimate_with_trace(&spec, setup.spec_dir, &gpu, Limit::None, false)
-            .ok()
-            .map(|(est, _)| est)
-    });
-    let mut best: Option<(Candidate, Estimate)> = None;
-    for (c, est) in layouts.into_iter().zip(demands) {
-        let Some(est) = est else { continue };
-        if best
-            .as_ref()
-            .is_none_or(|(_, b)| est.device_bytes() < b.device_bytes())
-        {
-            best = Some((c, est));
+        let known = bound.load(Ordering::Relaxed);
+        let (limit, device) = match known {
+            u64::MAX => (Limit::None, gpu.clone()),
+            _ => (
+                Limit::GpuUntilOom,
+                Gpu {
+                    total_bytes: known,
+                    ..gpu.clone()
+                },
+            ),
+        };
+        let (est, _) =
+            estimate::estimate_with_trace(&spec, setup.spec_dir, &device, limit, false).ok()?;
+        if limit != Limit::None && (est.oom.is_some() || !est.unlimited) {
+            return None;
         }
-    }
-    Ok(best)
+        let demand = est.device_bytes();
+        bound.fetch_min(demand, Ordering::Relaxed);
+        Some(demand)
+    });
+    let Some(best) = demands
+        .iter()
+        .enumerate()
+        .filter_map(|(i, demand)| demand.map(|d| (d, i)))
+        .min()
+        .map(|(_, i)| layouts[i].clone())
+    else {
+        return Ok(None);
+    };
+    let spec = best.spec(&setup.spec).rechecked()?;
+    let (est, _) = estimate::estimate_with_trace(&spec, setup.spec_dir, &gpu, Limit::None, false)?;
+    Ok(Some((best, est)))
 }
 
 /// Why the best candidate is best, in sentences: its fidelity, its margin, and what the

@@ -82,6 +82,37 @@ fn llama_70b_on_2_h100s_fits_no_layout_and_says_the_closest() {
     assert!(c.recompute && c.micro_batch == 1);
     assert!(est.device_bytes() > s.gpu.total_bytes);
     assert!(layout::reasons(&s, &search).is_empty());
+    // The branch and bound finds what estimating every such layout for its demand finds: the
+    // first of those that need least, with its unlimited numbers.
+    let (_, arch) = s.spec.architecture(None, "").expect("arch");
+    let ctx = Context {
+        spec: &s.spec,
+        arch: &arch,
+        world: 2,
+    };
+    let demands: Vec<(u64, layout::Candidate)> =
+        layout::candidates(&ctx, layout::global_batch(&s.spec, 2))
+            .into_iter()
+            .filter(|c| c.recompute && c.micro_batch == 1)
+            .filter_map(|c| {
+                let spec = c.spec(&s.spec).rechecked().ok()?;
+                let est = estimate::estimate_with_trace(
+                    &spec,
+                    None,
+                    &s.gpu,
+                    estimate::Limit::None,
+                    false,
+                )
+                .ok()?
+                .0;
+                Some((est.device_bytes(), c))
+            })
+            .collect();
+    assert!(demands.len() > 1, "{} layouts", demands.len());
+    let least = demands.iter().map(|(d, _)| *d).min().expect("a demand");
+    let first = &demands.iter().find(|(d, _)| *d == least).expect("least").1;
+    assert_eq!(est.device_bytes(), least);
+    assert_eq!(c, first);
 }
 
 /// Tensor-parallel degrees divide the world, the heads and the KV heads, and stay within a

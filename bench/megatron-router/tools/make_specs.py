@@ -38,6 +38,22 @@ ROWS = [
 ]
 
 
+# A second call, estimated after the first call's fix: the settings together with tensor, pipeline and expert
+# tensor parallelism, Qwen3-235B's experts over a pipeline, a dense MLP recomputed inside a pipeline, and the loss
+# recomputed under full block recomputation.
+CALL2 = [
+    ("mx7", 2, 2, 2048, 16, {"tp": 2, "sp": True, "ep": 8}, True, None,
+     {**FP32, "moe_aux_loss_coeff": 1e-2, "moe_layer_recompute": True}, [0], False),
+    ("q235", 2, 2, 2048, 32, {"pp": 2, "mb": 2, "ep": 16}, True, None, {**FP32, **AUX}, [0, 16], False),
+    ("q30", 4, 4, 1024, 16, {"tp": 2, "sp": True, "pp": 2, "mb": 4, "ep": 4}, True, ("selective", None, None),
+     {**FP32, "recompute_modules": ["core_attn", "moe"]}, [0, 8], False),
+    ("q30", 4, 2, 2048, 8, {"ep": 2, "etp": 2}, True, None, RECIPE, [0], False),
+    ("q3-8b", 4, 2, 2048, 4, {"tp": 2, "pp": 2, "mb": 2}, False, ("selective", None, None),
+     {"recompute_modules": ["mlp"]}, [0, 2], False),
+    ("q30", 4, 2, 2048, 8, {"ep": 8}, True, ("full", "block", 2), AUX, [0], False),
+]
+
+
 def tag_of(router: dict) -> str:
     parts = []
     if router.get("moe_router_dtype"):
@@ -86,7 +102,8 @@ def rows(key, layers, b, s, world, lay, dist_opt, recompute, router, ranks, snap
                    rank=rank)
 
 
-out = Path(__file__).resolve().parents[1] / "specs.jsonl"
-lines = [json.dumps(r) for spec in ROWS for r in rows(*spec)]
-out.write_text("".join(l + "\n" for l in lines))
-print(out, len(lines))
+for name, table in [("specs.jsonl", ROWS), ("specs-call2.jsonl", CALL2)]:
+    out = Path(__file__).resolve().parents[1] / name
+    lines = [json.dumps(r) for spec in table for r in rows(*spec)]
+    out.write_text("".join(l + "\n" for l in lines))
+    print(out, len(lines))

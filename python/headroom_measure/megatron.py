@@ -79,7 +79,7 @@ MEGATRON_KEYS = (
     "distributed_optimizer", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
     "expert_tensor_parallel_size", "overlap_p2p_comm", "eager_nccl_init", "recompute_modules", "moe_layer_recompute",
-    "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+    "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type", "make_vocab_size_divisible_by",
 )
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")
 # TransformerConfig's router settings, passed as given
@@ -136,7 +136,12 @@ def megatron_options(spec: Spec) -> dict:
         "moe_router_dtype": raw.get("moe_router_dtype"),
         "moe_aux_loss_coeff": raw.get("moe_aux_loss_coeff"),
         "moe_router_load_balancing_type": raw.get("moe_router_load_balancing_type"),
+        # Megatron-LM's --make-vocab-size-divisible-by; unset, megatron-core's GPTModel takes the vocabulary as given
+        "make_vocab_size_divisible_by": raw.get("make_vocab_size_divisible_by"),
     }
+    multiple = out["make_vocab_size_divisible_by"]
+    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
+        raise SpecError(f"`megatron.make_vocab_size_divisible_by`: {multiple!r} is not allowed; use an integer >= 1")
     modules = out["recompute_modules"]
     if modules is not None and (not isinstance(modules, list) or not set(modules) <= set(RECOMPUTE_MODULES)):
         raise SpecError(f"`megatron.recompute_modules`: {modules!r} is not measured; use a list of {', '.join(RECOMPUTE_MODULES)}")
@@ -191,6 +196,13 @@ def megatron_options(spec: Spec) -> dict:
     if spec.lora is not None or spec.quantization is not None:
         raise SpecError("`lora`/`quantization`: not measured with framework megatron; leave them out")
     return out
+
+
+def padded_vocab(vocab: int, options: dict, tp: int) -> int:
+    """Megatron-LM's `_vocab_size_with_padding`: the vocabulary rounded up to a multiple of
+    `make_vocab_size_divisible_by` x tp (as given where the option is unset)."""
+    multiple = (options.get("make_vocab_size_divisible_by") or 1) * tp
+    return -(-vocab // multiple) * multiple
 
 
 def transformer_config(spec: Spec, fields: dict, options: dict):
@@ -325,7 +337,7 @@ def build_chunks(spec: Spec, fields: dict, options: dict, parts: list):
         GPTModel(
             config,
             sequence_parallel_block(config, layer_spec, vp_stage) if config.sequence_parallel else layer_spec,
-            vocab_size=fields["vocab_size"],
+            vocab_size=padded_vocab(fields["vocab_size"], options, spec.parallel.tp),
             max_sequence_length=spec.seq_len,
             position_embedding_type="rope",
             rotary_base=int(fields.get("rope_theta", 10000)),

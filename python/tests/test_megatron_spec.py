@@ -4,7 +4,7 @@ torch or megatron-core: what it measures and what it refuses by name, as the est
 import unittest
 
 from headroom_measure import spec as specmod
-from headroom_measure.megatron import megatron_options, moe_fields
+from headroom_measure.megatron import megatron_options, moe_fields, padded_vocab
 
 CONFIG = {
     "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
@@ -33,7 +33,8 @@ class MegatronSpecTest(unittest.TestCase):
             {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2, "distributed_optimizer": True, "recompute_granularity": "full",
              "recompute_method": "uniform", "recompute_num_layers": 1, "overlap_p2p_comm": None,
              "eager_nccl_init": False, "recompute_modules": None, "moe_layer_recompute": None,
-             "moe_router_dtype": None, "moe_aux_loss_coeff": None, "moe_router_load_balancing_type": None},
+             "moe_router_dtype": None, "moe_aux_loss_coeff": None, "moe_router_load_balancing_type": None,
+             "make_vocab_size_divisible_by": None},
         )  # fmt: skip (an unset expert_tensor_parallel_size is tp, as Megatron-LM's arguments make it)
         self.assertEqual(megatron_options(specmod.parse(raw()))["recompute_granularity"], None)
         ep = megatron_options(specmod.parse(raw(megatron={"expert_model_parallel_size": 8})))
@@ -54,6 +55,11 @@ class MegatronSpecTest(unittest.TestCase):
              router["recompute_modules"]),
             ("fp32", 1e-3, True, ["core_attn", "moe"]),
         )  # fmt: skip
+
+    def test_the_vocabulary_pads_as_megatron_lm_pads_it(self):
+        self.assertEqual(padded_vocab(151936, {"make_vocab_size_divisible_by": 128}, 4), 152064)
+        self.assertEqual(padded_vocab(128256, {"make_vocab_size_divisible_by": 128}, 8), 129024)
+        self.assertEqual(padded_vocab(151936, {"make_vocab_size_divisible_by": None}, 4), 151936)
 
     def test_moe_configs_map_to_megatrons_experts_in_their_own_names(self):
         qwen3 = {"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
@@ -90,6 +96,7 @@ class MegatronSpecTest(unittest.TestCase):
             (raw(megatron={"moe_aux_loss_coeff": -1}), "megatron.moe_aux_loss_coeff"),
             (raw(megatron={"moe_router_load_balancing_type": "sinkhorn"}), "megatron.moe_router_load_balancing_type"),
             (raw(megatron={"moe_layer_recompute": "yes"}), "megatron.moe_layer_recompute"),
+            (raw(megatron={"make_vocab_size_divisible_by": 0}), "megatron.make_vocab_size_divisible_by"),
             (raw(gradient_checkpointing=True), "gradient_checkpointing"),
             (raw(optimizer="sgd"), "framework megatron"),
         ]

@@ -64,10 +64,12 @@ def tag_of(router: dict) -> str:
         parts.append("moerc")
     if router.get("recompute_modules"):
         parts.append("+".join(router["recompute_modules"]))
+    if router.get("make_vocab_size_divisible_by"):
+        parts.append(f"vocab{router['make_vocab_size_divisible_by']}")
     return "-".join(parts)
 
 
-def rows(key, layers, b, s, world, lay, dist_opt, recompute, router, ranks, snapshot):
+def rows(key, layers, b, s, world, lay, dist_opt, recompute, router, ranks, snapshot, prefix="megatron-router"):
     model, config = MODELS[key]
     mega = {"distributed_optimizer": dist_opt}
     rc = recompute_keys(mega, recompute)
@@ -96,14 +98,15 @@ def rows(key, layers, b, s, world, lay, dist_opt, recompute, router, ranks, snap
     tag += "-do" if dist_opt else "-nodo"
     for rank in ranks:
         staged = parallel.get("pp", 1) > 1 or rank != 0
-        rid = f"megatron-router/{key}-L{layers}/bs{b}/s{s}/{tag}/{rc}/{tag_of(router)}" + (
+        rid = f"{prefix}/{key}-L{layers}/bs{b}/s{s}/{tag}/{rc}/{tag_of(router)}" + (
             f"/rank{rank}" if staged else "")
         yield line(rid, model, config, layers, b, s, dict(parallel), dict(mega), snapshot and rank == ranks[0],
                    rank=rank)
 
 
-for name, table in [("specs.jsonl", ROWS), ("specs-call2.jsonl", CALL2)]:
-    out = Path(__file__).resolve().parents[1] / name
-    lines = [json.dumps(r) for spec in table for r in rows(*spec)]
-    out.write_text("".join(l + "\n" for l in lines))
-    print(out, len(lines))
+if __name__ == "__main__":
+    for name, table in [("specs.jsonl", ROWS), ("specs-call2.jsonl", CALL2)]:
+        out = Path(__file__).resolve().parents[1] / name
+        lines = [json.dumps(r) for spec in table for r in rows(*spec)]
+        out.write_text("".join(l + "\n" for l in lines))
+        print(out, len(lines))

@@ -1304,9 +1304,8 @@ fn closest(setup: &Setup, ctx: &Context, global: u64) -> Result<Option<(Candidat
         .filter(|c| c.recompute && c.micro_batch == 1 && !over_budget(ctx, c))
         .collect();
     let bound = AtomicU64::new(u64::MAX);
-    let sharding = |c: &Candidate| {
-        model_parallel(&c.parallel) * c.megatron.map_or(1, |m| m.expert_parallel)
-    };
+    let sharding =
+        |c: &Candidate| model_parallel(&c.parallel) * c.megatron.map_or(1, |m| m.expert_parallel);
     let demands = on_every_core(&layouts, sharding, |c| {
         let spec = c.spec(&setup.spec).rechecked().ok()?;
         let known = bound.load(Ordering::Relaxed);

@@ -38,6 +38,7 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
     "moe_router_dtype",
     "moe_aux_loss_coeff",
     "moe_router_load_balancing_type",
+    "make_vocab_size_divisible_by",
 ];
 
 /// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
@@ -89,6 +90,10 @@ pub struct Megatron {
     /// training forward also takes an fp32 softmax of every logit, its own top k and routing
     /// map, and attaches the loss to `probs`.
     pub aux_loss_coeff: f64,
+    /// Megatron-LM's `--make-vocab-size-divisible-by` (its default 128): the vocabulary padded
+    /// to a multiple of it times tp (`_vocab_size_with_padding`), the embedding, the output
+    /// layer and the logits with it; 1 (unset) is megatron-core's `GPTModel` as given.
+    pub vocab_divisible_by: u64,
 }
 
 impl Default for Megatron {
@@ -104,6 +109,7 @@ impl Default for Megatron {
             eager_nccl_init: false,
             router_fp32: false,
             aux_loss_coeff: 0.0,
+            vocab_divisible_by: 1,
         }
     }
 }
@@ -183,6 +189,12 @@ pub enum RecomputeMethod {
 }
 
 impl Megatron {
+    /// The vocabulary Megatron-LM builds under tensor parallelism `tp`: `vocab` padded to a
+    /// multiple of `make_vocab_size_divisible_by × tp`.
+    pub fn padded_vocab(&self, vocab: u64, tp: u64) -> u64 {
+        vocab.next_multiple_of(self.vocab_divisible_by * tp)
+    }
+
     /// Whether each router computes the load-balancing loss.
     pub fn aux_loss(&self) -> bool {
         self.aux_loss_coeff > 0.0
@@ -390,6 +402,7 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         eager_nccl_init,
         router_fp32,
         aux_loss_coeff: if balancing { coefficient } else { 0.0 },
+        vocab_divisible_by: positive(obj, "make_vocab_size_divisible_by", 1).map_err(field)?,
     })
 }
 
@@ -641,6 +654,15 @@ mod tests {
         let parsed = |v: Value| parse_megatron(&v).unwrap();
         let err = |v: Value| parse_megatron(&v).unwrap_err().to_string();
         assert!(parsed(json!({"moe_router_dtype": "fp32"})).router_fp32);
+        // Megatron-LM's `_vocab_size_with_padding`: Qwen3's 151,936 under tp 4 and 128.
+        let padded = parsed(json!({"make_vocab_size_divisible_by": 128}));
+        assert_eq!(padded.padded_vocab(151_936, 4), 152_064);
+        assert_eq!(padded.padded_vocab(151_936, 1), 151_936);
+        assert_eq!(parsed(json!({})).padded_vocab(151_936, 4), 151_936);
+        assert!(
+            err(json!({"make_vocab_size_divisible_by": 0}))
+                .contains("megatron.make_vocab_size_divisible_by")
+        );
         assert!(err(json!({"moe_router_dtype": "fp64"})).contains("megatron.moe_router_dtype"));
         // Megatron's defaults: `aux_loss` balancing with a coefficient of 0, so no loss.
         assert!(!parsed(json!({})).aux_loss());

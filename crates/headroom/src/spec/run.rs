@@ -1078,7 +1078,12 @@ impl RunSpec {
             });
         }
         super::megatron::check_moe(self, &megatron, arch)?;
-        check_tp_divides(arch, parallel.tensor.tp)?;
+        // Megatron-LM pads the vocabulary to a multiple of tp (`make_vocab_size_divisible_by`).
+        let padded = Architecture {
+            vocab: megatron.padded_vocab(arch.vocab, parallel.tensor.tp),
+            ..arch.clone()
+        };
+        check_tp_divides(&padded, parallel.tensor.tp)?;
         super::megatron_pipeline::check(&parallel.pipeline, arch.layers)?;
         if megatron.overlap_p2p_comm == Some(true) && parallel.pipeline.vpp == 1 {
             return Err(Error::field(

@@ -504,6 +504,9 @@ pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
     if m.aux_loss() {
         megatron["moe_aux_loss_coeff"] = m.aux_loss_coeff.into();
     }
+    if m.vocab_divisible_by > 1 {
+        megatron["make_vocab_size_divisible_by"] = m.vocab_divisible_by.into();
+    }
     serde_json::json!({
         "batch_size": c.micro_batch * c.pipelined(),
         "parallel": parallel,

@@ -192,7 +192,7 @@ impl GptModel {
             groups: arch.kv_heads / tp,
             head_dim: arch.head_dim,
             ffn: arch.intermediate / tp,
-            vocab: arch.vocab / tp,
+            vocab: megatron.padded_vocab(arch.vocab, tp) / tp,
             tp,
             sequence_parallel: sequence_parallel && tp > 1,
         };

@@ -173,9 +173,22 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, global: u64
         phases.push(t.mem.phase_peak());
     }
     t.drop_all(&[ids, positions, loss_mask]);
-    // Every parameter trains; a tensor-parallel weight counts its global size.
-    let params: u64 = arch.parameters(spec.head()).iter().map(Param::numel).sum();
+    let params = global_params(spec, arch);
     Simulation::of_process(t, (params, params), weights_loaded, 0, phases)
+}
+
+/// The model's parameters, all trained: a tensor-parallel weight counts its global size, and
+/// the embedding and the output layer (one matrix when tied) their padded vocabulary.
+pub(super) fn global_params(spec: &RunSpec, arch: &Architecture) -> u64 {
+    let tp = spec.parallel.as_ref().map_or(1, |p| p.tensor.tp);
+    let padding = spec
+        .megatron
+        .unwrap_or_default()
+        .padded_vocab(arch.vocab, tp)
+        - arch.vocab;
+    let matrices = if arch.tie_word_embeddings { 1 } else { 2 };
+    let params: u64 = arch.parameters(spec.head()).iter().map(Param::numel).sum();
+    params + padding * arch.hidden * matrices
 }
 
 /// `torch.zeros(1)` after `init_process_group`, then the model chunks (the stage `parts` of the

@@ -34,7 +34,7 @@ use super::megatron::ranks;
 use super::megatron::{Hooks, inputs, load, loss_func};
 use super::simulation::{Options, STEPS, Simulation, StagePeak};
 use super::stages::worst_rank;
-use crate::arch::{Architecture, Param};
+use crate::arch::Architecture;
 use crate::dtype::DType;
 use crate::sim::engine::component::Component;
 use crate::sim::engine::tracer::{ParamId, T, Tracer};
@@ -174,7 +174,7 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, global: u64
     for r in block_inputs.into_iter().flatten() {
         let_go(&mut t, r);
     }
-    let params: u64 = arch.parameters(spec.head()).iter().map(Param::numel).sum();
+    let params = super::megatron::global_params(spec, arch);
     let mut sim = Simulation::of_process(t, (params, params), weights_loaded, 0, phases);
     sim.stages = vec![StagePeak {
         stage: pp_rank,

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "megatron" / "tools"))
-from rows import DENSE_MODELS, MOE_MODELS, MORE_MODELS, line, recompute_keys  # noqa: E402
+from rows import DENSE_MODELS, MOE_MODELS, MORE_MODELS, layout_keys, line, recompute_keys  # noqa: E402
 
 MODELS = {**DENSE_MODELS, **MOE_MODELS, **MORE_MODELS}
 
@@ -74,27 +74,7 @@ def rows(key, layers, b, s, world, lay, dist_opt, recompute, router, ranks, snap
     mega = {"distributed_optimizer": dist_opt}
     rc = recompute_keys(mega, recompute)
     mega.update(router)
-    parallel = {"strategy": "ddp", "world_size": world, "framework": "megatron"}
-    tag = f"w{world}"
-    if lay.get("tp", 1) > 1:
-        parallel["tp"] = lay["tp"]
-        tag += f"-tp{lay['tp']}"
-        if lay.get("sp"):
-            parallel["sequence_parallel"] = True
-            tag += "-sp"
-    if lay.get("pp", 1) > 1:
-        parallel.update(pp=lay["pp"], microbatches=lay["mb"])
-        tag += f"-pp{lay['pp']}"
-        if lay.get("vpp", 1) > 1:
-            parallel.update(vpp=lay["vpp"], schedule="interleaved-1f1b")
-            tag += f"-vpp{lay['vpp']}"
-        tag += f"-mb{lay['mb']}"
-    if "ep" in lay:
-        mega["expert_model_parallel_size"] = lay["ep"]
-        tag += f"-ep{lay['ep']}"
-    if "etp" in lay:
-        mega["expert_tensor_parallel_size"] = lay["etp"]
-        tag += f"-etp{lay['etp']}"
+    parallel, tag = layout_keys(world, lay, mega)
     tag += "-do" if dist_opt else "-nodo"
     for rank in ranks:
         staged = parallel.get("pp", 1) > 1 or rank != 0

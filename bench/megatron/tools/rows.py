@@ -14,6 +14,39 @@ def recompute_keys(mega: dict, recompute) -> str:
     return f"full-{method}{n}"
 
 
+def layout_keys(world: int, lay: dict, mega: dict) -> tuple[dict, str]:
+    """The `parallel` block of a Megatron row over `world` ranks and the id tag of layout `lay` ({tp, sp, pp, vpp,
+    split, mb, overlap, ep, etp}); the pipeline's and the experts' Megatron keys go into `mega`."""
+    parallel = {"strategy": "ddp", "world_size": world, "framework": "megatron"}
+    tag = f"w{world}"
+    if lay.get("tp", 1) > 1:
+        parallel["tp"] = lay["tp"]
+        tag += f"-tp{lay['tp']}"
+        if lay.get("sp"):
+            parallel["sequence_parallel"] = True
+            tag += "-sp"
+    if lay.get("pp", 1) > 1:
+        parallel.update(pp=lay["pp"], microbatches=lay["mb"])
+        tag += f"-pp{lay['pp']}"
+        if lay.get("vpp", 1) > 1:
+            parallel.update(vpp=lay["vpp"], schedule="interleaved-1f1b")
+            tag += f"-vpp{lay['vpp']}"
+        if "split" in lay:
+            parallel["layers_per_stage"] = lay["split"]
+            tag += "-split" + "-".join(map(str, lay["split"]))
+        tag += f"-mb{lay['mb']}"
+        if "overlap" in lay:
+            mega["overlap_p2p_comm"] = lay["overlap"]
+            tag += "-nooverlap" if not lay["overlap"] else "-overlap"
+    if "ep" in lay:
+        mega["expert_model_parallel_size"] = lay["ep"]
+        tag += f"-ep{lay['ep']}"
+    if "etp" in lay:
+        mega["expert_tensor_parallel_size"] = lay["etp"]
+        tag += f"-etp{lay['etp']}"
+    return parallel, tag
+
+
 def line(rid: str, model: str, config: dict, layers: int, b: int, s: int, parallel: dict, mega: dict,
          snapshot: bool, **extra) -> dict:
     """A row of `model` (`config` cut to `layers`) at batch `b` of `s` tokens, run as a fake-group rank."""

@@ -41,6 +41,10 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
     "make_vocab_size_divisible_by",
 ];
 
+/// The largest `make_vocab_size_divisible_by` taken: far above any vocabulary's rounding, and
+/// small enough that the padded vocabulary stays a size the simulator can hold.
+const MAX_VOCAB_MULTIPLE: u64 = 1 << 20;
+
 /// `initialize_model_parallel`'s sizes beside tensor parallelism: accepted at 1, refused by
 /// name above it.
 const UNMODELLED_SIZES: &[(&str, &str)] = &[
@@ -192,7 +196,8 @@ impl Megatron {
     /// The vocabulary Megatron-LM builds under tensor parallelism `tp`: `vocab` padded to a
     /// multiple of `make_vocab_size_divisible_by × tp`.
     pub fn padded_vocab(&self, vocab: u64, tp: u64) -> u64 {
-        vocab.next_multiple_of(self.vocab_divisible_by * tp)
+        let multiple = self.vocab_divisible_by.saturating_mul(tp);
+        vocab.div_ceil(multiple).saturating_mul(multiple)
     }
 
     /// Whether each router computes the load-balancing loss.
@@ -402,7 +407,18 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         eager_nccl_init,
         router_fp32,
         aux_loss_coeff: if balancing { coefficient } else { 0.0 },
-        vocab_divisible_by: positive(obj, "make_vocab_size_divisible_by", 1).map_err(field)?,
+        vocab_divisible_by: match positive(obj, "make_vocab_size_divisible_by", 1).map_err(field)? {
+            n if n > MAX_VOCAB_MULTIPLE => {
+                return Err(Error::field(
+                    "megatron.make_vocab_size_divisible_by",
+                    n,
+                    format!(
+                        "an integer from 1 to {MAX_VOCAB_MULTIPLE} (Megatron-LM's default is 128)"
+                    ),
+                ));
+            }
+            n => n,
+        },
     })
 }
 
@@ -662,6 +678,10 @@ mod tests {
         assert!(
             err(json!({"make_vocab_size_divisible_by": 0}))
                 .contains("megatron.make_vocab_size_divisible_by")
+        );
+        assert!(
+            err(json!({"make_vocab_size_divisible_by": u64::MAX}))
+                .contains("an integer from 1 to 1048576")
         );
         assert!(err(json!({"moe_router_dtype": "fp64"})).contains("megatron.moe_router_dtype"));
         // Megatron's defaults: `aux_loss` balancing with a coefficient of 0, so no loss.

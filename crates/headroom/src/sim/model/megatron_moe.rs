@@ -313,10 +313,7 @@ impl MoeLayer {
         let map = routing_map(t, logits, n * e);
         // The function returns: its locals `_` (the values) and `top_indices` go.
         t.drop_all(&[values, indices]);
-        let tokens = t.empty(e, DType::I64, "routing_map.sum(dim=0)");
-        let cast = t.empty(n * e, DType::I64, "routing_map as int64 (sum)");
-        t.reduction_staging(e, n, DType::I64);
-        t.drop(cast);
+        let tokens = column_sums(t, n, e);
         let per_expert = t.sum_dim(scores, e);
         t.reduction_staging(e, n, DType::F32);
         let product = t.mul(per_expert, tokens);
@@ -432,6 +429,16 @@ fn routing_map(t: &mut Tracer, logits: T, numel: u64) -> T {
     map
 }
 
+/// `map.sum(dim=0)` of a boolean `[n, E]` routing map: the int64 counts per expert, the map
+/// cast to int64 first and its columns reduced through a global staging buffer.
+fn column_sums(t: &mut Tracer, n: u64, experts: u64) -> T {
+    let sums = t.empty(experts, DType::I64, "map.sum(dim=0)");
+    let cast = t.empty(n * experts, DType::I64, "map as int64 (sum)");
+    t.reduction_staging(experts, n, DType::I64);
+    t.drop(cast);
+    sums
+}
+
 /// `permute(tokens, routing_map, probs, num_out_tokens=n·k)` without fusion: the permuted tokens
 /// `[n·k, h]`, their probabilities and the sorted token indices.
 fn permute(t: &mut Tracer, x: T, probs: T, n: u64, hidden: u64, spec: Experts) -> (T, T, T) {
@@ -522,10 +529,7 @@ pub(crate) fn harness_routing_map(t: &mut Tracer, n: u64, spec: Experts) -> T {
     // `fixed.sum(dim=0).min()` and `.max()` check the map: each sum casts the map to int64 and
     // reduces its columns through a global staging buffer.
     for _ in 0..2 {
-        let sums = t.empty(spec.count, DType::I64, "map.sum(dim=0)");
-        let cast = t.empty(n * spec.count, DType::I64, "map as int64 (sum)");
-        t.reduction_staging(spec.count, n, DType::I64);
-        t.drop(cast);
+        let sums = column_sums(t, n, spec.count);
         let extreme = t.empty(1, DType::I64, "min() / max()");
         t.drop_all(&[sums, extreme]);
     }

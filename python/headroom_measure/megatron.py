@@ -38,7 +38,10 @@ Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `
 5. `get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-5, weight_decay=0.01, bf16=True,
    params_dtype=bf16, use_distributed_optimizer=D, clip_grad=1.0), [ddp_model])`: without TE or apex its
    Adam is `torch.optim.AdamW`; fp32 main parameters in `Float16OptimizerWithFloat16Params` or, sharded over
-   the data-parallel ranks, in `DistributedOptimizer`.
+   the data-parallel ranks, in `DistributedOptimizer`. With `megatron.optimizer_cpu_offload` (the distributed
+   optimizer only), as Megatron-LM's `--optimizer-cpu-offload` runs it: `use_precision_aware_optimizer=True` (which
+   Megatron-LM requires with it), `optimizer_offload_fraction` (Megatron-LM's default 1.0) and
+   `overlap_cpu_optimizer_d2h_h2d` from the spec: a `HybridDeviceOptimizer` (host AdamW over pinned fp32 copies).
 
 An MoE model (`qwen3_moe`, `mixtral`) gets `get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)`: every layer's MLP
 is an `MoELayer` (`TopKRouter`, `MoEAlltoAllTokenDispatcher`, `SequentialMLP` over the E / ep local experts),
@@ -80,6 +83,7 @@ MEGATRON_KEYS = (
     "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
     "expert_tensor_parallel_size", "overlap_p2p_comm", "eager_nccl_init", "recompute_modules", "moe_layer_recompute",
     "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_load_balancing_type", "make_vocab_size_divisible_by",
+    "optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
 )
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")
 # TransformerConfig's router settings, passed as given
@@ -138,7 +142,23 @@ def megatron_options(spec: Spec) -> dict:
         "moe_router_load_balancing_type": raw.get("moe_router_load_balancing_type"),
         # Megatron-LM's --make-vocab-size-divisible-by; unset, megatron-core's GPTModel takes the vocabulary as given
         "make_vocab_size_divisible_by": raw.get("make_vocab_size_divisible_by"),
+        # Megatron-LM's --optimizer-cpu-offload (which it requires with --use-precision-aware-optimizer), its
+        # --optimizer-offload-fraction (default 1.0) and --overlap-cpu-optimizer-d2h-h2d
+        "optimizer_cpu_offload": raw.get("optimizer_cpu_offload", False),
+        "optimizer_offload_fraction": raw.get("optimizer_offload_fraction", 1.0),
+        "overlap_cpu_optimizer_d2h_h2d": raw.get("overlap_cpu_optimizer_d2h_h2d", False),
     }
+    for key in ("optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d"):
+        if not isinstance(out[key], bool):
+            raise SpecError(f"`megatron.{key}`: {out[key]!r} is not allowed; use true or false")
+    fraction = out["optimizer_offload_fraction"]
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise SpecError(f"`megatron.optimizer_offload_fraction`: {fraction!r} is not allowed; use a number in [0, 1]")
+    if out["optimizer_cpu_offload"] and out["distributed_optimizer"] is not True:
+        raise SpecError(
+            "`megatron.optimizer_cpu_offload`: true needs distributed_optimizer true (Megatron-LM runs it with "
+            "--use-precision-aware-optimizer, which needs the distributed optimizer)"
+        )
     multiple = out["make_vocab_size_divisible_by"]
     if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
         raise SpecError(f"`megatron.make_vocab_size_divisible_by`: {multiple!r} is not allowed; use an integer >= 1")
@@ -367,6 +387,16 @@ def build_chunks(spec: Spec, fields: dict, options: dict, parts: list):
             params_dtype=torch.bfloat16,
             use_distributed_optimizer=options["distributed_optimizer"],
             clip_grad=1.0,
+            **(
+                dict(
+                    optimizer_cpu_offload=True,
+                    use_precision_aware_optimizer=True,
+                    optimizer_offload_fraction=float(options["optimizer_offload_fraction"]),
+                    overlap_cpu_optimizer_d2h_h2d=options["overlap_cpu_optimizer_d2h_h2d"],
+                )
+                if options["optimizer_cpu_offload"]
+                else {}
+            ),
         ),
         chunks,
         use_gloo_process_groups=False,

@@ -66,6 +66,10 @@ def tag_of(router: dict) -> str:
         parts.append("+".join(router["recompute_modules"]))
     if router.get("make_vocab_size_divisible_by"):
         parts.append(f"vocab{router['make_vocab_size_divisible_by']}")
+    if router.get("optimizer_cpu_offload"):
+        parts.append("offload")
+    if router.get("overlap_cpu_optimizer_d2h_h2d"):
+        parts.append("overlap")
     return "-".join(parts)
 
 

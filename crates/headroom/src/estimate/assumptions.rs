@@ -285,14 +285,6 @@ impl Assumptions {
                     .to_string(),
             );
         }
-        if megatron && settings.optimizer_cpu_offload {
-            self.warnings.push(
-                "megatron.optimizer_cpu_offload is not modelled: the estimate keeps the fp32 main \
-                 parameters and Adam's states on the GPU (HybridDeviceOptimizer moves them to \
-                 the host)"
-                    .to_string(),
-            );
-        }
         // grouped_mm and batched_mm allocate by tokens x top_k alone; only the per-expert loop
         // depends on how the router spreads tokens.
         if let Some(moe) = arch.moe.as_ref().filter(|_| megatron) {

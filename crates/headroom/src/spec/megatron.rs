@@ -30,6 +30,8 @@ pub(crate) const MEGATRON_KEYS: &[&str] = &[
     "expert_tensor_parallel_size",
     "transformer_impl",
     "optimizer_cpu_offload",
+    "optimizer_offload_fraction",
+    "overlap_cpu_optimizer_d2h_h2d",
     "overlap_p2p_comm",
     "overlap_p2p_comm_warmup_flush",
     "eager_nccl_init",
@@ -73,8 +75,10 @@ pub struct Megatron {
     /// `transformer_impl: transformer_engine`: the run uses Transformer Engine's layer spec,
     /// which is not modelled; the estimate is the local spec's and says so.
     pub transformer_engine: bool,
-    /// `--optimizer-cpu-offload` (`HybridDeviceOptimizer`), not modelled: the estimate keeps
-    /// the main parameters and Adam's states on the GPU and says so.
+    /// `--optimizer-cpu-offload` as Megatron-LM runs it: with the distributed optimizer,
+    /// `--use-precision-aware-optimizer` (which it requires) and the whole optimizer on the
+    /// host (`--optimizer-offload-fraction` 1.0, its default): `HybridDeviceOptimizer` keeps
+    /// the fp32 main parameters and Adam's states in host memory.
     pub optimizer_cpu_offload: bool,
     /// `overlap_p2p_comm` as given; unset, Megatron-LM's default (on unless
     /// `--no-overlap-p2p-communication`), which it turns off without interleaving.
@@ -246,6 +250,56 @@ impl Megatron {
     }
 }
 
+/// `optimizer_cpu_offload` and the settings that go with it: `optimizer_offload_fraction`
+/// (only Megatron-LM's default 1.0: a part of the optimizer left on the GPU is not modelled)
+/// and `overlap_cpu_optimizer_d2h_h2d` (taken as given: its copies run on side streams and
+/// allocate nothing on the GPU).
+fn parse_cpu_offload(obj: &serde_json::Map<String, Value>, distributed: bool) -> Result<bool> {
+    let offload = boolean(obj, "optimizer_cpu_offload").map_err(|e| e.prefixed("megatron"))?;
+    let given = |key: &str| obj.get(key).filter(|v| !v.is_null());
+    for key in [
+        "optimizer_offload_fraction",
+        "overlap_cpu_optimizer_d2h_h2d",
+    ] {
+        if let Some(value) = given(key).filter(|_| !offload) {
+            return Err(Error::field(
+                format!("megatron.{key}"),
+                value,
+                "it applies to optimizer_cpu_offload true; leave it out",
+            ));
+        }
+    }
+    boolean(obj, "overlap_cpu_optimizer_d2h_h2d").map_err(|e| e.prefixed("megatron"))?;
+    if let Some(value) = given("optimizer_offload_fraction") {
+        match value.as_f64() {
+            Some(f) if f == 1.0 => {}
+            Some(f) if (0.0..1.0).contains(&f) => {
+                return Err(Error::Unsupported {
+                    what: format!("megatron.optimizer_offload_fraction {value}"),
+                    supported: "1.0 (Megatron-LM's default): the whole optimizer on the host;                                 a part of it left on the GPU is not modelled"
+                        .into(),
+                });
+            }
+            _ => {
+                return Err(Error::field(
+                    "megatron.optimizer_offload_fraction",
+                    value,
+                    "a number from 0 to 1 (Megatron-LM's default 1.0 offloads the whole optimizer)",
+                ));
+            }
+        }
+    }
+    if offload && !distributed {
+        return Err(Error::field(
+            "megatron.optimizer_cpu_offload",
+            true,
+            "false, or distributed_optimizer true: Megatron-LM runs the offload with \
+             --use-precision-aware-optimizer, which needs the distributed optimizer",
+        ));
+    }
+    Ok(offload)
+}
+
 /// The `megatron` block.
 pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
     let obj = value.as_object().ok_or_else(|| {
@@ -280,7 +334,7 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         false,
     )
     .map_err(field)?;
-    let optimizer_cpu_offload = boolean(obj, "optimizer_cpu_offload").map_err(field)?;
+    let optimizer_cpu_offload = parse_cpu_offload(obj, distributed_optimizer)?;
     let eager_nccl_init = boolean(obj, "eager_nccl_init").map_err(field)?;
     let overlap_p2p_comm = match obj.get("overlap_p2p_comm") {
         None | Some(Value::Null) => None,
@@ -698,6 +752,47 @@ mod tests {
         );
     }
 
+    /// Megatron-LM's offload: the distributed optimizer, the whole optimizer on the host; the
+    /// settings that go with it only beside it.
+    #[test]
+    fn the_cpu_offload_is_megatron_lms_and_its_settings_go_with_it() {
+        let parsed = |v: Value| parse_megatron(&v).map(|m| m.optimizer_cpu_offload);
+        let err = |v: Value| parse_megatron(&v).unwrap_err().to_string();
+        let offload = json!({"distributed_optimizer": true, "optimizer_cpu_offload": true,
+            "optimizer_offload_fraction": 1.0, "overlap_cpu_optimizer_d2h_h2d": true});
+        assert!(parsed(offload).unwrap());
+        assert!(
+            err(json!({"optimizer_cpu_offload": true}))
+                .contains("--use-precision-aware-optimizer, which needs the distributed optimizer")
+        );
+        let partial = err(
+            json!({"distributed_optimizer": true, "optimizer_cpu_offload": true,
+            "optimizer_offload_fraction": 0.5}),
+        );
+        assert!(
+            partial.contains("optimizer_offload_fraction 0.5"),
+            "{partial}"
+        );
+        assert!(
+            err(
+                json!({"distributed_optimizer": true, "optimizer_cpu_offload": true,
+                "optimizer_offload_fraction": 2})
+            )
+            .contains("a number from 0 to 1")
+        );
+        assert!(
+            err(json!({"overlap_cpu_optimizer_d2h_h2d": true}))
+                .contains("applies to optimizer_cpu_offload true")
+        );
+        assert!(
+            err(
+                json!({"distributed_optimizer": true, "optimizer_cpu_offload": true,
+                "overlap_cpu_optimizer_d2h_h2d": "yes"})
+            )
+            .contains("megatron.overlap_cpu_optimizer_d2h_h2d")
+        );
+    }
+
     #[test]
     fn the_block_names_a_bad_key_or_value() {
         let err = |v: Value| parse_megatron(&v).unwrap_err().to_string();
@@ -722,7 +817,7 @@ mod tests {
         );
         assert!(err(json!({"transformer_impl": "te"})).contains("local, transformer_engine"));
         let te = parse_megatron(&json!({"transformer_impl": "transformer_engine",
-            "optimizer_cpu_offload": true}))
+            "optimizer_cpu_offload": true, "distributed_optimizer": true}))
         .unwrap();
         assert!(te.transformer_engine && te.optimizer_cpu_offload);
         assert_eq!(

@@ -274,9 +274,10 @@ fn batches(global: u64, dp: u64, pipeline: &PipelineParallel) -> Vec<(u64, u64, 
         .collect()
 }
 
-/// The distributed optimizer off and on over 2 or more data-parallel ranks; the spec's over one.
+/// The distributed optimizer off and on over 2 or more data-parallel ranks; the spec's over one
+/// or with the optimizer offloaded (which needs it).
 fn optimizers(base: &Megatron, dp: u64) -> Vec<bool> {
-    if dp > 1 {
+    if dp > 1 && !base.optimizer_cpu_offload {
         vec![false, true]
     } else {
         vec![base.distributed_optimizer]

@@ -20,7 +20,9 @@ use crate::sim::model::megatron_moe::{Experts, harness_routing_map};
 use crate::sim::model::megatron_sp::allreduce_norm_grads;
 use crate::sim::optim::OptimizerState;
 use crate::sim::strategy::Strategy;
-use crate::sim::strategy::megatron::{ChunkParams, DataParallelRank, MegatronDdp, ReduceGroups};
+use crate::sim::strategy::megatron::{
+    ChunkParams, DataParallelRank, MegatronDdp, MegatronOptimizer, ReduceGroups,
+};
 use crate::spec::{Optimizer, RunSpec};
 
 /// What the backward engine calls into: the recomputation of checkpointed regions and the
@@ -240,7 +242,10 @@ pub(super) fn load(
         t,
         &params,
         reduce_groups(spec, arch, global),
-        megatron.distributed_optimizer,
+        MegatronOptimizer {
+            distributed: megatron.distributed_optimizer,
+            cpu_offload: megatron.optimizer_cpu_offload,
+        },
     );
     *chunks[0].strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));
     for chunk in &chunks[1..] {

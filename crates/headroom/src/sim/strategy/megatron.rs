@@ -21,6 +21,17 @@
 //! - `step()`: the gradient norm (`torch.norm` of each main gradient, one element each, kept
 //!   until the norm is summed), the clip (`dst.copy_(src * clip_coeff)`: a temporary the size
 //!   of each gradient in turn), AdamW, then `model_param.copy_(main_param)` in place.
+//! - `optimizer_cpu_offload` (`HybridDeviceOptimizer` under the distributed optimizer, with
+//!   `use_precision_aware_optimizer`, as Megatron-LM requires, and its default offload fraction
+//!   1.0; `optimizer/cpu_offloading/hybrid_optimizer.py`): `get_megatron_optimizer` builds one
+//!   over the model's parameters, which copies each to the host (`param.detach().clone()
+//!   .cpu()`: a bf16 clone on the GPU, freed at once), then `DistributedOptimizer` makes no fp32
+//!   shards (the precision-aware path) and builds another over its bf16 shard views, copying
+//!   each the same way. The fp32 main parameters and AdamW's states live on the host; each
+//!   shard's gradient (`decoupled_grad`, a view of `grad_data`) is copied into pinned host
+//!   memory, the host's AdamW steps, and the result is copied back into the shard in place:
+//!   the GPU keeps only the norm's and the clip's temporaries. Overlapping the copies
+//!   (`overlap_cpu_optimizer_d2h_h2d`) moves them to two side streams, which allocate nothing.
 //!
 //! - Expert parallelism (`ep > 1`) or expert tensor parallelism (`etp > 1`): the local experts'
 //!   parameters (`allreduce` false) get a buffer of their own, made after the dense one and
@@ -140,17 +151,19 @@ pub(crate) struct ChunkParams<'a> {
     pub(crate) shared_embedding: Option<usize>,
 }
 
-/// One fp32 main parameter and the model parameter it steps.
+/// One main parameter: the fp32 copy on the GPU that AdamW steps, or (offloaded) a bf16
+/// shard whose fp32 copy and states live on the host.
 struct MainParam {
-    main: ParamId,
+    numel: u64,
+    on_gpu: Option<ParamId>,
     vector: bool,
 }
 
 /// One buffer's optimizer: its main parameters and AdamW's two parameter groups (the matrices,
-/// then the vectors).
+/// then the vectors), on the GPU unless offloaded.
 struct Part {
     main: Vec<MainParam>,
-    optimizers: [OptimizerState; 2],
+    optimizers: Option<[OptimizerState; 2]>,
 }
 
 /// The wrapper and its optimizers (the dense parameters', then the experts'); the buffers live
@@ -184,8 +197,9 @@ impl MegatronDdp {
         t: &mut Tracer,
         chunks: &[ChunkParams],
         groups: ReduceGroups,
-        distributed_optimizer: bool,
+        optimizer: MegatronOptimizer,
     ) -> Self {
+        let distributed_optimizer = optimizer.distributed;
         // `group_params_for_buffers`: experts apart when their `allreduce` is false.
         let groups: Vec<(Option<bool>, DataParallelRank)> = match groups.experts {
             Some(experts) => vec![(Some(false), groups.dense), (Some(true), experts)],
@@ -222,7 +236,7 @@ impl MegatronDdp {
                         (numels, vectors, layout)
                     })
                     .collect();
-                Part::new(t, &buffers, dp, distributed_optimizer)
+                Part::new(t, &buffers, dp, optimizer)
             })
             .collect();
         MegatronDdp { parts }
@@ -271,30 +285,63 @@ impl MegatronDdp {
     }
 }
 
+/// The optimizer `get_megatron_optimizer` builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MegatronOptimizer {
+    /// `DistributedOptimizer`: the main parameters sharded over the data-parallel ranks.
+    pub(crate) distributed: bool,
+    /// `HybridDeviceOptimizer` with the whole optimizer on the host (the distributed optimizer
+    /// only).
+    pub(crate) cpu_offload: bool,
+}
+
 impl Part {
-    /// A mixed-precision optimizer's fp32 main parameters over its buffers (`numels` and
-    /// `vectors` of each buffer's parameters, in order, and its layout; one buffer per model
-    /// chunk): all of them, or this data-parallel rank's shard of each, group by group, chunk
-    /// by chunk.
+    /// A mixed-precision optimizer's main parameters over its buffers (`numels` and `vectors`
+    /// of each buffer's parameters, in order, and its layout; one buffer per model chunk): all
+    /// of them, or this data-parallel rank's shard of each, group by group, chunk by chunk;
+    /// fp32 copies on the GPU, or, offloaded, the host copies of the model's parameters and
+    /// then of the shards.
     fn new(
         t: &mut Tracer,
         buffers: &[(Vec<u64>, Vec<bool>, BufferLayout)],
         dp: DataParallelRank,
-        distributed_optimizer: bool,
+        optimizer: MegatronOptimizer,
     ) -> Self {
         // `_get_param_groups`: the default group (matrices) sorts before the wd_mult 0 one.
         let outer = std::mem::replace(&mut t.component, Component::OptimizerStates);
+        if optimizer.cpu_offload {
+            // The first HybridDeviceOptimizer, over the model's parameters.
+            for vector in [false, true] {
+                for (numels, vectors, _) in buffers {
+                    for (&numel, _) in numels.iter().zip(vectors).filter(|&(_, &v)| v == vector) {
+                        let clone = t.empty(numel, DType::BF16, "param.detach().clone() (to host)");
+                        t.drop(clone);
+                    }
+                }
+            }
+        }
         let mut main = Vec::new();
         let mut add = |t: &mut Tracer, numel: u64, vector: bool| {
-            let clone = t.empty(numel, DType::BF16, "shard_model_param.clone()");
-            let p = t.parameter(numel, DType::F32, true, "fp32 main parameter");
-            t.recategorize(t.param(p), Component::OptimizerStates);
-            t.drop(clone);
-            main.push(MainParam { main: p, vector });
+            let on_gpu = if optimizer.cpu_offload {
+                let clone = t.empty(numel, DType::BF16, "shard.detach().clone() (to host)");
+                t.drop(clone);
+                None
+            } else {
+                let clone = t.empty(numel, DType::BF16, "shard_model_param.clone()");
+                let p = t.parameter(numel, DType::F32, true, "fp32 main parameter");
+                t.recategorize(t.param(p), Component::OptimizerStates);
+                t.drop(clone);
+                Some(p)
+            };
+            main.push(MainParam {
+                numel,
+                on_gpu,
+                vector,
+            });
         };
         for vector in [false, true] {
             for (numels, vectors, layout) in buffers {
-                if distributed_optimizer {
+                if optimizer.distributed {
                     for (i, numel) in layout.shard_parts(dp.size, dp.rank) {
                         if vectors[i] == vector {
                             add(t, numel, vector);
@@ -312,10 +359,12 @@ impl Part {
         t.component = outer;
         Part {
             main,
-            optimizers: [
-                OptimizerState::new(Optimizer::AdamW),
-                OptimizerState::new(Optimizer::AdamW),
-            ],
+            optimizers: (!optimizer.cpu_offload).then(|| {
+                [
+                    OptimizerState::new(Optimizer::AdamW),
+                    OptimizerState::new(Optimizer::AdamW),
+                ]
+            }),
         }
     }
 }
@@ -349,22 +398,24 @@ impl MegatronDdp {
         // `clip_grad_by_total_norm_fp32` with a float coefficient below 1.
         let overflow = t.empty(1, DType::I32, "dummy_overflow_buf");
         for m in &main {
-            let numel = t.numel(t.param(m.main));
-            let scaled = t.empty(numel, DType::F32, "main_grad * clip_coeff");
+            let scaled = t.empty(m.numel, DType::F32, "main_grad * clip_coeff");
             t.drop(scaled);
         }
         t.drop(overflow);
         t.component = outer;
         for part in &mut self.parts {
+            let Some(optimizers) = part.optimizers.as_mut() else {
+                continue;
+            };
             for (group, vector) in [false, true].into_iter().enumerate() {
                 let params: Vec<ParamId> = part
                     .main
                     .iter()
                     .filter(|m| m.vector == vector)
-                    .map(|m| m.main)
+                    .filter_map(|m| m.on_gpu)
                     .collect();
                 if !params.is_empty() {
-                    part.optimizers[group].step(t, &params);
+                    optimizers[group].step(t, &params);
                 }
             }
         }

@@ -1,7 +1,8 @@
-"""Per-rank peak memory of Megatron-core training (`parallel.framework: megatron`), rank 0 of a world
+"""Per-rank peak memory of Megatron-core training (`parallel.framework: megatron`), one rank of a world
 under torch's fake process group on one GPU, or every rank of a real world under torchrun and NCCL.
 
-    HEADROOM_FAKE_WORLD=W WORLD_SIZE=W RANK=0 LOCAL_RANK=0 python -m headroom_measure dist --spec-json SPEC --out F
+    HEADROOM_FAKE_WORLD=W HEADROOM_FAKE_RANK=R WORLD_SIZE=W RANK=0 LOCAL_RANK=0 \
+        python -m headroom_measure dist --spec-json SPEC --out F
     torchrun --nproc-per-node W -m headroom_measure dist --spec-json SPEC --out F
 
 The record has dist.py's shape (`measured.ranks`: `load`, three `steps` of `fwd_peak`, `bwd_peak`,
@@ -12,7 +13,7 @@ read after `synchronize(); barrier(); synchronize()`, so collectives still in fl
 them (the fake group's collectives launch nothing: it synchronizes only). How a run is built, in this order, as
 Megatron-LM's `pretrain` builds it (megatron/training/training.py `get_model`, `setup_model_and_optimizer`):
 
-1. `init_process_group("fake", rank=0, world_size=W)` (or NCCL's, with `device_id` when `megatron.eager_nccl_init`),
+1. `init_process_group("fake", rank=R, world_size=W)` (R: HEADROOM_FAKE_RANK, default 0) (or NCCL's, with `device_id` when `megatron.eager_nccl_init`),
    `torch.cuda.set_device`, `torch.zeros(1)`;
    `parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)` (pp, cp and ep 1: the data-parallel
    size is `W / tp`); `model_parallel_cuda_manual_seed(1234)`.
@@ -636,15 +637,16 @@ def finish(record: dict) -> dict | None:
 
 def measure_megatron(spec: Spec, fields: dict, row_id: str | None = None, snapshot: str | None = None,
                      stacks: str = "python") -> dict:
-    """Rank 0 of a fake world of `parallel.world_size`, or every rank of a real one: build, then three steps; the
-    record (dist.py's shape) on rank 0."""
+    """Rank HEADROOM_FAKE_RANK (default 0) of a fake world of `parallel.world_size`, or every rank of a real one:
+    build, then three steps; the record (dist.py's shape) on rank 0, or on the fake world's one process."""
     import torch
 
     t0 = time.time()
     options = megatron_options(spec)
     par = spec.parallel
     world = par.world_size
-    device, context, rank, snapshot = start_rank(world, 0, snapshot, stacks, options["eager_nccl_init"])
+    fake_rank = int(os.environ.get("HEADROOM_FAKE_RANK", "0"))
+    device, context, rank, snapshot = start_rank(world, fake_rank, snapshot, stacks, options["eager_nccl_init"])
     initialize(spec, options)
     ddp_model, optimizer = build(spec, fields, options)
     ddp_model.train()

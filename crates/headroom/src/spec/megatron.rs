@@ -80,6 +80,9 @@ pub struct Megatron {
     /// host (`--optimizer-offload-fraction` 1.0, its default): `HybridDeviceOptimizer` keeps
     /// the fp32 main parameters and Adam's states in host memory.
     pub optimizer_cpu_offload: bool,
+    /// `--overlap-cpu-optimizer-d2h-h2d`: the offloaded optimizer copies gradients to the host
+    /// and updated parameters back on streams of its own.
+    pub overlap_cpu_optimizer_d2h_h2d: bool,
     /// `overlap_p2p_comm` as given; unset, Megatron-LM's default (on unless
     /// `--no-overlap-p2p-communication`), which it turns off without interleaving.
     pub overlap_p2p_comm: Option<bool>,
@@ -113,6 +116,7 @@ impl Default for Megatron {
             expert_tensor_parallel: None,
             transformer_engine: false,
             optimizer_cpu_offload: false,
+            overlap_cpu_optimizer_d2h_h2d: false,
             overlap_p2p_comm: None,
             eager_nccl_init: false,
             router_fp32: false,
@@ -252,9 +256,11 @@ impl Megatron {
 
 /// `optimizer_cpu_offload` and the settings that go with it: `optimizer_offload_fraction`
 /// (only Megatron-LM's default 1.0: a part of the optimizer left on the GPU is not modelled)
-/// and `overlap_cpu_optimizer_d2h_h2d` (taken as given: its copies run on side streams and
-/// allocate nothing on the GPU).
-fn parse_cpu_offload(obj: &serde_json::Map<String, Value>, distributed: bool) -> Result<bool> {
+/// and `overlap_cpu_optimizer_d2h_h2d`; both flags.
+fn parse_cpu_offload(
+    obj: &serde_json::Map<String, Value>,
+    distributed: bool,
+) -> Result<(bool, bool)> {
     let offload = boolean(obj, "optimizer_cpu_offload").map_err(|e| e.prefixed("megatron"))?;
     let given = |key: &str| obj.get(key).filter(|v| !v.is_null());
     for key in [
@@ -269,7 +275,8 @@ fn parse_cpu_offload(obj: &serde_json::Map<String, Value>, distributed: bool) ->
             ));
         }
     }
-    boolean(obj, "overlap_cpu_optimizer_d2h_h2d").map_err(|e| e.prefixed("megatron"))?;
+    let overlap =
+        boolean(obj, "overlap_cpu_optimizer_d2h_h2d").map_err(|e| e.prefixed("megatron"))?;
     if let Some(value) = given("optimizer_offload_fraction") {
         match value.as_f64() {
             Some(f) if f == 1.0 => {}
@@ -297,7 +304,7 @@ fn parse_cpu_offload(obj: &serde_json::Map<String, Value>, distributed: bool) ->
              --use-precision-aware-optimizer, which needs the distributed optimizer",
         ));
     }
-    Ok(offload)
+    Ok((offload, overlap))
 }
 
 /// The `megatron` block.
@@ -334,7 +341,8 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         false,
     )
     .map_err(field)?;
-    let optimizer_cpu_offload = parse_cpu_offload(obj, distributed_optimizer)?;
+    let (optimizer_cpu_offload, overlap_cpu_optimizer_d2h_h2d) =
+        parse_cpu_offload(obj, distributed_optimizer)?;
     let eager_nccl_init = boolean(obj, "eager_nccl_init").map_err(field)?;
     let overlap_p2p_comm = match obj.get("overlap_p2p_comm") {
         None | Some(Value::Null) => None,
@@ -457,6 +465,7 @@ pub(crate) fn parse_megatron(value: &Value) -> Result<Megatron> {
         expert_tensor_parallel,
         transformer_engine,
         optimizer_cpu_offload,
+        overlap_cpu_optimizer_d2h_h2d,
         overlap_p2p_comm,
         eager_nccl_init,
         router_fp32,
@@ -756,11 +765,13 @@ mod tests {
     /// settings that go with it only beside it.
     #[test]
     fn the_cpu_offload_is_megatron_lms_and_its_settings_go_with_it() {
-        let parsed = |v: Value| parse_megatron(&v).map(|m| m.optimizer_cpu_offload);
+        let parsed = |v: Value| {
+            parse_megatron(&v).map(|m| (m.optimizer_cpu_offload, m.overlap_cpu_optimizer_d2h_h2d))
+        };
         let err = |v: Value| parse_megatron(&v).unwrap_err().to_string();
         let offload = json!({"distributed_optimizer": true, "optimizer_cpu_offload": true,
             "optimizer_offload_fraction": 1.0, "overlap_cpu_optimizer_d2h_h2d": true});
-        assert!(parsed(offload).unwrap());
+        assert_eq!(parsed(offload).unwrap(), (true, true));
         assert!(
             err(json!({"optimizer_cpu_offload": true}))
                 .contains("--use-precision-aware-optimizer, which needs the distributed optimizer")

@@ -499,6 +499,9 @@ pub(super) fn spec_keys(c: &Candidate, m: &Megatron) -> serde_json::Value {
     if m.optimizer_cpu_offload {
         megatron["optimizer_cpu_offload"] = true.into();
     }
+    if m.overlap_cpu_optimizer_d2h_h2d {
+        megatron["overlap_cpu_optimizer_d2h_h2d"] = true.into();
+    }
     if m.router_fp32 {
         megatron["moe_router_dtype"] = "fp32".into();
     }

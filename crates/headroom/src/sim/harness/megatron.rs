@@ -245,6 +245,7 @@ pub(super) fn load(
         MegatronOptimizer {
             distributed: megatron.distributed_optimizer,
             cpu_offload: megatron.optimizer_cpu_offload,
+            overlap_copies: megatron.overlap_cpu_optimizer_d2h_h2d,
         },
     );
     *chunks[0].strategy.borrow_mut() = Strategy::Megatron(Box::new(ddp));

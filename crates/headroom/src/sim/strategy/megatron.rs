@@ -29,9 +29,10 @@
 //!   shards (the precision-aware path) and builds another over its bf16 shard views, copying
 //!   each the same way. The fp32 main parameters and AdamW's states live on the host; each
 //!   shard's gradient (`decoupled_grad`, a view of `grad_data`) is copied into pinned host
-//!   memory, the host's AdamW steps, and the result is copied back into the shard in place:
-//!   the GPU keeps only the norm's and the clip's temporaries. Overlapping the copies
-//!   (`overlap_cpu_optimizer_d2h_h2d`) moves them to two side streams, which allocate nothing.
+//!   memory, the host's AdamW steps, and each updated fp32 shard is copied back into its bf16
+//!   shard (`copy_(non_blocking=True)`, which casts on the GPU: an fp32 copy of the shard
+//!   there, freed at once). `overlap_cpu_optimizer_d2h_h2d` makes those copies on each
+//!   optimizer's own host-to-device stream, whose blocks the caching allocator keeps apart.
 //!
 //! - Expert parallelism (`ep > 1`) or expert tensor parallelism (`etp > 1`): the local experts'
 //!   parameters (`allreduce` false) get a buffer of their own, made after the dense one and
@@ -160,11 +161,23 @@ struct MainParam {
 }
 
 /// One buffer's optimizer: its main parameters and AdamW's two parameter groups (the matrices,
-/// then the vectors), on the GPU unless offloaded.
+/// then the vectors), on the GPU unless offloaded to the host.
 struct Part {
     main: Vec<MainParam>,
-    optimizers: Option<[OptimizerState; 2]>,
+    placement: Placement,
 }
+
+enum Placement {
+    Gpu([OptimizerState; 2]),
+    /// `HybridDeviceOptimizer`: the stream its updated shards are copied back to the GPU on.
+    Host {
+        h2d_stream: u32,
+    },
+}
+
+/// The first `HybridDeviceOptimizer`'s host-to-device stream under
+/// `overlap_cpu_optimizer_d2h_h2d`; each later one (the experts') the next.
+const FIRST_H2D_STREAM: u32 = 1;
 
 /// The wrapper and its optimizers (the dense parameters', then the experts'); the buffers live
 /// as long as the process.
@@ -223,7 +236,8 @@ impl MegatronDdp {
         let parts = groups
             .iter()
             .zip(laid_out)
-            .map(|(&(_, dp), per_chunk)| {
+            .enumerate()
+            .map(|(index, (&(_, dp), per_chunk))| {
                 let buffers: Vec<(Vec<u64>, Vec<bool>, BufferLayout)> = per_chunk
                     .into_iter()
                     .zip(chunks)
@@ -236,7 +250,7 @@ impl MegatronDdp {
                         (numels, vectors, layout)
                     })
                     .collect();
-                Part::new(t, &buffers, dp, optimizer)
+                Part::new(t, &buffers, dp, optimizer, FIRST_H2D_STREAM + index as u32)
             })
             .collect();
         MegatronDdp { parts }
@@ -293,6 +307,8 @@ pub(crate) struct MegatronOptimizer {
     /// `HybridDeviceOptimizer` with the whole optimizer on the host (the distributed optimizer
     /// only).
     pub(crate) cpu_offload: bool,
+    /// `overlap_cpu_optimizer_d2h_h2d`: the offloaded optimizer's copies on side streams.
+    pub(crate) overlap_copies: bool,
 }
 
 impl Part {
@@ -306,6 +322,7 @@ impl Part {
         buffers: &[(Vec<u64>, Vec<bool>, BufferLayout)],
         dp: DataParallelRank,
         optimizer: MegatronOptimizer,
+        side_stream: u32,
     ) -> Self {
         // `_get_param_groups`: the default group (matrices) sorts before the wd_mult 0 one.
         let outer = std::mem::replace(&mut t.component, Component::OptimizerStates);
@@ -357,15 +374,22 @@ impl Part {
             }
         }
         t.component = outer;
-        Part {
-            main,
-            optimizers: (!optimizer.cpu_offload).then(|| {
-                [
-                    OptimizerState::new(Optimizer::AdamW),
-                    OptimizerState::new(Optimizer::AdamW),
-                ]
-            }),
-        }
+        let placement = match optimizer {
+            MegatronOptimizer {
+                cpu_offload: false, ..
+            } => Placement::Gpu([
+                OptimizerState::new(Optimizer::AdamW),
+                OptimizerState::new(Optimizer::AdamW),
+            ]),
+            MegatronOptimizer {
+                overlap_copies: true,
+                ..
+            } => Placement::Host {
+                h2d_stream: side_stream,
+            },
+            MegatronOptimizer { .. } => Placement::Host { h2d_stream: 0 },
+        };
+        Part { main, placement }
     }
 }
 
@@ -404,18 +428,34 @@ impl MegatronDdp {
         t.drop(overflow);
         t.component = outer;
         for part in &mut self.parts {
-            let Some(optimizers) = part.optimizers.as_mut() else {
-                continue;
-            };
-            for (group, vector) in [false, true].into_iter().enumerate() {
-                let params: Vec<ParamId> = part
-                    .main
-                    .iter()
-                    .filter(|m| m.vector == vector)
-                    .filter_map(|m| m.on_gpu)
-                    .collect();
-                if !params.is_empty() {
-                    optimizers[group].step(t, &params);
+            match &mut part.placement {
+                Placement::Gpu(optimizers) => {
+                    for (group, vector) in [false, true].into_iter().enumerate() {
+                        let params: Vec<ParamId> = part
+                            .main
+                            .iter()
+                            .filter(|m| m.vector == vector)
+                            .filter_map(|m| m.on_gpu)
+                            .collect();
+                        if !params.is_empty() {
+                            optimizers[group].step(t, &params);
+                        }
+                    }
+                }
+                Placement::Host { h2d_stream } => {
+                    let outer =
+                        std::mem::replace(&mut t.component, Component::OptimizerTemporaries);
+                    t.mem.stream = *h2d_stream;
+                    for m in &part.main {
+                        let cast = t.empty(
+                            m.numel,
+                            DType::F32,
+                            "fp32 shard from the host (cast on the GPU)",
+                        );
+                        t.drop(cast);
+                    }
+                    t.mem.stream = 0;
+                    t.component = outer;
                 }
             }
         }

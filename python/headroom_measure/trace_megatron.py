@@ -55,8 +55,9 @@ def require_megatron() -> None:
 
 
 def refuse_untraceable_megatron(spec) -> None:
-    """The spec's `megatron` block checked as the harness checks it, and expert tensor parallelism when given
-    (left unset it is tp, refused once the model is known to have experts: `run_megatron_loop`)."""
+    """The spec's `megatron` block checked as the harness checks it, the optimizer's CPU offload (its host copies
+    leave the fake tensors' world), and expert tensor parallelism when given (left unset it is tp, refused once the
+    model is known to have experts: `run_megatron_loop`)."""
     from .megatron import megatron_options
     from .spec import SpecError
 
@@ -64,6 +65,11 @@ def refuse_untraceable_megatron(spec) -> None:
         options = megatron_options(spec)
     except SpecError as err:
         raise TraceError(str(err)) from None
+    if options["optimizer_cpu_offload"]:
+        raise TraceError(
+            "`megatron.optimizer_cpu_offload: true`: the tracer cannot follow HybridDeviceOptimizer's copies to the "
+            "host; `headroom estimate` models it natively"
+        )
     if (spec.raw.get("megatron") or {}).get("expert_tensor_parallel_size", 1) != 1:
         raise untraced_expert_tensor_parallelism(options)
 

@@ -34,7 +34,8 @@ class MegatronSpecTest(unittest.TestCase):
              "recompute_method": "uniform", "recompute_num_layers": 1, "overlap_p2p_comm": None,
              "eager_nccl_init": False, "recompute_modules": None, "moe_layer_recompute": None,
              "moe_router_dtype": None, "moe_aux_loss_coeff": None, "moe_router_load_balancing_type": None,
-             "make_vocab_size_divisible_by": None},
+             "make_vocab_size_divisible_by": None, "optimizer_cpu_offload": False, "optimizer_offload_fraction": 1.0,
+             "overlap_cpu_optimizer_d2h_h2d": False},
         )  # fmt: skip (an unset expert_tensor_parallel_size is tp, as Megatron-LM's arguments make it)
         self.assertEqual(megatron_options(specmod.parse(raw()))["recompute_granularity"], None)
         ep = megatron_options(specmod.parse(raw(megatron={"expert_model_parallel_size": 8})))
@@ -55,6 +56,25 @@ class MegatronSpecTest(unittest.TestCase):
              router["recompute_modules"]),
             ("fp32", 1e-3, True, ["core_attn", "moe"]),
         )  # fmt: skip
+
+    def test_the_optimizer_offload_runs_as_megatron_lm_runs_it(self):
+        options = megatron_options(specmod.parse(raw(megatron={
+            "distributed_optimizer": True, "optimizer_cpu_offload": True, "overlap_cpu_optimizer_d2h_h2d": True})))
+        self.assertEqual(
+            (options["optimizer_cpu_offload"], options["optimizer_offload_fraction"],
+             options["overlap_cpu_optimizer_d2h_h2d"]),
+            (True, 1.0, True),
+        )  # fmt: skip (Megatron-LM's --optimizer-offload-fraction defaults to 1.0)
+
+    def test_the_tracer_refuses_the_offload_by_name(self):
+        from headroom_measure.trace import TraceError
+        from headroom_measure.trace_megatron import refuse_untraceable_megatron
+
+        offload = specmod.parse(raw(megatron={"distributed_optimizer": True, "optimizer_cpu_offload": True}))
+        with self.assertRaises(TraceError) as err:
+            refuse_untraceable_megatron(offload)
+        self.assertIn("megatron.optimizer_cpu_offload", str(err.exception))
+        refuse_untraceable_megatron(specmod.parse(raw(megatron={"distributed_optimizer": True})))
 
     def test_the_vocabulary_pads_as_megatron_lm_pads_it(self):
         self.assertEqual(padded_vocab(151936, {"make_vocab_size_divisible_by": 128}, 4), 152064)
@@ -97,6 +117,11 @@ class MegatronSpecTest(unittest.TestCase):
             (raw(megatron={"moe_router_load_balancing_type": "sinkhorn"}), "megatron.moe_router_load_balancing_type"),
             (raw(megatron={"moe_layer_recompute": "yes"}), "megatron.moe_layer_recompute"),
             (raw(megatron={"make_vocab_size_divisible_by": 0}), "megatron.make_vocab_size_divisible_by"),
+            (raw(megatron={"optimizer_cpu_offload": True}), "megatron.optimizer_cpu_offload"),
+            (raw(megatron={"optimizer_cpu_offload": "yes"}), "megatron.optimizer_cpu_offload"),
+            (raw(megatron={"distributed_optimizer": True, "optimizer_cpu_offload": True,
+                           "optimizer_offload_fraction": 2}), "megatron.optimizer_offload_fraction"),
+            (raw(megatron={"overlap_cpu_optimizer_d2h_h2d": 1}), "megatron.overlap_cpu_optimizer_d2h_h2d"),
             (raw(gradient_checkpointing=True), "gradient_checkpointing"),
             (raw(optimizer="sgd"), "framework megatron"),
         ]

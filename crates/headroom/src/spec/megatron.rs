@@ -263,11 +263,13 @@ fn parse_cpu_offload(
 ) -> Result<(bool, bool)> {
     let offload = boolean(obj, "optimizer_cpu_offload").map_err(|e| e.prefixed("megatron"))?;
     let given = |key: &str| obj.get(key).filter(|v| !v.is_null());
+    // Without the offload only their defaults (which the harness records) are taken.
+    let is_default = |value: &Value| value.as_f64() == Some(1.0) || value.as_bool() == Some(false);
     for key in [
         "optimizer_offload_fraction",
         "overlap_cpu_optimizer_d2h_h2d",
     ] {
-        if let Some(value) = given(key).filter(|_| !offload) {
+        if let Some(value) = given(key).filter(|v| !offload && !is_default(v)) {
             return Err(Error::field(
                 format!("megatron.{key}"),
                 value,
@@ -279,7 +281,7 @@ fn parse_cpu_offload(
         boolean(obj, "overlap_cpu_optimizer_d2h_h2d").map_err(|e| e.prefixed("megatron"))?;
     if let Some(value) = given("optimizer_offload_fraction") {
         match value.as_f64() {
-            Some(f) if f == 1.0 => {}
+            Some(1.0) => {}
             Some(f) if (0.0..1.0).contains(&f) => {
                 return Err(Error::Unsupported {
                     what: format!("megatron.optimizer_offload_fraction {value}"),
@@ -795,6 +797,13 @@ mod tests {
             err(json!({"overlap_cpu_optimizer_d2h_h2d": true}))
                 .contains("applies to optimizer_cpu_offload true")
         );
+        assert!(
+            err(json!({"optimizer_offload_fraction": 0.5}))
+                .contains("applies to optimizer_cpu_offload true")
+        );
+        let recorded = json!({"optimizer_cpu_offload": false, "optimizer_offload_fraction": 1.0,
+            "overlap_cpu_optimizer_d2h_h2d": false});
+        assert_eq!(parsed(recorded).unwrap(), (false, false));
         assert!(
             err(
                 json!({"distributed_optimizer": true, "optimizer_cpu_offload": true,

@@ -36,6 +36,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::estimate::{self, Estimate, Limit};
 use crate::gpu::Gpu;
+use crate::sim::cores::on_every_core;
 use crate::spec::{
     Framework, Fsdp1Options, FsdpUnits, Megatron, Mode, Parallel, PipelineParallel,
     PipelineSchedule, Precision, RunSpec, Strategy, TensorParallel, TrainerKind,
@@ -1131,40 +1132,6 @@ fn simulate(spec: &RunSpec, spec_dir: Option<&Path>, gpu: &Gpu) -> (Outcome, boo
         Err(e) => Outcome::Refused(e.to_string()),
     };
     (outcome, unlimited)
-}
-
-/// `run` of every job on `available_parallelism()` scoped threads, each taking the next job
-/// from an atomic counter (no new dependency; rayon is not in the workspace); the results in
-/// the jobs' order. Jobs start by `cost`, the most costly first, so that the cores run out of
-/// work together: the last jobs taken are the shortest.
-fn on_every_core<J: Sync, R: Send>(
-    jobs: &[J],
-    cost: impl Fn(&J) -> u64,
-    run: impl Fn(&J) -> R + Sync,
-) -> Vec<R> {
-    let mut order: Vec<usize> = (0..jobs.len()).collect();
-    order.sort_by_key(|&j| std::cmp::Reverse(cost(&jobs[j])));
-    let next = AtomicUsize::new(0);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut done: Vec<(usize, R)> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads.min(jobs.len()))
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    while let Some(&j) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
-                        done.push((j, run(&jobs[j])));
-                    }
-                    done
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| w.join().expect("a search thread panicked"))
-            .collect()
-    });
-    done.sort_unstable_by_key(|(j, _)| *j);
-    done.into_iter().map(|(_, r)| r).collect()
 }
 
 /// Search the layouts of `setup` over its GPUs, with a memo of its own.

@@ -11,8 +11,10 @@
 //!   (DDP, FSDP2, DeepSpeed ZeRO), one slot on the model whose hooks the model code calls;
 //! - [`harness`]: what a process does with models: build them, run the measured steps or a
 //!   pipeline's phases;
-//! - [`memo`]: taking a step from the one before it when it provably repeats it.
+//! - [`memo`]: taking a step from the one before it when it provably repeats it;
+//! - [`cores`]: independent simulations (layouts, ranks) spread over the cores.
 
+pub(crate) mod cores;
 pub(crate) mod engine;
 pub mod harness;
 mod memo;

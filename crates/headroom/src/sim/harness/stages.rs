@@ -38,6 +38,7 @@ use super::instance::{ModelHooks, attention_impl, autocast_dtype, param_dtype};
 use super::simulation::{Options, STEPS, Simulation, StagePeak};
 use crate::arch::{Architecture, Module, Param};
 use crate::dtype::DType;
+use crate::sim::cores::{on_every_core, spreads};
 use crate::sim::engine::component::Component;
 use crate::sim::engine::memory::{Keep, Memory, OnOom};
 use crate::sim::engine::tracer::{ParamId, T, Tracer};
@@ -108,7 +109,7 @@ pub(crate) fn worst_rank(
     options: &Options,
     ranks: &[u64],
     only: impl Fn(u64) -> u64,
-    rank: impl Fn(Tracer, u64) -> Simulation,
+    rank: impl Fn(Tracer, u64) -> Simulation + Sync,
 ) -> Simulation {
     let run = |global: u64| {
         let mut t = Tracer::new(
@@ -133,14 +134,27 @@ pub(crate) fn worst_rank(
     if let Some(global) = options.only_rank {
         return run(only(global));
     }
-    let mut sims: Vec<Simulation> = Vec::new();
-    for &global in ranks {
-        let sim = run(global);
-        let ran_out = sim.oom.is_some() || sim.refused.is_some();
-        sims.push(sim);
-        if ran_out && options.first_oom_ends_run {
-            break;
+    let ran_out = |s: &Simulation| s.oom.is_some() || s.refused.is_some();
+    let mut sims: Vec<Simulation> = if !spreads() {
+        let mut sims = Vec::new();
+        for &global in ranks {
+            let sim = run(global);
+            let stop = ran_out(&sim) && options.first_oom_ends_run;
+            sims.push(sim);
+            if stop {
+                break;
+            }
         }
+        sims
+    } else {
+        on_every_core(ranks, |_| 0, |&global| run(global))
+    };
+    // Ranks past the first that runs out are not reported when it ends the run, however
+    // they were simulated.
+    if options.first_oom_ends_run
+        && let Some(first) = sims.iter().position(ran_out)
+    {
+        sims.truncate(first + 1);
     }
     // The run is the one without a limit only where every rank's is.
     let unlimited = sims.iter().all(|s| s.unlimited);

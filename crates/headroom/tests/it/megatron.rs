@@ -160,6 +160,13 @@ fn the_offloaded_optimizer_keeps_no_states_on_the_gpu() {
     );
     assert!(component(&sharded, "optimizer_states") > 0);
     assert_eq!(component(&offloaded, "optimizer_states"), 0);
+    // On the host: the fp32 main parameters and Adam's states the GPU no longer holds (12
+    // bytes an element), and the pinned fp32 gradients (4 more).
+    assert_eq!(sharded.host_bytes, 0);
+    assert_eq!(
+        offloaded.host_bytes * 3,
+        component(&sharded, "optimizer_states") * 4
+    );
     assert!(offloaded.peak_allocated_bytes < sharded.peak_allocated_bytes);
     assert_eq!(
         overlapped.peak_allocated_bytes,

@@ -176,7 +176,8 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, global: u64
     }
     t.drop_all(&[ids, positions, loss_mask]);
     let params = global_params(spec, arch);
-    Simulation::of_process(t, (params, params), weights_loaded, 0, phases)
+    let host_bytes = model.strategy.borrow().host_bytes(&t).unwrap_or(0);
+    Simulation::of_process(t, (params, params), weights_loaded, host_bytes, phases)
 }
 
 /// The model's parameters, all trained: a tensor-parallel weight counts its global size, and

@@ -175,7 +175,8 @@ fn simulate_rank(spec: &RunSpec, arch: &Architecture, mut t: Tracer, global: u64
         let_go(&mut t, r);
     }
     let params = super::megatron::global_params(spec, arch);
-    let mut sim = Simulation::of_process(t, (params, params), weights_loaded, 0, phases);
+    let host_bytes = chunks[0].strategy.borrow().host_bytes(&t).unwrap_or(0);
+    let mut sim = Simulation::of_process(t, (params, params), weights_loaded, host_bytes, phases);
     sim.stages = vec![StagePeak {
         stage: pp_rank,
         pipeline_rank: pp_rank,

@@ -394,6 +394,24 @@ impl Part {
 }
 
 impl MegatronDdp {
+    /// Host bytes of the offloaded optimizers (`None` where none is): each shard's fp32 main
+    /// parameter, AdamW's two fp32 states and its pinned fp32 gradient, 4 bytes an element
+    /// each. The first `HybridDeviceOptimizer`'s copies of the model's parameters, kept until
+    /// Python's cycle collector frees it, are not counted.
+    pub(crate) fn host_bytes(&self) -> Option<u64> {
+        let offloaded = self
+            .parts
+            .iter()
+            .filter(|p| matches!(p.placement, Placement::Host { .. }));
+        let mut any = false;
+        let mut elements = 0;
+        for part in offloaded {
+            any = true;
+            elements += part.main.iter().map(|m| m.numel).sum::<u64>();
+        }
+        any.then_some(4 * 4 * elements)
+    }
+
     /// The hook on `param`'s `AccumulateGrad`: `param.main_grad.add_(param.grad.data);
     /// param.grad = None`.
     pub(crate) fn grad_accumulated(&mut self, t: &mut Tracer, param: ParamId) {

@@ -330,6 +330,7 @@ impl Strategy {
             Strategy::Fsdp1(fsdp1) => Some(fsdp1.host_bytes(t)),
             Strategy::Zero(zero) => Some(zero.host_bytes()),
             Strategy::Zero3(zero3) => Some(zero3.host_bytes()),
+            Strategy::Megatron(megatron) => megatron.host_bytes(),
             _ => None,
         }
     }

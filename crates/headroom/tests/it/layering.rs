@@ -28,13 +28,14 @@ const LIBRARY: [(&str, u32); 16] = [
 ];
 
 /// Each layer of the simulator and the layers it may name.
-const LAYERS: [(&str, &[&str]); 6] = [
+const LAYERS: [(&str, &[&str]); 7] = [
+    ("cores", &[]),
     ("engine", &[]),
     ("optim", &["engine"]),
     ("strategy", &["engine", "optim"]),
     ("model", &["engine", "strategy"]),
     ("memo", &["engine"]),
-    ("harness", &["engine", "optim", "strategy", "model", "memo"]),
+    ("harness", &["cores", "engine", "optim", "strategy", "model", "memo"]),
 ];
 
 /// The module path of a source file under `src/`, e.g. `sim::engine::tracer`.

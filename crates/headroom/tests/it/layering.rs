@@ -35,7 +35,10 @@ const LAYERS: [(&str, &[&str]); 7] = [
     ("strategy", &["engine", "optim"]),
     ("model", &["engine", "strategy"]),
     ("memo", &["engine"]),
-    ("harness", &["cores", "engine", "optim", "strategy", "model", "memo"]),
+    (
+        "harness",
+        &["cores", "engine", "optim", "strategy", "model", "memo"],
+    ),
 ];
 
 /// The module path of a source file under `src/`, e.g. `sim::engine::tracer`.

@@ -374,20 +374,19 @@ impl Part {
             }
         }
         t.component = outer;
-        let placement = match optimizer {
-            MegatronOptimizer {
-                cpu_offload: false, ..
-            } => Placement::Gpu([
+        let placement = if optimizer.cpu_offload {
+            Placement::Host {
+                h2d_stream: if optimizer.overlap_copies {
+                    side_stream
+                } else {
+                    0
+                },
+            }
+        } else {
+            Placement::Gpu([
                 OptimizerState::new(Optimizer::AdamW),
                 OptimizerState::new(Optimizer::AdamW),
-            ]),
-            MegatronOptimizer {
-                overlap_copies: true,
-                ..
-            } => Placement::Host {
-                h2d_stream: side_stream,
-            },
-            MegatronOptimizer { .. } => Placement::Host { h2d_stream: 0 },
+            ])
         };
         Part { main, placement }
     }
@@ -399,17 +398,13 @@ impl MegatronDdp {
     /// each. The first `HybridDeviceOptimizer`'s copies of the model's parameters, kept until
     /// Python's cycle collector frees it, are not counted.
     pub(crate) fn host_bytes(&self) -> Option<u64> {
-        let offloaded = self
+        let offloaded: Vec<u64> = self
             .parts
             .iter()
-            .filter(|p| matches!(p.placement, Placement::Host { .. }));
-        let mut any = false;
-        let mut elements = 0;
-        for part in offloaded {
-            any = true;
-            elements += part.main.iter().map(|m| m.numel).sum::<u64>();
-        }
-        any.then_some(4 * 4 * elements)
+            .filter(|p| matches!(p.placement, Placement::Host { .. }))
+            .map(|p| p.main.iter().map(|m| m.numel).sum())
+            .collect();
+        (!offloaded.is_empty()).then(|| 4 * 4 * offloaded.iter().sum::<u64>())
     }
 
     /// The hook on `param`'s `AccumulateGrad`: `param.main_grad.add_(param.grad.data);

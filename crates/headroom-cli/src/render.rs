@@ -93,6 +93,13 @@ pub fn estimate(est: &Estimate, verdict: bool) -> String {
         Cell::new(gib(est.peak_allocated_bytes)).set_alignment(CellAlignment::Right),
         Cell::new(""),
     ]);
+    if let Some(load) = est.load_peak_above_steps() {
+        t.add_row(vec![
+            Cell::new("loading peaks higher (the run's max_memory_allocated)"),
+            Cell::new(gib(load)).set_alignment(CellAlignment::Right),
+            Cell::new(""),
+        ]);
+    }
     t.add_row(vec![
         Cell::new("reserved but unallocated (caching allocator)"),
         Cell::new(gib(est

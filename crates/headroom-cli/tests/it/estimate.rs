@@ -783,3 +783,37 @@ fn tensor_parallelism_under_transformers_4_46_is_refused_by_name() {
     }
     stdout(&headroom(&["estimate", &spec("4.51.3")]));
 }
+
+/// A run whose loading peaks above every step (an offloaded Megatron optimizer under full
+/// recomputation: bench/megatron-offload) says so under its peak; one whose steps peak higher
+/// does not.
+#[test]
+fn a_load_above_every_step_is_a_row_of_its_own() {
+    let row = include_str!("../../../../bench/megatron-offload/rows-call2-h200-torch2.11.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("row"))
+        .find(|r| {
+            r["id"]
+                .as_str()
+                .is_some_and(|id| id.ends_with("full-uniform1/offload/rank7"))
+        })
+        .expect("the Qwen3-4B pipeline row");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = dir.path().join("spec.json");
+    std::fs::write(&spec, row["spec"].to_string()).expect("spec written");
+    let spec = spec.display().to_string();
+    let out = stdout(&headroom(&["estimate", &spec, "--gpu", "h200"]));
+    let line = out
+        .lines()
+        .find(|l| l.contains("loading peaks higher"))
+        .unwrap_or_else(|| panic!("no load row:\n{out}"));
+    // The measured load: 3,178,219,008 bytes.
+    assert!(line.contains("2.96 GiB"), "{line}");
+    let plain = stdout(&headroom(&[
+        "estimate",
+        "examples/qwen2.5-7b-lora.yaml",
+        "--gpu",
+        "h100-80gb",
+    ]));
+    assert!(!plain.contains("loading peaks higher"));
+}

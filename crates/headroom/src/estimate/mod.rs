@@ -78,6 +78,18 @@ pub struct Estimate {
 }
 
 impl Estimate {
+    /// The load's allocated peak where it is above every step's (`peak_allocated_bytes` leaves
+    /// the load out): what `max_memory_allocated()` reports of the whole run then. Its reserved
+    /// bytes stay in every later phase's, so `device_bytes` covers it either way.
+    pub fn load_peak_above_steps(&self) -> Option<u64> {
+        self.phases
+            .iter()
+            .filter(|p| p.step == 0)
+            .map(|p| p.peak_allocated)
+            .max()
+            .filter(|&load| load > self.peak_allocated_bytes)
+    }
+
     /// Device memory the run needs: reserved plus what lives outside the allocator.
     pub fn device_bytes(&self) -> u64 {
         self.peak_reserved_bytes + self.cuda_context_bytes + self.nccl_bytes + self.engine_bytes

@@ -141,6 +141,42 @@ fn every_phase_of_every_offloaded_optimizer_row() {
     );
 }
 
+/// Where loading peaks above every step (an offloaded optimizer under full recomputation,
+/// whose steps hold little), the estimate says so, at the measured load's peak.
+#[test]
+fn a_load_above_every_step_is_said() {
+    let rows = common::jsonl(&[include_str!(
+        "../../../../bench/megatron-offload/rows-call2-h200-torch2.11.jsonl"
+    )]);
+    let mut said = 0;
+    for row in &rows {
+        let id = row["id"].as_str().expect("id");
+        let spec = RunSpec::from_value(&row["spec"]).expect(id);
+        let rank = &row["measured"]["ranks"][0];
+        let est = headroom::estimate::estimate_rank(
+            &spec,
+            None,
+            &gpu::find("h200").expect("gpu"),
+            rank["rank"].as_u64().expect("rank"),
+        )
+        .expect(id);
+        let load = rank["load"]["peak_allocated"].as_u64().expect("load");
+        let steps = headroom::validate::ranks_steps_peak(std::slice::from_ref(rank)).expect(id);
+        match est.load_peak_above_steps() {
+            Some(predicted) => {
+                assert!(load > steps, "{id}: the measured load is above the steps");
+                assert!(common::rel(predicted, load).abs() < 0.001, "{id}");
+                said += 1;
+            }
+            None => assert!(load <= steps, "{id}: the measured load is not above"),
+        }
+    }
+    assert_eq!(
+        said, 2,
+        "the two Qwen3-4B pipeline ranks under full recomputation"
+    );
+}
+
 /// The offload leaves no fp32 main parameters or Adam states on the GPU, only the step's
 /// temporaries; overlapping its copies moves their casts to streams of their own, which the
 /// allocated peak does not see and the reserved one does.

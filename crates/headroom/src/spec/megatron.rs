@@ -264,11 +264,13 @@ fn parse_cpu_offload(
     let offload = boolean(obj, "optimizer_cpu_offload").map_err(|e| e.prefixed("megatron"))?;
     let given = |key: &str| obj.get(key).filter(|v| !v.is_null());
     // Without the offload only their defaults (which the harness records) are taken.
-    let is_default = |value: &Value| value.as_f64() == Some(1.0) || value.as_bool() == Some(false);
-    for key in [
-        "optimizer_offload_fraction",
-        "overlap_cpu_optimizer_d2h_h2d",
-    ] {
+    let defaults = [
+        ("optimizer_offload_fraction", Value::from(1.0)),
+        ("overlap_cpu_optimizer_d2h_h2d", Value::Bool(false)),
+    ];
+    for (key, default) in defaults {
+        let is_default =
+            |v: &&Value| v.as_f64() == default.as_f64() && v.as_bool() == default.as_bool();
         if let Some(value) = given(key).filter(|v| !offload && !is_default(v)) {
             return Err(Error::field(
                 format!("megatron.{key}"),
@@ -285,7 +287,8 @@ fn parse_cpu_offload(
             Some(f) if (0.0..1.0).contains(&f) => {
                 return Err(Error::Unsupported {
                     what: format!("megatron.optimizer_offload_fraction {value}"),
-                    supported: "1.0 (Megatron-LM's default): the whole optimizer on the host;                                 a part of it left on the GPU is not modelled"
+                    supported: "1.0 (Megatron-LM's default): the whole optimizer on the host; \
+                                a part of it left on the GPU is not modelled"
                         .into(),
                 });
             }

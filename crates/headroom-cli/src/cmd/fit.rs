@@ -274,14 +274,21 @@ fn layouts(setup: &Setup, s: &LayoutSearch) -> String {
     let g = &setup.gpu;
     let mut out = format!(
         "\nLayouts over {} GPUs, global batch {} sequences ({} candidates: {} simulated, the \
-         others the same rank as one of them; {} refused, {} out of memory, {} fit):\n",
+         others the same rank as one of them; {} refused, {} out of memory, {} fit{}):\n",
         s.gpus,
         s.global_batch,
         s.candidates,
         s.simulated,
         s.refused,
         s.out_of_memory,
-        s.ranked.len()
+        s.ranked.len() + s.needless_recompute,
+        match s.needless_recompute {
+            0 => String::new(),
+            n => format!(
+                ", {n} of them left out: the same layout keeps its margin faster with less \
+                 recomputation"
+            ),
+        }
     );
     let Some(best) = s.best() else {
         out += &match &s.closest {

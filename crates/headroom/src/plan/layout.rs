@@ -39,7 +39,7 @@ use crate::gpu::Gpu;
 use crate::sim::cores::on_every_core;
 use crate::spec::{
     Framework, Fsdp1Options, FsdpUnits, Megatron, Mode, Parallel, PipelineParallel,
-    PipelineSchedule, Precision, RunSpec, Strategy, TensorParallel, TrainerKind,
+    PipelineSchedule, Precision, Recompute, RunSpec, Strategy, TensorParallel, TrainerKind,
 };
 
 /// GPUs of one node: a tensor-parallel group stays within one, on NVLink.
@@ -350,6 +350,18 @@ impl Candidate {
     /// Sequences per optimizer step over every data-parallel rank.
     pub fn global_batch(&self) -> u64 {
         self.micro_batch * self.pipelined() * self.accumulation * data_parallel(&self.parallel)
+    }
+
+    /// This candidate without recomputation: what its variants under each recomputation share.
+    fn without_recompute(&self) -> Candidate {
+        Candidate {
+            recompute: false,
+            megatron: self.megatron.map(|m| Megatron {
+                recompute: Recompute::None,
+                ..m
+            }),
+            ..self.clone()
+        }
     }
 
     /// The layout in words: each axis it uses, then the micro-batch and recomputation.
@@ -936,6 +948,10 @@ pub struct LayoutSearch {
     pub out_of_memory: usize,
     /// The candidates that fit, best first.
     pub ranked: Vec<Evaluated>,
+    /// Candidates that fit but recompute what their layout need not: the same layout and
+    /// micro-batch keeps its margin, and is faster, with less recomputation
+    /// ([`needless_recompute`]). They are not in `ranked`, unless one is the spec's own.
+    pub needless_recompute: usize,
     /// When none fits: the layout that needs least, at micro-batch 1 with recomputation,
     /// with its demand (`estimate` without a limit).
     pub closest: Option<(Candidate, Estimate)>,
@@ -1219,9 +1235,21 @@ pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
         .iter()
         .filter(|e| matches!(e.outcome, Outcome::OutOfMemory { .. }))
         .count();
-    let mut ranked: Vec<Evaluated> = evaluated
+    let fitting: Vec<Evaluated> = evaluated
         .into_iter()
         .filter(|e| e.numbers().is_some())
+        .collect();
+    // The spec's own layout stays ranked, for the comparison with it.
+    let needless: Vec<bool> = needless_recompute(&setup.gpu, &fitting)
+        .into_iter()
+        .zip(&fitting)
+        .map(|(needless, e)| needless && e.candidate.spec(spec) != *spec)
+        .collect();
+    let needless_recompute = needless.iter().filter(|&&n| n).count();
+    let mut ranked: Vec<Evaluated> = fitting
+        .into_iter()
+        .zip(needless)
+        .filter_map(|(e, needless)| (!needless).then_some(e))
         .collect();
     ranked.sort_by(|a, b| rank_order(&setup.gpu, a, b));
     let closest = if ranked.is_empty() {
@@ -1238,8 +1266,41 @@ pub fn search_with(setup: &Setup, memo: &RankMemo) -> Result<LayoutSearch> {
         refusals,
         out_of_memory,
         ranked,
+        needless_recompute,
         closest,
     })
+}
+
+/// Which of `fitting` recompute more than their layout needs: another differs only in
+/// recomputation, keeps its margin, and is faster under the cost model (or as fast and
+/// smaller). A user turns recomputation on to fit; such a variant buys memory its layout
+/// already has at the cost of time, and ranking it would list each layout once per
+/// recomputation.
+fn needless_recompute(gpu: &Gpu, fitting: &[Evaluated]) -> Vec<bool> {
+    let mut variants: HashMap<String, Vec<&Evaluated>> = HashMap::new();
+    let keys: Vec<String> = fitting
+        .iter()
+        .map(|e| format!("{:?}", e.candidate.without_recompute()))
+        .collect();
+    for (e, key) in fitting.iter().zip(&keys) {
+        variants.entry(key.clone()).or_default().push(e);
+    }
+    let device = |e: &Evaluated| e.numbers().map_or(u64::MAX, |n| n.device_bytes);
+    fitting
+        .iter()
+        .zip(&keys)
+        .map(|(e, key)| {
+            variants[key].iter().any(|other| {
+                other.within_margin(gpu)
+                    && other
+                        .time
+                        .per_token_s
+                        .total_cmp(&e.time.per_token_s)
+                        .then(device(other).cmp(&device(e)))
+                        .is_lt()
+            })
+        })
+        .collect()
 }
 
 /// The order a user ranks fitting candidates in: the spec's global batch first, simulated
@@ -1705,6 +1766,33 @@ mod tests {
 
     /// A layout with 0.22 GiB to spare is not ranked first, however fast: every one that keeps
     /// its margin comes before it; and keeping the spec's global batch comes before both.
+    /// Recomputation that buys memory its layout already has is left out; recomputation that
+    /// buys the margin, or another layout's, is not.
+    #[test]
+    fn recomputation_a_layout_fits_its_margin_without_is_needless() {
+        let gpu = crate::gpu::find("h100-80gb").expect("gpu");
+        let recomputing = |e: Evaluated| Evaluated {
+            candidate: Candidate {
+                recompute: true,
+                ..e.candidate
+            },
+            ..e
+        };
+        // tp 8 keeps its margin without recomputation: recomputing is needless.
+        let plain = evaluated(8, true, 10 << 30, 1.0);
+        let needless = recomputing(evaluated(8, true, 30 << 30, 1.3));
+        // tp 2 fits only under its margin without it: recomputing buys the margin.
+        let tight = evaluated(2, true, 225 << 20, 0.9);
+        let needed = recomputing(evaluated(2, true, 20 << 30, 1.2));
+        // A layout of its own: nothing to compare with.
+        let alone = recomputing(evaluated(4, true, 20 << 30, 1.1));
+        let all = [plain, needless, tight, needed, alone];
+        assert_eq!(
+            needless_recompute(&gpu, &all),
+            [false, true, false, false, false]
+        );
+    }
+
     #[test]
     fn a_layout_short_of_its_margin_ranks_after_those_that_keep_it() {
         let gpu = crate::gpu::find("h100-80gb").expect("gpu");

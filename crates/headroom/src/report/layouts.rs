@@ -34,6 +34,10 @@ pub struct LayoutsJson {
     pub refusals: Vec<String>,
     pub out_of_memory: usize,
     pub fitting: usize,
+    /// Of those that fit, the ones left out of `ranked` because they recompute what their
+    /// layout need not: the same layout and micro-batch keeps its margin, faster, with less
+    /// recomputation.
+    pub needless_recompute: usize,
     /// What a layout must keep free to be ranked with the safe ones.
     pub margin_rule: &'static str,
     /// How `time_per_token` is estimated.
@@ -42,7 +46,7 @@ pub struct LayoutsJson {
     pub best: Option<LayoutJson>,
     /// Why the best is best, in sentences.
     pub why_best: Vec<String>,
-    /// The layouts that fit, best first (the first ten).
+    /// The layouts that fit, best first (the first ten), without those that recompute needlessly.
     pub ranked: Vec<LayoutJson>,
     /// When none fits: the layout that needs least (micro-batch 1, recomputation) and its
     /// demand without a limit; null otherwise.
@@ -137,6 +141,7 @@ impl LayoutsJson {
                 refusals: Vec::new(),
                 out_of_memory: 0,
                 fitting: 0,
+                needless_recompute: 0,
                 margin_rule: layout::MARGIN_RULE,
                 cost_model: cost_model(&setup.spec),
                 best: None,
@@ -168,7 +173,8 @@ impl LayoutsJson {
             refused: s.refused,
             refusals: s.refusals.clone(),
             out_of_memory: s.out_of_memory,
-            fitting: s.ranked.len(),
+            fitting: s.ranked.len() + s.needless_recompute,
+            needless_recompute: s.needless_recompute,
             margin_rule: layout::MARGIN_RULE,
             cost_model: cost_model(&setup.spec),
             best: s.best().map(|e| LayoutJson::new(gpu, e, best_time)),

@@ -116,7 +116,7 @@ pub(super) fn candidates(ctx: &Context, global: u64) -> Vec<Candidate> {
                 }
                 for &batch in &batches {
                     for distributed_optimizer in optimizers(&base, dp) {
-                        for recompute in recomputations(&base) {
+                        for recompute in recomputations(ctx.arch, &base) {
                             let m = Megatron {
                                 distributed_optimizer,
                                 recompute,
@@ -284,9 +284,10 @@ fn optimizers(base: &Megatron, dp: u64) -> Vec<bool> {
     }
 }
 
-/// No recomputation, selective (the core attention), full (every layer, one at a time), and the
-/// spec's own when it is another.
-fn recomputations(base: &Megatron) -> Vec<Recompute> {
+/// No recomputation, selective (the core attention; with experts, the core attention and the
+/// whole `MoELayer` too), full (every layer, one at a time), and the spec's own when it is
+/// another.
+fn recomputations(arch: &Architecture, base: &Megatron) -> Vec<Recompute> {
     let mut out = vec![
         Recompute::None,
         Recompute::Selective(Modules::default()),
@@ -295,6 +296,15 @@ fn recomputations(base: &Megatron) -> Vec<Recompute> {
             layers: 1,
         },
     ];
+    if arch.moe.is_some() {
+        out.insert(
+            2,
+            Recompute::Selective(Modules {
+                moe: true,
+                ..Modules::default()
+            }),
+        );
+    }
     if !out.contains(&base.recompute) {
         out.push(base.recompute);
     }
@@ -697,8 +707,8 @@ mod tests {
     #[test]
     fn an_moe_model_gets_expert_parallelism_and_tensor_parallelism_with_sequence_parallelism() {
         let spec = example("qwen3-235b-a22b-megatron-grpo-slime.yaml");
-        let (all, arch, _) = all(&spec);
-        let admitted: Vec<&Candidate> = all
+        let (candidates, arch, _) = all(&spec);
+        let admitted: Vec<&Candidate> = candidates
             .iter()
             .filter(|c| {
                 c.spec(&spec)
@@ -725,6 +735,12 @@ mod tests {
             eps.into_iter().collect::<Vec<_>>(),
             [1, 2, 4, 8, 16, 32, 64]
         );
+        // The MoE layers' own selective recomputation, which a dense model's candidates lack.
+        let recomputes_experts =
+            |c: &Candidate| c.megatron.is_some_and(|m| m.recompute.modules().moe);
+        assert!(admitted.iter().any(|c| recomputes_experts(c)));
+        let dense = example("llama-3.1-70b-megatron-tp8-pp4-64xh100.yaml");
+        assert!(!all(&dense).0.iter().any(recomputes_experts));
     }
 
     /// Qwen3-30B-A3B's 128 experts made 1024 wide (4 layers) over `world` GPUs, with the

@@ -951,6 +951,7 @@ impl RunSpec {
                 "a `mode: forward` pass has no optimizer; use optimizer: none or leave it out",
             ));
         }
+        self.check_release()?;
         let tp = self.parallel.as_ref().map_or(1, |p| p.tensor.tp);
         let followed = self.versions.followed(super::Library::Transformers);
         if tp > 1
@@ -966,6 +967,58 @@ impl RunSpec {
                             or tensor parallelism with transformers 4.49 and later"
                     .into(),
             });
+        }
+        Ok(())
+    }
+
+    /// What exists in the transformers release the spec gives: `experts_implementation` and
+    /// peft's `target_parameters` on fused experts from transformers 5 on; TRL 1.16's
+    /// trainers from 4.56.2 on (its `transformers>=4.56.2`).
+    fn check_release(&self) -> Result<()> {
+        let Some(given) = self.versions.given(super::Library::Transformers) else {
+            return Ok(());
+        };
+        if given.major >= 5 {
+            return Ok(());
+        }
+        if self.experts != ExpertsImpl::default() {
+            return Err(Error::field(
+                "experts_implementation",
+                self.experts.name(),
+                format!(
+                    "transformers {given} has no experts implementations (they come with \
+                     transformers 5); leave it out"
+                ),
+            ));
+        }
+        if self
+            .lora
+            .as_ref()
+            .is_some_and(|l| !l.target_parameters.is_empty())
+        {
+            return Err(Error::field(
+                "lora.target_parameters",
+                "a non-empty list",
+                format!(
+                    "transformers {given} keeps each expert's projections as nn.Linear modules \
+                     (the fused 3-D expert weights come with transformers 5); target them in \
+                     lora.targets"
+                ),
+            ));
+        }
+        let trl_needs = super::TRANSFORMERS_4_56;
+        let release = (given.major, given.minor);
+        let before = release < (4, 56) || release == (4, 56) && given.patch.is_some_and(|p| p < 2);
+        if self.trainer.kind.is_trl() && before {
+            return Err(Error::field(
+                "versions.transformers",
+                given,
+                format!(
+                    "trainer {} follows TRL 1.16, which requires transformers {trl_needs} or \
+                     later; use trainer hf with this release",
+                    self.trainer.kind.name()
+                ),
+            ));
         }
         Ok(())
     }

@@ -152,6 +152,58 @@ fn warnings_appear_exactly_where_something_is_carried_over() {
     }
 }
 
+/// What a release lacks is refused by name, not estimated as if it were there: TRL 1.16's
+/// trainers before transformers 4.56.2, experts implementations and LoRA on fused expert
+/// weights before transformers 5. The releases that have them are estimated.
+#[test]
+fn what_an_older_transformers_lacks_is_refused_by_name() {
+    let parse = |yaml: &str| RunSpec::from_str_at(yaml, Path::new("test.yaml"));
+    let sft = |given: &str| {
+        parse(&format!(
+            "{{model: qwen2.5-0.5b, trainer: trl-sft, batch_size: 1, seq_len: 256, \
+             versions: {{transformers: \"{given}\"}}}}"
+        ))
+    };
+    for given in ["4.55.4", "4.56.1", "4.46"] {
+        let e = sft(given).expect_err(given).to_string();
+        assert!(
+            e.contains("`versions.transformers`") && e.contains("4.56.2"),
+            "{e}"
+        );
+    }
+    for given in ["4.56", "4.56.2", "4.57.1", "5.17"] {
+        sft(given).expect(given);
+    }
+    let moe = |extra: &str, given: &str| {
+        parse(&format!(
+            "{{model: qwen3-30b-a3b, model_config: {{num_hidden_layers: 2}}, batch_size: 1, \
+             seq_len: 256, {extra}, versions: {{transformers: \"{given}\"}}}}"
+        ))
+    };
+    let eager = "experts_implementation: eager";
+    let e = moe(eager, "4.57.1").expect_err("4.57").to_string();
+    assert!(e.contains("`experts_implementation`: eager"), "{e}");
+    moe(eager, "5.17").expect("5.17");
+    let fused = "lora: {r: 8, targets: [q_proj], target_parameters: [mlp.experts.gate_up_proj]}";
+    let e = moe(fused, "4.57.1").expect_err("4.57").to_string();
+    assert!(e.contains("`lora.target_parameters`"), "{e}");
+    moe(fused, "5.17").expect("5.17");
+    // 4.x's MoE blocks are estimated as 5's fused experts, and the estimate says so.
+    let warns = |given: &str| {
+        let run = spec(&format!(
+            "{{model: qwen3-30b-a3b, mode: forward, optimizer: none, batch_size: 1, \
+             seq_len: 256, versions: {{transformers: \"{given}\"}}}}"
+        ));
+        let est = estimate::estimate(&run, None, &Gpu::default()).expect("estimates");
+        est.assumptions
+            .warnings
+            .iter()
+            .any(|w| w.contains("MoE blocks loop over a ModuleList"))
+    };
+    assert!(warns("4.57.1") && warns("4.55"));
+    assert!(!warns("5.17"));
+}
+
 /// A pipeline's versions hold for its instances unless one gives its own; each version not
 /// modelled is named once, and a rollout engine's share is said to be vLLM's contract.
 #[test]

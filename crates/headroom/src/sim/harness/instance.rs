@@ -138,6 +138,7 @@ impl Instance {
         };
         let transformers = spec.versions.followed(spec::Library::Transformers);
         model.release = ReleaseCode::of(transformers, arch.family);
+        model.passes_attention_mask = spec.trainer.kind != spec::TrainerKind::Loop;
         let on_gpu = home == Home::Gpu
             && !offloaded_unsharded
             && !matches!(

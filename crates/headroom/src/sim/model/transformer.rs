@@ -229,6 +229,10 @@ pub(crate) struct Model {
     pub strategy: RefCell<Strategy>,
     /// What the followed transformers release's code does differently from 5.17's.
     pub release: ReleaseCode,
+    /// The caller passes a 2-D `attention_mask` (every trainer's collator makes one): 4.53 to
+    /// 4.57's `create_causal_mask` then looks for packed sequences no more, and an all-ones mask
+    /// lets SDPA's `is_causal` do (`Masks::create`).
+    pub passes_attention_mask: bool,
     /// While generating: each layer's key and value states go to the KV cache
     /// (`DynamicCache`: the prefill's tensors are kept as they are).
     pub kv_cache: Option<RefCell<Vec<(T, T)>>>,
@@ -440,6 +444,7 @@ impl Model {
             inputs_require_grads: false,
             strategy: RefCell::new(Strategy::Local),
             release: ReleaseCode::default(),
+            passes_attention_mask: false,
             kv_cache: None,
             adapters_disabled: false,
             liger: liger::Kernels::default(),
@@ -620,8 +625,11 @@ impl Model {
             Some(pe) => t.add(inputs_embeds, pe),
             None => t.share(inputs_embeds),
         };
-        // A generating model passes an `attention_mask` and a cache: no packed-sequence check.
-        let packed_4_57 = self.release.materialises_causal_mask && self.kv_cache.is_none();
+        // `_preprocess_mask_arguments` looks for packed sequences only without an
+        // `attention_mask` and a cache (a generating model passes both).
+        let packed_4_57 = self.release.materialises_causal_mask
+            && !self.passes_attention_mask
+            && self.kv_cache.is_none();
         let masks = Masks::create(
             t,
             a,

@@ -12,7 +12,7 @@ src, prefix = Path(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "rows")
 here = Path(__file__).resolve().parents[1]
 names = {
     "rows-trainers.jsonl": "h200-torch2.11-tf5.17-trl1.16",
-    "rows-trainers-4.57.1.jsonl": "h200-torch2.11-tf4.57.1-trl1.16",
+    "rows-trainers-4.57.1.jsonl": "h200-torch2.11-tf4.57.1-trl1.16",  # split by hand into -dense and -moe
     "rows-fsdp2-mp.jsonl": "h200-torch2.11-tf5.17-fake8",
     "rows-older-4.55.4.jsonl": "h200-torch2.11-tf4.55.4",
     "rows-older-4.56.2.jsonl": "h200-torch2.11-tf4.56.2",

@@ -21,6 +21,9 @@ impl Tracer {
         let component = self.node_component(node);
         let outer = std::mem::replace(&mut self.component, component);
         let raw = self.raw_grads(node, op, &inputs, &saved);
+        // The generated `apply` unpacks its saved tensors into locals, which die as it returns:
+        // before `validate_outputs` casts or reduces what it computed.
+        self.release_saved(node);
         let mut out = Grads::new();
         for (slot, (grad, meta)) in raw
             .into_iter()

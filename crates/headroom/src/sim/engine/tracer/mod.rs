@@ -1396,6 +1396,12 @@ impl Tracer {
         self.thread = 0;
     }
 
+    /// What `node` saved for its backward goes.
+    pub(crate) fn release_saved(&mut self, node: NodeId) {
+        let saved = std::mem::take(&mut self.nodes[node.0 as usize].saved);
+        self.drop_all(&saved);
+    }
+
     /// After a backward through one of several graphs: the nodes it reached that never ran
     /// release what they hold, and so do its checkpointed regions.
     fn release_reached(&mut self, reached: &[bool]) {
@@ -1522,8 +1528,7 @@ impl Tracer {
     /// region whose backward it completed, once its gradients are passed on.
     fn release_node(&mut self, node: NodeId) -> Option<u32> {
         self.release_buffer(node);
-        let saved = std::mem::take(&mut self.nodes[node.0 as usize].saved);
-        self.drop_all(&saved);
+        self.release_saved(node);
         let region = self.nodes[node.0 as usize].region?;
         let r = &mut self.regions[region as usize];
         // A node another micro-batch's graph reaches too (a cached autocast cast) runs again

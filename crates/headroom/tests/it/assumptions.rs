@@ -204,6 +204,27 @@ fn what_an_older_transformers_lacks_is_refused_by_name() {
     assert!(!warns("5.17"));
 }
 
+/// TRL's load of an MoE checkpoint, whose experts are stacked on the GPU, is said not to be
+/// simulated; a dense model's load and an MoE model built in place say nothing of it.
+#[test]
+fn trl_loading_an_moe_checkpoint_says_what_it_leaves_out() {
+    let says = |yaml: &str| {
+        let est = estimate::estimate(&spec(yaml), None, &Gpu::default()).expect("estimates");
+        est.assumptions
+            .warnings
+            .iter()
+            .any(|w| w.contains("stacked and concatenated into the fused experts"))
+    };
+    let moe = "model: olmoe-1b-7b";
+    assert!(says(&format!(
+        "{{{moe}, trainer: trl-sft, batch_size: 1, seq_len: 128}}"
+    )));
+    assert!(!says(&format!("{{{moe}, batch_size: 1, seq_len: 128}}")));
+    assert!(!says(
+        "{model: qwen2.5-0.5b, trainer: trl-sft, batch_size: 1, seq_len: 128}"
+    ));
+}
+
 /// A pipeline's versions hold for its instances unless one gives its own; each version not
 /// modelled is named once, and a rollout engine's share is said to be vLLM's contract.
 #[test]

@@ -1764,8 +1764,6 @@ mod tests {
         assert_eq!(mesh, plain);
     }
 
-    /// A layout with 0.22 GiB to spare is not ranked first, however fast: every one that keeps
-    /// its margin comes before it; and keeping the spec's global batch comes before both.
     /// Recomputation that buys memory its layout already has is left out; recomputation that
     /// buys the margin, or another layout's, is not.
     #[test]
@@ -1793,6 +1791,8 @@ mod tests {
         );
     }
 
+    /// A layout with 0.22 GiB to spare is not ranked first, however fast: every one that keeps
+    /// its margin comes before it; and keeping the spec's global batch comes before both.
     #[test]
     fn a_layout_short_of_its_margin_ranks_after_those_that_keep_it() {
         let gpu = crate::gpu::find("h100-80gb").expect("gpu");
